@@ -1,0 +1,308 @@
+"""Model and engine configuration: frozen dataclasses, the only config objects passed between modules.
+
+`GptOssConfig.from_hf` reads a Hugging Face GPT-OSS `config.json` (old `rope_scaling`/`rope_theta` form
+and the newer `rope_parameters` form alike); unknown keys are ignored. Defaults are the 120B values.
+`EngineConfig` holds what the engine adds on top: dtypes, KV block size, roles, parallel sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+class ConfigError(ValueError):
+    """A config.json (or engine flag) that cannot describe a valid GPT-OSS model."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """YaRN RoPE parameters (`rope_type == "yarn"`) or plain RoPE (`"default"`)."""
+
+    rope_type: str = "yarn"
+    theta: float = 150000.0
+    factor: float = 32.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = False
+    attention_factor: float | None = None
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """`quantization_config` of the checkpoint. Only `mxfp4` (experts) is supported."""
+
+    quant_method: str = "mxfp4"
+    modules_to_not_convert: tuple[str, ...] = (
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    )
+
+
+@dataclass(frozen=True)
+class GptOssConfig:
+    """Every field GPT-OSS uses. Defaults: gpt-oss-120b."""
+
+    vocab_size: int = 201088
+    hidden_size: int = 2880
+    intermediate_size: int = 2880
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    num_local_experts: int = 128
+    num_experts_per_tok: int = 4
+    sliding_window: int = 128
+    layer_types: tuple[str, ...] = ()
+    max_position_embeddings: int = 131072
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    attention_bias: bool = True
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = (200002, 199999, 200012)
+    pad_token_id: int | None = 199999
+    bos_token_id: int | None = None
+    quantization: QuantConfig | None = field(default_factory=QuantConfig)
+    torch_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            # GPT-OSS default: even layers sliding, odd layers full.
+            types = tuple(SLIDING if i % 2 == 0 else FULL for i in range(self.num_hidden_layers))
+            object.__setattr__(self, "layer_types", types)
+        self.validate()
+
+    # ----------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"invalid GPT-OSS config: {msg}")
+
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
+                     "num_experts_per_tok", "max_position_embeddings"):
+            need(int(getattr(self, name)) > 0, f"{name} must be > 0 (got {getattr(self, name)})")
+        need(self.num_attention_heads % self.num_key_value_heads == 0,
+             f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+             f"num_key_value_heads ({self.num_key_value_heads})")
+        need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE (got {self.head_dim})")
+        need(self.num_experts_per_tok <= self.num_local_experts,
+             f"num_experts_per_tok ({self.num_experts_per_tok}) > num_local_experts ({self.num_local_experts})")
+        need(len(self.layer_types) == self.num_hidden_layers,
+             f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        bad = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
+        need(not bad, f"unknown layer_types {bad} (expected {SLIDING!r} or {FULL!r})")
+        if SLIDING in self.layer_types:
+            need(self.sliding_window > 0, f"sliding_window must be > 0 (got {self.sliding_window})")
+        need(self.rope.rope_type in ("yarn", "default"),
+             f"rope_type {self.rope.rope_type!r} is not supported (yarn or default)")
+        if self.quantization is not None:
+            need(self.quantization.quant_method == "mxfp4",
+                 f"unsupported quantization {self.quantization.quant_method!r} (only mxfp4)")
+
+    # ----------------------------------------------------------------------------------------------
+    @property
+    def num_kv_groups(self) -> int:
+        """Query heads per kv head (GQA)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def experts_mxfp4(self) -> bool:
+        return self.quantization is not None and self.quantization.quant_method == "mxfp4"
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json dict (current transformers format), as our checkpoints write it."""
+        rope = {
+            "rope_type": self.rope.rope_type,
+            "rope_theta": self.rope.theta,
+        }
+        if self.rope.rope_type == "yarn":
+            rope.update(factor=self.rope.factor, beta_fast=self.rope.beta_fast, beta_slow=self.rope.beta_slow,
+                        truncate=self.rope.truncate,
+                        original_max_position_embeddings=self.rope.original_max_position_embeddings)
+            if self.rope.attention_factor is not None:
+                rope["attention_factor"] = self.rope.attention_factor
+        out: dict[str, Any] = {
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "pad_token_id": self.pad_token_id,
+            "experts_per_token": self.num_experts_per_tok,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initial_context_length": self.rope.original_max_position_embeddings,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate_size,
+            "layer_types": list(self.layer_types),
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_attention_heads": self.num_attention_heads,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_local_experts": self.num_local_experts,
+            "output_router_logits": False,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "router_aux_loss_coef": 0.9,
+            "sliding_window": self.sliding_window,
+            "swiglu_limit": self.swiglu_limit,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.torch_dtype,
+            "use_cache": True,
+            "vocab_size": self.vocab_size,
+        }
+        if self.bos_token_id is not None:
+            out["bos_token_id"] = self.bos_token_id
+        if self.quantization is not None:
+            out["quantization_config"] = {
+                "quant_method": self.quantization.quant_method,
+                "modules_to_not_convert": list(self.quantization.modules_to_not_convert),
+            }
+        return out
+
+    @classmethod
+    def from_hf(cls, source: dict[str, Any] | str | Path) -> GptOssConfig:
+        """Build from a config.json path, a model directory, or its parsed dict."""
+        if not isinstance(source, dict):
+            path = Path(source)
+            if path.is_dir():
+                path = path / "config.json"
+            try:
+                source = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise ConfigError(f"no config.json at {path}") from None
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        d = dict(source)
+        mt = d.get("model_type")
+        if mt is not None and mt != "gpt_oss":
+            raise ConfigError(f"model_type is {mt!r}, expected 'gpt_oss'")
+
+        # RoPE: new form `rope_parameters` (theta inside), old form `rope_scaling` + `rope_theta`.
+        rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        theta = rp.get("rope_theta", d.get("rope_theta", RopeConfig.theta))
+        rope_type = rp.get("rope_type", rp.get("type", "yarn" if rp else "default"))
+        rope = RopeConfig(
+            rope_type=rope_type,
+            theta=float(theta),
+            factor=float(rp.get("factor") or RopeConfig.factor),
+            original_max_position_embeddings=int(
+                rp.get("original_max_position_embeddings", d.get("initial_context_length", 4096))),
+            beta_fast=float(rp.get("beta_fast") or 32.0),
+            beta_slow=float(rp.get("beta_slow") or 1.0),
+            # transformers treats a missing `truncate` as True.
+            truncate=bool(rp.get("truncate", True)),
+            attention_factor=rp.get("attention_factor"),
+        )
+
+        qc = d.get("quantization_config")
+        quant = None
+        if qc:
+            quant = QuantConfig(
+                quant_method=str(qc.get("quant_method")),
+                modules_to_not_convert=tuple(qc.get("modules_to_not_convert") or ()),
+            )
+
+        eos = d.get("eos_token_id")
+        eos_ids: tuple[int, ...] = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
+
+        kw: dict[str, Any] = {}
+        known = {f.name for f in fields(cls)}
+        for k in known - {"rope", "quantization", "layer_types", "eos_token_ids"}:
+            if k in d and d[k] is not None:
+                kw[k] = d[k]
+        if "num_local_experts" not in d and "num_experts" in d:
+            kw["num_local_experts"] = d["num_experts"]
+        if "num_experts_per_tok" not in d and "experts_per_token" in d:
+            kw["num_experts_per_tok"] = d["experts_per_token"]
+        if d.get("head_dim") is None and "hidden_size" in d and "num_attention_heads" in d:
+            kw["head_dim"] = int(d["hidden_size"]) // int(d["num_attention_heads"])
+        if d.get("sliding_window") is None:
+            kw["sliding_window"] = 0
+        if d.get("dtype") and "torch_dtype" not in d:
+            kw["torch_dtype"] = d["dtype"]
+        if "num_key_value_heads" not in d and "num_attention_heads" in d:
+            kw["num_key_value_heads"] = d["num_attention_heads"]
+        kw.pop("pad_token_id", None)
+        return cls(
+            rope=rope,
+            quantization=quant,
+            layer_types=tuple(d.get("layer_types") or ()),
+            eos_token_ids=eos_ids,
+            pad_token_id=d.get("pad_token_id"),
+            **kw,
+        )
+
+    def with_(self, **changes: Any) -> GptOssConfig:
+        return replace(self, **changes)
+
+
+# --------------------------------------------------------------------------------------------------
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = ("auto", "bf16", "fp8")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine adds to the model config."""
+
+    dtype: str = "float32"             # compute dtype of activations and non-expert weights
+    kv_dtype: str = "auto"             # auto = model dtype (what transformers does); bf16; fp8 (packed)
+    block_size: int = 16               # tokens per KV block
+    num_blocks: int | None = None      # KV pool size (incl. null block 0); None = from the memory budget
+    kv_budget_gib: float | None = None  # KV memory budget when num_blocks is None
+    k_scale: float = 1.0               # FP8 per-tensor scales: stored = x / scale
+    v_scale: float = 1.0
+    gk_decode: bool = True             # decode through the GK program (else the per-layer model)
+    decoder: str = "gk"                # reference | gk | gk-compiled
+    kv_role: str = "kv_both"           # kv_producer | kv_consumer | kv_both
+    max_num_seqs: int = 64
+    max_prefill_tokens: int = 512      # chunked prefill budget per step
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {sorted(DTYPES)} (got {self.dtype!r})")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"--kv-dtype must be one of {KV_DTYPES} (got {self.kv_dtype!r})")
+        if self.block_size <= 0 or (self.kv_dtype == "fp8" and self.block_size % 2):
+            raise ConfigError(f"--block-size must be positive (and even for packed fp8); got {self.block_size}")
+        if self.decoder not in ("reference", "gk", "gk-compiled"):
+            raise ConfigError(f"--decoder must be reference|gk|gk-compiled (got {self.decoder!r})")
+        if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ConfigError(f"kv_role must be kv_producer|kv_consumer|kv_both (got {self.kv_role!r})")
+        if self.k_scale <= 0 or self.v_scale <= 0 or not math.isfinite(self.k_scale * self.v_scale):
+            raise ConfigError("k_scale and v_scale must be positive and finite")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def kv_storage_dtype(self) -> torch.dtype:
+        if self.kv_dtype == "fp8":
+            return torch.float8_e4m3fn
+        if self.kv_dtype == "bf16":
+            return torch.bfloat16
+        return self.torch_dtype

@@ -1,0 +1,109 @@
+"""The per-layer GPT-OSS model (the seed's "native per-layer model"): the prefill role and the oracle.
+
+It runs a flat batch of sequence chunks (prefill chunks and single-token decodes alike) layer by layer:
+attention writes the chunk's K/V into the paged cache through the layer's group block table, then
+reads back the keys it may see (sliding layers only the window, `q - W < k <= q`) and attends with
+sinks; MoE decodes only the experts the tokens hit. Weights are views `stack[i]` of the stacks that
+`weights.load_weights` filled, so this model and the GK program share one copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .config import GptOssConfig
+from .kv.cache import KVCache
+from .ops import moe_tokens, rms_norm, sink_attention
+from .rope import Rope, apply_rope
+from .weights import ModelWeights
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's tokens in a forward pass: positions [start, start + len(token_ids))."""
+
+    token_ids: list[int]
+    start: int
+    block_tables: list[list[int]]     # per KV group: block ids for blocks 0..; 0 = null (freed / none)
+    want_logits: str = "last"          # "last" | "all" | "none"
+
+
+@dataclass
+class ForwardOutput:
+    logits: list[torch.Tensor] = field(default_factory=list)   # per chunk: [1 or T, V] (or empty)
+
+
+class GptOssModel:
+    """Per-layer reference model over `ModelWeights` and a `KVCache`."""
+
+    def __init__(self, cfg: GptOssConfig, weights: ModelWeights, dtype: torch.dtype) -> None:
+        self.cfg, self.w, self.dtype = cfg, weights, dtype
+        self.rope = Rope(cfg, dtype)
+        self.scale = cfg.head_dim ** -0.5
+        nh, d = weights.sinks.shape[1], cfg.head_dim
+        self.num_heads = nh
+        self.num_kv_heads = (weights.qkv_w.shape[1] // d - nh) // 2
+
+    # ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, chunks: list[SeqChunk], kv: KVCache) -> ForwardOutput:
+        cfg, w = self.cfg, self.w
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
+        pos = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks])
+        cos, sin = self.rope.cos_sin(pos)
+        x = w.embed[ids]                                                     # [N, H]
+        for layer in range(cfg.num_hidden_layers):
+            h = rms_norm(x, w.input_norm[layer], cfg.rms_norm_eps)
+            x = x + self.attention(layer, h, cos, sin, chunks, kv)
+            h = rms_norm(x, w.post_norm[layer], cfg.rms_norm_eps)
+            x = x + moe_tokens(h, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit)
+        x = rms_norm(x, w.norm, cfg.rms_norm_eps)
+        out, off = ForwardOutput(), 0
+        for c in chunks:
+            n = len(c.token_ids)
+            if c.want_logits == "all":
+                out.logits.append(F.linear(x[off: off + n], w.lm_head))
+            elif c.want_logits == "last":
+                out.logits.append(F.linear(x[off + n - 1: off + n], w.lm_head))
+            else:
+                out.logits.append(torch.empty(0))
+            off += n
+        return out
+
+    # ----------------------------------------------------------------------------------------------
+    def attention(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  chunks: list[SeqChunk], kv: KVCache) -> torch.Tensor:
+        cfg, w, d = self.cfg, self.w, self.cfg.head_dim
+        nh, nkv = self.num_heads, self.num_kv_heads
+        qkv = F.linear(h, w.qkv_w[layer], w.qkv_b[layer])                   # [N, (nh + 2 nkv) d]
+        q = qkv[:, : nh * d].view(-1, nh, d)
+        k = qkv[:, nh * d: (nh + nkv) * d].view(-1, nkv, d)
+        v = qkv[:, (nh + nkv) * d:].view(-1, nkv, d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        group = kv.config.layer_group[layer]
+        window = cfg.sliding_window if cfg.is_sliding(layer) else None
+        B = kv.block_size
+        outs, off = [], 0
+        for c in chunks:
+            n = len(c.token_ids)
+            table = c.block_tables[group]
+            qpos = torch.arange(c.start, c.start + n)
+            slots = torch.tensor([table[p // B] * B + p % B for p in qpos.tolist()], dtype=torch.long)
+            kv.write(layer, slots, k[off: off + n], v[off: off + n])
+            lo = max(0, c.start - window + 1) if window else 0
+            b0, b1 = lo // B, (c.start + n - 1) // B
+            keys, vals = kv.gather(layer, torch.tensor(table[b0: b1 + 1], dtype=torch.long))  # [S, nkv, d]
+            kpos = torch.arange(b0 * B, (b1 + 1) * B)
+            mask = kpos[None, :] <= qpos[:, None]                             # [n, S]
+            if window:
+                mask &= kpos[None, :] > qpos[:, None] - window
+            rep = cfg.num_kv_groups
+            kh = keys.transpose(0, 1).repeat_interleave(rep, 0)              # [nh, S, d]
+            vh = vals.transpose(0, 1).repeat_interleave(rep, 0)
+            o = sink_attention(q[off: off + n].transpose(0, 1), kh, vh, mask, w.sinks[layer], self.scale)
+            outs.append(o.transpose(0, 1).reshape(n, nh * d))                # [n, nh d]
+            off += n
+        return F.linear(torch.cat(outs), w.o_w[layer], w.o_b[layer])

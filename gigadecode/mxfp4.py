@@ -1,0 +1,62 @@
+"""MXFP4 (OCP microscaling FP4) decode and encode: the one place that knows the bit layout.
+
+A row of K values is stored as K/32 groups. Each group has 16 bytes of `blocks` (two FP4 e2m1 codes
+per byte, low nibble first: value 2j is `byte & 0xF`, value 2j+1 is `byte >> 4`) and one `scales`
+byte, an E8M0 exponent with bias 127: value = e2m1(code) * 2**(scale - 127).
+Checkpoint shapes: blocks `[..., rows, K/32, 16]` uint8, scales `[..., rows, K/32]` uint8.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# e2m1 code -> value. Bit 3 is the sign; codes 0..7 are 0, 0.5 (subnormal), 1, 1.5, 2, 3, 4, 6.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+GROUP = 32          # values per scale
+BYTES_PER_GROUP = 16
+
+_LUT_CACHE: dict[torch.dtype, torch.Tensor] = {}
+
+
+def fp4_lut(dtype: torch.dtype) -> torch.Tensor:
+    lut = _LUT_CACHE.get(dtype)
+    if lut is None:
+        lut = _LUT_CACHE[dtype] = torch.tensor(FP4_VALUES, dtype=dtype)
+    return lut
+
+
+def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[..., rows, G, 16] uint8 + [..., rows, G] uint8 -> [..., rows, G*32] of `dtype`."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise TypeError(f"MXFP4 blocks/scales must be uint8, got {blocks.dtype}/{scales.dtype}")
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BYTES_PER_GROUP:
+        raise ValueError(f"MXFP4 shape mismatch: blocks {tuple(blocks.shape)} vs scales {tuple(scales.shape)}")
+    lut = fp4_lut(dtype)
+    lo = lut[(blocks & 0x0F).long()]                      # [..., rows, G, 16]
+    hi = lut[(blocks >> 4).long()]
+    vals = torch.stack((lo, hi), dim=-1).flatten(-2)      # [..., rows, G, 32], low nibble first
+    exp = scales.to(torch.int32) - 127
+    vals = torch.ldexp(vals, exp.unsqueeze(-1).to(dtype))  # exact: power-of-two scaling
+    return vals.flatten(-2)
+
+
+def encode_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round `w` [..., rows, K] (K % 32 == 0) to MXFP4 -> (blocks, scales).
+
+    Per group the scale is the smallest power of two with max|w| / scale <= 6; values round to the
+    nearest e2m1 code (ties toward the lower magnitude code). Used to write checkpoints.
+    """
+    if w.shape[-1] % GROUP:
+        raise ValueError(f"last dim {w.shape[-1]} is not a multiple of {GROUP}")
+    w = w.float()
+    g = w.reshape(*w.shape[:-1], w.shape[-1] // GROUP, GROUP)
+    amax = g.abs().amax(-1).clamp_min(2.0**-126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = g / torch.exp2(exp).unsqueeze(-1)
+    mags = torch.tensor(FP4_VALUES[:8])
+    code = (scaled.abs().unsqueeze(-1) - mags).abs().argmin(-1)          # nearest magnitude
+    code = code | ((scaled < 0) & (code > 0)).long() << 3                 # sign bit (no -0)
+    code = code.to(torch.uint8).reshape(*g.shape[:-1], BYTES_PER_GROUP, 2)
+    blocks = code[..., 0] | (code[..., 1] << 4)
+    scales = (exp + 127).to(torch.uint8)
+    return blocks.contiguous(), scales.contiguous()

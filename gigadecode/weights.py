@@ -1,0 +1,316 @@
+"""Checkpoint loading: the name map, validation, and the weights stacked once onto `[L, …]`.
+
+One table (`checkpoint_tensors`) maps every Hugging Face GPT-OSS tensor name to the stack it fills.
+`build_stacked_weight_specs` lists the stacks (name, shape, dtype); `load_weights` preallocates each
+stack once and fills it straight from the memory-mapped safetensors files, so a per-layer copy of the
+model never exists. The per-layer model reads views `stack[i]`; the GK program reads the stacks.
+
+Experts stay in the checkpoint's precision: MXFP4 experts are kept as `blocks` + `scales` (uint8) and
+decoded per selected expert at run time; bf16 experts (community `gate_up_proj [E, H, 2I]` layout) are
+kept dense in the compute dtype. q/k/v projections are fused into one `qkv` stack (rows q, then k, then v).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ConfigError, GptOssConfig
+from .mxfp4 import BYTES_PER_GROUP, GROUP
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config (names the tensor and what is wrong)."""
+
+
+ST_DTYPES = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8,
+    "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32, "I64": torch.int64,
+    "F64": torch.float64,
+}
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which slice of the model this rank holds (tensor/expert parallel). Default: everything."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """One preallocated weight tensor: `[L, …]` for per-layer stacks, plain for global ones."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a checkpoint tensor goes: stack `name`, layer index (or None), rows [row0, row0+rows)."""
+
+    stack: str
+    layer: int | None
+    shape: tuple[int, ...]       # expected checkpoint shape
+    quantized: bool = False      # uint8 MXFP4 blocks/scales
+    row0: int = 0                # offset into dim 0 of the destination slot (fused qkv)
+
+
+def experts_layout(cfg: GptOssConfig, names: set[str]) -> str:
+    """'mxfp4' or 'bf16', from the tensors actually present (config `quantization_config` must agree)."""
+    has_blocks = "model.layers.0.mlp.experts.gate_up_proj_blocks" in names
+    has_dense = "model.layers.0.mlp.experts.gate_up_proj" in names
+    if has_blocks and not cfg.experts_mxfp4:
+        raise CheckpointError("checkpoint has MXFP4 expert tensors (*_blocks) but config.json has no "
+                              "quantization_config with quant_method 'mxfp4'")
+    if has_dense and not has_blocks:
+        return "bf16"
+    return "mxfp4" if cfg.experts_mxfp4 else "bf16"
+
+
+def build_stacked_weight_specs(cfg: GptOssConfig, dtype: torch.dtype, layout: str = "mxfp4",
+                               shard: Shard = Shard()) -> list[StackSpec]:
+    """Every weight tensor the model holds, with its (sharded) shape. Norms are kept in fp32."""
+    L, H, I, E = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts
+    d = cfg.head_dim
+    nh, kv = local_heads(cfg, shard)
+    e_local = E // shard.ep_size
+    v_local = cdiv(cfg.vocab_size, shard.tp_size)
+    specs = [
+        StackSpec("embed", (cfg.vocab_size, H), dtype),
+        StackSpec("norm", (H,), torch.float32),
+        StackSpec("lm_head", (v_local, H), dtype),
+        StackSpec("input_norm", (L, H), torch.float32),
+        StackSpec("post_norm", (L, H), torch.float32),
+        StackSpec("qkv_w", (L, (nh + 2 * kv) * d, H), dtype),
+        StackSpec("qkv_b", (L, (nh + 2 * kv) * d), dtype),
+        StackSpec("o_w", (L, H, nh * d), dtype),
+        StackSpec("o_b", (L, H), dtype),
+        StackSpec("sinks", (L, nh), dtype),
+        StackSpec("router_w", (L, E, H), dtype),
+        StackSpec("router_b", (L, E), dtype),
+        StackSpec("gate_up_bias", (L, e_local, 2 * I), dtype),
+        StackSpec("down_bias", (L, e_local, H), dtype),
+    ]
+    if layout == "mxfp4":
+        specs += [
+            StackSpec("gate_up_blocks", (L, e_local, 2 * I, H // GROUP, BYTES_PER_GROUP), torch.uint8),
+            StackSpec("gate_up_scales", (L, e_local, 2 * I, H // GROUP), torch.uint8),
+            StackSpec("down_blocks", (L, e_local, H, I // GROUP, BYTES_PER_GROUP), torch.uint8),
+            StackSpec("down_scales", (L, e_local, H, I // GROUP), torch.uint8),
+        ]
+    else:
+        specs += [
+            StackSpec("gate_up", (L, e_local, H, 2 * I), dtype),
+            StackSpec("down", (L, e_local, I, H), dtype),
+        ]
+    if cfg.tie_word_embeddings:
+        specs = [s for s in specs if s.name != "lm_head"]
+    return specs
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def local_heads(cfg: GptOssConfig, shard: Shard) -> tuple[int, int]:
+    """(q heads, kv heads) held by one TP rank; kv heads are replicated when tp > kv heads."""
+    nh, kv, tp = cfg.num_attention_heads, cfg.num_key_value_heads, shard.tp_size
+    if nh % tp:
+        raise ConfigError(f"tp={tp} does not divide num_attention_heads={nh}")
+    if kv % tp and tp % kv:
+        raise ConfigError(f"tp={tp} and num_key_value_heads={kv}: one must divide the other")
+    return nh // tp, max(kv // tp, 1)
+
+
+def checkpoint_tensors(cfg: GptOssConfig, layout: str) -> dict[str, Source]:
+    """The name map: every checkpoint tensor -> where it lands. Shapes are the checkpoint's (unsharded)."""
+    L, H, I, E = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts
+    d, nh, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    out = {
+        "model.embed_tokens.weight": Source("embed", None, (cfg.vocab_size, H)),
+        "model.norm.weight": Source("norm", None, (H,)),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = Source("lm_head", None, (cfg.vocab_size, H))
+    for i in range(L):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = Source("input_norm", i, (H,))
+        out[p + "post_attention_layernorm.weight"] = Source("post_norm", i, (H,))
+        for j, (proj, heads) in enumerate((("q_proj", nh), ("k_proj", kv), ("v_proj", kv))):
+            row0 = (0, nh * d, (nh + kv) * d)[j]
+            out[p + f"self_attn.{proj}.weight"] = Source("qkv_w", i, (heads * d, H), row0=row0)
+            if cfg.attention_bias:
+                out[p + f"self_attn.{proj}.bias"] = Source("qkv_b", i, (heads * d,), row0=row0)
+        out[p + "self_attn.o_proj.weight"] = Source("o_w", i, (H, nh * d))
+        if cfg.attention_bias:
+            out[p + "self_attn.o_proj.bias"] = Source("o_b", i, (H,))
+        out[p + "self_attn.sinks"] = Source("sinks", i, (nh,))
+        out[p + "mlp.router.weight"] = Source("router_w", i, (E, H))
+        out[p + "mlp.router.bias"] = Source("router_b", i, (E,))
+        x = p + "mlp.experts."
+        if layout == "mxfp4":
+            out[x + "gate_up_proj_blocks"] = Source("gate_up_blocks", i, (E, 2 * I, H // GROUP, BYTES_PER_GROUP), True)
+            out[x + "gate_up_proj_scales"] = Source("gate_up_scales", i, (E, 2 * I, H // GROUP), True)
+            out[x + "down_proj_blocks"] = Source("down_blocks", i, (E, H, I // GROUP, BYTES_PER_GROUP), True)
+            out[x + "down_proj_scales"] = Source("down_scales", i, (E, H, I // GROUP), True)
+        else:
+            out[x + "gate_up_proj"] = Source("gate_up", i, (E, H, 2 * I))
+            out[x + "down_proj"] = Source("down", i, (E, I, H))
+        out[x + "gate_up_proj_bias"] = Source("gate_up_bias", i, (E, 2 * I))
+        out[x + "down_proj_bias"] = Source("down_bias", i, (E, H))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorEntry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def read_safetensors_index(model_dir: Path) -> dict[str, TensorEntry]:
+    """Parse every *.safetensors header in the directory (no tensor data is read).
+
+    Fails with a CheckpointError naming the file and tensor for a bad header or a tensor whose bytes lie
+    past the end of its file (a truncated download).
+    """
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}")
+    index: dict[str, TensorEntry] = {}
+    for f in files:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{f.name}: truncated file (no safetensors header)")
+            (hlen,) = struct.unpack("<Q", raw)
+            if hlen > size - 8:
+                raise CheckpointError(f"{f.name}: truncated file (header of {hlen} bytes, file is {size})")
+            try:
+                header = json.loads(fh.read(hlen))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{f.name}: corrupt safetensors header ({e})") from None
+        data_size = size - 8 - hlen
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = meta["data_offsets"]
+            if end > data_size:
+                raise CheckpointError(f"tensor {name!r} in {f.name}: file truncated (data ends at byte {end} "
+                                      f"of {data_size} present)")
+            dt = ST_DTYPES.get(meta["dtype"])
+            if dt is None:
+                raise CheckpointError(f"tensor {name!r} in {f.name}: unsupported dtype {meta['dtype']}")
+            if name in index:
+                raise CheckpointError(f"tensor {name!r} appears in both {index[name].file.name} and {f.name}")
+            index[name] = TensorEntry(f, dt, tuple(meta["shape"]))
+    return index
+
+
+def validate_checkpoint(cfg: GptOssConfig, index: dict[str, TensorEntry], layout: str) -> dict[str, Source]:
+    """Check every expected tensor against the config; returns the name map."""
+    expected = checkpoint_tensors(cfg, layout)
+    for name, src in expected.items():
+        entry = index.get(name)
+        if entry is None:
+            raise CheckpointError(f"missing tensor {name!r} (expected shape {list(src.shape)})")
+        if entry.shape != src.shape:
+            raise CheckpointError(f"tensor {name!r} has shape {list(entry.shape)}, config expects {list(src.shape)}")
+        if src.quantized and entry.dtype != torch.uint8:
+            raise CheckpointError(f"tensor {name!r} has dtype {entry.dtype}, MXFP4 blocks/scales must be uint8")
+        if not src.quantized and entry.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"tensor {name!r} has dtype {entry.dtype}, expected a float dtype "
+                                  f"(unsupported quantization?)")
+    return expected
+
+
+# --------------------------------------------------------------------------------------------------
+class ModelWeights:
+    """All weights as named tensors (see `build_stacked_weight_specs`), stacks `[L, …]`."""
+
+    def __init__(self, cfg: GptOssConfig, layout: str, tensors: dict[str, torch.Tensor], shard: Shard) -> None:
+        self.cfg, self.layout, self.shard = cfg, layout, shard
+        self.tensors = tensors
+        if cfg.tie_word_embeddings:
+            tensors["lm_head"] = tensors["embed"]
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        try:
+            return self.__dict__["tensors"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def mxfp4(self) -> bool:
+        return self.layout == "mxfp4"
+
+    def nbytes(self) -> int:
+        seen, total = set(), 0
+        for t in self.tensors.values():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+def allocate_weights(cfg: GptOssConfig, dtype: torch.dtype, layout: str, shard: Shard = Shard(),
+                     device: str | torch.device = "cpu") -> ModelWeights:
+    tensors = {s.name: torch.empty(s.shape, dtype=s.dtype, device=device)
+               for s in build_stacked_weight_specs(cfg, dtype, layout, shard)}
+    return ModelWeights(cfg, layout, tensors, shard)
+
+
+def load_weights(model_dir: str | Path, cfg: GptOssConfig | None = None, dtype: torch.dtype = torch.float32,
+                 shard: Shard = Shard(), progress: bool = False) -> ModelWeights:
+    """Validate the checkpoint, then fill the preallocated stacks tensor by tensor from the mmap'd files."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist")
+    cfg = cfg or GptOssConfig.from_hf(model_dir)
+    index = read_safetensors_index(model_dir)
+    layout = experts_layout(cfg, set(index))
+    name_map = validate_checkpoint(cfg, index, layout)
+    weights = allocate_weights(cfg, dtype, layout, shard)
+    by_file: dict[Path, list[str]] = {}
+    for name in name_map:
+        by_file.setdefault(index[name].file, []).append(name)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(name_map), desc="loading weights", unit="tensor")
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt") as st:
+            for name in names:
+                src = name_map[name]
+                dst = weights.tensors[src.stack]
+                if src.layer is not None:
+                    dst = dst[src.layer]
+                _fill(dst, st.get_slice(name), src, weights.cfg, shard)
+                if bar is not None:
+                    bar.update()
+    if bar is not None:
+        bar.close()
+    return weights
+
+
+def _fill(dst: torch.Tensor, sl, src: Source, cfg: GptOssConfig, shard: Shard) -> None:
+    """Copy one checkpoint tensor (a lazy safetensors slice) into its slot, taking this rank's shard."""
+    if shard.tp_size != 1 or shard.ep_size != 1:
+        raise ConfigError("sharded (tp/ep > 1) loading is not available yet")
+    t = sl[:]
+    if src.stack in ("qkv_w", "qkv_b"):
+        dst = dst[src.row0: src.row0 + t.shape[0]]
+    dst.copy_(t)
