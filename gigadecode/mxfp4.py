@@ -15,28 +15,39 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 GROUP = 32          # values per scale
 BYTES_PER_GROUP = 16
 
-_LUT_CACHE: dict[torch.dtype, torch.Tensor] = {}
+_LUT_CACHE: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def fp4_lut(dtype: torch.dtype) -> torch.Tensor:
-    lut = _LUT_CACHE.get(dtype)
-    if lut is None:
-        lut = _LUT_CACHE[dtype] = torch.tensor(FP4_VALUES, dtype=dtype)
-    return lut
+    return torch.tensor(FP4_VALUES, dtype=dtype)
+
+
+def _luts(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(byte -> its two values [256, 2], E8M0 byte -> 2**(s-127) [256, 1]), cached per dtype."""
+    luts = _LUT_CACHE.get(dtype)
+    if luts is None:
+        v = torch.tensor(FP4_VALUES, dtype=torch.float64)
+        code = torch.arange(256)
+        pair = torch.stack((v[code & 0x0F], v[code >> 4]), dim=-1)             # low nibble first
+        scale = torch.exp2(torch.arange(256, dtype=torch.float64) - 127)[:, None]
+        luts = _LUT_CACHE[dtype] = (pair.to(dtype), scale.to(dtype))
+    return luts
 
 
 def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[..., rows, G, 16] uint8 + [..., rows, G] uint8 -> [..., rows, G*32] of `dtype`."""
+    """[..., rows, G, 16] uint8 + [..., rows, G] uint8 -> [..., rows, G*32] of `dtype`.
+
+    Two table lookups (a byte gives both its values; a scale byte gives its power of two) and one
+    multiply, which is exact: e2m1 values times a power of two."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise TypeError(f"MXFP4 blocks/scales must be uint8, got {blocks.dtype}/{scales.dtype}")
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BYTES_PER_GROUP:
         raise ValueError(f"MXFP4 shape mismatch: blocks {tuple(blocks.shape)} vs scales {tuple(scales.shape)}")
-    lut = fp4_lut(dtype)
-    lo = lut[(blocks & 0x0F).long()]                      # [..., rows, G, 16]
-    hi = lut[(blocks >> 4).long()]
-    vals = torch.stack((lo, hi), dim=-1).flatten(-2)      # [..., rows, G, 32], low nibble first
-    exp = scales.to(torch.int32) - 127
-    vals = torch.ldexp(vals, exp.unsqueeze(-1).to(dtype))  # exact: power-of-two scaling
+    pair, scale = _luts(dtype)
+    if blocks.device != pair.device:
+        pair, scale = pair.to(blocks.device), scale.to(blocks.device)
+    vals = pair[blocks.long()].flatten(-2)                # [..., rows, G, 32]
+    vals = vals * scale[scales.long()]                    # [..., rows, G, 1] broadcast
     return vals.flatten(-2)
 
 

@@ -1,0 +1,97 @@
+"""Attention control for one GK decode step: built once ("plan"), read by every layer ("run").
+
+For batch slot b decoding the token at position p (0-based) with KV block size B and window W:
+- full table: block ids of blocks 0 … p//B (padded with the null block 0);
+  `kv_cache_update_idx = full[p//B]·B + p%B`.
+- trimmed sliding table: the ≤ cdiv(W-1, B)+1 blocks from s = max(0, p-W+1)//B to p//B;
+  window-frame position `pos_swa = p - s·B`; `kv_cache_update_idx_swa = swa[p//B - s]·B + p%B`.
+- inactive (padding) slots write only into the null block 0 and attend to nothing real.
+The sliding table of a request may hold null entries before s (freed blocks); trimming drops them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.spec import cdiv
+from ..rope import Rope
+
+
+@dataclass
+class AttentionControl:
+    """Per-kind group axes: GPT-OSS has one sliding and one full group (Gs = Gf = 1); other layer
+    patterns may group into more (see kv/spec.py), each with its own table and write index."""
+
+    cos: torch.Tensor                      # [Bt, d/2] RoPE at pos (compute dtype)
+    sin: torch.Tensor                      # [Bt, d/2]
+    full_table: torch.Tensor               # [Gf, Bt, nf] int64 block ids, null-padded
+    swa_table: torch.Tensor                # [Gs, Bt, ns] int64 trimmed sliding tables, ns = cdiv(W-1, B)+1
+    active: torch.Tensor                   # [Bt] bool
+    pos: torch.Tensor                      # [Bt] int64 absolute positions (full-layer frame)
+    pos_swa: torch.Tensor                  # [Bt] int64 window-frame positions (sliding-layer frame)
+    kv_cache_update_idx: torch.Tensor      # [Gf, Bt] int64 slot written by full layers
+    kv_cache_update_idx_swa: torch.Tensor  # [Gs, Bt] int64 slot written by sliding layers
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.cos, self.sin, self.full_table, self.swa_table, self.active, self.pos, self.pos_swa,
+                self.kv_cache_update_idx, self.kv_cache_update_idx_swa)
+
+
+def swa_table_width(window: int, block_size: int) -> int:
+    return cdiv(window - 1, block_size) + 1 if window > 0 else 1
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def build_attention_control(positions: list[int], tables: list[list[list[int]]], group_sliding: list[bool],
+                            rope: Rope, block_size: int, window: int, batch_bucket: int | None = None,
+                            full_width: int | None = None) -> AttentionControl:
+    """positions[b]: position of the token slot b decodes; tables[b][g]: that request's block table for
+    KV group g (logical block index -> id; 0 = null); group_sliding[g]: is group g a sliding group.
+    Slots past len(positions) up to `batch_bucket` are padding. `full_width` pads the full tables
+    (default: the next power of two that fits, so compiled programs see few shapes)."""
+    n = len(positions)
+    bt = batch_bucket or n
+    if bt < n:
+        raise ValueError(f"batch bucket {bt} < batch {n}")
+    B = block_size
+    need = max((p // B + 1 for p in positions), default=1)
+    nf = full_width or next_pow2(need)
+    if nf < need:
+        raise ValueError(f"full table width {nf} < {need} blocks needed")
+    ns = swa_table_width(window, B)
+    f_groups = [g for g, s in enumerate(group_sliding) if not s]
+    s_groups = [g for g, s in enumerate(group_sliding) if s]
+    full = torch.zeros(len(f_groups), bt, nf, dtype=torch.long)
+    swa = torch.zeros(len(s_groups), bt, ns, dtype=torch.long)
+    upd = torch.zeros(len(f_groups), bt, dtype=torch.long)
+    upd_swa = torch.zeros(len(s_groups), bt, dtype=torch.long)
+    pos = torch.zeros(bt, dtype=torch.long)
+    pos_swa = torch.zeros(bt, dtype=torch.long)
+    active = torch.zeros(bt, dtype=torch.bool)
+    for b, p in enumerate(positions):
+        cur = p // B
+        for i, g in enumerate(f_groups):
+            ft = [_block(tables[b][g], j) for j in range(cur + 1)]
+            full[i, b, : cur + 1] = torch.tensor(ft, dtype=torch.long)
+            upd[i, b] = ft[cur] * B + p % B
+        s = max(0, p - window + 1) // B if window > 0 else cur
+        for i, g in enumerate(s_groups):
+            st = [_block(tables[b][g], j) for j in range(s, cur + 1)]
+            swa[i, b, : len(st)] = torch.tensor(st, dtype=torch.long)
+            upd_swa[i, b] = st[-1] * B + p % B
+        pos[b] = p
+        pos_swa[b] = p - s * B
+        active[b] = True
+    cos, sin = rope.cos_sin(pos)
+    return AttentionControl(cos, sin, full, swa, active, pos, pos_swa, upd, upd_swa)
+
+
+def _block(table: list[int], j: int) -> int:
+    if j >= len(table) or table[j] == 0:
+        raise ValueError(f"block table has no block for logical block {j} (table {table})")
+    return table[j]

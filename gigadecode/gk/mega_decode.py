@@ -1,0 +1,187 @@
+"""The giga-kernel: `gpt_oss_decode_mega_kernel` runs every layer of one decode step in one call.
+
+Inputs per step: token ids, the weights stacked once on a leading `[L, …]` axis (indexed `W[i]`),
+the KV cache as per-buffer K/V tensors (`K_i`, `V_i`; K packed-FP8 `[nb, kv, B/2, d, 2]` or plain
+`[nb, kv, B, d]`) or the legacy stacked `K_cache`/`V_cache` (exactly one form), and the step's
+`AttentionControl`. Layer i picks its table, write index and position frame by its kind (the seed's
+`i % 2`: sliding or full) and its KV buffer by `layer_buffer[i]` (the seed's `i // 2`).
+MoE decodes only the selected MXFP4 experts, per top-k slot, in token chunks (bounded transient memory).
+
+Everything static (layer pattern, sizes, scales) is in `KernelSpec`, so the same function is the eager
+reference and, through `torch.compile(fullgraph=True)`, the compiled program (weights and KV stay inputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..mxfp4 import decode_mxfp4
+from ..ops import rms_norm, route, swiglu
+from ..rope import apply_rope
+
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    num_layers: int
+    num_heads: int                      # q heads on this rank
+    num_kv_heads: int                   # kv heads on this rank
+    head_dim: int
+    window: int
+    eps: float
+    top_k: int
+    alpha: float
+    limit: float
+    block_size: int
+    layer_sliding: tuple[bool, ...]     # kind of layer i (the seed's i % 2)
+    layer_kind_group: tuple[int, ...]   # index of layer i's group among groups of its kind
+    layer_buffer: tuple[int, ...]       # KV buffer of layer i (the seed's i // 2)
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    mxfp4: bool = True
+    moe_chunk: int = 4                  # tokens per expert-decode chunk (bounds the dequantized transient)
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def _store(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if dtype == FP8:
+        return _u8((x.float() / scale).clamp(-448.0, 448.0).to(FP8))
+    return x.to(dtype)
+
+
+def _load(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if x.dtype == FP8:
+        y = x.float()
+        return (y * scale).to(dtype) if scale != 1.0 else y.to(dtype)
+    return x.to(dtype)
+
+
+def write_token_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   spec: KernelSpec) -> None:
+    """Write one token per batch slot. slot [Bt]; k, v [Bt, kv, d]."""
+    B = spec.block_size
+    blk, off = slot // B, slot % B
+    kq, vq = _store(k, k_buf.dtype, spec.k_scale), _store(v, v_buf.dtype, spec.v_scale)
+    if k_buf.dim() == v_buf.dim() + 1:                 # packed K: token 2p+s at [.., p, j, s]
+        _u8(k_buf)[blk, :, off // 2, :, off % 2] = kq
+    else:
+        _u8(k_buf)[blk, :, off, :] = kq
+    _u8(v_buf)[blk, :, off, :] = vq
+
+
+def read_table_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor, dtype: torch.dtype,
+                  spec: KernelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """table [Bt, n] -> k, v [Bt, kv, n*B, d] (token-major, frame position = column)."""
+    bt, n = table.shape
+    kb = k_buf[table]                                  # [Bt, n, kv, B/2, d, 2] or [Bt, n, kv, B, d]
+    vb = v_buf[table]                                  # [Bt, n, kv, B, d]
+    if kb.dim() == vb.dim() + 1:
+        kb = kb.transpose(-1, -2)                      # [Bt, n, kv, B/2, 2, d]
+    k = _load(kb, dtype, spec.k_scale).reshape(bt, n, spec.num_kv_heads, spec.block_size, spec.head_dim)
+    v = _load(vb, dtype, spec.v_scale)
+    k = k.permute(0, 2, 1, 3, 4).reshape(bt, spec.num_kv_heads, n * spec.block_size, spec.head_dim)
+    v = v.permute(0, 2, 1, 3, 4).reshape(bt, spec.num_kv_heads, n * spec.block_size, spec.head_dim)
+    return k, v
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, active: torch.Tensor,
+                     sinks: torch.Tensor, window: int | None, spec: KernelSpec) -> torch.Tensor:
+    """q [Bt, nh, d]; k, v [Bt, kv, S, d]; pos [Bt] frame position of the query -> [Bt, nh*d]."""
+    bt, nh, d = q.shape
+    kvh, S = k.shape[1], k.shape[2]
+    rep = nh // kvh
+    qg = q.view(bt, kvh, rep, d)
+    scores = torch.einsum("bgrd,bgsd->bgrs", qg, k) * spec.scale            # [Bt, kv, rep, S]
+    kf = torch.arange(S, device=q.device)
+    mask = (kf[None, :] <= pos[:, None]) & active[:, None]                  # [Bt, S]
+    if window is not None:
+        mask = mask & (kf[None, :] > pos[:, None] - window)
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    sink = sinks.view(1, kvh, rep, 1).to(scores.dtype).expand(bt, kvh, rep, 1)
+    logits = torch.cat((scores, sink), dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    out = torch.einsum("bgrs,bgsd->bgrd", probs.to(v.dtype), v)             # [Bt, kv, rep, d]
+    return out.reshape(bt, nh * d)
+
+
+def moe_decode(h: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: KernelSpec,
+               expert_offset: int = 0) -> torch.Tensor:
+    """h [Bt, H] -> [Bt, H]. Only the selected experts are decoded (per top-k slot, `moe_chunk` tokens at a
+    time). `expert_offset`: first global expert id held here (EP); experts not held contribute 0."""
+    idx, gate_w = route(h, W["router_w"][i], W["router_b"][i], spec.top_k)  # [Bt, k]
+    n_local = W["gate_up_bias"].shape[1]
+    out = torch.zeros_like(h)
+    bt = h.shape[0]
+    for j in range(spec.top_k):
+        e = idx[:, j] - expert_offset
+        held = (e >= 0) & (e < n_local)
+        e = e.clamp(0, n_local - 1)
+        for c0 in range(0, bt, spec.moe_chunk):
+            c1 = min(bt, c0 + spec.moe_chunk)
+            ec, hc = e[c0:c1], h[c0:c1]
+            if spec.mxfp4:
+                w1 = decode_mxfp4(W["gate_up_blocks"][i][ec], W["gate_up_scales"][i][ec], h.dtype)  # [c, 2I, H]
+                w2 = decode_mxfp4(W["down_blocks"][i][ec], W["down_scales"][i][ec], h.dtype)        # [c, H, I]
+                g = torch.bmm(w1, hc.unsqueeze(-1)).squeeze(-1)
+            else:
+                w1 = W["gate_up"][i][ec]                                  # [c, H, 2I]
+                w2 = W["down"][i][ec].transpose(-1, -2)                   # [c, H, I]
+                g = torch.bmm(hc.unsqueeze(1), w1).squeeze(1)
+            g = g + W["gate_up_bias"][i][ec]
+            a = swiglu(g, spec.alpha, spec.limit)                         # [c, I]
+            y = torch.bmm(w2, a.unsqueeze(-1)).squeeze(-1) + W["down_bias"][i][ec]
+            wgt = (gate_w[c0:c1, j] * held[c0:c1]).unsqueeze(-1)
+            out[c0:c1] += y * wgt
+    return out
+
+
+def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tensor],
+                               k_bufs: tuple[torch.Tensor, ...] | None, v_bufs: tuple[torch.Tensor, ...] | None,
+                               cos: torch.Tensor, sin: torch.Tensor, full_table: torch.Tensor,
+                               swa_table: torch.Tensor, active: torch.Tensor, pos: torch.Tensor,
+                               pos_swa: torch.Tensor, kv_cache_update_idx: torch.Tensor,
+                               kv_cache_update_idx_swa: torch.Tensor, *, spec: KernelSpec,
+                               K_cache: torch.Tensor | None = None, V_cache: torch.Tensor | None = None,
+                               return_hidden: bool = False) -> torch.Tensor:
+    """One decode step over all layers. input_ids [Bt] -> logits [Bt, V] (or the final hidden [Bt, H])."""
+    assert (k_bufs is None) != (K_cache is None), "pass exactly one KV form: per-buffer K/V or stacked K_cache/V_cache"
+    nh, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    x = W["embed"][input_ids]                                              # [Bt, H]
+    for i in range(spec.num_layers):
+        buf = spec.layer_buffer[i]
+        kb = k_bufs[buf] if k_bufs is not None else K_cache[buf]
+        vb = v_bufs[buf] if v_bufs is not None else V_cache[buf]
+        g = spec.layer_kind_group[i]
+        if spec.layer_sliding[i]:
+            table, slot, fpos, window = swa_table[g], kv_cache_update_idx_swa[g], pos_swa, spec.window
+        else:
+            table, slot, fpos, window = full_table[g], kv_cache_update_idx[g], pos, None
+
+        h = rms_norm(x, W["input_norm"][i], spec.eps)
+        qkv = F.linear(h, W["qkv_w"][i], W["qkv_b"][i])                    # [Bt, (nh + 2 kv) d]
+        q = apply_rope(qkv[:, : nh * d].reshape(-1, nh, d), cos, sin)
+        k = apply_rope(qkv[:, nh * d: (nh + kvh) * d].reshape(-1, kvh, d), cos, sin)
+        v = qkv[:, (nh + kvh) * d:].reshape(-1, kvh, d)
+        write_token_kv(kb, vb, slot, k, v, spec)
+        keys, vals = read_table_kv(kb, vb, table, x.dtype, spec)
+        a = decode_attention(q, keys, vals, fpos, active, W["sinks"][i], window, spec)
+        x = x + F.linear(a, W["o_w"][i], W["o_b"][i])
+
+        h = rms_norm(x, W["post_norm"][i], spec.eps)
+        x = x + moe_decode(h, W, i, spec)
+    x = rms_norm(x, W["norm"], spec.eps)
+    if return_hidden:
+        return x
+    return F.linear(x, W["lm_head"])

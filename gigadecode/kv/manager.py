@@ -1,0 +1,341 @@
+"""KV block bookkeeping: the block pool, one manager per KV group, and the all-groups manager.
+
+Owns *which block ids a request holds*, never KV bytes (those live in `kv.cache`). Modelled on vLLM
+v1's `BlockPool` / `FullAttentionManager` / `SlidingWindowManager` / `KVCacheManager`, written anew:
+
+- `BlockPool(num_blocks)`: ids `0 … num_blocks-1`; id 0 is the null block (never handed out, the
+  filler of dead table slots and padding writes). FIFO free list, a ref count per block.
+- `FullAttentionManager` / `SlidingWindowManager`: one per KV group (`KVCacheConfig.groups`), chosen by
+  spec type (`MANAGER_FOR_SPEC`). Per request a block table `list[int]`, index = logical block number
+  (tokens `[i·B, (i+1)·B)`). A block id owned by group g holds, in every buffer j, the KV of layer
+  `groups[g].layers[j]`.
+- Sliding window W: with `c` computed tokens the next query (position c) sees keys `c-W+1 … c`, so
+  tokens before `max(0, c-W+1)` (vLLM's `get_num_skipped_tokens`) are dead. Blocks wholly before
+  that token go back to the pool and their slots become the null block; a logical block already dead
+  when it is first allocated gets the null block, never a real one. Decoding token by token a request
+  therefore holds at most `cdiv(W-1, B) + 1` real sliding blocks (a prefill chunk of n new tokens
+  holds the blocks its queries need, up to `cdiv(W-1+n, B) + 1`).
+- `KVCacheManager`: one pool shared by every group (one global `num_blocks`), all-or-nothing
+  allocation across groups so a scheduler can admit by free blocks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+from typing import ClassVar
+
+from .spec import FullAttentionSpec, KVCacheConfig, KVSpec, SlidingWindowSpec, cdiv
+
+NULL_BLOCK = 0
+
+
+class KVBlockError(RuntimeError):
+    """Misuse of the block pool (double free, unknown block id)."""
+
+
+class NoFreeBlocks(KVBlockError):
+    """Not enough free blocks; nothing was allocated."""
+
+    def __init__(self, requested: int, free: int) -> None:
+        super().__init__(f"KV pool exhausted: {requested} blocks requested, {free} free")
+        self.requested, self.free = requested, free
+
+
+# --------------------------------------------------------------------------------------------------
+class BlockPool:
+    """Block ids 1 … num_blocks-1 handed out FIFO; id 0 (the null block) never is."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 (block 0 is the null block); got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(1, num_blocks))
+        self._ref: list[int] = [0] * num_blocks       # [num_blocks]; the null block stays 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - 1 - len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        """Blocks a request can ever get (all but the null block)."""
+        return self.num_blocks - 1
+
+    def ref_count(self, block_id: int) -> int:
+        self._check_id(block_id)
+        return self._ref[block_id]
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh block ids (ref count 1 each); raises NoFreeBlocks and allocates nothing if short."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > len(self._free):
+            raise NoFreeBlocks(n, len(self._free))
+        ids = [self._free.popleft() for _ in range(n)]
+        for b in ids:
+            self._ref[b] = 1
+        return ids
+
+    def share(self, ids: Iterable[int]) -> None:
+        """Add a reference to blocks already held (prefix sharing); the null block is ignored."""
+        ids = [b for b in ids if b != NULL_BLOCK]
+        for b in ids:
+            self._check_id(b)
+            if self._ref[b] == 0:
+                raise KVBlockError(f"cannot share free block {b}")
+        for b in ids:
+            self._ref[b] += 1
+
+    def free(self, ids: Iterable[int]) -> None:
+        """Drop one reference per id; a block returns to the free list at 0. Null block: no-op.
+
+        Checked before anything changes: freeing a block more times than it is referenced raises
+        KVBlockError (double free) and leaves the pool untouched.
+        """
+        counts = Counter(b for b in ids if b != NULL_BLOCK)
+        for b, k in counts.items():
+            self._check_id(b)
+            if self._ref[b] < k:
+                raise KVBlockError(f"double free of block {b} (ref count {self._ref[b]}, freed {k}x)")
+        for b, k in counts.items():
+            self._ref[b] -= k
+            if self._ref[b] == 0:
+                self._free.append(b)
+
+    def _check_id(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise KVBlockError(f"block id {block_id} out of range [0, {self.num_blocks})")
+
+
+# --------------------------------------------------------------------------------------------------
+class SingleTypeManager:
+    """Block tables of one KV group. Subclasses say which tokens are dead (`num_skipped_tokens`)."""
+
+    spec_type: ClassVar[type[FullAttentionSpec]] = FullAttentionSpec
+
+    def __init__(self, spec: KVSpec, pool: BlockPool, group_id: int = 0) -> None:
+        self.spec, self.pool, self.group_id = spec, pool, group_id
+        self.block_size = spec.block_size
+        self.tables: dict[str, list[int]] = {}       # req -> [logical block] block id (0 = null)
+        self.num_computed: dict[str, int] = {}       # req -> computed tokens last reported
+        self._first_live: dict[str, int] = {}        # req -> first table index not yet nulled
+
+    # -- what is dead ------------------------------------------------------------------------------
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens the next query can no longer see (full attention: none)."""
+        return 0
+
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Logical blocks wholly before the first visible token."""
+        return self.num_skipped_tokens(num_computed_tokens) // self.block_size
+
+    # -- queries (no mutation) ---------------------------------------------------------------------
+    def block_table(self, req_id: str) -> list[int]:
+        try:
+            return self.tables[req_id]
+        except KeyError:
+            raise KeyError(f"request {req_id!r} holds no KV blocks in group {self.group_id}") from None
+
+    def num_held(self, req_id: str) -> int:
+        """Real (non-null) blocks the request holds in this group."""
+        return sum(1 for b in self.tables.get(req_id, ()) if b != NULL_BLOCK)
+
+    def blocks_needed(self, num_tokens: int, num_computed_tokens: int = 0) -> int:
+        """Real blocks a *new* request needs to cover num_tokens tokens with num_computed already done."""
+        target = cdiv(num_tokens, self.block_size)
+        return max(0, target - min(self.num_skipped_blocks(num_computed_tokens), target))
+
+    def num_new_blocks(self, req_id: str, num_tokens: int, num_computed_tokens: int | None = None) -> int:
+        """Real blocks `allocate_for(req_id, num_tokens, num_computed_tokens)` would take from the pool."""
+        table = self.tables.get(req_id, [])
+        c = self._computed(req_id, num_computed_tokens)
+        target = cdiv(num_tokens, self.block_size)
+        return max(0, target - max(len(table), self.num_skipped_blocks(c)))
+
+    def num_freeable(self, req_id: str, num_computed_tokens: int) -> int:
+        """Real blocks `remove_skipped_blocks(req_id, num_computed_tokens)` would return to the pool."""
+        table = self.tables.get(req_id, [])
+        end = min(self.num_skipped_blocks(num_computed_tokens), len(table))
+        return sum(1 for b in table[self._first_live.get(req_id, 0): end] if b != NULL_BLOCK)
+
+    # -- mutation ----------------------------------------------------------------------------------
+    def allocate_for(self, req_id: str, num_tokens: int, num_computed_tokens: int | None = None) -> list[int]:
+        """Grow the table to cover num_tokens tokens; returns the new real block ids.
+
+        With num_computed_tokens given, dead blocks are released first (`remove_skipped_blocks`).
+        New slots for logical blocks already dead get the null block. Raises NoFreeBlocks (and
+        changes nothing beyond that release) when the pool is short.
+        """
+        if num_computed_tokens is not None:
+            self.remove_skipped_blocks(req_id, num_computed_tokens)
+        c = self._computed(req_id, num_computed_tokens)
+        table = self.tables.get(req_id, [])
+        target = cdiv(num_tokens, self.block_size)
+        first_real = max(len(table), self.num_skipped_blocks(c))
+        new = self.pool.allocate(max(0, target - first_real))      # raises before any change
+        old_len = len(table)
+        if target > old_len:
+            table.extend([NULL_BLOCK] * (min(first_real, target) - old_len))
+            table.extend(new)
+        self.tables[req_id] = table
+        self.num_computed[req_id] = c
+        if self._first_live.get(req_id, 0) >= old_len:             # all slots so far are null
+            self._first_live[req_id] = min(first_real, max(target, old_len))
+        return new
+
+    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> int:
+        """Free blocks wholly before token `num_skipped_tokens(c)`; their slots become 0. -> count freed."""
+        if num_computed_tokens < 0:
+            raise ValueError(f"num_computed_tokens must be >= 0 (got {num_computed_tokens})")
+        if req_id in self.num_computed:
+            self.num_computed[req_id] = num_computed_tokens
+        table = self.tables.get(req_id)
+        if table is None:
+            return 0
+        start = self._first_live.get(req_id, 0)
+        end = min(self.num_skipped_blocks(num_computed_tokens), len(table))
+        dead = [b for b in table[start:end] if b != NULL_BLOCK]
+        for i in range(start, end):
+            table[i] = NULL_BLOCK
+        if end > start:
+            self._first_live[req_id] = end
+        self.pool.free(dead)
+        return len(dead)
+
+    def free(self, req_id: str) -> None:
+        """Release every block of the request (unknown request: no-op)."""
+        table = self.tables.pop(req_id, None)
+        self.num_computed.pop(req_id, None)
+        self._first_live.pop(req_id, None)
+        if table:
+            # Tail first (vLLM's order): the most recent blocks are the least likely to be shared.
+            self.pool.free(reversed(table))
+
+    def _computed(self, req_id: str, num_computed_tokens: int | None) -> int:
+        if num_computed_tokens is not None:
+            return num_computed_tokens
+        return self.num_computed.get(req_id, 0)
+
+
+class FullAttentionManager(SingleTypeManager):
+    """Full attention: every token stays visible, so nothing is ever skipped."""
+
+    spec_type = FullAttentionSpec
+
+
+class SlidingWindowManager(SingleTypeManager):
+    """Sliding window W: tokens before `max(0, c - W + 1)` are dead (vLLM's get_num_skipped_tokens)."""
+
+    spec_type = SlidingWindowSpec
+
+    def __init__(self, spec: SlidingWindowSpec, pool: BlockPool, group_id: int = 0) -> None:
+        super().__init__(spec, pool, group_id)
+        if spec.sliding_window <= 0:
+            raise ValueError(f"sliding window must be > 0 (got {spec.sliding_window})")
+        self.window = spec.sliding_window
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - self.window + 1)
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        """Bound on real blocks held while decoding token by token: cdiv(W-1, B) + 1."""
+        return cdiv(self.window - 1, self.block_size) + 1
+
+
+MANAGER_FOR_SPEC: dict[type[FullAttentionSpec], type[SingleTypeManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+}
+
+
+def make_manager(spec: KVSpec, pool: BlockPool, group_id: int = 0) -> SingleTypeManager:
+    """The manager for a group's spec (exact type: a sliding spec is not a full one)."""
+    try:
+        cls = MANAGER_FOR_SPEC[type(spec)]
+    except KeyError:
+        raise TypeError(f"no KV manager for spec type {type(spec).__name__}") from None
+    return cls(spec, pool, group_id)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------------
+class KVCacheManager:
+    """One block pool shared by all KV groups; allocation succeeds in every group or in none."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig, block_size: int | None = None) -> None:
+        groups = kv_cache_config.groups
+        if not groups:
+            raise ValueError("KV cache config has no groups")
+        for g in groups:
+            if block_size is not None and g.spec.block_size != block_size:
+                raise ValueError(f"group spec block_size {g.spec.block_size} != manager block_size {block_size}")
+        self.config = kv_cache_config
+        self.block_size = block_size if block_size is not None else groups[0].spec.block_size
+        self.pool = BlockPool(kv_cache_config.num_blocks)
+        self.managers: list[SingleTypeManager] = [make_manager(g.spec, self.pool, gi) for gi, g in enumerate(groups)]
+
+    # -- admission ---------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the usable blocks (all but the null block) in use."""
+        return self.pool.num_used / self.pool.capacity if self.pool.capacity else 0.0
+
+    def blocks_needed(self, num_tokens: int, num_computed_tokens: int = 0) -> list[int]:
+        """Per group: real blocks a new request of num_tokens tokens (num_computed done) needs."""
+        return [m.blocks_needed(num_tokens, num_computed_tokens) for m in self.managers]
+
+    def num_new_blocks(self, req_id: str, num_tokens: int, num_computed_tokens: int | None = None) -> int:
+        """Net blocks taken from the pool by `allocate` (new blocks minus dead ones released first)."""
+        need = sum(m.num_new_blocks(req_id, num_tokens, num_computed_tokens) for m in self.managers)
+        if num_computed_tokens is not None:
+            need -= sum(m.num_freeable(req_id, num_computed_tokens) for m in self.managers)
+        return need
+
+    def can_allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int | None = None) -> bool:
+        return self.num_new_blocks(req_id, num_tokens, num_computed_tokens) <= self.pool.num_free
+
+    # -- mutation ----------------------------------------------------------------------------------
+    def allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int | None = None) -> bool:
+        """Cover num_tokens tokens in every group, or allocate nothing and return False.
+
+        num_computed_tokens (tokens whose KV is already in the cache) first releases dead sliding
+        blocks; that release stands even when the allocation fails (the blocks are dead either way).
+        """
+        if num_computed_tokens is not None:
+            if num_computed_tokens > num_tokens:
+                raise ValueError(f"num_computed_tokens {num_computed_tokens} > num_tokens {num_tokens}")
+            self.remove_skipped_blocks(req_id, num_computed_tokens)
+        need = sum(m.num_new_blocks(req_id, num_tokens, num_computed_tokens) for m in self.managers)
+        if need > self.pool.num_free:
+            return False
+        for m in self.managers:
+            m.allocate_for(req_id, num_tokens, num_computed_tokens)
+        return True
+
+    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> int:
+        """Release dead blocks in every group; -> blocks freed."""
+        return sum(m.remove_skipped_blocks(req_id, num_computed_tokens) for m in self.managers)
+
+    def free(self, req_id: str) -> None:
+        for m in self.managers:
+            m.free(req_id)
+
+    # -- tables ------------------------------------------------------------------------------------
+    def block_tables(self, req_id: str) -> list[list[int]]:
+        """Per group (index = group id): the request's block table (0 = null block)."""
+        return [m.block_table(req_id) for m in self.managers]
+
+    def num_held(self, req_id: str) -> list[int]:
+        return [m.num_held(req_id) for m in self.managers]
+
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self.managers[0].tables
