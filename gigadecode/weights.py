@@ -203,20 +203,27 @@ def read_safetensors_index(model_dir: Path) -> dict[str, TensorEntry]:
                 header = json.loads(fh.read(hlen))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{f.name}: corrupt safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{f.name}: corrupt safetensors header (not a JSON object)")
         data_size = size - 8 - hlen
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
-            start, end = meta["data_offsets"]
+            try:
+                start, end = (int(x) for x in meta["data_offsets"])
+                dtype_name, shape = meta["dtype"], tuple(int(x) for x in meta["shape"])
+            except (TypeError, KeyError, ValueError) as e:
+                raise CheckpointError(f"{f.name}: corrupt safetensors header (entry {name!r}: "
+                                      f"{type(e).__name__} {e})") from None
             if end > data_size:
                 raise CheckpointError(f"tensor {name!r} in {f.name}: file truncated (data ends at byte {end} "
                                       f"of {data_size} present)")
-            dt = ST_DTYPES.get(meta["dtype"])
+            dt = ST_DTYPES.get(dtype_name)
             if dt is None:
-                raise CheckpointError(f"tensor {name!r} in {f.name}: unsupported dtype {meta['dtype']}")
+                raise CheckpointError(f"tensor {name!r} in {f.name}: unsupported dtype {dtype_name}")
             if name in index:
                 raise CheckpointError(f"tensor {name!r} appears in both {index[name].file.name} and {f.name}")
-            index[name] = TensorEntry(f, dt, tuple(meta["shape"]))
+            index[name] = TensorEntry(f, dt, shape)
     return index
 
 

@@ -14,7 +14,7 @@ v1's `BlockPool` / `FullAttentionManager` / `SlidingWindowManager` / `KVCacheMan
   that token go back to the pool and their slots become the null block; a logical block already dead
   when it is first allocated gets the null block, never a real one. Decoding token by token a request
   therefore holds at most `cdiv(W-1, B) + 1` real sliding blocks (a prefill chunk of n new tokens
-  holds the blocks its queries need, up to `cdiv(W-1+n, B) + 1`).
+  holds the blocks its queries need, up to `cdiv(W+n-2, B) + 1`).
 - `KVCacheManager`: one pool shared by every group (one global `num_blocks`), all-or-nothing
   allocation across groups so a scheduler can admit by free blocks.
 """

@@ -1,0 +1,121 @@
+"""The model runner: weights (stacked once), the KV cache, and the two programs that use them.
+
+Prefill chunks run through the per-layer model; decode steps run through the decoder the factory picks
+(`gk_decode`: the GK program, eager or compiled; else the per-layer model one token at a time). The
+runner owns `initialize_kv_cache` (one allocation per HMA buffer, bound to the GK model per buffer) and
+pads decode batches to the program's batch buckets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import EngineConfig, GptOssConfig
+from .gk.attn_control import build_attention_control
+from .gk.model import GptOssGKDecodeModel
+from .kv.cache import KVCache
+from .kv.spec import SlidingWindowSpec, cdiv, get_kv_spec, make_kv_cache_config
+from .model import GptOssModel, SeqChunk
+from .weights import ModelWeights, Shard, load_weights
+
+DEFAULT_KV_BUDGET_GIB = 2.0
+
+
+@dataclass
+class DecodeSeq:
+    token_id: int
+    position: int
+    block_tables: list[list[int]]
+
+
+class ReferenceDecoder:
+    """The non-GK decode path: the per-layer model, one token per sequence."""
+
+    def __init__(self, model: GptOssModel) -> None:
+        self.model = model
+
+    def decode_batch(self, seqs: list[DecodeSeq], kv: KVCache) -> torch.Tensor:
+        out = self.model.forward([SeqChunk([s.token_id], s.position, s.block_tables) for s in seqs], kv)
+        return torch.cat(out.logits)
+
+
+class GKDecoder:
+    """The GK path: builds the attention control once per step and runs the whole stack in one call."""
+
+    def __init__(self, gk: GptOssGKDecodeModel, model: GptOssModel, ecfg: EngineConfig, window: int) -> None:
+        self.gk, self.rope, self.ecfg, self.window = gk, model.rope, ecfg, window
+        self.group_sliding = [isinstance(g.spec, SlidingWindowSpec) for g in gk.kv_config.groups]
+
+    def decode_batch(self, seqs: list[DecodeSeq], kv: KVCache) -> torch.Tensor:
+        outs = []
+        biggest = self.ecfg.batch_buckets[-1]
+        for s0 in range(0, len(seqs), biggest):
+            part = seqs[s0: s0 + biggest]
+            bucket = next(b for b in self.ecfg.batch_buckets if b >= len(part))
+            ctl = build_attention_control([s.position for s in part], [s.block_tables for s in part],
+                                          self.group_sliding, self.rope, self.ecfg.block_size, self.window,
+                                          batch_bucket=bucket)
+            ids = torch.zeros(bucket, dtype=torch.long)
+            ids[: len(part)] = torch.tensor([s.token_id for s in part])
+            outs.append(self.gk.decode(ids, ctl)[: len(part)])
+        return torch.cat(outs)
+
+
+def build_decoder(cfg: GptOssConfig, weights: ModelWeights, model: GptOssModel, kv: KVCache, ecfg: EngineConfig):
+    """The factory gate: the GK model when `gk_decode`, the per-layer model otherwise (untouched)."""
+    if not ecfg.gk_decode or ecfg.decoder == "reference":
+        return ReferenceDecoder(model)
+    gk = GptOssGKDecodeModel(cfg, weights, kv.config, ecfg.block_size, kv.k_scale, kv.v_scale,
+                             compiled=ecfg.decoder == "gk-compiled")
+    gk.bind_kv_cache(kv.bind_map())
+    return GKDecoder(gk, model, ecfg, cfg.sliding_window)
+
+
+def default_num_blocks(cfg: GptOssConfig, ecfg: EngineConfig, num_kv_heads: int, max_model_len: int) -> int:
+    """Enough for max_num_seqs full-length sequences, capped by the KV memory budget; + the null block."""
+    itemsize = torch.empty((), dtype=ecfg.kv_storage_dtype()).element_size()
+    specs = get_kv_spec(cfg, ecfg.block_size, itemsize, num_kv_heads)
+    kvc = make_kv_cache_config(specs, 1)
+    n_buffers = kvc.group_size
+    bytes_per_block = n_buffers * 2 * num_kv_heads * ecfg.block_size * cfg.head_dim * itemsize
+    budget = (ecfg.kv_budget_gib or DEFAULT_KV_BUDGET_GIB) * 1024**3
+    per_seq = sum(g.spec.max_blocks(max_model_len) for g in kvc.groups)
+    want = ecfg.max_num_seqs * per_seq + 1
+    return max(2, min(want, int(budget // bytes_per_block)))
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, ecfg: EngineConfig, cfg: GptOssConfig | None = None,
+                 weights: ModelWeights | None = None, progress: bool = False) -> None:
+        self.model_dir = Path(model_dir)
+        self.cfg = cfg or GptOssConfig.from_hf(self.model_dir)
+        self.ecfg = ecfg
+        self.dtype = ecfg.torch_dtype
+        self.weights = weights or load_weights(self.model_dir, self.cfg, self.dtype, Shard(), progress=progress)
+        self.model = GptOssModel(self.cfg, self.weights, self.dtype)
+        self.max_model_len = self.cfg.max_position_embeddings
+        self.kv = self.initialize_kv_cache()
+        self.decoder = build_decoder(self.cfg, self.weights, self.model, self.kv, ecfg)
+
+    def initialize_kv_cache(self) -> KVCache:
+        nkv = self.model.num_kv_heads
+        n = self.ecfg.num_blocks or default_num_blocks(self.cfg, self.ecfg, nkv, self.max_model_len)
+        return KVCache(self.cfg, self.ecfg, n, nkv)
+
+    @property
+    def block_size(self) -> int:
+        return self.ecfg.block_size
+
+    def prefill(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
+        """-> per chunk: logits of its last token [V] (only meaningful when it ends its prompt)."""
+        return [l[-1] for l in self.model.forward(chunks, self.kv).logits]
+
+    def decode(self, seqs: list[DecodeSeq]) -> torch.Tensor:
+        """-> logits [len(seqs), V]."""
+        return self.decoder.decode_batch(seqs, self.kv)
+
+    def max_blocks_per_seq(self) -> int:
+        return cdiv(self.max_model_len, self.block_size)

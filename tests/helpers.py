@@ -1,0 +1,180 @@
+"""Reusable helpers for tests: build our reference model over a checkpoint, lay out block tables, run
+prompts through it (whole, chunked, token by token), greedy decode, and the transformers oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from gigadecode.config import EngineConfig, GptOssConfig
+from gigadecode.kv.cache import KVCache
+from gigadecode.model import GptOssModel, SeqChunk
+from gigadecode.weights import ModelWeights, load_weights
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_weights(ckpt_dir: str, dtype: torch.dtype) -> tuple[GptOssConfig, ModelWeights]:
+    cfg = GptOssConfig.from_hf(ckpt_dir)
+    return cfg, load_weights(ckpt_dir, cfg, dtype)
+
+
+def build_reference(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, kv_dtype: str = "auto",
+                    block_size: int = 16, num_blocks: int = 512
+                    ) -> tuple[GptOssConfig, ModelWeights, GptOssModel, KVCache]:
+    """(cfg, weights, model, kv) over a checkpoint. Weights are loaded once per (dir, dtype) and shared
+    (the model only reads them); every call gets a fresh, zeroed KV cache."""
+    cfg, weights = _cached_weights(str(ckpt_dir), dtype)
+    model = GptOssModel(cfg, weights, dtype)
+    ecfg = EngineConfig(dtype=DTYPE_NAMES[dtype], kv_dtype=kv_dtype, block_size=block_size)
+    kv = KVCache(cfg, ecfg, num_blocks=num_blocks)
+    return cfg, weights, model, kv
+
+
+def contiguous_tables(kv: KVCache, max_tokens: int, seq: int = 0, num_seqs: int = 1) -> list[list[int]]:
+    """Block tables (one per KV group) for sequence `seq` of `num_seqs`: every (sequence, group) pair
+    gets its own contiguous range of block ids, never block 0 (the null block)."""
+    n_groups = len(kv.config.groups)
+    per = cdiv(max_tokens, kv.block_size)
+    first = 1 + seq * n_groups * per
+    tables = [list(range(first + g * per, first + (g + 1) * per)) for g in range(n_groups)]
+    last = first + n_groups * per - 1
+    if last >= kv.num_blocks or seq >= num_seqs:
+        raise ValueError(f"KV cache of {kv.num_blocks} blocks is too small for {num_seqs} x {max_tokens} tokens")
+    return tables
+
+
+def shuffled_tables(kv: KVCache, max_tokens: int, seed: int = 0) -> list[list[int]]:
+    """Like `contiguous_tables` for one sequence, but the block ids (all groups together, never 0) are a
+    random permutation of 1..num_blocks-1: a scattered paged layout."""
+    n_groups = len(kv.config.groups)
+    per = cdiv(max_tokens, kv.block_size)
+    if n_groups * per >= kv.num_blocks:
+        raise ValueError("KV cache too small")
+    perm = (torch.randperm(kv.num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+    return [perm[g * per: (g + 1) * per] for g in range(n_groups)]
+
+
+def random_prompt(n: int, vocab_size: int, seed: int = 0, low: int = 3) -> list[int]:
+    """n token ids in [low, vocab) (ids below 3 are pad/bos/eos in the tiny presets)."""
+    return torch.randint(low, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def prefill_logits(model: GptOssModel, kv: KVCache, tables: list[list[int]], ids: list[int],
+                   chunk: int | None = None, start: int = 0) -> torch.Tensor:
+    """Feed `ids` at positions start.. in chunks of `chunk` tokens (None = one chunk) -> logits [len(ids), V]."""
+    chunk = chunk or len(ids)
+    outs = []
+    for s in range(0, len(ids), chunk):
+        part = ids[s: s + chunk]
+        outs.append(model.forward([SeqChunk(part, start + s, tables, "all")], kv).logits[0])
+    return torch.cat(outs)
+
+
+def greedy(model: GptOssModel, kv: KVCache, tables: list[list[int]], prompt: list[int], new_tokens: int,
+           prefill_chunk: int | None = None) -> list[int]:
+    """Greedy decode ignoring eos: prefill in chunks of `prefill_chunk` (None = one chunk, 1 = token by
+    token), then `new_tokens - 1` single-token decode steps. Returns the new tokens."""
+    chunk = prefill_chunk or len(prompt)
+    last = None
+    for s in range(0, len(prompt), chunk):
+        last = model.forward([SeqChunk(prompt[s: s + chunk], s, tables, "last")], kv).logits[0]
+    out = [int(last[-1].argmax())]
+    while len(out) < new_tokens:
+        pos = len(prompt) + len(out) - 1
+        logits = model.forward([SeqChunk([out[-1]], pos, tables, "last")], kv).logits[0]
+        out.append(int(logits[-1].argmax()))
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def load_hf(ckpt_dir: str, dtype: torch.dtype = torch.float32):
+    """transformers' GptOssForCausalLM over the same files (eval mode), loaded once per (dir, dtype)."""
+    import transformers
+    from transformers import GptOssForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    model = GptOssForCausalLM.from_pretrained(ckpt_dir, dtype=dtype)
+    model.eval()
+    return model
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' logits for one sequence: [len(ids), V] fp32."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy `generate` with eos disabled, so exactly `new_tokens` tokens come out.
+
+    (`eos_token_id=-1` as a generate kwarg overrides the checkpoint's generation_config; a
+    GenerationConfig object with eos None would be merged back with the default eos.)"""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens,
+                          eos_token_id=-1, pad_token_id=hf.config.pad_token_id)
+    new = out[0, len(prompt):].tolist()
+    if len(new) != new_tokens:
+        raise AssertionError(f"transformers generated {len(new)} tokens, expected {new_tokens}")
+    return new
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |ours - ref| / max |ref|."""
+    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+# The gpt-oss-20b config.json as published (old rope_scaling + rope_theta form).
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "quantization_config": {
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"],
+        "quant_method": "mxfp4",
+    },
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.55.0.dev0",
+    "use_cache": True,
+    "vocab_size": 201088,
+}

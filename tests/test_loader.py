@@ -1,0 +1,306 @@
+"""Loader and config errors: each broken checkpoint fails with a message naming what is wrong; config.json
+parsing of the real gpt-oss layout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gigadecode.config import FULL, SLIDING, ConfigError, GptOssConfig
+from gigadecode.weights import CheckpointError, load_weights, read_safetensors_index
+from helpers import GPT_OSS_20B
+
+ST = "model.safetensors"
+
+
+def broken_copy(src: Path, dst: Path, edit=None) -> Path:
+    """Copy the checkpoint dir; `edit(tensors)` mutates the tensor dict, which is saved back."""
+    shutil.copytree(src, dst)
+    if edit is not None:
+        t = load_file(dst / ST)
+        edit(t)
+        save_file(t, str(dst / ST), metadata={"format": "pt"})
+    return dst
+
+
+def edit_config(d: Path, **changes) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def header(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return n, json.loads(f.read(n))
+
+
+def test_tiny_checkpoint_loads(tiny_ckpt, tmp_path):
+    """The unbroken copy loads (so the failures below come from the edits)."""
+    w = load_weights(broken_copy(tiny_ckpt, tmp_path / "ck"))
+    assert w.mxfp4 and w.qkv_w.shape == (4, (4 + 2 * 2) * 16, 64)
+
+
+def test_missing_tensor(tiny_ckpt, tmp_path):
+    name = "model.layers.1.self_attn.k_proj.bias"
+    d = broken_copy(tiny_ckpt, tmp_path / "ck", lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match=f"missing tensor '{name}'"):
+        load_weights(d)
+
+
+def test_missing_expert_scales(tiny_ckpt, tmp_path):
+    name = "model.layers.3.mlp.experts.down_proj_scales"
+    d = broken_copy(tiny_ckpt, tmp_path / "ck", lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match=f"missing tensor '{name}'"):
+        load_weights(d)
+
+
+@pytest.mark.parametrize("name,new_shape", [
+    ("model.layers.2.self_attn.q_proj.weight", (64, 64 + 1)),
+    ("model.layers.0.mlp.router.bias", (7,)),
+    ("model.layers.1.mlp.experts.gate_up_proj_blocks", (8, 128, 2, 8)),
+    ("lm_head.weight", (1000, 64)),
+])
+def test_wrong_shape(tiny_ckpt, tmp_path, name, new_shape):
+    def edit(t):
+        t[name] = torch.zeros(new_shape, dtype=t[name].dtype)
+    d = broken_copy(tiny_ckpt, tmp_path / "ck", edit)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has shape \[{', '.join(map(str, new_shape))}\]"):
+        load_weights(d)
+
+
+def test_float_where_uint8_blocks_expected(tiny_ckpt, tmp_path):
+    name = "model.layers.0.mlp.experts.gate_up_proj_blocks"
+
+    def edit(t):
+        t[name] = t[name].float()
+    d = broken_copy(tiny_ckpt, tmp_path / "ck", edit)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has dtype torch.float32.*uint8"):
+        load_weights(d)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.float8_e4m3fn])
+def test_non_float_where_float_expected(tiny_ckpt, tmp_path, dtype):
+    name = "model.layers.2.mlp.router.weight"
+
+    def edit(t):
+        t[name] = t[name].float().to(dtype)
+    d = broken_copy(tiny_ckpt, tmp_path / "ck", edit)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has dtype {dtype}.*float"):
+        load_weights(d)
+
+
+def test_truncated_file_names_the_tensor(tiny_ckpt, tmp_path):
+    d = broken_copy(tiny_ckpt, tmp_path / "ck")
+    f = d / ST
+    n, h = header(f)
+    # The tensor whose data ends last is the one a cut-short download loses.
+    last = max((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][1])
+    data = f.read_bytes()
+    f.write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match=rf"tensor '{last}' in {ST}: file truncated"):
+        load_weights(d)
+    with pytest.raises(CheckpointError, match="truncated"):
+        read_safetensors_index(d)
+
+
+@pytest.mark.parametrize("keep", [4, 1000])
+def test_truncated_inside_header(tiny_ckpt, tmp_path, keep):
+    d = broken_copy(tiny_ckpt, tmp_path / "ck")
+    f = d / ST
+    f.write_bytes(f.read_bytes()[:keep])
+    with pytest.raises(CheckpointError, match=rf"{ST}: truncated file"):
+        load_weights(d)
+
+
+def test_corrupt_header(tiny_ckpt, tmp_path):
+    d = broken_copy(tiny_ckpt, tmp_path / "ck")
+    f = d / ST
+    data = bytearray(f.read_bytes())
+    data[8:40] = b"\xff\xfe garbage, not json at all!! \x00"[:32].ljust(32, b"#")
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{ST}: corrupt safetensors header"):
+        load_weights(d)
+
+
+@pytest.mark.parametrize("bad_header", [b'["a", "list"]', b'{"x": 1}', b'{"x": {"dtype": "F32", "shape": [1]}}'])
+def test_header_with_wrong_structure(tiny_ckpt, tmp_path, bad_header):
+    """Valid JSON that is not a safetensors header is a CheckpointError too (not a TypeError/KeyError)."""
+    d = broken_copy(tiny_ckpt, tmp_path / "ck")
+    f = d / ST
+    n, _ = header(f)
+    body = f.read_bytes()[8 + n:]
+    f.write_bytes(struct.pack("<Q", len(bad_header)) + bad_header + body)
+    with pytest.raises(CheckpointError, match=rf"{ST}: corrupt safetensors header"):
+        load_weights(d)
+
+
+def test_unsupported_tensor_dtype(tiny_ckpt, tmp_path):
+    name = "model.layers.0.self_attn.sinks"
+
+    def edit(t):
+        t[name] = t[name].float().to(torch.float8_e5m2)
+    d = broken_copy(tiny_ckpt, tmp_path / "ck", edit)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}'.*unsupported dtype F8_E5M2"):
+        load_weights(d)
+
+
+def test_tensor_in_two_files(tiny_ckpt, tmp_path):
+    name = "model.norm.weight"
+    d = broken_copy(tiny_ckpt, tmp_path / "ck")
+    save_file({name: load_file(d / ST)[name]}, str(d / "model-extra.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' appears in both"):
+        load_weights(d)
+
+
+def test_unsupported_quantization(tiny_ckpt, tmp_path):
+    d = broken_copy(tiny_ckpt, tmp_path / "ck")
+    edit_config(d, quantization_config={"quant_method": "fp8", "modules_to_not_convert": []})
+    with pytest.raises(ConfigError, match="fp8"):
+        load_weights(d)
+    with pytest.raises(ConfigError, match="unsupported quantization 'fp8'"):
+        GptOssConfig.from_hf(d)
+
+
+def test_mxfp4_tensors_without_quantization_config(tiny_ckpt, tmp_path):
+    d = broken_copy(tiny_ckpt, tmp_path / "ck")
+    edit_config(d, quantization_config=None)
+    with pytest.raises(CheckpointError, match="quantization_config"):
+        load_weights(d)
+
+
+def test_no_safetensors_files(tiny_ckpt, tmp_path):
+    d = broken_copy(tiny_ckpt, tmp_path / "ck")
+    (d / ST).unlink()
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors files"):
+        load_weights(d)
+
+
+def test_missing_config_json(tiny_ckpt, tmp_path):
+    d = broken_copy(tiny_ckpt, tmp_path / "ck")
+    (d / "config.json").unlink()
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_weights(d)
+
+
+def test_invalid_config_json(tiny_ckpt, tmp_path):
+    d = broken_copy(tiny_ckpt, tmp_path / "ck")
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_weights(d)
+
+
+def test_missing_model_dir(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_weights(tmp_path / "nope")
+
+
+def test_config_mismatching_the_tensors(tiny_ckpt, tmp_path):
+    """A config that disagrees with the files (8 experts written, 16 declared) names the first bad tensor."""
+    d = broken_copy(tiny_ckpt, tmp_path / "ck")
+    edit_config(d, num_local_experts=16)
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.0.mlp.router.weight' has shape \[8, 64\]"):
+        load_weights(d)
+
+
+# ---------------------------------------------------------------------------------------------------------
+def tiny_dict(tiny_ckpt) -> dict:
+    return json.loads((tiny_ckpt / "config.json").read_text())
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(num_attention_heads=5), r"num_attention_heads \(5\) must be a multiple of num_key_value_heads \(2\)"),
+    (dict(layer_types=["sliding_attention", "full_attention", "chunked_attention", "full_attention"]),
+     r"unknown layer_types \['chunked_attention'\]"),
+    (dict(layer_types=["full_attention"] * 3), "layer_types has 3 entries for 4 layers"),
+    (dict(hidden_size=0), "hidden_size must be > 0"),
+    (dict(num_experts_per_tok=9), r"num_experts_per_tok \(9\) > num_local_experts \(8\)"),
+    (dict(head_dim=15), "head_dim must be even"),
+    (dict(sliding_window=0), "sliding_window must be > 0"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0}), "rope_type 'longrope'"),
+    (dict(model_type="llama"), "model_type is 'llama'"),
+])
+def test_bad_config_values(tiny_ckpt, changes, match):
+    d = tiny_dict(tiny_ckpt)
+    d.update(changes)
+    with pytest.raises(ConfigError, match=match):
+        GptOssConfig.from_hf(d)
+
+
+def test_tiny_config_round_trips(tiny_ckpt):
+    cfg = GptOssConfig.from_hf(tiny_ckpt)
+    assert GptOssConfig.from_hf(cfg.to_hf()) == cfg
+    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.sliding_window) == (4, 2, 16)
+    assert cfg.experts_mxfp4 and cfg.eos_token_ids == (2,) and cfg.pad_token_id == 0 and cfg.bos_token_id == 1
+
+
+def test_from_hf_gpt_oss_20b():
+    c = GptOssConfig.from_hf(dict(GPT_OSS_20B, some_future_key={"x": 1}, another=[1, 2]))  # unknown keys ignored
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size) == (201088, 2880, 2880)
+    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (24, 64, 8, 64)
+    assert (c.num_local_experts, c.num_experts_per_tok, c.num_kv_groups) == (32, 4, 8)
+    assert c.sliding_window == 128 and c.max_position_embeddings == 131072
+    assert c.layer_types == (SLIDING, FULL) * 12 and c.is_sliding(0) and not c.is_sliding(23)
+    assert c.rms_norm_eps == 1e-5 and c.swiglu_limit == 7.0 and c.attention_bias and not c.tie_word_embeddings
+    assert c.eos_token_ids == (200002,) and c.pad_token_id == 199999 and c.bos_token_id is None
+    r = c.rope
+    assert (r.rope_type, r.theta, r.factor, r.original_max_position_embeddings) == ("yarn", 150000.0, 32.0, 4096)
+    assert (r.beta_fast, r.beta_slow, r.truncate, r.attention_factor) == (32.0, 1.0, False, None)
+    assert isinstance(r.theta, float)
+    assert c.experts_mxfp4 and c.quantization.modules_to_not_convert == tuple(
+        GPT_OSS_20B["quantization_config"]["modules_to_not_convert"])
+
+
+def test_from_hf_only_experts_per_token_and_num_experts():
+    d = dict(GPT_OSS_20B)
+    del d["num_experts_per_tok"], d["num_local_experts"]
+    d.update(experts_per_token=2, num_experts=16)
+    c = GptOssConfig.from_hf(d)
+    assert (c.num_experts_per_tok, c.num_local_experts) == (2, 16)
+
+
+def test_from_hf_truncate_missing_means_true():
+    d = json.loads(json.dumps(GPT_OSS_20B))
+    del d["rope_scaling"]["truncate"]
+    assert GptOssConfig.from_hf(d).rope.truncate is True
+    d["rope_scaling"]["truncate"] = False
+    assert GptOssConfig.from_hf(d).rope.truncate is False
+
+
+def test_from_hf_new_rope_parameters_form():
+    d = json.loads(json.dumps(GPT_OSS_20B))
+    rp = d.pop("rope_scaling")
+    del d["rope_theta"]
+    d["rope_parameters"] = dict(rp, rope_theta=150000.0)
+    assert GptOssConfig.from_hf(d) == GptOssConfig.from_hf(GPT_OSS_20B)
+
+
+def test_from_hf_eos_list_and_missing_layer_types():
+    d = dict(GPT_OSS_20B, eos_token_id=[200002, 199999, 200012])
+    del d["layer_types"]
+    c = GptOssConfig.from_hf(d)
+    assert c.eos_token_ids == (200002, 199999, 200012)
+    assert c.layer_types == (SLIDING, FULL) * 12                 # GPT-OSS default alternation
+
+
+def test_from_hf_agrees_with_transformers_config():
+    """transformers parses the same dict to the same numbers (rope included)."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GptOssConfig(**json.loads(json.dumps(GPT_OSS_20B)))
+    c = GptOssConfig.from_hf(GPT_OSS_20B)
+    assert (hf.num_local_experts, hf.num_experts_per_tok, hf.sliding_window) == (
+        c.num_local_experts, c.num_experts_per_tok, c.sliding_window)
+    assert list(hf.layer_types) == list(c.layer_types)
+    rp = getattr(hf, "rope_parameters", None) or hf.rope_scaling
+    assert float(rp["rope_theta"] if "rope_theta" in rp else hf.rope_theta) == c.rope.theta
+    assert rp["factor"] == c.rope.factor and rp.get("truncate", True) == c.rope.truncate
