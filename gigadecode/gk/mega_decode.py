@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..mxfp4 import decode_mxfp4
+from ..mxfp4 import _luts, decode_mxfp4
 from ..ops import rms_norm, route, swiglu
 from ..rope import apply_rope
 
@@ -44,6 +44,7 @@ class KernelSpec:
     v_scale: float = 1.0
     mxfp4: bool = True
     moe_chunk: int = 4                  # tokens per expert-decode chunk (bounds the dequantized transient)
+    fused_moe: bool = False             # compiled form: decode-and-dot as one reduction (Inductor fuses it)
 
     @property
     def scale(self) -> float:
@@ -147,6 +148,36 @@ def moe_decode(h: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: Kernel
     return out
 
 
+def mxfp4_matvec(blocks: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Per-row MXFP4 matrix times vector without a dense weight: blocks [n, R, G, 16], scales [n, R, G],
+    x [n, G*32] -> [n, R]. Dot each 32-value group, then apply the group's power of two. Written as one
+    gather + multiply + reduction so Inductor emits a single fused loop (eager would materialize it)."""
+    pair, scale = _luts(x.dtype)
+    n, R, G, _ = blocks.shape
+    vals = pair[blocks.long()]                                           # [n, R, G, 16, 2]
+    part = (vals * x.view(n, 1, G, 16, 2)).sum((-1, -2))                 # [n, R, G]
+    return (part * scale[scales.long()].squeeze(-1)).sum(-1)
+
+
+def moe_decode_fused(h: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: KernelSpec) -> torch.Tensor:
+    """The compiled form's MoE: every (token, slot) pair at once, experts never dequantized to memory."""
+    idx, gate_w = route(h, W["router_w"][i], W["router_b"][i], spec.top_k)  # [Bt, k]
+    bt, k = idx.shape
+    e = idx.reshape(-1)                                                   # [Bt k]
+    hk = h.repeat_interleave(k, dim=0)                                    # [Bt k, H]
+    if spec.mxfp4:
+        g = mxfp4_matvec(W["gate_up_blocks"][i][e], W["gate_up_scales"][i][e], hk)
+    else:
+        g = torch.bmm(hk.unsqueeze(1), W["gate_up"][i][e]).squeeze(1)
+    a = swiglu(g + W["gate_up_bias"][i][e], spec.alpha, spec.limit)      # [Bt k, I]
+    if spec.mxfp4:
+        y = mxfp4_matvec(W["down_blocks"][i][e], W["down_scales"][i][e], a)
+    else:
+        y = torch.bmm(a.unsqueeze(1), W["down"][i][e]).squeeze(1)
+    y = (y + W["down_bias"][i][e]) * gate_w.reshape(-1, 1)
+    return y.view(bt, k, -1).sum(1)
+
+
 def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tensor],
                                k_bufs: tuple[torch.Tensor, ...] | None, v_bufs: tuple[torch.Tensor, ...] | None,
                                cos: torch.Tensor, sin: torch.Tensor, full_table: torch.Tensor,
@@ -180,7 +211,7 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
         x = x + F.linear(a, W["o_w"][i], W["o_b"][i])
 
         h = rms_norm(x, W["post_norm"][i], spec.eps)
-        x = x + moe_decode(h, W, i, spec)
+        x = x + (moe_decode_fused(h, W, i, spec) if spec.fused_moe else moe_decode(h, W, i, spec))
     x = rms_norm(x, W["norm"], spec.eps)
     if return_hidden:
         return x

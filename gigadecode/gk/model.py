@@ -14,6 +14,7 @@ per-buffer KV, and the program that runs them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from pathlib import Path
@@ -109,7 +110,8 @@ class GptOssGKDecodeModel(torch.nn.Module):
         prog = self._programs.get(key)
         if prog is None:
             enable_inductor_disk_cache()
-            prog = torch.compile(functools.partial(gpt_oss_decode_mega_kernel, spec=self.spec),
+            spec = dataclasses.replace(self.spec, fused_moe=True)
+            prog = torch.compile(functools.partial(gpt_oss_decode_mega_kernel, spec=spec),
                                  fullgraph=True, dynamic=False)
             self._programs[key] = prog
         return prog

@@ -1,0 +1,7 @@
+"""`python -m gigadecode …` (also what torchrun launches)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

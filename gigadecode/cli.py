@@ -1,0 +1,213 @@
+"""The `gigadecode` command line (a contract: see shared/DESIGN.md § "Command line").
+
+Subcommands: make-checkpoint, generate, plan, serve, proxy, demo. Heavy imports happen inside each
+command so `gigadecode --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_TINY_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode")) / "tiny"
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp8"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from --kv-budget-gib)")
+    g.add_argument("--kv-budget-gib", type=float, default=None)
+    g.add_argument("--decoder", default="gk", choices=["reference", "gk", "gk-compiled"])
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-prefill-tokens", type=int, default=512)
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--dp", type=int, default=1)
+    g.add_argument("--ep", type=int, default=1)
+
+
+def engine_config(args: argparse.Namespace, kv_role: str = "kv_both"):
+    from .config import EngineConfig
+    return EngineConfig(dtype=args.dtype, kv_dtype=args.kv_dtype, block_size=args.block_size,
+                        num_blocks=args.num_blocks, kv_budget_gib=args.kv_budget_gib,
+                        decoder=args.decoder, gk_decode=args.decoder != "reference", kv_role=kv_role,
+                        max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
+                        tp=args.tp, dp=args.dp, ep=args.ep)
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+# ------------------------------------------------------------------------------------------------------
+def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    from .checkpoint import make_checkpoint
+    t0 = time.perf_counter()
+    out = make_checkpoint(args.out, args.preset, seed=args.seed, experts=args.experts)
+    print(f"wrote {args.preset} checkpoint ({args.experts} experts) to {out} in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def _read_requests(args: argparse.Namespace, codec) -> list[tuple[list[int], dict]]:
+    if args.requests:
+        out = []
+        for n, line in enumerate(Path(args.requests).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"gigadecode generate: {args.requests}:{n}: not JSON ({e})")
+            if "prompt_ids" in d:
+                ids = d.pop("prompt_ids")
+            elif "prompt" in d and codec is not None:
+                ids = codec.encode(d.pop("prompt"))
+            else:
+                raise SystemExit(f"gigadecode generate: {args.requests}:{n}: needs prompt_ids (or prompt with a tokenizer)")
+            out.append((ids, d))
+        return out
+    if args.prompt_ids is not None:
+        try:
+            return [([int(t) for t in args.prompt_ids.split(",") if t.strip()], {})]
+        except ValueError:
+            raise SystemExit("gigadecode generate: --prompt-ids must be comma-separated integers")
+    if codec is None:
+        raise SystemExit("gigadecode generate: this checkpoint has no tokenizer.json; use --prompt-ids")
+    return [(codec.encode(args.prompt), {})]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine import LLMEngine
+    from .runner import ModelRunner
+    from .sampling import SamplingParams
+    from .tokenizer import TextCodec
+
+    ecfg = engine_config(args)
+    runner = ModelRunner(args.model, ecfg, progress=not args.json)
+    engine = LLMEngine(runner)
+    codec = TextCodec.from_dir(args.model)
+    base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    reqs = _read_requests(args, codec)
+    ids = []
+    for prompt, extra in reqs:
+        params = SamplingParams.from_dict({**base, **extra})
+        ids.append(engine.add_request(prompt, params))
+    stream = not args.json and len(ids) == 1
+    decoder = None
+    if stream:
+        req = engine.requests[ids[0]]
+        prompt_text = codec.decode(req.prompt_ids) if codec else None
+        print(f"prompt ids: {req.prompt_ids}")
+        if prompt_text is not None:
+            print(f"prompt: {prompt_text!r}")
+        print("output: ", end="", flush=True)
+        if codec is not None:
+            from .tokenizer import StreamDecoder
+            decoder = StreamDecoder(codec)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if stream:
+                for t in out.new_token_ids:
+                    print(decoder.push(t) if decoder else f"{t} ", end="", flush=True)
+    results = [engine.requests[i] for i in ids]
+    for r in results:
+        n = len(r.output_ids)
+        dt = (r.last_token_time or 0) - (r.first_token_time or 0)
+        tok_s = (n - 1) / dt if n > 1 and dt > 0 else 0.0
+        if args.json:
+            d = {"prompt_ids": r.prompt_ids, "token_ids": r.output_ids, "finish_reason": r.finish_reason,
+                 "decode_tok_s": round(tok_s, 2)}
+            if codec is not None:
+                d["text"] = codec.decode(r.output_ids)
+            print(json.dumps(d), flush=True)
+        else:
+            if not stream:
+                print(f"prompt ids: {r.prompt_ids}")
+            print(("\n" if stream else "") + f"token ids: {r.output_ids}")
+            print(f"finish: {r.finish_reason}  decode: {tok_s:.1f} tok/s ({ecfg.decoder}, kv {ecfg.kv_dtype})")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .plan import run_plan
+    return run_plan(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .checkpoint import make_checkpoint
+    d = Path(args.model) if args.model else DEFAULT_TINY_DIR
+    if not (d / "config.json").exists():
+        print(f"writing the built-in tiny model to {d} ...", flush=True)
+        make_checkpoint(d, "tiny", seed=0)
+    prompt = args.prompt
+    ns = argparse.Namespace(model=str(d), prompt=prompt, prompt_ids=None, requests=None, json=False,
+                            max_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
+                            ignore_eos=True, dtype="float32", kv_dtype="fp8", block_size=16, num_blocks=None,
+                            kv_budget_gib=None, decoder="gk", max_num_seqs=64, max_prefill_tokens=512,
+                            tp=1, dp=1, ep=1)
+    print(f"generate on the tiny model ({d}): GK decode program, packed-FP8 KV cache")
+    return cmd_generate(ns)
+
+
+# ------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="gigadecode", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-checkpoint", help="write a GPT-OSS checkpoint (HF layout) from a decisive random init")
+    p.add_argument("--preset", required=True, choices=["tiny", "small", "20b-shape", "120b-shape"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--experts", default="mxfp4", choices=["mxfp4", "bf16"])
+    p.set_defaults(func=cmd_make_checkpoint)
+
+    p = sub.add_parser("generate", help="generate from prompts (continuous batching, GK decode)")
+    p.add_argument("--model", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-ids")
+    src.add_argument("--requests", help="JSON lines: {\"prompt_ids\": [...], \"max_tokens\": N, ...}")
+    add_sampling_arguments(p)
+    add_engine_arguments(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per request")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("plan", help="the KV memory plan for a config and parallel layout")
+    from .plan import add_plan_arguments
+    add_plan_arguments(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("demo", help="the main job: generate on the built-in tiny model")
+    p.add_argument("--model", default=None, help=f"where the tiny model lives (default {DEFAULT_TINY_DIR})")
+    p.add_argument("--prompt", default="The decode engine runs the whole stack")
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.set_defaults(func=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .config import ConfigError
+    from .weights import CheckpointError
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, CheckpointError, ValueError) as e:
+        print(f"gigadecode {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

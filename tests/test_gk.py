@@ -1,0 +1,193 @@
+"""The GK decode program against the per-layer model (token-identical greedy output, same FP8 KV), its
+attention control on hand-computed cases, the packed-K layout, the KV binding forms, and its memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gigadecode.checkpoint import make_checkpoint, preset_config
+from gigadecode.config import EngineConfig, GptOssConfig
+from gigadecode.gk.attn_control import build_attention_control
+from gigadecode.gk.model import GptOssGKDecodeModel
+from gigadecode.kv.cache import KVCache, gather_kv, token_major_to_packed, write_kv
+from gigadecode.rope import Rope
+from gigadecode.weights import load_weights
+
+from .gk_harness import run_lockstep
+from .helpers import random_prompt
+
+# block 4, window 16: block edges (4, 5, 8), N % 4 == 3 (3, 7, 19, 23), window edge (15, 16, 17), > 2 windows.
+LENGTHS = [1, 3, 4, 5, 7, 15, 16, 17, 19, 23, 40]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_ckpt):
+    cfg = GptOssConfig.from_hf(tiny_ckpt)
+    return cfg, load_weights(tiny_ckpt, cfg, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    cfg, _ = tiny
+    return [random_prompt(n, cfg.vocab_size, seed=100 + n) for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny, prompts):
+    cfg, w = tiny
+    return run_lockstep(cfg, w, prompts, steps=24, decoder="reference")
+
+
+def test_gk_eager_equals_per_layer_with_padding(tiny, prompts, reference_tokens):
+    cfg, w = tiny
+    got = run_lockstep(cfg, w, prompts, steps=24, decoder="gk", bucket=16)   # 11 live slots + 5 padded
+    assert got == reference_tokens
+
+
+def test_gk_stacked_kv_equals_per_buffer(tiny, prompts, reference_tokens):
+    cfg, w = tiny
+    got = run_lockstep(cfg, w, prompts, steps=24, decoder="gk", bucket=16, stacked=True)
+    assert got == reference_tokens
+
+
+def test_gk_bf16_kv_equals_per_layer(tiny, prompts):
+    cfg, w = tiny
+    ref = run_lockstep(cfg, w, prompts[:6], steps=12, decoder="reference", kv_dtype="auto", block_size=8)
+    got = run_lockstep(cfg, w, prompts[:6], steps=12, decoder="gk", kv_dtype="auto", block_size=8, bucket=8)
+    assert got == ref
+
+
+def test_gk_compiled_equals_per_layer(tiny, prompts, reference_tokens):
+    """The compiled program (torch.compile fullgraph, fused MXFP4 MoE) on the same batch."""
+    cfg, w = tiny
+    got = run_lockstep(cfg, w, prompts, steps=24, decoder="gk-compiled", bucket=16, full_width=32)
+    assert got == reference_tokens
+
+
+def test_gk_generic_layer_pattern(tmp_path):
+    """A layer pattern other than alternating (S F F S F F): 3 KV groups, buffers shared by 3 layers."""
+    base = preset_config("tiny")
+    cfg = base.with_(num_hidden_layers=6, layer_types=("sliding_attention", "full_attention", "full_attention") * 2)
+    d = make_checkpoint(tmp_path / "sff", cfg=cfg, seed=3)
+    cfg = GptOssConfig.from_hf(d)
+    w = load_weights(d, cfg)
+    prompts = [random_prompt(n, cfg.vocab_size, seed=n) for n in (2, 15, 18, 33)]
+    ref = run_lockstep(cfg, w, prompts, steps=10, decoder="reference")
+    assert run_lockstep(cfg, w, prompts, steps=10, decoder="gk", bucket=4) == ref
+
+
+def test_bind_kv_cache_rejects_split_buffers(tiny):
+    cfg, w = tiny
+    kv = KVCache(cfg, EngineConfig(kv_dtype="fp8", block_size=4), 16)
+    gk = GptOssGKDecodeModel(cfg, w, kv.config, 4)
+    m = kv.bind_map()
+    m[1] = [m[1][0].clone(), m[1][1]]            # layer 1 shares buffer 0 with layer 0
+    with pytest.raises(ValueError, match="sharing buffer 0"):
+        gk.bind_kv_cache(m)
+    gk.bind_kv_cache(kv.bind_map())
+    # each buffer is its own registered attribute, never a list
+    names = dict(gk.named_buffers())
+    assert set(names) == {f"{kv_}_cache_buf_{i}" for kv_ in "KV" for i in range(kv.config.group_size)}
+    assert names["K_cache_buf_0"].dim() == names["V_cache_buf_0"].dim() + 1      # packed K
+
+
+# -- attention control on hand-computed cases ---------------------------------------------------------
+def _ctl(positions, tables, window=8, block=4, bucket=None, full_width=None):
+    cfg = preset_config("tiny")
+    return build_attention_control(positions, tables, [True, False], Rope(cfg, torch.float32), block, window,
+                                   batch_bucket=bucket, full_width=full_width)
+
+
+def test_attention_control_hand_computed():
+    # block 4, window 8. Slot 0: p = 13 -> blocks 0..3; s = (13-8+1)//4 = 1; pos_swa = 13 - 4 = 9.
+    # Slot 1: p = 2 -> block 0; s = 0.
+    tables = [[[0, 21, 22, 23], [31, 32, 33, 34]],          # sliding (block 0 freed -> null), full
+              [[41], [51]]]
+    c = _ctl([13, 2], tables, bucket=4, full_width=4)
+    assert c.swa_table.shape == (1, 4, 3)                  # ns = cdiv(8-1, 4) + 1 = 3
+    assert c.swa_table[0, 0].tolist() == [21, 22, 23]
+    assert c.swa_table[0, 1].tolist() == [41, 0, 0]
+    assert c.full_table[0, 0].tolist() == [31, 32, 33, 34]
+    assert c.full_table[0, 1].tolist() == [51, 0, 0, 0]
+    assert c.pos.tolist() == [13, 2, 0, 0]
+    assert c.pos_swa.tolist() == [9, 2, 0, 0]
+    assert c.kv_cache_update_idx[0].tolist() == [34 * 4 + 1, 51 * 4 + 2, 0, 0]
+    assert c.kv_cache_update_idx_swa[0].tolist() == [23 * 4 + 1, 41 * 4 + 2, 0, 0]
+    assert c.active.tolist() == [True, True, False, False]   # padded slots write to the null block
+
+
+def test_attention_control_window_edges():
+    # p = 7 (first token with a full window of 8 keys 0..7): s = 0. p = 8: s = (8-7)//4 = 0. p = 11: s = 1.
+    t = [[[1, 2, 3, 4], [5, 6, 7, 8]]]
+    assert _ctl([7], t).pos_swa.tolist() == [7]
+    assert _ctl([8], t).pos_swa.tolist() == [8]
+    c = _ctl([11], t)
+    assert c.pos_swa.tolist() == [7] and c.swa_table[0, 0].tolist() == [2, 3, 0]
+    with pytest.raises(ValueError, match="no block for logical block"):
+        _ctl([16], t)                                        # logical block 4 is missing from both tables
+    with pytest.raises(ValueError, match="width"):
+        _ctl([11], t, full_width=2)
+
+
+# -- packed K ----------------------------------------------------------------------------------------------
+def test_packed_k_element_is_token_2p_plus_s():
+    cfg = preset_config("tiny")
+    kv = KVCache(cfg, EngineConfig(kv_dtype="fp8", block_size=4), 8)
+    nkv, d = kv.num_kv_heads, kv.head_dim
+    k = torch.arange(4 * nkv * d, dtype=torch.float32).reshape(4, nkv, d) % 13   # exact in e4m3
+    v = -k
+    slots = torch.tensor([3 * 4 + t for t in range(4)])                           # tokens 0..3 of block 3
+    kb, vb = kv.layer_kv(0)
+    write_kv(kb, vb, slots, k, v, 4)
+    assert kb.shape == (8, nkv, 2, d, 2)
+    for p in range(2):
+        for s in range(2):
+            for j in range(d):
+                for h in range(nkv):
+                    assert kb[3, h, p, j, s].float() == k[2 * p + s, h, j]
+    kk, vv = gather_kv(kb, vb, torch.tensor([3]), torch.float32)
+    assert torch.equal(kk, k) and torch.equal(vv, v)
+    # the token-major -> packed helper agrees with the layout
+    tm = k.transpose(0, 1)                                   # [kv, block, d]
+    assert torch.equal(token_major_to_packed(tm), kb[3].float())
+
+
+# -- memory: a decode step allocates nothing the size of a weight stack ---------------------------------
+class _MaxAlloc(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.biggest, self.where = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            aliased = any(r.alias_info is not None for r in func._schema.returns)
+            if isinstance(t, torch.Tensor) and not aliased:
+                n = t.numel() * t.element_size()
+                if n > self.biggest:
+                    self.biggest, self.where = n, str(func)
+        return out
+
+
+@pytest.mark.parametrize("decoder", ["gk"])
+def test_decode_step_allocates_no_weight_sized_tensor(tmp_path, decoder):
+    base = preset_config("tiny")
+    cfg = base.with_(num_hidden_layers=8, layer_types=(), num_local_experts=32)
+    d = make_checkpoint(tmp_path / "m", cfg=cfg, seed=1)
+    cfg = GptOssConfig.from_hf(d)
+    w = load_weights(d, cfg)
+    smallest_stack = min(w.tensors[n].numel() * w.tensors[n].element_size()
+                         for n in ("qkv_w", "gate_up_blocks", "down_blocks"))
+    kv = KVCache(cfg, EngineConfig(kv_dtype="fp8", block_size=4), 64)
+    gk = GptOssGKDecodeModel(cfg, w, kv.config, 4, kv.k_scale, kv.v_scale)
+    gk.bind_kv_cache(kv.bind_map())
+    tables = [[[1, 2, 3, 4], [5, 6, 7, 8]], [[9, 10, 11, 12], [13, 14, 15, 16]]]
+    ctl = build_attention_control([9, 14], tables, [True, False], Rope(cfg, torch.float32), 4, cfg.sliding_window,
+                                  batch_bucket=4)
+    ids = torch.tensor([5, 6, 0, 0])
+    gk.decode(ids, ctl)                                      # warm-up
+    with _MaxAlloc() as m:
+        gk.decode(ids, ctl)
+    assert m.biggest < smallest_stack, (m.biggest, m.where, smallest_stack)
