@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from .config import FULL, SLIDING, GptOssConfig, QuantConfig, RopeConfig
 from .mxfp4 import BYTES_PER_GROUP, GROUP
+from .tokenizer import write_tokenizer_files
 
 PRESETS: dict[str, dict] = {
     # Seconds to load and run: tests.
@@ -162,6 +163,8 @@ def make_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, expert
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    if cfg.vocab_size >= 300:  # a byte-level vocabulary needs 256 ids plus the specials
+        write_tokenizer_files(out, cfg)
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": list(cfg.eos_token_ids), "pad_token_id": cfg.pad_token_id, "do_sample": False},
         indent=2) + "\n")

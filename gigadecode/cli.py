@@ -122,6 +122,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if stream:
                 for t in out.new_token_ids:
                     print(decoder.push(t) if decoder else f"{t} ", end="", flush=True)
+    if decoder is not None:
+        print(decoder.flush(), end="", flush=True)
     results = [engine.requests[i] for i in ids]
     for r in results:
         n = len(r.output_ids)

@@ -34,7 +34,7 @@ def test_same_seed_same_bytes(tmp_path, tiny_ckpt, tiny_ckpt_bf16, experts):
     ref = tiny_ckpt if experts == "mxfp4" else tiny_ckpt_bf16
     again = make_checkpoint(tmp_path / "again", "tiny", seed=0, experts=experts)
     a, b = all_bytes(ref), all_bytes(again)
-    assert set(a) == {"config.json", "generation_config.json", "model.safetensors"}
+    assert set(a) == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
     assert a == b
 
 

@@ -218,15 +218,26 @@ def test_bad_block_ids_are_clear_errors(consumer, producer):
 
 @pytest.mark.timeout(60)
 def test_stalled_producer_times_out(consumer, producer):
+    """A producer that stops progressing its agent (a hung prefill engine): READs time out and are cancelled.
+
+    UCX lets about one READ complete right after the target stops progressing, so up to 3 are tried.
+    """
     agent, _ = consumer
     assert producer.command("stall") == "ok"
     try:
-        h = agent.read(producer.name, [(6, 6), (8, 9)], notif=b"req-stalled")
-        t0 = time.monotonic()
-        with pytest.raises(TransferTimeout, match="not done after"):
-            agent.wait(h, timeout_s=1.0)
-        assert time.monotonic() - t0 < 5
-        assert h.state == "TIMEOUT" and h.released
+        outcomes = []
+        for attempt in range(3):
+            h = agent.read(producer.name, [(6, 6), (8, 9)], notif=b"req-stalled-%d" % attempt)
+            t0 = time.monotonic()
+            try:
+                agent.wait(h, timeout_s=1.0)
+                outcomes.append("done")
+            except TransferTimeout as e:
+                assert "not done after 1 s" in str(e) and "cancelled" in str(e)
+                assert 0.9 < time.monotonic() - t0 < 5 and h.state == "TIMEOUT" and h.released
+                outcomes.append("timeout")
+                break
+        assert outcomes[-1] == "timeout", outcomes
     finally:
         assert producer.command("resume") == "ok"
     h = agent.read_blocks(producer.name, [(6, 6)], notif=b"req-after", timeout_s=20)

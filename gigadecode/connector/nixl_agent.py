@@ -1,0 +1,371 @@
+"""One NIXL agent over an engine's KV buffers: register, hand-shake, READ blocks, notifications.
+
+`NixlKVAgent` wraps one `nixl_agent` (UCX backend, progress thread off by default). Both engines create
+one and `register_kv(kv_cache)`. The producer (prefill) hands `metadata()` (bytes) and `layout()` (a
+`KVLayout`, `to_dict()` for JSON) to the consumer out of band (HTTP, later); the consumer calls
+`add_remote(name, metadata, layout)`, which checks the layouts first (`check_compatible`), then
+`read(remote, pairs, notif)` / `wait(handle, timeout_s)` (or `read_blocks` for both). The producer learns
+that a READ completed from the notification: `get_notifs() -> {consumer agent name: [notif bytes, ...]}`.
+
+Regions: per buffer i, K = `group_bufs[i][0]` then V = `group_bufs[i][1]`; a region whose base address was
+already registered is skipped. Block b of region r is the descriptor `base_r + b·block_len` (length
+`block_len = kv·block·d·itemsize`); every region's descriptors are prepared once (local at `register_kv`,
+remote at `add_remote`), and a read of pairs [(rb, lb), ...] selects descriptor `r·num_blocks + b` on both
+sides for every region r.
+
+NIXL facts (nixl 1.5.1, UCX backend, loopback, no GPU):
+- Progress: with the progress thread off, a READ only completes while the *target* agent is progressed
+  too. The producer must therefore call `get_notifs()` (or `progress()`) regularly (its engine loop does,
+  every step) or be built with `progress_thread=True`; a producer that stops progressing makes the
+  consumer's READs time out (`TransferTimeout`: the stalled-prefill failure). UCX data goes by cma
+  (process_vm_readv) zero-copy, control by tcp; about one READ still completes right after the target
+  stops progressing, the next ones do not. Progress thread on or off measured the same here.
+- Errors surface as Python exceptions from the bindings (`nixlInvalidParamError` for an out-of-range
+  descriptor index, `nixlRemoteDisconnectError` from `transfer` or `check_xfer_state` once the peer is
+  gone), not only as an "ERR" state; all become `TransferError` here. Block ids are validated first.
+- float8 tensors register as they are (registration only uses `data_ptr()` and the byte length).
+- `add_remote_agent` returns the peer's name as bytes; notification dicts are keyed by str.
+- Releasing an in-flight transfer cancels it (its notification is never delivered); after a timeout or
+  an error the local blocks' content is undefined and the caller must free them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # nixl logs every backend/agent creation at INFO to stdout
+
+import nixl._bindings as _nixl_bindings  # noqa: E402  (a real dependency: fail loudly if missing)
+from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
+
+from .base import HandshakeError, KVLayout, TransferError, TransferTimeout, check_compatible  # noqa: E402
+
+NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
+    getattr(_nixl_bindings, n) for n in dir(_nixl_bindings)
+    if n.startswith("nixl") and n.endswith("Error") and isinstance(getattr(_nixl_bindings, n), type))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def block_descs(region_addrs: Sequence[int], num_blocks: int, block_len: int, device_id: int = 0) -> np.ndarray:
+    """[num_regions * num_blocks, 3] uint64 (addr, len, dev): row r·num_blocks + b is block b of region r."""
+    base = np.asarray(region_addrs, dtype=np.uint64)[:, None]
+    offs = np.arange(num_blocks, dtype=np.uint64)[None, :] * np.uint64(block_len)
+    out = np.empty((len(region_addrs) * num_blocks, 3), dtype=np.uint64)
+    out[:, 0] = (base + offs).reshape(-1)
+    out[:, 1] = block_len
+    out[:, 2] = device_id
+    return out
+
+
+@dataclass
+class _Remote:
+    name: str
+    layout: KVLayout
+    dlist: Any                       # prepped remote descriptor list
+
+
+@dataclass
+class ReadHandle:
+    """A posted READ. `state`: PROC | DONE | ERR | TIMEOUT; `error` set on ERR / TIMEOUT."""
+
+    remote: str
+    num_pairs: int
+    num_descs: int
+    nbytes: int
+    notif: bytes
+    t_posted: float
+    xfer: Any = None                 # nixl_xfer_handle; None for an empty read
+    state: str = "PROC"
+    error: str | None = None
+    t_done: float | None = None
+    released: bool = field(default=False, repr=False)
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.t_done is None else self.t_done - self.t_posted
+
+
+class NixlKVAgent:
+    """One engine's NIXL agent over its KV buffers (see the module docstring)."""
+
+    def __init__(self, name: str, *, engine_id: str | None = None, host: str = "127.0.0.1", port: int = 0,
+                 model_id: str = "", progress_thread: bool = False, backends: Sequence[str] = ("UCX",)) -> None:
+        self.name = name
+        self.engine_id = engine_id or name
+        self.host, self.port, self.model_id = host, port, model_id
+        try:
+            self.agent = nixl_agent(name, nixl_agent_config(backends=list(backends),
+                                                            enable_prog_thread=progress_thread))
+        except NIXL_ERRORS as e:
+            raise TransferError(f"cannot create NIXL agent {name!r} with backends {list(backends)}: "
+                                f"{type(e).__name__}: {e} (UCX_TLS must include tcp)") from e
+        missing = [b for b in backends if b not in self.agent.backends]
+        if missing:
+            raise TransferError(f"NIXL backend(s) {missing} not available (plugins: {self.agent.get_plugin_list()})")
+        self._layout: KVLayout | None = None
+        self._tensors: list[torch.Tensor] = []     # the registered regions (kept alive while registered)
+        self._reg = None                           # nixlRegDList, for deregistration
+        self._local_dlist = None
+        self._remotes: dict[str, _Remote] = {}
+
+    # -- registration ------------------------------------------------------------------------------
+    def register_kv(self, kv_cache: Any) -> KVLayout:
+        """Register K and V of every buffer of a `KVCache` (`group_bufs[i]: [2, nb, kv, block, d]`)."""
+        if self._layout is not None:
+            raise RuntimeError(f"agent {self.name!r} already registered its KV")
+        regions: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for buf in kv_cache.group_bufs:
+            if buf.dim() != 5 or buf.shape[0] != 2:
+                raise ValueError(f"KV buffer must be [2, num_blocks, kv, block, d], got {tuple(buf.shape)}")
+            for half in (buf[0], buf[1]):
+                if not half.is_contiguous():
+                    raise ValueError("KV region is not contiguous")
+                if half.data_ptr() in seen:          # a buffer shared by paired layers: registered once
+                    continue
+                seen.add(half.data_ptr())
+                regions.append(half)
+        first = regions[0]
+        nb, kv, block, d = first.shape
+        block_len = kv * block * d * first.element_size()
+        if any(r.shape != first.shape or r.dtype != first.dtype or r.device != first.device for r in regions):
+            raise ValueError("KV regions differ in shape, dtype or device")
+        cuda = first.device.type == "cuda"
+        mem_type, dev = ("VRAM", first.device.index or 0) if cuda else ("DRAM", 0)
+        try:
+            self._reg = self.agent.register_memory(regions)
+            self._local_dlist = self.agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", block_descs([r.data_ptr() for r in regions], nb, block_len, dev), mem_type)
+        except NIXL_ERRORS as e:
+            raise TransferError(f"NIXL registration of {len(regions)} KV regions failed: "
+                                f"{type(e).__name__}: {e}") from e
+        self._tensors = regions
+        self._layout = KVLayout(
+            engine_id=self.engine_id, agent_name=self.name, host=self.host, port=self.port,
+            model_id=self.model_id, dtype=_dtype_name(first.dtype), packed=bool(getattr(kv_cache, "packed", False)),
+            block_size=block, kv_heads=kv, head_dim=d, num_blocks=nb, block_len=block_len,
+            num_groups=len(kv_cache.config.groups) if hasattr(kv_cache, "config") else 1,
+            num_buffers=len(kv_cache.group_bufs), num_regions=len(regions),
+            region_addrs=tuple(r.data_ptr() for r in regions), mem_type=mem_type, device_id=dev)
+        return self._layout
+
+    def layout(self) -> KVLayout:
+        if self._layout is None:
+            raise RuntimeError(f"agent {self.name!r}: register_kv first")
+        return self._layout
+
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata (connection info + registered memory), for `add_remote` on a peer."""
+        self.layout()
+        return self.agent.get_agent_metadata()
+
+    # -- peers -------------------------------------------------------------------------------------
+    def add_remote(self, name: str, agent_metadata: bytes, remote_layout: KVLayout) -> str:
+        """Pair with a producer: check layouts (HandshakeError on mismatch), load its metadata, prep its blocks."""
+        local = self.layout()
+        if remote_layout.agent_name != name:
+            raise HandshakeError(f"remote layout belongs to agent {remote_layout.agent_name!r}, not {name!r}")
+        check_compatible(local, remote_layout)
+        if name in self._remotes:                    # a re-handshake (e.g. the peer restarted)
+            self.remove_remote(name)
+        try:
+            loaded = self.agent.add_remote_agent(agent_metadata)
+        except NIXL_ERRORS as e:
+            raise HandshakeError(f"cannot load NIXL metadata of {name!r}: {type(e).__name__}: {e}") from e
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != name:
+            self.agent.remove_remote_agent(loaded)
+            raise HandshakeError(f"NIXL metadata is for agent {loaded!r}, expected {name!r}")
+        rl = remote_layout
+        try:
+            dlist = self.agent.prep_xfer_dlist(
+                name, block_descs(rl.region_addrs, rl.num_blocks, rl.block_len, rl.device_id), rl.mem_type)
+        except NIXL_ERRORS as e:
+            self.agent.remove_remote_agent(name)
+            raise HandshakeError(f"remote regions of {name!r} do not match its NIXL metadata: "
+                                 f"{type(e).__name__}: {e}") from e
+        self._remotes[name] = _Remote(name, rl, dlist)
+        return name
+
+    def remove_remote(self, name: str) -> None:
+        r = self._remotes.pop(name, None)
+        if r is not None:
+            r.dlist.release()
+            self.agent.remove_remote_agent(name)
+
+    @property
+    def remotes(self) -> list[str]:
+        return list(self._remotes)
+
+    # -- transfers ---------------------------------------------------------------------------------
+    def read(self, remote: str, pairs: Sequence[tuple[int, int]], notif: bytes = b"",
+             sub_range: tuple[int, int] | None = None) -> ReadHandle:
+        """Post a READ of remote block rb into local block lb for each (rb, lb) in `pairs`, in every region.
+
+        `notif` is delivered to the remote agent (its `get_notifs()`) when the READ completes. Returns at
+        once; finish with `wait` (blocking) or `poll`. An empty `pairs` only sends `notif`.
+
+        `sub_range=(offset, length)` is the hook for `head_ratio != 1` (prefill TP != decode TP): read only
+        that byte range of each remote block (its kv-head slice; heads are outermost within a block, also
+        for packed K) into the local block. Not implemented yet: it needs a second remote dlist prepared
+        from `block_descs` with `addr + offset`, `length`, and a local block_len of `length`.
+        """
+        if sub_range is not None:
+            raise NotImplementedError("partial-block reads (head_ratio != 1) are not implemented yet")
+        local = self.layout()
+        r = self._remotes.get(remote)
+        if r is None:
+            raise TransferError(f"unknown remote agent {remote!r} (known: {sorted(self._remotes)}); add_remote first")
+        notif = notif.encode() if isinstance(notif, str) else bytes(notif)
+        arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+        rb, lb = arr[:, 0], arr[:, 1]
+        if len(arr):
+            bad = rb[(rb < 0) | (rb >= r.layout.num_blocks)]
+            if len(bad):
+                raise TransferError(f"remote block id {int(bad[0])} out of range [0, {r.layout.num_blocks}) "
+                                    f"of agent {remote!r}")
+            bad = lb[(lb < 0) | (lb >= local.num_blocks)]
+            if len(bad):
+                raise TransferError(f"local block id {int(bad[0])} out of range [0, {local.num_blocks})")
+            if len(np.unique(lb)) != len(lb):
+                raise TransferError("a local block id appears twice in one read")
+        handle = ReadHandle(remote, len(arr), len(arr) * local.num_regions,
+                            len(arr) * local.num_regions * local.block_len, notif, time.monotonic())
+        if not len(arr):
+            if notif:
+                self._nixl(self.agent.send_notif, remote, notif, what="send notification")
+            handle.state, handle.t_done = "DONE", time.monotonic()
+            return handle
+        reg = np.arange(local.num_regions, dtype=np.int64)[:, None]
+        local_idx = (reg * local.num_blocks + lb[None, :]).reshape(-1).astype(np.int32)
+        remote_idx = (reg * r.layout.num_blocks + rb[None, :]).reshape(-1).astype(np.int32)
+        handle.xfer = self._nixl(self.agent.make_prepped_xfer, "READ", self._local_dlist, local_idx,
+                                 r.dlist, remote_idx, notif, what="prepare READ")
+        state = "ERR"
+        try:
+            state = self.agent.transfer(handle.xfer)
+        except NIXL_ERRORS as e:
+            self._fail(handle, f"posting READ from {remote!r} failed: {type(e).__name__}: {e}")
+        if state == "ERR":
+            self._fail(handle, f"posting READ from {remote!r} failed (state ERR)")
+        if state == "DONE":
+            self._finish(handle)
+        return handle
+
+    def poll(self, handle: ReadHandle) -> bool:
+        """Non-blocking: True once the READ is done (the handle is then released); raises TransferError."""
+        if handle.state == "DONE":
+            return True
+        if handle.state != "PROC":
+            raise TransferError(handle.error or f"READ in state {handle.state}")
+        state = "ERR"
+        try:
+            state = self.agent.check_xfer_state(handle.xfer)
+        except NIXL_ERRORS as e:
+            self._fail(handle, f"READ from {handle.remote!r} failed: {type(e).__name__}: {e}")
+        if state == "ERR":
+            self._fail(handle, f"READ from {handle.remote!r} failed (state ERR)")
+        if state == "DONE":
+            self._finish(handle)
+            return True
+        return False
+
+    def wait(self, handle: ReadHandle, timeout_s: float = 30.0) -> ReadHandle:
+        """Block until the READ is done. TransferError on failure, TransferTimeout (the READ is cancelled)
+        after `timeout_s`; the handle is always released."""
+        deadline = handle.t_posted + timeout_s
+        spins = 0
+        try:
+            while not self.poll(handle):
+                now = time.monotonic()
+                if now >= deadline:
+                    handle.state = "TIMEOUT"
+                    handle.error = (f"READ of {handle.num_pairs} blocks ({handle.nbytes} bytes) from "
+                                    f"{handle.remote!r} not done after {timeout_s:.3g} s (is the producer "
+                                    f"progressing its agent?); cancelled, local blocks are undefined")
+                    raise TransferTimeout(handle.error)
+                spins += 1
+                # Busy-poll briefly (a small read is done in microseconds), then yield the core to the peer.
+                time.sleep(0 if spins < 64 else min(1e-3, 1e-5 * (spins - 63)))
+        finally:
+            self._release(handle)
+        return handle
+
+    def read_blocks(self, remote: str, pairs: Sequence[tuple[int, int]], notif: bytes = b"",
+                    timeout_s: float = 30.0) -> ReadHandle:
+        """`read` + `wait`."""
+        return self.wait(self.read(remote, pairs, notif), timeout_s)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """Notifications not returned before, {sender agent name: [msg, ...]}; also progresses the agent."""
+        new = self._nixl(self.agent.update_notifs, what="get notifications")
+        self.agent.notifs = {}
+        return {k: list(v) for k, v in new.items() if v}
+
+    def progress(self) -> None:
+        """Progress the agent (a producer must, often: peers' READs complete only then); keeps notifications."""
+        self._nixl(self.agent.update_notifs, what="progress the agent")
+
+    def send_notif(self, remote: str, msg: bytes) -> None:
+        self._nixl(self.agent.send_notif, remote, msg, what="send notification")
+
+    def close(self) -> None:
+        """Forget the peers, release the descriptor lists, deregister the KV."""
+        for name in list(self._remotes):
+            try:
+                self.remove_remote(name)
+            except NIXL_ERRORS:
+                pass
+        if self._local_dlist is not None:
+            self._local_dlist.release()
+            self._local_dlist = None
+        if self._reg is not None:
+            self.agent.deregister_memory(self._reg)
+            self._reg = None
+        self._tensors = []
+        self._layout = None
+
+    def __enter__(self) -> NixlKVAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------------
+    @staticmethod
+    def _nixl(fn: Any, *args: Any, what: str) -> Any:
+        try:
+            return fn(*args)
+        except NIXL_ERRORS as e:
+            raise TransferError(f"NIXL could not {what}: {type(e).__name__}: {e}") from e
+
+    def _finish(self, handle: ReadHandle) -> None:
+        handle.state, handle.t_done = "DONE", time.monotonic()
+        self._release(handle)
+
+    def _fail(self, handle: ReadHandle, msg: str) -> None:
+        handle.state, handle.error = "ERR", msg
+        self._release(handle)
+        raise TransferError(msg)
+
+    def _release(self, handle: ReadHandle) -> None:
+        """Release (cancelling if in flight); a handle NIXL cannot cancel is left to its leak list."""
+        if handle.released or handle.xfer is None:
+            handle.released = True
+            return
+        handle.released = True
+        try:
+            handle.xfer.release()
+        except NIXL_ERRORS as e:
+            if handle.state == "DONE":
+                raise TransferError(f"releasing a finished READ failed: {type(e).__name__}: {e}") from e
+            handle.error = f"{handle.error or ''}; release failed: {type(e).__name__}: {e}".lstrip("; ")

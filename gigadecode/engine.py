@@ -1,0 +1,286 @@
+"""The engine: requests, a continuous-batching scheduler, and `add_request` / `step` / `abort`.
+
+Each step the scheduler
+1. keeps every running request that needs exactly one more token computed in the decode batch (the GK
+   program, padded to its batch bucket), growing its KV by one slot when a block fills;
+2. spends a prefill token budget (`max_prefill_tokens`) on running prompts first, then on waiting
+   requests in arrival order (chunked prefill through the per-layer model, so a long prompt never
+   stalls running decodes for more than one chunk);
+3. admits only what the KV pool holds; when a running request cannot grow, the newest running request
+   is preempted: its blocks are freed and it is recomputed later from prompt + output so far (its
+   sampler generator is kept, so its output does not change).
+A request needs tokens `[num_computed, len(prompt + output))` computed; when the last of them is
+computed its logits are sampled. A DI consumer request arrives with its KV already in place for all but
+the last prompt token (`num_computed = N-1`), so its first step is a decode.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from .config import EngineConfig
+from .kv.manager import KVCacheManager
+from .model import SeqChunk
+from .runner import DecodeSeq, ModelRunner
+from .sampling import Sampler, SamplingParams, make_generator
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (bad prompt, too long, invalid parameters)."""
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    kv_ready: bool = True              # False while a DI consumer waits for its KV to arrive
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    new_logprobs: list = field(default_factory=list)
+    error: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, ecfg: EngineConfig | None = None) -> None:
+        self.runner = runner
+        self.cfg = runner.cfg
+        self.ecfg = ecfg or runner.ecfg
+        self.kv_manager = KVCacheManager(runner.kv.config, runner.block_size)
+        self.sampler = Sampler(eos_token_ids=self.cfg.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self.stats = {"preemptions": 0, "steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self.max_model_len = min(runner.max_model_len, (runner.kv.num_blocks - 1) * runner.block_size)
+
+    # -- public API ------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate(self.cfg.vocab_size)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        if not prompt_ids:
+            raise RequestError("prompt is empty")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.cfg.vocab_size for t in prompt_ids):
+            bad = next(t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= self.cfg.vocab_size)
+            raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(prompt_ids)} tokens; this engine's context is "
+                               f"{self.max_model_len} tokens (prompt + at least one generated token)")
+        if not self._fits_pool(len(prompt_ids) + 1):
+            raise RequestError(f"prompt of {len(prompt_ids)} tokens can never fit the KV pool "
+                               f"({self.runner.kv.num_blocks - 1} blocks of {self.runner.block_size})")
+        req = Request(rid, list(prompt_ids), params, generator=make_generator(params.seed))
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        self._finish(req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns what each request produced (and which finished)."""
+        self.stats["steps"] += 1
+        outputs: dict[str, RequestOutput] = {}
+        decodes, prefills = self._schedule()
+        if prefills:
+            self._run_prefill(prefills, outputs)
+        if decodes:
+            self._run_decode(decodes, outputs)
+        for req in list(self.running):
+            if not req.finished:
+                self.kv_manager.remove_skipped_blocks(req.request_id, req.num_computed)
+        return list(outputs.values())
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams | None = None
+                 ) -> list[Request]:
+        """Run prompts to completion (all batched together); returns the finished requests in order."""
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while self.has_unfinished():
+            self.step()
+        return [self.requests[i] for i in ids]
+
+    # -- scheduling --------------------------------------------------------------------------------------
+    def _fits_pool(self, num_tokens: int) -> bool:
+        return sum(self.kv_manager.blocks_needed(num_tokens)) <= self.runner.kv.num_blocks - 1
+
+    def _schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
+        decodes: list[Request] = []
+        # 1. running requests that need one token: grow KV by one slot, preempting the newest if needed.
+        for req in list(self.running):
+            if req.status != Status.RUNNING or not req.kv_ready or req.num_tokens - req.num_computed != 1:
+                continue
+            while not self.kv_manager.allocate(req.request_id, req.num_tokens, req.num_computed):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status == Status.RUNNING:
+                decodes.append(req)
+        decodes = [r for r in decodes if r.status == Status.RUNNING]
+        # 2. prefill budget: running prompts first, then waiting requests (FIFO).
+        budget = self.ecfg.max_prefill_tokens
+        prefills: list[tuple[Request, int]] = []
+        for req in self.running:
+            if budget <= 0:
+                break
+            todo = req.num_tokens - req.num_computed
+            if req.status != Status.RUNNING or not req.kv_ready or todo <= 1 and req in decodes:
+                continue
+            if todo > 1:
+                n = min(todo, budget)
+                if self.kv_manager.allocate(req.request_id, req.num_computed + n, req.num_computed):
+                    prefills.append((req, n))
+                    budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.ecfg.max_num_seqs:
+            req = self.waiting[0]
+            todo = req.num_tokens - req.num_computed
+            n = min(todo, budget)
+            if not self.kv_manager.allocate(req.request_id, req.num_computed + n, req.num_computed):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            if n == 1 and req.num_computed > 0:
+                decodes.append(req)
+            else:
+                prefills.append((req, n))
+            budget -= n
+        return decodes, prefills
+
+    def _preempt(self, req: Request) -> None:
+        """Free all of req's KV; it is recomputed from prompt + output later (the output stays the same)."""
+        self.kv_manager.free(req.request_id)
+        self.running.remove(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(req)
+
+    # -- execution ---------------------------------------------------------------------------------------
+    def _run_prefill(self, prefills: list[tuple[Request, int]], outputs: dict[str, RequestOutput]) -> None:
+        chunks = []
+        for req, n in prefills:
+            ids = req.all_ids[req.num_computed: req.num_computed + n]
+            done = req.num_computed + n == req.num_tokens
+            chunks.append(SeqChunk(ids, req.num_computed, self.kv_manager.block_tables(req.request_id),
+                                   "last" if done else "none"))
+        logits = self.runner.model.forward(chunks, self.runner.kv).logits
+        self.stats["prefill_tokens"] += sum(n for _, n in prefills)
+        ready, rows = [], []
+        for (req, n), lg in zip(prefills, logits):
+            req.num_computed += n
+            if req.num_computed == req.num_tokens:
+                ready.append(req)
+                rows.append(lg[-1])
+        if ready:
+            self._sample(ready, torch.stack(rows), outputs)
+
+    def _run_decode(self, decodes: list[Request], outputs: dict[str, RequestOutput]) -> None:
+        seqs = [DecodeSeq(r.all_ids[-1], r.num_computed, self.kv_manager.block_tables(r.request_id))
+                for r in decodes]
+        logits = self.runner.decode(seqs)
+        self.stats["decode_tokens"] += len(decodes)
+        for r in decodes:
+            r.num_computed += 1
+        self._sample(decodes, logits, outputs)
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, outputs: dict[str, RequestOutput]) -> None:
+        res = self.sampler.sample(logits.float(), [r.params for r in reqs], [r.generator for r in reqs],
+                                  [r.all_ids for r in reqs], [r.output_ids for r in reqs])
+        now = time.monotonic()
+        for i, req in enumerate(reqs):
+            tok = int(res.token_ids[i])
+            req.output_ids.append(tok)
+            lp = res.logprobs[i] if res.logprobs else None
+            if lp is not None:
+                req.output_logprobs.append(lp)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            out = outputs.setdefault(req.request_id, RequestOutput(req.request_id, [], False))
+            out.new_token_ids.append(tok)
+            if lp is not None:
+                out.new_logprobs.append(lp)
+            reason = self._stop_reason(req, tok)
+            if reason:
+                self._finish(req, reason)
+                out.finished, out.finish_reason = True, reason
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if len(req.output_ids) >= p.min_tokens:
+            if not p.ignore_eos and tok in self.cfg.eos_token_ids:
+                return "stop"
+            if tok in p.stop_token_ids:
+                return "stop"
+        if len(req.output_ids) >= p.max_tokens:
+            return "length"
+        if req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        self.kv_manager.free(req.request_id)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)

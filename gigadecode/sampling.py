@@ -1,0 +1,430 @@
+"""Token sampling: per-request parameters, the distributed greedy argmax, and the batch sampler.
+
+This module owns
+- `SamplingParams`: vLLM's sampling fields, names and defaults, validated on construction (and against a
+  vocabulary by `validate`); `from_dict` builds one from API / JSONL input.
+- the distributed argmax (DESIGN.md, "Parallelism"): the lm_head is vocab-sharded, each rank reduces
+  its shard to a per-row `(value, global index)` with `shard_argmax`, the pairs are gathered and
+  `reduce_argmax` picks the winner. The larger value wins and ties go to the lowest global index, so
+  the result is exactly `torch.argmax` over the whole vocabulary (ties, all `-inf` rows, and NaN, which
+  `torch.argmax` treats as the maximum: the first NaN wins). `greedy` is the single-process reference
+  that splits the vocabulary into contiguous shards and runs both halves.
+- `Sampler`: one step for a batch of requests: min-tokens masking, repetition / frequency / presence
+  penalties, then greedy (distributed argmax) or temperature, min-p, top-k, top-p and a multinomial
+  draw from each request's own `torch.Generator`; plus the raw logprobs vLLM returns.
+
+Stop checks (EOS, stop ids, max_tokens) belong to the engine; this module only masks EOS / stop ids
+while a request is below `min_tokens`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+import torch
+
+#: Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by a smaller one
+#: overflows float32 and the distribution is a one-hot anyway.
+GREEDY_EPS = 1e-5
+#: Most top logprobs a request may ask for per token (vLLM's default `max_logprobs`).
+MAX_LOGPROBS = 20
+#: `torch.Generator.manual_seed` accepts exactly this range.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+#: The index an empty shard reports: larger than every real token id, so it never wins a tie.
+NO_INDEX = torch.iinfo(torch.int64).max
+
+
+class SamplingError(ValueError):
+    """An invalid sampling parameter (or sampler input); `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        self.param = param
+        super().__init__(f"invalid sampling parameter {param}: {message}")
+
+
+# --------------------------------------------------------------------------------------------------
+# SamplingParams
+# --------------------------------------------------------------------------------------------------
+def _real(name: str, value: Any) -> float:
+    """A finite real number (int or float, not bool) as float, or SamplingError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise SamplingError(name, f"must be a number (got {type(value).__name__} {value!r})")
+    v = float(value)
+    if not math.isfinite(v):
+        raise SamplingError(name, f"must be finite (got {v})")
+    return v
+
+
+def _int(name: str, value: Any) -> int:
+    """An integer (not bool, not float) as int, or SamplingError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SamplingError(name, f"must be an integer (got {type(value).__name__} {value!r})")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters; vLLM's names, defaults and ranges.
+
+    temperature 0 (anything below `GREEDY_EPS`) is greedy, as is top_k == 1. top_k 0 or -1 turns
+    top-k off (-1 is stored as 0). logprobs: None returns none; N >= 0 returns the sampled token's
+    logprob plus the top N. Values are type-checked (a string, bool, NaN or inf is an error) and
+    normalized (floats stored as float, stop_token_ids as a tuple) on construction.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        def need(cond: bool, name: str, rule: str) -> None:
+            if not cond:
+                raise SamplingError(name, f"{rule} (got {getattr(self, name)!r})")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            put(name, _real(name, getattr(self, name)))
+        for name in ("top_k", "max_tokens", "min_tokens"):
+            put(name, _int(name, getattr(self, name)))
+        for name in ("seed", "logprobs"):
+            if getattr(self, name) is not None:
+                put(name, _int(name, getattr(self, name)))
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingError("ignore_eos", f"must be a bool (got {type(self.ignore_eos).__name__} "
+                                              f"{self.ignore_eos!r})")
+        stop = self.stop_token_ids
+        if stop is None:
+            stop = ()
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, Sequence):
+            raise SamplingError("stop_token_ids", f"must be a list of token ids (got {type(stop).__name__} "
+                                                  f"{stop!r})")
+        put("stop_token_ids", tuple(_int("stop_token_ids", t) for t in stop))
+
+        need(self.temperature >= 0.0, "temperature", "must be >= 0 (0 = greedy)")
+        need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        need(self.top_k >= -1, "top_k", "must be -1 or 0 (off), or >= 1")
+        if self.top_k == -1:
+            put("top_k", 0)
+        need(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        if self.seed is not None:
+            need(SEED_MIN <= self.seed <= SEED_MAX, "seed", f"must be in [{SEED_MIN}, {SEED_MAX}]")
+        need(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        need(self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        need(self.min_tokens <= self.max_tokens, "min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        need(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids must be >= 0")
+        need(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0 (1 = off)")
+        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        if self.logprobs is not None:
+            need(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+
+    # ----------------------------------------------------------------------------------------------
+    def validate(self, vocab_size: int) -> None:
+        """The vocabulary-dependent checks: every stop token id must be in [0, vocab_size)."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise SamplingError("stop_token_ids", f"token ids must be in [0, {vocab_size}) (got {bad})")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
+        """From API / JSONL input. Unknown keys are ignored (as OpenAI-style servers do); known keys are
+        type-checked; an explicit null for a field whose default is not None means the default."""
+        if not isinstance(d, Mapping):
+            raise SamplingError("sampling parameters", f"must be an object (got {type(d).__name__})")
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in d:
+                continue
+            v = d[f.name]
+            default = f.default if f.default is not MISSING else None
+            if v is None and default is not None:
+                continue
+            kwargs[f.name] = v
+        return cls(**kwargs)
+
+    @property
+    def is_greedy(self) -> bool:
+        """Argmax decoding: temperature below `GREEDY_EPS`, or top_k == 1."""
+        return self.temperature < GREEDY_EPS or self.top_k == 1
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The request's own generator (None for an unseeded request, which draws from torch's default
+    generator). It must live on the logits' device."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+# --------------------------------------------------------------------------------------------------
+# Distributed argmax
+# --------------------------------------------------------------------------------------------------
+def vocab_shard(vocab_size: int, num_shards: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of shard `rank`: contiguous shards of ceil(V / S) ids, the last ones shorter
+    (possibly empty when S does not divide V evenly enough)."""
+    if vocab_size < 1 or num_shards < 1 or not 0 <= rank < num_shards:
+        raise ValueError(f"bad vocab shard: vocab_size={vocab_size}, num_shards={num_shards}, rank={rank}")
+    size = -(-vocab_size // num_shards)
+    start = min(rank * size, vocab_size)
+    return start, min(start + size, vocab_size)
+
+
+def shard_argmax(logits_shard: torch.Tensor, vocab_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's half of the distributed argmax.
+
+    logits_shard [B, Vs]: this rank's slice of the logits (global ids vocab_offset … vocab_offset+Vs-1;
+    slice off any padding columns first). Returns (values [B] in the logits' dtype, indices [B] int64
+    global ids): the row max and its first position (torch.argmax; NaN counts as the max). An empty
+    shard reports (-inf, NO_INDEX), which never wins.
+    """
+    if logits_shard.dim() != 2:
+        raise ValueError(f"logits_shard must be [B, Vs] (got shape {tuple(logits_shard.shape)})")
+    b, vs = logits_shard.shape
+    if vs == 0:
+        return (torch.full((b,), -math.inf, dtype=logits_shard.dtype, device=logits_shard.device),
+                torch.full((b,), NO_INDEX, dtype=torch.int64, device=logits_shard.device))
+    local = torch.argmax(logits_shard, dim=-1)                              # [B]
+    values = logits_shard.gather(1, local[:, None]).squeeze(1)             # [B]
+    return values, local + vocab_offset
+
+
+def reduce_argmax(values: torch.Tensor | Sequence[torch.Tensor],
+                  indices: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """Combine the gathered per-shard results: values [S, B], indices [S, B] (or S tensors of [B], as
+    all_gather returns them) -> global argmax [B] int64. The larger value wins; equal values go to the
+    lowest global index; any NaN beats every number (the lowest-index NaN wins), as in torch.argmax."""
+    if not isinstance(values, torch.Tensor):
+        values = torch.stack(list(values))
+    if not isinstance(indices, torch.Tensor):
+        indices = torch.stack(list(indices))
+    if values.dim() != 2 or values.shape != indices.shape:
+        raise ValueError(f"values and indices must both be [S, B] (got {tuple(values.shape)} and "
+                         f"{tuple(indices.shape)})")
+    nan = values.isnan()                                                    # [S, B]
+    best = values.masked_fill(nan, -math.inf).amax(dim=0)                   # [B]
+    winner = torch.where(nan.any(dim=0), nan, values == best)               # [S, B] candidates
+    return indices.masked_fill(~winner, NO_INDEX).amin(dim=0)               # [B]
+
+
+def greedy(logits: torch.Tensor, num_shards: int = 1) -> torch.Tensor:
+    """Argmax over the vocabulary of logits [B, V] -> [B] int64, computed as `num_shards` vocab-sharded
+    ranks would (contiguous shards, `vocab_shard`) and reduced: the single-process reference of the
+    distributed argmax. Equals `torch.argmax(logits, -1)` for every input."""
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"logits must be [B, V] with V >= 1 (got shape {tuple(logits.shape)})")
+    v = logits.shape[1]
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1 (got {num_shards})")
+    parts = []
+    for rank in range(num_shards):
+        start, stop = vocab_shard(v, num_shards, rank)
+        parts.append(shard_argmax(logits[:, start:stop], start))
+    return reduce_argmax([p[0] for p in parts], [p[1] for p in parts])
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampler
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Raw logprobs (log_softmax of the model's logits, before penalties and temperature) for one
+    sampled token. rank: 1 + the number of other tokens with logprob >= the sampled one's (vLLM's rank);
+    top: the request's top-N (token id, logprob), best first (empty when N = 0)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_ids: torch.Tensor                                # [B] int64, on the logits' device
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per request; None if not asked
+
+
+class Sampler:
+    """Samples one token per request from a batch of logits.
+
+    Per request, in vLLM v1's order: (1) while fewer than min_tokens tokens were generated, the stop
+    ids (and EOS unless ignore_eos) are masked to -inf; (2) repetition penalty over prompt + output
+    tokens (logit > 0 divided by it, else multiplied), then frequency (× count) and presence penalties
+    over output tokens, subtracted; (3) greedy requests take the distributed argmax; the rest divide by
+    temperature, drop tokens with prob < min_p × max prob, keep the top_k largest logits (ties with the
+    k-th kept), keep the smallest most-probable set whose probability reaches top_p (at least one), and
+    draw once with `torch.multinomial` from their own generator (unseeded: torch's default one).
+
+    A seeded request's draw depends only on its own logits, params, history and generator, never on the
+    rest of the batch. Logits with NaN or +inf raise SamplingError (param "logits").
+    """
+
+    def __init__(self, *, num_shards: int = 1, eos_token_ids: Sequence[int] = ()) -> None:
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1 (got {num_shards})")
+        self.num_shards = num_shards
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+
+    # ----------------------------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               generators: Sequence[torch.Generator | None] | None = None,
+               prompt_and_output_ids: Sequence[Sequence[int] | torch.Tensor] | None = None,
+               output_ids: Sequence[Sequence[int] | torch.Tensor] | None = None) -> SampleResult:
+        """logits [B, V] (float32; other float dtypes are upcast); params, generators, histories: one per
+        row. Histories may be omitted (no penalties apply), as may generators (all unseeded)."""
+        if logits.dim() != 2 or logits.shape[1] == 0:
+            raise SamplingError("logits", f"must be [B, V] with V >= 1 (got shape {tuple(logits.shape)})")
+        b, v = logits.shape
+        dev = logits.device
+        generators = [None] * b if generators is None else list(generators)
+        prompt_and_output_ids = [()] * b if prompt_and_output_ids is None else list(prompt_and_output_ids)
+        output_ids = [()] * b if output_ids is None else list(output_ids)
+        for name, seq in (("params", params), ("generators", generators),
+                          ("prompt_and_output_ids", prompt_and_output_ids), ("output_ids", output_ids)):
+            if len(seq) != b:
+                raise SamplingError(name, f"needs one entry per logits row ({b}), got {len(seq)}")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise SamplingError("params", f"must be SamplingParams (got {type(p).__name__})")
+            p.validate(v)
+        bad_eos = [t for t in self.eos_token_ids if not 0 <= t < v]
+        if bad_eos:
+            raise SamplingError("eos_token_ids", f"must be in [0, {v}) (got {bad_eos})")
+
+        raw = logits
+        x = logits.float()                                                   # [B, V] working copy
+        if x is logits:
+            x = x.clone()
+        bad_rows = (x.isnan() | (x == math.inf)).any(dim=1)                  # [B]
+        if bool(bad_rows.any()):
+            rows = bad_rows.nonzero().flatten().tolist()
+            raise SamplingError("logits", f"rows {rows} contain NaN or +inf")
+
+        self._mask_min_tokens(x, params, output_ids)
+        self._apply_penalties(x, params, prompt_and_output_ids, output_ids)
+
+        tokens = torch.empty(b, dtype=torch.int64, device=dev)               # [B]
+        greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if greedy_rows:
+            gi = torch.tensor(greedy_rows, device=dev)
+            tokens[gi] = greedy(x[gi], self.num_shards)
+        if random_rows:
+            ri = torch.tensor(random_rows, device=dev)
+            tokens[ri] = self._sample_random(x[ri], [params[i] for i in random_rows],
+                                             [generators[i] for i in random_rows], random_rows)
+        return SampleResult(tokens, self._logprobs(raw, params, tokens))
+
+    # ----------------------------------------------------------------------------------------------
+    def _mask_min_tokens(self, x: torch.Tensor, params: Sequence[SamplingParams],
+                         output_ids: Sequence[Sequence[int] | torch.Tensor]) -> None:
+        for i, p in enumerate(params):
+            if len(output_ids[i]) < p.min_tokens:
+                stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                if stop:
+                    x[i, torch.tensor(sorted(stop), device=x.device)] = -math.inf
+
+    def _apply_penalties(self, x: torch.Tensor, params: Sequence[SamplingParams],
+                         prompt_and_output_ids: Sequence[Sequence[int] | torch.Tensor],
+                         output_ids: Sequence[Sequence[int] | torch.Tensor]) -> None:
+        v = x.shape[1]
+
+        def ids_of(name: str, seq: Sequence[int] | torch.Tensor) -> torch.Tensor:
+            t = torch.as_tensor(seq, dtype=torch.int64, device=x.device).flatten()   # [N]
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= v):
+                raise SamplingError(name, f"token ids must be in [0, {v})")
+            return t
+
+        for i, p in enumerate(params):
+            if p.repetition_penalty != 1.0:
+                seen = ids_of("prompt_and_output_ids", prompt_and_output_ids[i]).unique()
+                if seen.numel():
+                    vals = x[i, seen]
+                    x[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                out, counts = ids_of("output_ids", output_ids[i]).unique(return_counts=True)
+                if out.numel():
+                    x[i, out] -= p.frequency_penalty * counts.to(x.dtype) + p.presence_penalty
+
+    def _sample_random(self, x: torch.Tensor, params: list[SamplingParams],
+                       generators: list[torch.Generator | None], rows: list[int]) -> torch.Tensor:
+        """x [R, V] penalized logits of the non-greedy rows -> sampled ids [R]."""
+        r, v = x.shape
+        dev = x.device
+        x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+
+        min_p = torch.tensor([p.min_p for p in params], device=dev)                 # [R]
+        if bool((min_p > 0).any()):
+            probs = x.softmax(dim=-1)                                                # [R, V]
+            x = x.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), -math.inf)
+
+        k_rows = [j for j, p in enumerate(params) if 0 < p.top_k < v]
+        if k_rows:      # keep logits >= the k-th largest (ties with it kept); topk, not a full sort
+            kj = torch.tensor(k_rows, device=dev)
+            k = torch.tensor([params[j].top_k for j in k_rows], device=dev)            # [Rk]
+            xk = x[kj]                                                               # [Rk, V]
+            kth = xk.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])   # [Rk, 1]
+            x[kj] = xk.masked_fill(xk < kth, -math.inf)
+        p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
+        if p_rows:      # keep the most probable tokens until their mass reaches top_p (at least one)
+            pj = torch.tensor(p_rows, device=dev)
+            top_p = torch.tensor([params[j].top_p for j in p_rows], device=dev)        # [Rp]
+            sx, order = x[pj].sort(dim=-1, descending=True, stable=True)             # [Rp, V] each
+            sp = sx.softmax(dim=-1)
+            before = sp.cumsum(dim=-1) - sp                                          # mass ranked above
+            drop = before >= top_p[:, None]
+            drop[:, 0] = False
+            x[pj] = torch.empty_like(sx).scatter_(1, order, sx.masked_fill(drop, -math.inf))
+
+        dead = (x.amax(dim=-1) == -math.inf).nonzero().flatten().tolist()
+        if dead:
+            raise SamplingError("logits", f"rows {[rows[j] for j in dead]} have no token left to sample "
+                                          "(every logit is -inf)")
+        probs = x.softmax(dim=-1)                                                    # [R, V]
+        out = torch.empty(r, dtype=torch.int64, device=dev)
+        for j, g in enumerate(generators):
+            if g is not None and g.device.type != dev.type:
+                raise SamplingError("generators", f"request row {rows[j]}: generator on {g.device}, logits on "
+                                                  f"{dev} (use make_generator(seed, device=logits.device))")
+            out[j] = torch.multinomial(probs[j], 1, generator=g)[0]
+        return out
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, params: Sequence[SamplingParams],
+                  tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+        result: list[TokenLogprobs | None] = [None] * len(params)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return result
+        ri = torch.tensor(rows, device=raw.device)
+        lp = torch.log_softmax(raw[ri].float(), dim=-1)                              # [R, V]
+        tok = tokens[ri]                                                             # [R]
+        tok_lp = lp.gather(1, tok[:, None])                                          # [R, 1]
+        ranks = (lp >= tok_lp).sum(dim=-1)                                           # [R]
+        n_max = min(max(params[i].logprobs for i in rows), lp.shape[1])
+        top_v, top_i = lp.topk(n_max, dim=-1)                                       # [R, n_max]
+        tok_l, tok_lp_l, ranks_l = tok.tolist(), tok_lp.squeeze(1).tolist(), ranks.tolist()
+        top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(rows):
+            n = min(params[i].logprobs, lp.shape[1])
+            top = tuple(zip(top_i_l[j][:n], top_v_l[j][:n]))
+            result[i] = TokenLogprobs(tok_l[j], tok_lp_l[j], ranks_l[j], top)
+        return result

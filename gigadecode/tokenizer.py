@@ -1,0 +1,450 @@
+"""Text in and out: the project's own tokenizer files, and the codec the engine uses to read them.
+
+This module owns three things:
+
+* `build_tiny_tokenizer`: a byte-level BPE tokenizer generated offline and deterministically (same
+  arguments -> the same `tokenizer.json` bytes) by training `tokenizers`' BpeTrainer on a small English
+  corpus embedded below, so common words are single tokens. Real GPT-OSS tokenizers cannot be
+  downloaded here; this one has the same shape: the o200k pre-tokenizer regex, byte-level bytes, the
+  harmony special tokens (`<|start|>`, `<|message|>`, `<|end|>`, ...) and `<|reserved_N|>` fillers,
+  and exactly `vocab_size` ids with the special tokens at the ids the model config names.
+* `write_tokenizer_files`: `tokenizer.json` + `tokenizer_config.json` (bos/eos/pad, model_max_length
+  and a harmony-like Jinja chat template) next to a checkpoint, loadable by transformers' AutoTokenizer.
+* `TextCodec` (encode, decode, chat template) and `StreamDecoder` (token-by-token detokenization that
+  never splits a multi-byte UTF-8 character) over any model directory that has a `tokenizer.json`.
+
+Prompts given as token ids never need any of this: a model directory without a tokenizer still serves.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+if TYPE_CHECKING:
+    from .config import GptOssConfig
+
+# tiktoken's o200k_base split pattern (the one GPT-OSS' o200k_harmony encoding uses).
+O200K_PATTERN = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+
+# Names of the tokens the config's ids point at: eos_token_ids[i] gets EOS_NAMES[i] (GPT-OSS' own order:
+# 200002 <|return|>, 199999 <|endoftext|>, 200012 <|call|>).
+PAD_NAME = "<|pad|>"
+BOS_NAME = "<|startoftext|>"
+EOS_NAMES = ("<|return|>", "<|endoftext|>", "<|call|>")
+# Harmony specials reserved when there is room, in this order, unless the config already named them.
+HARMONY_EXTRAS = ("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>",
+                  "<|channel|>", "<|return|>", "<|constrain|>", "<|call|>")
+# Where o200k_harmony itself puts them: used when the config's ids already agree with it (the real shapes).
+HARMONY_IDS = {"<|startoftext|>": 199998, "<|endoftext|>": 199999, "<|return|>": 200002,
+               "<|constrain|>": 200003, "<|channel|>": 200005, "<|start|>": 200006, "<|end|>": 200007,
+               "<|message|>": 200008, "<|call|>": 200012}
+
+# GPT-OSS harmony, simplified: no channels, the generation prompt opens the assistant's message.
+# Content may be a string or a list of {"type": "text", "text": ...} parts.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "<|start|>{{ message['role'] }}<|message|>"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}{{ part['text'] }}{%- endfor -%}{%- endif -%}"
+    "<|end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant<|message|>{%- endif -%}"
+)
+
+# The training text. Varied, plain English so that frequent words and word pieces get merged first.
+CORPUS = """\
+The model reads a prompt, turns it into tokens, and then predicts the next token one step at a time.
+Each step of decoding needs the keys and values of every earlier token, so the engine keeps them in a
+cache. When the cache is full, the oldest requests have to wait, or the scheduler moves them to another
+machine. A good inference engine keeps the GPU busy: it batches many requests together, it overlaps
+memory copies with compute, and it never waits for the host when it does not have to.
+
+Prefill and decode are very different workloads. Prefill processes the whole prompt at once and is
+limited by arithmetic; decode produces one token per request per step and is limited by memory
+bandwidth, because every weight has to be read for every step. That is why small batches are slow and
+why people work so hard to fuse kernels, quantize weights, and share the cache between requests.
+
+A mixture of experts model sends each token to only a few experts. The router scores all of the experts,
+picks the top four, and mixes their outputs with weights that sum to one. Most of the parameters live in
+the experts, but each token touches only a small part of them, so the model is large and still fast.
+
+The weather this morning was cold and grey. By noon the clouds had broken up and the sun came out, and
+in the afternoon it was warm enough to sit outside. Tomorrow there will be rain in the north and strong
+wind along the coast, with temperatures between 12 and 18 degrees. Take an umbrella if you go out early.
+Summer days are long and bright; winter nights are long and dark. Spring brings flowers, and autumn
+brings falling leaves, fog, and the first frost of the year.
+
+To make a simple soup, chop two onions, three carrots and a few potatoes. Warm some oil in a large pot,
+add the onions, and cook them slowly until they are soft. Add the carrots, the potatoes and one litre of
+water, then let it simmer for about thirty minutes. Season with salt and pepper, and serve it hot with
+fresh bread. If you like, you can add a little cream, some garlic, or a handful of green herbs at the end.
+Cooking is easy when you taste as you go, and the kitchen always smells good when bread is in the oven.
+
+Numbers are everywhere: 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 16, 32, 64, 100, 128, 256, 512, 1000, 1024,
+2048, 4096 and 65536. The year 2024 had 366 days. Pi is about 3.14159, and e is about 2.71828. One
+hundred and twenty is 120; a third of it is 40. The answer is 42. Prices went up by 7.5% last year, from
+$19.99 to $21.49. Call me at 555-0100 between 9:00 and 17:30, or write to the office before 1 March.
+
+Punctuation matters. Commas, periods, colons: and semicolons; all have a job. "Quotes" and 'single
+quotes' mark speech. Questions end with a question mark? Surprise ends with an exclamation mark!
+Parentheses (like these) and brackets [like these] and braces {like these} hold extra words. A dash -
+or a hyphen, a slash / or a backslash \\, an ampersand & and an at sign @ are all symbols. Lists use
+bullets * or numbers 1. 2. 3. Code uses = and == and != and <= and >= and -> and => and :: and //.
+
+She said that she would come back later, but he did not think she would. They have been friends for a
+long time, and they know each other well. We were going to the market when it started to rain, so we
+went into a small cafe and drank tea until it stopped. I don't know what you mean; it's not what I said.
+You're right, we'll see. What is your name? Where do you live? How old are you? Why is the sky blue?
+Because light from the sun is scattered by the air, and blue light is scattered more than red light.
+
+Computers store everything as numbers. Text becomes bytes, bytes become tokens, and tokens become
+vectors. A byte has eight bits and can hold 256 different values. Unicode gives every character a code
+point, and UTF-8 writes each code point as one to four bytes. Letters like a, b and c take one byte;
+letters like é, ü and ñ take two; most Chinese characters like 中 and 文 take three; and an emoji like
+🙂 takes four. A tokenizer that works on bytes can read any text at all, in any language.
+
+The server accepts requests over HTTP and streams the answer back as it is generated. Each request has
+a prompt, a maximum number of new tokens, a temperature and a stop condition. A temperature of zero
+means greedy decoding: always take the most likely token. A higher temperature makes the output more
+random and more creative. The first token takes the longest, because the whole prompt must be
+processed before anything can come out. After that, tokens arrive at a steady rate.
+
+Good software is tested. Every function should do one thing, and do it well. Write the test first,
+watch it fail, then make it pass. Keep the code simple, name things clearly, and delete what you do not
+need. When a test fails, read the error message carefully: it usually tells you exactly what went
+wrong. Measure before you optimize, and measure again after, because the slow part is rarely where you
+think it is.
+
+The train left the station at seven in the evening and arrived in the city just after midnight. The
+streets were quiet, the shops were closed, and only a few windows were still lit. A cat crossed the
+road, looked at the travellers, and disappeared under a parked car. At the hotel, the night porter gave
+them the key to room 204 on the second floor. They slept well and woke up late the next morning.
+
+Learning a language takes time. Read every day, listen to people speak, and do not be afraid to make
+mistakes. New words are easier to remember when you use them in a sentence. Children learn by playing,
+by asking questions, and by copying the people around them. Adults can learn just as well, but they
+often need more patience and more practice. The best teacher is curiosity, and the best time is now.
+
+The graphics processor has thousands of small cores that run the same program on different data. Its
+memory is fast but limited, so large models are split across several devices. The matrix units can
+multiply small tiles of numbers in a single instruction, and they are fastest with low precision
+formats such as bfloat16, float8 and even four bit numbers. Data moves from global memory to shared
+memory to registers, and the art of writing a kernel is to keep every unit fed without waiting.
+
+A chat is a list of messages. Each message has a role and some content. The system message sets the
+rules, the developer message gives instructions, the user message asks a question, and the assistant
+message is the answer. The user asks, the assistant answers, and the system decides how the assistant
+should behave. An assistant can think in one channel and answer in another, call a tool, read the
+result, and then give the user a final answer. Hello! How can I help you today? Thank you, that is all.
+system: You are a helpful assistant. Answer briefly.
+user: What does a GPU do?
+assistant: A GPU runs the same small program on many numbers at once, so it is fast at matrix math.
+user: What will the weather be like tomorrow?
+assistant: Rain in the morning, then sun. The weather should be warm by the afternoon.
+developer: Keep every answer short and friendly.
+"""
+
+
+# --- building ---------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _byte_chars() -> tuple[str, ...]:
+    """GPT-2's byte -> printable character table (what byte-level BPE tokens are spelled in)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    chars: dict[int, str] = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return tuple(chars[b] for b in range(256))
+
+
+@lru_cache(maxsize=1)
+def _char_bytes() -> dict[str, int]:
+    return {c: b for b, c in enumerate(_byte_chars())}
+
+
+def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(O200K_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+
+
+def special_tokens(vocab_size: int, eos_id: int | Sequence[int] | None, pad_id: int | None,
+                   bos_id: int | None) -> dict[int, str]:
+    """The special tokens' ids -> names: the ids given (out-of-range ones dropped), then the harmony
+    extras where they fit: at o200k_harmony's own ids when the given ids agree with it (the real GPT-OSS
+    shapes), else at the lowest free ids."""
+    eos_ids = [eos_id] if isinstance(eos_id, int) else list(eos_id or ())
+    table: dict[int, str] = {}
+    for i, e in enumerate(eos_ids):
+        if 0 <= e < vocab_size and e not in table:
+            table[e] = EOS_NAMES[i] if i < len(EOS_NAMES) else f"<|eos_{i}|>"
+    for ident, name in ((bos_id, BOS_NAME), (pad_id, PAD_NAME)):
+        if ident is not None and 0 <= ident < vocab_size and ident not in table:
+            table[ident] = name
+    if len(set(table.values())) != len(table):
+        raise ValueError(f"special token ids collide: {table}")
+    extras = [n for n in HARMONY_EXTRAS if n not in table.values()]
+    if vocab_size < 256 + len(table) + len(extras):
+        extras = []  # no room: only the ids the config names
+    if max(HARMONY_IDS.values()) < vocab_size and all(HARMONY_IDS.get(n) == i for i, n in table.items()):
+        table.update((HARMONY_IDS[n], n) for n in extras)
+    else:
+        free = (i for i in range(vocab_size) if i not in table)
+        table.update((next(free), n) for n in extras)
+    return dict(sorted(table.items()))
+
+
+@lru_cache(maxsize=8)
+def _trained(n_regular: int) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """(regular tokens: the 256 bytes in byte order then each merge's result; merges), at most n_regular
+    tokens, trained on CORPUS. Deterministic: BpeTrainer breaks count ties by pair id, and the ids come
+    from the fixed initial alphabet."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = _pre_tokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=max(n_regular, 256), min_frequency=0, show_progress=False,
+                                  initial_alphabet=list(_byte_chars()), special_tokens=[])
+    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer)
+    raw = json.loads(tok.to_str())["model"]["merges"]
+    merges = tuple((tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1))) for m in raw)
+    regular = list(_byte_chars())
+    seen = set(regular)
+    for a, b in merges:
+        if a + b not in seen:
+            seen.add(a + b)
+            regular.append(a + b)
+    return tuple(regular[:n_regular]), merges
+
+
+def build_tiny_tokenizer(vocab_size: int, eos_id: int | Sequence[int] | None = 2, pad_id: int | None = 0,
+                         bos_id: int | None = 1) -> Tokenizer:
+    """A byte-level BPE tokenizer of exactly `vocab_size` ids, trained on the built-in corpus.
+
+    Special tokens sit at the ids given (see `special_tokens`); the other ids hold the 256 bytes (in byte
+    order), then the learned merges, then `<|reserved_{id}|>` fillers when the corpus runs out of merges
+    (past ~1500 ids). The fillers are plain vocabulary entries that no text encodes to, not added special
+    tokens: 200k added tokens would make transformers take ~25 s to load the 20b shape's tokenizer (1 s
+    this way). Decoding one yields its name. Same arguments -> same `to_str()`."""
+    specials = special_tokens(vocab_size, eos_id, pad_id, bos_id)
+    n_regular = vocab_size - len(specials)
+    if n_regular < 256:
+        raise ValueError(f"vocab_size {vocab_size} leaves no room for the 256 byte tokens "
+                         f"and {len(specials)} special tokens")
+    regular, merges = _trained(n_regular)
+    fill = iter(regular)
+    vocab: dict[str, int] = {}
+    for i in range(vocab_size):
+        if i in specials:
+            vocab[specials[i]] = i
+            continue
+        vocab[next(fill, None) or f"<|reserved_{i}|>"] = i
+    known = set(vocab)
+    merges = [m for m in merges if m[0] + m[1] in known]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = _pre_tokenizer()
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in specials.values()])
+    assert tokenizer.get_vocab_size(with_added_tokens=True) == vocab_size
+    return tokenizer
+
+
+def tokenizer_config(cfg: GptOssConfig, chat_template: str = CHAT_TEMPLATE) -> dict[str, Any]:
+    """The `tokenizer_config.json` dict for cfg (transformers' PreTrainedTokenizerFast reads it)."""
+    specials = special_tokens(cfg.vocab_size, cfg.eos_token_ids, cfg.pad_token_id, cfg.bos_token_id)
+    out: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    bos = specials.get(cfg.bos_token_id) if cfg.bos_token_id is not None else None
+    if bos is None and BOS_NAME in specials.values():
+        bos = BOS_NAME  # GPT-OSS names <|startoftext|> its bos token without ever adding it
+    eos = next((specials[e] for e in cfg.eos_token_ids if e in specials), None)
+    pad = specials.get(cfg.pad_token_id) if cfg.pad_token_id is not None else None
+    for key, name in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad)):
+        if name is not None:
+            out[key] = name
+    out.update(model_max_length=cfg.max_position_embeddings, clean_up_tokenization_spaces=False,
+               model_input_names=["input_ids", "attention_mask"], chat_template=chat_template)
+    return out
+
+
+def write_tokenizer_files(model_dir: str | Path, cfg: GptOssConfig) -> None:
+    """Write `tokenizer.json` and `tokenizer_config.json` for cfg into model_dir (deterministic bytes)."""
+    model_dir = Path(model_dir)
+    tok = build_tiny_tokenizer(cfg.vocab_size, cfg.eos_token_ids, cfg.pad_token_id, cfg.bos_token_id)
+    (model_dir / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(cfg), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# --- using ------------------------------------------------------------------------------------------
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"chat template: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
+
+
+class TextCodec:
+    """Text <-> token ids for one model directory (its tokenizer.json + tokenizer_config.json)."""
+
+    def __init__(self, tokenizer: Tokenizer, config: Mapping[str, Any] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.config: dict[str, Any] = dict(config or {})
+        self.chat_template: str | None = self.config.get("chat_template") or None
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        self._compiled: Any = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> TextCodec | None:
+        """The codec of model_dir, or None when it has no tokenizer.json."""
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            return None
+        cfg_path = model_dir / "tokenizer_config.json"
+        config = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+        if not config.get("chat_template") and (model_dir / "chat_template.jinja").is_file():
+            config["chat_template"] = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        return cls(Tokenizer.from_file(str(path)), config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    def _special(self, key: str) -> int | None:
+        name = self.config.get(key)
+        if isinstance(name, dict):
+            name = name.get("content")
+        return self.tokenizer.token_to_id(name) if isinstance(name, str) else None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._special("eos_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special("bos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._special("pad_token")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text; special-token strings in it (e.g. "<|start|>") become their ids. No BOS."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat as text: tokenizer_config's Jinja template (rendered like transformers does), or the
+        harmony-like `<|start|>{role}<|message|>{content}<|end|>` format when there is none."""
+        if self.chat_template is None:
+            text = "".join(f"<|start|>{m['role']}<|message|>{_text_of(m['content'])}<|end|>" for m in messages)
+            return text + ("<|start|>assistant<|message|>" if add_generation_prompt else "")
+        if self._compiled is None:
+            from jinja2.ext import loopcontrols
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+            env.filters["tojson"] = _tojson  # the helpers transformers gives templates (real GPT-OSS uses them)
+            env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+            self._compiled = env.from_string(self.chat_template)
+        names = {k: v.get("content") if isinstance(v, dict) else v
+                 for k, v in self.config.items() if k.endswith("_token")}
+        return self._compiled.render(messages=[dict(m) for m in messages],
+                                     add_generation_prompt=add_generation_prompt, **names)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat (the prompt for the assistant's reply)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes | None:
+        """The raw bytes token_id stands for in a byte-level vocabulary (b"" for a skipped special token),
+        or None when the tokenizer is not byte-level."""
+        if not self._byte_level:
+            return None
+        if token_id in self.special_ids:
+            if skip_special_tokens:
+                return b""
+            return (self.tokenizer.id_to_token(token_id) or "").encode("utf-8")
+        tok = self.tokenizer.id_to_token(token_id)
+        if tok is None:
+            return b""
+        table = _char_bytes()
+        try:
+            return bytes(table[c] for c in tok)
+        except KeyError:  # not a byte-level spelling (an added non-special token): its text as is
+            return tok.encode("utf-8")
+
+
+class StreamDecoder:
+    """Incremental detokenization: `push(id)` returns the text that id completes (possibly ""), holding
+    back bytes until they form whole UTF-8 characters; `flush()` returns what is left at the end. The
+    pieces joined equal `codec.decode(ids, skip_special_tokens)` of all the ids pushed."""
+
+    def __init__(self, codec: TextCodec, skip_special_tokens: bool = True) -> None:
+        self.codec = codec
+        self.skip_special_tokens = skip_special_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids: list[int] = []  # non-byte-level fallback: all ids so far
+        self._emitted = 0          # ... and how many characters of their decode went out
+
+    def push(self, token_id: int) -> str:
+        raw = self.codec.token_bytes(token_id, self.skip_special_tokens)
+        if raw is not None:
+            return self._utf8.decode(raw)
+        self._ids.append(token_id)
+        text = self.codec.decode(self._ids, self.skip_special_tokens)
+        if text.endswith("\ufffd"):  # maybe an unfinished character: wait for more
+            return ""
+        new, self._emitted = text[self._emitted:], len(text)
+        return new
+
+    def flush(self) -> str:
+        """The held-back remainder (incomplete characters become U+FFFD, as in a full decode)."""
+        if self._ids:
+            text = self.codec.decode(self._ids, self.skip_special_tokens)
+            new, self._emitted = text[self._emitted:], len(text)
+            return new
+        return self._utf8.decode(b"", final=True)

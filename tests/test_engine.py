@@ -1,0 +1,157 @@
+"""The engine: continuous batching equals running alone, preemption keeps outputs, seeded sampling is
+per-request, bad input is refused while everyone else keeps being served."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from gigadecode.config import EngineConfig
+from gigadecode.engine import LLMEngine, RequestError
+from gigadecode.runner import ModelRunner
+from gigadecode.sampling import SamplingError, SamplingParams
+from gigadecode.weights import load_weights
+
+from .helpers import random_prompt
+
+LENGTHS = [1, 2, 3, 4, 5, 7, 9, 15, 16, 17, 19, 23, 30, 41, 50, 64]
+MAX_TOKENS = [20, 5, 12, 30, 8, 17, 25, 3, 14, 22, 9, 28, 11, 6, 19, 13]
+
+
+@functools.lru_cache(maxsize=4)
+def _weights(path: str):
+    from gigadecode.config import GptOssConfig
+    cfg = GptOssConfig.from_hf(path)
+    return cfg, load_weights(path, cfg)
+
+
+def make_engine(ckpt, **kw) -> LLMEngine:
+    cfg, w = _weights(str(ckpt))
+    ecfg = EngineConfig(**{"kv_dtype": "fp8", "block_size": 4, "num_blocks": 600, **kw})
+    return LLMEngine(ModelRunner(ckpt, ecfg, cfg=cfg, weights=w))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def run_alone(ckpt, prompt, params, **kw) -> list[int]:
+    eng = make_engine(ckpt, **kw)
+    return eng.generate([prompt], params)[0].output_ids
+
+
+def run_staggered(eng: LLMEngine, prompts, params) -> dict[str, list[int]]:
+    """Requests join at different steps: one new request every other step."""
+    pending = list(zip(prompts, params))
+    ids = []
+    step = 0
+    while pending or eng.has_unfinished():
+        if pending and step % 2 == 0:
+            p, sp = pending.pop(0)
+            ids.append(eng.add_request(p, sp))
+        eng.step()
+        step += 1
+    return {i: eng.requests[i].output_ids for i in ids}
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_ckpt):
+    return [random_prompt(n, 1024, seed=500 + i) for i, n in enumerate(LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_ckpt, prompts):
+    return [run_alone(tiny_ckpt, p, greedy(m)) for p, m in zip(prompts, MAX_TOKENS)]
+
+
+def test_continuous_batching_equals_alone(tiny_ckpt, prompts, alone):
+    eng = make_engine(tiny_ckpt, max_prefill_tokens=24)        # long prompts are chunked
+    out = run_staggered(eng, prompts, [greedy(m) for m in MAX_TOKENS])
+    assert list(out.values()) == alone
+    assert eng.kv_manager.num_free_blocks == eng.runner.kv.num_blocks - 1
+
+
+def test_preemption_keeps_outputs(tiny_ckpt, prompts, alone):
+    # 2 groups; 64 usable blocks of 4 tokens cannot hold 16 requests of up to 94 tokens at once.
+    eng = make_engine(tiny_ckpt, num_blocks=65, max_prefill_tokens=64)
+    out = run_staggered(eng, prompts, [greedy(m) for m in MAX_TOKENS])
+    assert eng.stats["preemptions"] > 0
+    assert list(out.values()) == alone
+    assert eng.kv_manager.num_free_blocks == 64
+
+
+def test_seeded_sampling_is_per_request(tiny_ckpt, prompts):
+    sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    solo = run_alone(tiny_ckpt, prompts[5], sp)
+    eng = make_engine(tiny_ckpt)
+    others = [SamplingParams(temperature=1.0, seed=s, max_tokens=10, ignore_eos=True) for s in (1, 2, None)]
+    out = run_staggered(eng, [prompts[0], prompts[9], prompts[5], prompts[12]], [others[0], others[1], sp, others[2]])
+    assert list(out.values())[2] == solo
+    assert solo != run_alone(tiny_ckpt, prompts[5], SamplingParams(**{**sp.__dict__, "seed": 99}))
+
+
+def test_invalid_requests_are_refused_and_others_served(tiny_ckpt, prompts, alone):
+    eng = make_engine(tiny_ckpt)
+    good = eng.add_request(prompts[3], greedy(MAX_TOKENS[3]))
+    eng.step()
+    with pytest.raises(SamplingError, match="temperature"):
+        eng.add_request(prompts[1], SamplingParams(temperature=-1.0))
+    with pytest.raises(SamplingError, match="top_p"):
+        eng.add_request(prompts[1], SamplingParams.from_dict({"top_p": 1.5}))
+    with pytest.raises(RequestError, match="vocabulary"):
+        eng.add_request([5, 1024], greedy(3))
+    with pytest.raises(RequestError, match="empty"):
+        eng.add_request([], greedy(3))
+    with pytest.raises(RequestError, match="context"):
+        eng.add_request([5] * 5000, greedy(3))
+    with pytest.raises(SamplingError, match="stop_token_ids"):
+        eng.add_request(prompts[1], SamplingParams(stop_token_ids=[4096]))
+    with pytest.raises(RequestError, match="already in use"):
+        eng.add_request(prompts[1], greedy(3), request_id=good)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.requests[good].output_ids == alone[3]
+
+
+def test_abort_frees_blocks(tiny_ckpt, prompts):
+    eng = make_engine(tiny_ckpt)
+    a = eng.add_request(prompts[14], greedy(30))
+    b = eng.add_request(prompts[13], greedy(5))
+    eng.step()
+    eng.step()
+    assert eng.abort(a)
+    assert eng.requests[a].finish_reason == "abort"
+    assert not eng.abort(a)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.requests[b].finish_reason == "length"
+    assert eng.kv_manager.num_free_blocks == eng.runner.kv.num_blocks - 1
+
+
+def test_stop_tokens_and_eos(tiny_ckpt, prompts, alone):
+    ref = alone[0]
+    stop_at = ref[4]
+    first = ref.index(stop_at)
+    eng = make_engine(tiny_ckpt)
+    r = eng.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_at]))[0]
+    assert r.output_ids == ref[: first + 1] and r.finish_reason == "stop"
+    r = eng.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_at],
+                                                  min_tokens=first + 2))[0]
+    assert len(r.output_ids) > first + 1
+
+
+def test_reference_decoder_gives_same_tokens(tiny_ckpt, prompts, alone):
+    eng = make_engine(tiny_ckpt, decoder="reference", gk_decode=False)
+    outs = eng.generate(prompts[:6], [greedy(m) for m in MAX_TOKENS[:6]])
+    assert [r.output_ids for r in outs] == alone[:6]
+
+
+def test_logprobs(tiny_ckpt, prompts):
+    eng = make_engine(tiny_ckpt)
+    r = eng.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    assert len(r.output_logprobs) == 4
+    for tok, lp in zip(r.output_ids, r.output_logprobs):
+        assert lp.token_id == tok and lp.rank == 1 and len(lp.top) == 3 and lp.top[0][0] == tok
+        assert lp.logprob <= 0.0 and torch.isfinite(torch.tensor(lp.logprob))
