@@ -281,6 +281,9 @@ class EngineConfig:
     tp: int = 1
     dp: int = 1
     ep: int = 1
+    kv_lease_s: float = 30.0            # DI producer: how long leased blocks wait for the consumer's read
+    kv_transfer_timeout_s: float = 10.0  # DI consumer: handshake + read time limit
+    kv_failure_policy: str = "fail"     # DI consumer: fail | recompute (prefill locally) on a failed transfer
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -293,6 +296,8 @@ class EngineConfig:
             raise ConfigError(f"--decoder must be reference|gk|gk-compiled (got {self.decoder!r})")
         if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ConfigError(f"kv_role must be kv_producer|kv_consumer|kv_both (got {self.kv_role!r})")
+        if self.kv_failure_policy not in ("fail", "recompute"):
+            raise ConfigError(f"kv_failure_policy must be fail|recompute (got {self.kv_failure_policy!r})")
         if self.k_scale <= 0 or self.v_scale <= 0 or not math.isfinite(self.k_scale * self.v_scale):
             raise ConfigError("k_scale and v_scale must be positive and finite")
 

@@ -58,6 +58,10 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     kv_ready: bool = True              # False while a DI consumer waits for its KV to arrive
+    kv_transfer_params: dict | None = None      # DI: what the router sent
+    kv_transfer_params_out: dict | None = None  # DI: what a producer answers (for the decode engine)
+    compute_limit: int | None = None            # DI producer: compute only the first N-1 prompt tokens
+    remote_tokens: int = 0                      # DI consumer: prompt tokens whose KV comes from the prefill
 
     @property
     def all_ids(self) -> list[int]:
@@ -71,6 +75,11 @@ class Request:
     def finished(self) -> bool:
         return self.status == Status.FINISHED
 
+    @property
+    def target(self) -> int:
+        """Tokens that must be computed (a DI producer stops at N-1; everyone else computes all)."""
+        return self.num_tokens if self.compute_limit is None else self.compute_limit
+
 
 @dataclass
 class RequestOutput:
@@ -83,7 +92,7 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, ecfg: EngineConfig | None = None) -> None:
+    def __init__(self, runner: ModelRunner, ecfg: EngineConfig | None = None, connector=None) -> None:
         self.runner = runner
         self.cfg = runner.cfg
         self.ecfg = ecfg or runner.ecfg
@@ -93,12 +102,14 @@ class LLMEngine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
-        self.stats = {"preemptions": 0, "steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self.connector = connector     # DI (connector.nixl_connector.NixlConnector) or None
+        self.stats = {"preemptions": 0, "steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
+                      "kv_bytes_transferred": 0, "transfer_failures": 0, "recomputed_after_failure": 0}
         self.max_model_len = min(runner.max_model_len, (runner.kv.num_blocks - 1) * runner.block_size)
 
     # -- public API ------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, kv_transfer_params: dict | None = None) -> str:
         params = params or SamplingParams()
         params.validate(self.cfg.vocab_size)
         rid = request_id or f"req-{next(self._ids)}"
@@ -116,6 +127,8 @@ class LLMEngine:
             raise RequestError(f"prompt of {len(prompt_ids)} tokens can never fit the KV pool "
                                f"({self.runner.kv.num_blocks - 1} blocks of {self.runner.block_size})")
         req = Request(rid, list(prompt_ids), params, generator=make_generator(params.seed))
+        if kv_transfer_params:
+            self._admit_di(req, dict(kv_transfer_params))
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
@@ -134,7 +147,9 @@ class LLMEngine:
         """Run one scheduling step; returns what each request produced (and which finished)."""
         self.stats["steps"] += 1
         outputs: dict[str, RequestOutput] = {}
-        decodes, prefills = self._schedule()
+        if self.connector is not None:
+            self._poll_connector(outputs)
+        decodes, prefills = self._schedule(outputs)
         if prefills:
             self._run_prefill(prefills, outputs)
         if decodes:
@@ -158,7 +173,7 @@ class LLMEngine:
     def _fits_pool(self, num_tokens: int) -> bool:
         return sum(self.kv_manager.blocks_needed(num_tokens)) <= self.runner.kv.num_blocks - 1
 
-    def _schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
+    def _schedule(self, outputs: dict[str, RequestOutput]) -> tuple[list[Request], list[tuple[Request, int]]]:
         decodes: list[Request] = []
         # 1. running requests that need one token: grow KV by one slot, preempting the newest if needed.
         for req in list(self.running):
@@ -178,24 +193,32 @@ class LLMEngine:
         for req in self.running:
             if budget <= 0:
                 break
-            todo = req.num_tokens - req.num_computed
+            todo = req.target - req.num_computed
             if req.status != Status.RUNNING or not req.kv_ready or todo <= 1 and req in decodes:
                 continue
-            if todo > 1:
+            if todo > 1 or (todo == 1 and req.compute_limit is not None):
                 n = min(todo, budget)
                 if self.kv_manager.allocate(req.request_id, req.num_computed + n, req.num_computed):
                     prefills.append((req, n))
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.ecfg.max_num_seqs:
             req = self.waiting[0]
-            todo = req.num_tokens - req.num_computed
+            if req.remote_tokens:
+                if not self._admit_remote(req):
+                    break
+                continue
+            todo = req.target - req.num_computed
+            if todo == 0:                      # a DI producer with a 1-token prompt: nothing to send
+                self.waiting.popleft()
+                self._producer_done(req, outputs)
+                continue
             n = min(todo, budget)
             if not self.kv_manager.allocate(req.request_id, req.num_computed + n, req.num_computed):
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            if n == 1 and req.num_computed > 0:
+            if n == 1 and req.num_computed > 0 and req.compute_limit is None:
                 decodes.append(req)
             else:
                 prefills.append((req, n))
@@ -225,7 +248,10 @@ class LLMEngine:
         ready, rows = [], []
         for (req, n), lg in zip(prefills, logits):
             req.num_computed += n
-            if req.num_computed == req.num_tokens:
+            if req.compute_limit is not None and req.num_computed == req.compute_limit:
+                self.kv_manager.remove_skipped_blocks(req.request_id, req.num_computed)
+                self._producer_done(req, outputs)
+            elif req.num_computed == req.num_tokens:
                 ready.append(req)
                 rows.append(lg[-1])
         if ready:
@@ -275,12 +301,86 @@ class LLMEngine:
             return "length"
         return None
 
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+    def _finish(self, req: Request, reason: str, error: str | None = None, keep_blocks: bool = False) -> None:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error
-        self.kv_manager.free(req.request_id)
+        if not keep_blocks:
+            self.kv_manager.free(req.request_id)
+        if self.connector is not None and req.remote_tokens and not req.kv_ready:
+            self.connector.cancel(req.request_id)
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+
+    # -- disaggregated inference ---------------------------------------------------------------------------
+    def _admit_di(self, req: Request, params: dict) -> None:
+        if self.connector is None:
+            if params.get("do_remote_decode") or params.get("do_remote_prefill"):
+                raise RequestError("kv_transfer_params given, but this engine has no KV connector (--role both)")
+            return
+        req.kv_transfer_params = params
+        if params.get("do_remote_decode"):
+            if not self.connector.role == "kv_producer":
+                raise RequestError("do_remote_decode needs a prefill engine (--role prefill)")
+            req.compute_limit = self.connector.prefill_target(len(req.prompt_ids))
+        elif params.get("do_remote_prefill"):
+            if not self.connector.role == "kv_consumer":
+                raise RequestError("do_remote_prefill needs a decode engine (--role decode)")
+            try:
+                req.remote_tokens = self.connector.validate_remote(params, len(req.prompt_ids),
+                                                                   len(self.runner.kv.config.groups))
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+            if req.remote_tokens == 0:         # 1-token prompt: nothing was prefilled remotely
+                req.kv_transfer_params = None
+
+    def _admit_remote(self, req: Request) -> bool:
+        """Consumer: allocate blocks as if N-1 tokens were computed, then post the READ."""
+        n = req.remote_tokens
+        if not self.kv_manager.allocate(req.request_id, n + 1, n):
+            return False
+        self.waiting.popleft()
+        req.status = Status.RUNNING
+        req.num_computed = n
+        req.kv_ready = False
+        self.running.append(req)
+        self.connector.start_load(req.request_id, req.kv_transfer_params, self.kv_manager.block_tables(req.request_id))
+        return True
+
+    def _producer_done(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
+        """Producer: the first N-1 tokens are computed; lease the blocks and answer the params."""
+        tables = self.kv_manager.block_tables(req.request_id) if self.kv_manager.has_request(req.request_id) else \
+            [[] for _ in self.runner.kv.config.groups]
+        req.kv_transfer_params_out = self.connector.request_finished(req.request_id, tables, req.num_computed)
+        if req in self.running:
+            self.running.remove(req)
+        self._finish(req, "length", keep_blocks=True)
+        outputs[req.request_id] = RequestOutput(req.request_id, [], True, "length")
+
+    def _poll_connector(self, outputs: dict[str, RequestOutput]) -> None:
+        sending, done, failed = self.connector.get_finished()
+        for rid in sending:                    # producer: the consumer read them (or the lease expired)
+            self.kv_manager.free(rid)
+        for rid in done:
+            req = self.requests.get(rid)
+            if req is not None and not req.finished:
+                req.kv_ready = True
+        for rid, err in failed.items():
+            req = self.requests.get(rid)
+            if req is None or req.finished:
+                continue
+            self.kv_manager.free(rid)
+            if self.ecfg.kv_failure_policy == "recompute":
+                # Never decode from KV that did not arrive intact: prefill the prompt here instead.
+                self.running.remove(req)
+                req.num_computed, req.remote_tokens, req.kv_ready = 0, 0, True
+                req.status = Status.WAITING
+                self.waiting.appendleft(req)
+                self.stats["recomputed_after_failure"] += 1
+            else:
+                self._finish(req, "error", error=f"KV transfer failed: {err}")
+                outputs[rid] = RequestOutput(rid, [], True, "error", error=req.error)
+        for k in ("kv_bytes_transferred", "transfer_failures"):
+            self.stats[k] = self.connector.stats[k]

@@ -1,0 +1,302 @@
+"""The NIXL connector: the DI protocol between a prefill engine (producer) and a GK decode engine (consumer).
+
+Producer (`kv_producer`): a request with `kv_transfer_params={"do_remote_decode": true}` and N prompt
+tokens is prefilled for its first **N-1** tokens only (the DI truncation fix, below). Its blocks are then
+held under a lease and the engine answers `kv_transfer_params`: engine id, side-channel host/port, request
+id, per KV group the block ids still live (the sliding list clipped to the window) and the logical index
+of the first one, `num_computed_tokens = N-1`, the lease deadline and a CRC32 of the KV bytes. The blocks
+are freed when the consumer's READ notification arrives or when the lease expires.
+
+Consumer (`kv_consumer`): a request carrying those params is admitted with N-1 tokens computed; its
+local blocks are allocated as if it had computed them (dead sliding blocks are null), the producer's
+layout is fetched once per peer over the side channel (HTTP `GET /kv/handshake`) and checked, then one
+READ moves every (remote, local) block pair in every K and V region, notifying the producer. When the
+bytes land their CRC32 is checked; only then does the request decode token N-1 with the GK program.
+A failed handshake, READ error, time-out, expired lease, missing block or CRC mismatch never lets decode
+run on those blocks: the request fails with a clear error (or, with policy `recompute`, is prefilled
+locally) and its blocks are freed.
+
+The N-1 rule: the decode node recomputes the last prompt token, so it holds N-1 computed tokens and its
+sliding group keeps blocks from token N-1-W+1 = N-W on. A prefill that computed all N tokens would apply
+the sliding skip at N and free the block starting at N-W+1 whenever N-W+1 is a block boundary (with W a
+multiple of the block size: N % block == block-1): that block is then never sent. Both nodes therefore
+operate at N-1.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+import urllib.request
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from .base import HandshakeError, KVLayout, TransferError, model_identity
+from .nixl_agent import NixlKVAgent, ReadHandle
+
+
+def kv_crc32(kv, block_ids: list[list[int]]) -> int:
+    """CRC32 of a request's KV bytes: group by group, block by block, every buffer's K then V."""
+    crc = 0
+    for ids in block_ids:
+        if not ids:
+            continue
+        idx = torch.tensor(ids, dtype=torch.long)
+        for buf in kv.group_bufs:
+            for half in (buf[0], buf[1]):
+                crc = zlib.crc32(half.view(torch.uint8).index_select(0, idx).numpy().tobytes(), crc)
+    return crc
+
+
+@dataclass
+class _Lease:
+    block_ids: list[list[int]]
+    expires: float                      # wall clock (time.time())
+
+
+@dataclass
+class _Load:
+    request_id: str
+    params: dict[str, Any]
+    local_tables: list[list[int]] = field(default_factory=list)
+    handle: ReadHandle | None = None
+    pairs: list[tuple[int, int]] = field(default_factory=list)
+    local_ids: list[list[int]] = field(default_factory=list)
+    t_start: float = 0.0
+
+
+class _SideChannel:
+    """A tiny HTTP server on the producer: `GET /kv/handshake` -> layout + agent metadata (JSON)."""
+
+    def __init__(self, host: str, port: int, info) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:          # noqa: N802
+                if self.path.rstrip("/") != "/kv/handshake":
+                    self.send_error(404)
+                    return
+                body = json.dumps(info()).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True, name="kv-side-channel")
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def fetch_handshake(host: str, port: int, timeout_s: float = 5.0) -> dict[str, Any]:
+    url = f"http://{host}:{port}/kv/handshake"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return json.loads(r.read())
+    except Exception as e:  # noqa: BLE001 - any failure to reach the producer is a handshake failure
+        raise HandshakeError(f"KV handshake with {url} failed: {type(e).__name__}: {e}") from None
+
+
+class NixlConnector:
+    """One engine's connector (see the module docstring). The engine calls:
+
+    producer: `prefill_target(params, n)`, `request_finished(rid, block_tables)`, `get_finished()`;
+    consumer: `validate_remote(params, n)`, `start_load(rid, params, local_tables)`, `get_finished()`;
+    both: `handshake_info()` (served on the side channel), `close()`.
+    """
+
+    def __init__(self, role: str, kv, cfg, *, host: str = "127.0.0.1", side_port: int = 0,
+                 lease_s: float = 30.0, timeout_s: float = 10.0, engine_id: str | None = None) -> None:
+        self.role, self.kv, self.cfg = role, kv, cfg
+        self.engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        self.lease_s, self.timeout_s = lease_s, timeout_s
+        self.agent = NixlKVAgent(self.engine_id, engine_id=self.engine_id, host=host, model_id=model_identity(cfg),
+                                 progress_thread=role != "kv_consumer")
+        self.agent.register_kv(kv)
+        self.host = host
+        self.side = _SideChannel(host, side_port, self.handshake_info) if role != "kv_consumer" else None
+        self.leases: dict[str, _Lease] = {}
+        self.loads: dict[str, _Load] = {}
+        self._by_remote_rid: dict[str, str] = {}
+        self.stats = {"kv_bytes_transferred": 0, "transfer_failures": 0, "transfer_seconds": 0.0}
+
+    @property
+    def side_port(self) -> int | None:
+        return self.side.port if self.side else None
+
+    def handshake_info(self) -> dict[str, Any]:
+        return {"layout": self.agent.layout().to_dict(),
+                "agent_metadata": base64.b64encode(self.agent.metadata()).decode()}
+
+    # -- producer ------------------------------------------------------------------------------------
+    @staticmethod
+    def prefill_target(num_prompt_tokens: int) -> int:
+        """Tokens a producer computes for a remote decode: N-1 (the DI truncation fix)."""
+        return num_prompt_tokens - 1
+
+    def request_finished(self, request_id: str, block_tables: list[list[int]], num_computed: int) -> dict[str, Any]:
+        """Prefill of N-1 tokens is done: lease the live blocks, answer the params for the router."""
+        first, ids = [], []
+        for table in block_tables:
+            j = next((i for i, b in enumerate(table) if b != 0), len(table))
+            live = table[j:]
+            if any(b == 0 for b in live):
+                raise TransferError(f"request {request_id}: a null block inside the live window {table}")
+            first.append(j)
+            ids.append(live)
+        expires = time.time() + self.lease_s
+        if any(ids):                      # a 1-token prompt leaves nothing to send, hence no lease
+            self.leases[request_id] = _Lease(ids, expires)
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                "remote_host": self.host, "remote_port": self.side_port, "remote_request_id": request_id,
+                "remote_block_ids": ids, "remote_first_block": first, "num_computed_tokens": num_computed,
+                "lease_expires": expires, "kv_crc32": kv_crc32(self.kv, ids)}
+
+    # -- consumer ------------------------------------------------------------------------------------
+    @staticmethod
+    def validate_remote(params: dict[str, Any], num_prompt_tokens: int, num_groups: int) -> int:
+        """Check a consumer request's params; returns the number of prompt tokens whose KV arrives (N-1)."""
+        need = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids",
+                "remote_first_block", "num_computed_tokens", "kv_crc32")
+        missing = [k for k in need if params.get(k) is None]
+        if missing:
+            raise ValueError(f"kv_transfer_params is missing {', '.join(missing)}")
+        n = params["num_computed_tokens"]
+        if n != num_prompt_tokens - 1:
+            raise ValueError(f"kv_transfer_params.num_computed_tokens is {n}, expected {num_prompt_tokens - 1} "
+                             f"(prompt length - 1)")
+        ids, first = params["remote_block_ids"], params["remote_first_block"]
+        if len(ids) != num_groups or len(first) != num_groups:
+            raise ValueError(f"kv_transfer_params has block ids for {len(ids)} KV groups, this engine has {num_groups}")
+        return n
+
+    def start_load(self, request_id: str, params: dict[str, Any], local_tables: list[list[int]]) -> None:
+        """Handshake (once per producer) and post the READ; failures are reported by `get_finished`."""
+        load = _Load(request_id, params, local_tables, t_start=time.monotonic())
+        self.loads[request_id] = load
+        try:
+            if time.time() > float(params.get("lease_expires", float("inf"))):
+                raise TransferError(f"the prefill lease of {params['remote_request_id']} expired before the read")
+            remote = self._ensure_remote(params)
+            load.pairs, load.local_ids = self._pairs(params, local_tables)
+            load.handle = self.agent.read(remote, load.pairs, notif=str(params["remote_request_id"]).encode())
+        except (TransferError, HandshakeError, ValueError) as e:
+            load.handle = None
+            load.params = {**params, "_error": str(e)}
+
+    def _ensure_remote(self, params: dict[str, Any]) -> str:
+        name = params["remote_engine_id"]
+        if name not in self.agent.remotes:
+            info = fetch_handshake(params["remote_host"], int(params["remote_port"]), self.timeout_s)
+            layout = KVLayout.from_dict(info["layout"])
+            self.agent.add_remote(layout.agent_name, base64.b64decode(info["agent_metadata"]), layout)
+            if layout.agent_name != name:
+                raise HandshakeError(f"side channel answered for engine {layout.agent_name!r}, params name {name!r}")
+        return name
+
+    def _pairs(self, params: dict[str, Any], local_tables: list[list[int]]
+               ) -> tuple[list[tuple[int, int]], list[list[int]]]:
+        """Map each group's live remote blocks onto the local blocks at the same logical indices. Every live
+        local block that holds computed tokens needs a remote block (else the prefill never sent it: the
+        failure the N-1 rule prevents); blocks past the last computed token need no data."""
+        n, B = int(params["num_computed_tokens"]), self.kv.block_size
+        last = (n - 1) // B if n > 0 else -1               # last logical block holding a computed token
+        pairs: list[tuple[int, int]] = []
+        local_ids: list[list[int]] = []
+        for g, (rids, j0, table) in enumerate(zip(params["remote_block_ids"], params["remote_first_block"],
+                                                   local_tables)):
+            mine: list[int] = []
+            for j, lb in enumerate(table[: last + 1]):
+                if lb == 0:
+                    continue
+                if not j0 <= j < j0 + len(rids):
+                    raise TransferError(f"KV group {g}: logical block {j} was not sent by the prefill "
+                                        f"(it sent blocks {j0}..{j0 + len(rids) - 1})")
+                pairs.append((int(rids[j - j0]), int(lb)))
+                mine.append(int(lb))
+            if len(mine) != len(rids):
+                raise TransferError(f"KV group {g}: the prefill sent {len(rids)} blocks, {len(mine)} are live here")
+            local_ids.append(mine)
+        return pairs, local_ids
+
+    # -- both -------------------------------------------------------------------------------------------
+    def get_finished(self) -> tuple[set[str], set[str], dict[str, str]]:
+        """-> (producer requests whose blocks may be freed, consumer requests whose KV landed intact,
+        consumer requests whose load failed: request -> error)."""
+        sending: set[str] = set()
+        if self.leases:
+            for _, msgs in self.agent.get_notifs().items():
+                for m in msgs:
+                    rid = m.decode(errors="replace")
+                    if rid in self.leases:
+                        sending.add(rid)
+            now = time.time()
+            sending |= {rid for rid, lease in self.leases.items() if lease.expires <= now}
+            for rid in sending:
+                self.leases.pop(rid, None)
+        done: set[str] = set()
+        failed: dict[str, str] = {}
+        for rid, load in list(self.loads.items()):
+            err = load.params.get("_error")
+            if err is None and load.handle is not None:
+                try:
+                    if not self.agent.poll(load.handle):
+                        if time.monotonic() - load.t_start > self.timeout_s:
+                            self.agent._release(load.handle)
+                            err = (f"KV transfer from {load.params['remote_engine_id']} timed out after "
+                                   f"{self.timeout_s:.3g} s")
+                        else:
+                            continue
+                except TransferError as e:
+                    err = str(e)
+                if err is None:
+                    crc = kv_crc32(self.kv, load.local_ids)
+                    if crc != int(load.params["kv_crc32"]):
+                        err = "KV arrived corrupted or stale (CRC32 mismatch); the prefill's blocks were reused?"
+            del self.loads[rid]
+            if err is None:
+                done.add(rid)
+                self.stats["kv_bytes_transferred"] += load.handle.nbytes
+                self.stats["transfer_seconds"] += time.monotonic() - load.t_start
+            else:
+                failed[rid] = err
+                self.stats["transfer_failures"] += 1
+        return sending, done, failed
+
+    def cancel(self, request_id: str) -> None:
+        load = self.loads.pop(request_id, None)
+        if load is not None and load.handle is not None:
+            self.agent._release(load.handle)
+
+    def close(self) -> None:
+        if self.side is not None:
+            self.side.close()
+        self.agent.close()
+
+
+def build_engine(model_dir, ecfg, *, host: str = "127.0.0.1", side_port: int = 0, runner=None, progress: bool = False):
+    """An engine for `ecfg.kv_role`: kv_both runs alone; a producer or consumer gets a NIXL connector
+    (a producer also serves its handshake on `host:side_port`, 0 = any free port)."""
+    from ..engine import LLMEngine
+    from ..runner import ModelRunner
+
+    runner = runner or ModelRunner(model_dir, ecfg, progress=progress)
+    connector = None
+    if ecfg.kv_role != "kv_both":
+        connector = NixlConnector(ecfg.kv_role, runner.kv, runner.cfg, host=host, side_port=side_port,
+                                  lease_s=ecfg.kv_lease_s, timeout_s=ecfg.kv_transfer_timeout_s)
+    return LLMEngine(runner, ecfg, connector)
