@@ -37,7 +37,10 @@ def engine_config(args: argparse.Namespace, kv_role: str = "kv_both"):
                         num_blocks=args.num_blocks, kv_budget_gib=args.kv_budget_gib,
                         decoder=args.decoder, gk_decode=args.decoder != "reference", kv_role=kv_role,
                         max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
-                        tp=args.tp, dp=args.dp, ep=args.ep)
+                        tp=args.tp, dp=args.dp, ep=args.ep,
+                        kv_lease_s=getattr(args, "kv_lease_s", 30.0),
+                        kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout_s", 10.0),
+                        kv_failure_policy=getattr(args, "kv_failure_policy", "fail"))
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,7 +91,26 @@ def _read_requests(args: argparse.Namespace, codec) -> list[tuple[list[int], dic
     return [(codec.encode(args.prompt), {})]
 
 
+def _generate_parallel(args: argparse.Namespace) -> int:
+    """`generate --tp/--dp/--ep` (under torchrun): the sharded lockstep runner; rank 0 prints."""
+    if args.temperature > 0 or args.top_k not in (0, -1, 1) or args.top_p < 1 or args.min_p > 0:
+        raise ValueError("parallel generate (--tp/--dp/--ep > 1) supports greedy decoding only for now")
+    if args.decoder == "gk-compiled":
+        raise ValueError("parallel generate runs the eager GK program; use --decoder gk")
+    from .parallel.launch import main as launch_main
+    argv = ["--model", args.model, "--max-tokens", str(args.max_tokens), "--tp", str(args.tp), "--dp", str(args.dp),
+            "--ep", str(args.ep), "--dtype", args.dtype, "--kv-dtype", args.kv_dtype, "--block-size",
+            str(args.block_size), "--decoder", args.decoder]
+    argv += ["--prompt-ids", args.prompt_ids] if args.prompt_ids is not None else \
+        ["--requests", args.requests] if args.requests else ["--prompt", args.prompt]
+    argv += ["--ignore-eos"] if args.ignore_eos else []
+    argv += ["--json"] if args.json else []
+    return launch_main(argv)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.tp * args.dp * args.ep > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _generate_parallel(args)
     from .engine import LLMEngine
     from .runner import ModelRunner
     from .sampling import SamplingParams
@@ -148,14 +170,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run_plan(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server.api import serve
+    return serve(args)
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from .server.proxy import run_proxy
+    return run_proxy(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job: DI on the built-in tiny model (prefill server -> decode server via the proxy).
+    `--local` runs the single-process generate demo instead."""
     from .checkpoint import make_checkpoint
     d = Path(args.model) if args.model else DEFAULT_TINY_DIR
     if not (d / "config.json").exists():
         print(f"writing the built-in tiny model to {d} ...", flush=True)
         make_checkpoint(d, "tiny", seed=0)
-    prompt = args.prompt
-    ns = argparse.Namespace(model=str(d), prompt=prompt, prompt_ids=None, requests=None, json=False,
+    if not args.local:
+        from .demo import run_demo
+        return run_demo(d, args.prompt, args.max_tokens)
+    ns = argparse.Namespace(model=str(d), prompt=args.prompt, prompt_ids=None, requests=None, json=False,
                             max_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
                             ignore_eos=True, dtype="float32", kv_dtype="fp8", block_size=16, num_blocks=None,
                             kv_budget_gib=None, decoder="gk", max_num_seqs=64, max_prefill_tokens=512,
@@ -192,10 +228,40 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(p)
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("demo", help="the main job: generate on the built-in tiny model")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (prefill, decode, or both)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--role", default="both", choices=["prefill", "decode", "both"],
+                   help="DI role: prefill = kv_producer, decode = kv_consumer, both = kv_both (single node)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("GIGADECODE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default $GIGADECODE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: the model dir's name)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    di = p.add_argument_group("disaggregated inference")
+    di.add_argument("--kv-port", type=int, default=0, help="prefill: side-channel port for the KV handshake (0 = any)")
+    di.add_argument("--kv-lease-s", type=float, default=30.0, help="prefill: how long leased KV waits for the decode read")
+    di.add_argument("--kv-transfer-timeout-s", type=float, default=10.0, help="decode: handshake + read time limit")
+    di.add_argument("--kv-failure-policy", default="fail", choices=["fail", "recompute"],
+                    help="decode: on a failed transfer, fail the request or prefill it locally")
+    add_engine_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("proxy", help="DI router: prefill on one server, decode on another")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.set_defaults(func=cmd_proxy)
+
+    p = sub.add_parser("demo", help="the main job: DI (prefill -> decode over NIXL) on the built-in tiny model")
     p.add_argument("--model", default=None, help=f"where the tiny model lives (default {DEFAULT_TINY_DIR})")
     p.add_argument("--prompt", default="The decode engine runs the whole stack")
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--local", action="store_true", help="one process (generate) instead of the DI servers")
     p.set_defaults(func=cmd_demo)
     return ap
 

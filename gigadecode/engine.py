@@ -226,7 +226,12 @@ class LLMEngine:
         return decodes, prefills
 
     def _preempt(self, req: Request) -> None:
-        """Free all of req's KV; it is recomputed from prompt + output later (the output stays the same)."""
+        """Free all of req's KV; it is recomputed from prompt + output later (the output stays the same).
+        A DI consumer's remote KV is given up too (an in-flight READ is cancelled first): it recomputes locally."""
+        if req.remote_tokens and self.connector is not None:
+            if not req.kv_ready:
+                self.connector.cancel(req.request_id)
+            req.remote_tokens, req.kv_ready = 0, True
         self.kv_manager.free(req.request_id)
         self.running.remove(req)
         req.num_computed = 0

@@ -37,10 +37,16 @@ class ForwardOutput:
 
 
 class GptOssModel:
-    """Per-layer reference model over `ModelWeights` and a `KVCache`."""
+    """Per-layer reference model over `ModelWeights` and a `KVCache`.
 
-    def __init__(self, cfg: GptOssConfig, weights: ModelWeights, dtype: torch.dtype) -> None:
+    `parallel` (a `gigadecode.parallel.ParallelContext`, None = one rank, no collectives): the weights are
+    this rank's shard; attention runs the local heads and all-reduces the o-proj over TP, the MoE runs the
+    local experts and sums over EP, and the logits are this rank's vocabulary columns
+    `[vocab_start, vocab_stop)` (use `parallel.greedy` / `parallel.gather_logits`)."""
+
+    def __init__(self, cfg: GptOssConfig, weights: ModelWeights, dtype: torch.dtype, parallel=None) -> None:
         self.cfg, self.w, self.dtype = cfg, weights, dtype
+        self.parallel = parallel
         self.rope = Rope(cfg, dtype)
         self.scale = cfg.head_dim ** -0.5
         nh, d = weights.sinks.shape[1], cfg.head_dim
@@ -50,28 +56,39 @@ class GptOssModel:
     # ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], kv: KVCache) -> ForwardOutput:
-        cfg, w = self.cfg, self.w
+        cfg, w, par = self.cfg, self.w, self.parallel
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
-        pos = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks])
+        pos = (torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks]) if chunks
+               else torch.zeros(0, dtype=torch.long))     # a DP group with no work still joins the collectives
         cos, sin = self.rope.cos_sin(pos)
         x = w.embed[ids]                                                     # [N, H]
+        counts = par.ep_token_counts(x.shape[0]) if par is not None else None
+        lm_head = w.lm_head if par is None else w.lm_head[: par.vocab_len]  # real vocabulary rows only
         for layer in range(cfg.num_hidden_layers):
             h = rms_norm(x, w.input_norm[layer], cfg.rms_norm_eps)
             x = x + self.attention(layer, h, cos, sin, chunks, kv)
             h = rms_norm(x, w.post_norm[layer], cfg.rms_norm_eps)
-            x = x + moe_tokens(h, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit)
+            x = x + self.moe(layer, h, counts)
         x = rms_norm(x, w.norm, cfg.rms_norm_eps)
         out, off = ForwardOutput(), 0
         for c in chunks:
             n = len(c.token_ids)
             if c.want_logits == "all":
-                out.logits.append(F.linear(x[off: off + n], w.lm_head))
+                out.logits.append(F.linear(x[off: off + n], lm_head))
             elif c.want_logits == "last":
-                out.logits.append(F.linear(x[off + n - 1: off + n], w.lm_head))
+                out.logits.append(F.linear(x[off + n - 1: off + n], lm_head))
             else:
                 out.logits.append(torch.empty(0))
             off += n
         return out
+
+    def moe(self, layer: int, h: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+        cfg, w, par = self.cfg, self.w, self.parallel
+        if par is None:
+            return moe_tokens(h, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit)
+        from .parallel.ops import moe_tokens_local
+        return par.ep_moe(h, lambda t: moe_tokens_local(t, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha,
+                                                         cfg.swiglu_limit, par.expert_offset), counts)
 
     # ----------------------------------------------------------------------------------------------
     def attention(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -100,10 +117,13 @@ class GptOssModel:
             mask = kpos[None, :] <= qpos[:, None]                             # [n, S]
             if window:
                 mask &= kpos[None, :] > qpos[:, None] - window
-            rep = cfg.num_kv_groups
+            rep = nh // nkv                                                  # local heads (TP shard)
             kh = keys.transpose(0, 1).repeat_interleave(rep, 0)              # [nh, S, d]
             vh = vals.transpose(0, 1).repeat_interleave(rep, 0)
             o = sink_attention(q[off: off + n].transpose(0, 1), kh, vh, mask, w.sinks[layer], self.scale)
             outs.append(o.transpose(0, 1).reshape(n, nh * d))                # [n, nh d]
             off += n
-        return F.linear(torch.cat(outs), w.o_w[layer], w.o_b[layer])
+        a = torch.cat(outs) if outs else h.new_zeros(0, nh * d)
+        if self.parallel is not None:
+            return self.parallel.row_parallel_linear(a, w.o_w[layer], w.o_b[layer])
+        return F.linear(a, w.o_w[layer], w.o_b[layer])

@@ -8,6 +8,9 @@ model never exists. The per-layer model reads views `stack[i]`; the GK program r
 Experts stay in the checkpoint's precision: MXFP4 experts are kept as `blocks` + `scales` (uint8) and
 decoded per selected expert at run time; bf16 experts (community `gate_up_proj [E, H, 2I]` layout) are
 kept dense in the compute dtype. q/k/v projections are fused into one `qkv` stack (rows q, then k, then v).
+
+With a `Shard` (tp/ep > 1) each rank allocates and fills only its part, reading the matching slices of the
+safetensors tensors (`_fill_shard`, `shard_ranges`): no rank ever holds the full model.
 """
 
 from __future__ import annotations
@@ -253,6 +256,9 @@ class ModelWeights:
         self.tensors = tensors
         if cfg.tie_word_embeddings:
             tensors["lm_head"] = tensors["embed"]
+            if shard.tp_size > 1:                     # this rank's vocabulary rows (a view, no copy)
+                v0, v1 = shard_ranges(cfg, shard)["vocab"]
+                tensors["lm_head"] = tensors["embed"][v0:v1]
 
     def __getattr__(self, name: str) -> torch.Tensor:
         try:
@@ -267,8 +273,9 @@ class ModelWeights:
     def nbytes(self) -> int:
         seen, total = set(), 0
         for t in self.tensors.values():
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
+            ptr = t.untyped_storage().data_ptr()         # a view (tied lm_head shard) is not counted again
+            if ptr not in seen:
+                seen.add(ptr)
                 total += t.numel() * t.element_size()
         return total
 
@@ -316,8 +323,62 @@ def load_weights(model_dir: str | Path, cfg: GptOssConfig | None = None, dtype: 
 def _fill(dst: torch.Tensor, sl, src: Source, cfg: GptOssConfig, shard: Shard) -> None:
     """Copy one checkpoint tensor (a lazy safetensors slice) into its slot, taking this rank's shard."""
     if shard.tp_size != 1 or shard.ep_size != 1:
-        raise ConfigError("sharded (tp/ep > 1) loading is not available yet")
+        _fill_shard(dst, sl, src, cfg, shard)
+        return
     t = sl[:]
     if src.stack in ("qkv_w", "qkv_b"):
         dst = dst[src.row0: src.row0 + t.shape[0]]
     dst.copy_(t)
+
+
+EXPERT_STACKS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales", "gate_up", "down",
+                 "gate_up_bias", "down_bias")
+
+
+def shard_ranges(cfg: GptOssConfig, shard: Shard) -> dict[str, tuple[int, int]]:
+    """This rank's index ranges into the checkpoint's (unsharded) tensors:
+    q heads, kv heads (rank r holds kv head r // (tp // kv) when tp > kv), vocabulary rows, experts."""
+    nh_l, kv_l = local_heads(cfg, shard)
+    r, tp = shard.tp_rank, shard.tp_size
+    kv0 = r * cfg.num_key_value_heads // tp
+    v_size = cdiv(cfg.vocab_size, tp)
+    v0 = min(r * v_size, cfg.vocab_size)
+    e_l = cfg.num_local_experts // shard.ep_size
+    return {"q_heads": (r * nh_l, (r + 1) * nh_l), "kv_heads": (kv0, kv0 + kv_l),
+            "vocab": (v0, min(v0 + v_size, cfg.vocab_size)),
+            "experts": (shard.ep_rank * e_l, (shard.ep_rank + 1) * e_l)}
+
+
+def _fill_shard(dst: torch.Tensor, sl, src: Source, cfg: GptOssConfig, shard: Shard) -> None:
+    """Sharded fill: read only this rank's slice of the checkpoint tensor (safetensors slices by range).
+
+    q/k/v rows by head (fused as local q, then local k, then local v), sinks with the q heads, o-proj input
+    columns by q head, lm_head rows by vocabulary (an uneven last shard is zero-padded), experts (weights
+    and biases) by EP rank; embedding, norms, router and the o-proj bias are replicated (the bias is added
+    once, after the TP all-reduce)."""
+    rng = shard_ranges(cfg, shard)
+    d = cfg.head_dim
+    nh_l, kv_l = local_heads(cfg, shard)
+    name = src.stack
+    if name in ("qkv_w", "qkv_b"):
+        if src.row0 == 0:                                        # q_proj
+            (h0, h1), off = rng["q_heads"], 0
+        else:                                                    # k_proj, v_proj
+            (h0, h1) = rng["kv_heads"]
+            off = nh_l * d if src.row0 == cfg.num_attention_heads * d else (nh_l + kv_l) * d
+        t = sl[h0 * d: h1 * d]
+        dst[off: off + t.shape[0]].copy_(t)
+    elif name == "o_w":
+        h0, h1 = rng["q_heads"]
+        dst.copy_(sl[:, h0 * d: h1 * d])
+    elif name == "sinks":
+        dst.copy_(sl[slice(*rng["q_heads"])])
+    elif name == "lm_head":
+        v0, v1 = rng["vocab"]
+        if v1 > v0:
+            dst[: v1 - v0].copy_(sl[v0:v1])
+        dst[v1 - v0:].zero_()
+    elif name in EXPERT_STACKS:
+        dst.copy_(sl[slice(*rng["experts"])])
+    else:                                                        # replicated
+        dst.copy_(sl[:])

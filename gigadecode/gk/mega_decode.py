@@ -148,6 +148,33 @@ def moe_decode(h: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: Kernel
     return out
 
 
+def moe_decode_ep(h: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: KernelSpec,
+                  expert_offset: int) -> torch.Tensor:
+    """Expert-parallel MoE: this rank's partial sum over the (token, slot) pairs routed to the experts it
+    holds (global ids [expert_offset, expert_offset + n_local)); pairs routed elsewhere cost nothing.
+    h [Bt, H] -> [Bt, H]. Eager only (data-dependent pair count)."""
+    idx, gate_w = route(h, W["router_w"][i], W["router_b"][i], spec.top_k)  # [Bt, k]
+    n_local = W["gate_up_bias"].shape[1]
+    e = idx - expert_offset
+    tok, slot = ((e >= 0) & (e < n_local)).nonzero(as_tuple=True)          # [P] each, token-major
+    out = torch.zeros_like(h)
+    for c0 in range(0, tok.numel(), spec.moe_chunk):
+        tc, sc = tok[c0: c0 + spec.moe_chunk], slot[c0: c0 + spec.moe_chunk]
+        ec, hc = e[tc, sc], h[tc]
+        if spec.mxfp4:
+            w1 = decode_mxfp4(W["gate_up_blocks"][i][ec], W["gate_up_scales"][i][ec], h.dtype)  # [c, 2I, H]
+            w2 = decode_mxfp4(W["down_blocks"][i][ec], W["down_scales"][i][ec], h.dtype)        # [c, H, I]
+            g = torch.bmm(w1, hc.unsqueeze(-1)).squeeze(-1)
+        else:
+            w1 = W["gate_up"][i][ec]                                      # [c, H, 2I]
+            w2 = W["down"][i][ec].transpose(-1, -2)                       # [c, H, I]
+            g = torch.bmm(hc.unsqueeze(1), w1).squeeze(1)
+        a = swiglu(g + W["gate_up_bias"][i][ec], spec.alpha, spec.limit)  # [c, I]
+        y = torch.bmm(w2, a.unsqueeze(-1)).squeeze(-1) + W["down_bias"][i][ec]
+        out.index_add_(0, tc, y * gate_w[tc, sc].unsqueeze(-1))
+    return out
+
+
 def mxfp4_matvec(blocks: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Per-row MXFP4 matrix times vector without a dense weight: blocks [n, R, G, 16], scales [n, R, G],
     x [n, G*32] -> [n, R]. Dot each 32-value group, then apply the group's power of two. Written as one
@@ -185,8 +212,14 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
                                pos_swa: torch.Tensor, kv_cache_update_idx: torch.Tensor,
                                kv_cache_update_idx_swa: torch.Tensor, *, spec: KernelSpec,
                                K_cache: torch.Tensor | None = None, V_cache: torch.Tensor | None = None,
-                               return_hidden: bool = False) -> torch.Tensor:
-    """One decode step over all layers. input_ids [Bt] -> logits [Bt, V] (or the final hidden [Bt, H])."""
+                               return_hidden: bool = False, parallel=None) -> torch.Tensor:
+    """One decode step over all layers. input_ids [Bt] -> logits [Bt, V] (or the final hidden [Bt, H]).
+
+    `parallel` (a `gigadecode.parallel.ParallelContext`; None = one rank, no collectives): W is this rank's
+    shard. Per layer: local heads, o-proj all-reduced over the TP group (bias added once), MoE on the local
+    experts summed over the EP group (gathering the EP group's DP tokens first when it spans several: every
+    DP group must pass the same batch bucket Bt). Returns this rank's vocabulary columns
+    [Bt, vocab_stop - vocab_start] (reduce with `parallel.greedy`). Eager only (no compiled form yet)."""
     assert (k_bufs is None) != (K_cache is None), "pass exactly one KV form: per-buffer K/V or stacked K_cache/V_cache"
     nh, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     x = W["embed"][input_ids]                                              # [Bt, H]
@@ -208,11 +241,19 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
         write_token_kv(kb, vb, slot, k, v, spec)
         keys, vals = read_table_kv(kb, vb, table, x.dtype, spec)
         a = decode_attention(q, keys, vals, fpos, active, W["sinks"][i], window, spec)
-        x = x + F.linear(a, W["o_w"][i], W["o_b"][i])
+        if parallel is None:
+            x = x + F.linear(a, W["o_w"][i], W["o_b"][i])
+        else:
+            x = x + parallel.row_parallel_linear(a, W["o_w"][i], W["o_b"][i])
 
         h = rms_norm(x, W["post_norm"][i], spec.eps)
-        x = x + (moe_decode_fused(h, W, i, spec) if spec.fused_moe else moe_decode(h, W, i, spec))
+        if parallel is None:
+            x = x + (moe_decode_fused(h, W, i, spec) if spec.fused_moe else moe_decode(h, W, i, spec))
+        else:
+            x = x + parallel.ep_moe(h, lambda t, i=i: moe_decode_ep(t, W, i, spec, parallel.expert_offset))
     x = rms_norm(x, W["norm"], spec.eps)
     if return_hidden:
         return x
+    if parallel is not None:
+        return parallel.local_logits(x, W["lm_head"])
     return F.linear(x, W["lm_head"])

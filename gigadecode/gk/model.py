@@ -54,8 +54,12 @@ class GptOssGKDecodeModel(torch.nn.Module):
     """Decode-only GK model over stacked weights (shared with the per-layer model, never copied)."""
 
     def __init__(self, cfg: GptOssConfig, weights: ModelWeights, kv_config: KVCacheConfig, block_size: int,
-                 k_scale: float = 1.0, v_scale: float = 1.0, compiled: bool = False) -> None:
+                 k_scale: float = 1.0, v_scale: float = 1.0, compiled: bool = False, parallel=None) -> None:
         super().__init__()
+        if compiled and parallel is not None:
+            raise NotImplementedError("the compiled GK program has no collectives yet: use the eager GK "
+                                      "decoder (--decoder gk) with --tp/--dp/--ep")
+        self.parallel = parallel      # gigadecode.parallel.ParallelContext (None = one rank)
         self.cfg, self.weights, self.kv_config = cfg, weights, kv_config
         self.block_size = block_size
         self.spec = kernel_spec(cfg, weights, kv_config, block_size, k_scale, v_scale)
@@ -104,6 +108,8 @@ class GptOssGKDecodeModel(torch.nn.Module):
 
     # -- the program -------------------------------------------------------------------------------
     def program(self, ctl: AttentionControl):
+        if self.parallel is not None:
+            return functools.partial(gpt_oss_decode_mega_kernel, spec=self.spec, parallel=self.parallel)
         if not self.compiled:
             return functools.partial(gpt_oss_decode_mega_kernel, spec=self.spec)
         key = (ctl.active.shape[0], ctl.full_table.shape[-1], self._stacked)
@@ -118,7 +124,8 @@ class GptOssGKDecodeModel(torch.nn.Module):
 
     @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, ctl: AttentionControl) -> torch.Tensor:
-        """input_ids [Bt] (padded to the bucket) -> logits [Bt, V]."""
+        """input_ids [Bt] (padded to the bucket) -> logits [Bt, V] (with `parallel`: this rank's vocabulary
+        columns [Bt, vocab_stop - vocab_start])."""
         prog = self.program(ctl)
         if self._stacked:
             return prog(input_ids, self.weights.tensors, None, None, *ctl.tensors(),

@@ -1,0 +1,433 @@
+"""`AsyncEngine`: one `LLMEngine` driven by a background thread, fed and drained from asyncio.
+
+The engine is not thread-safe, so every engine call (`add_request`, `step`, `abort`, reading a finished
+request, the connector's handshake) runs on the engine thread: asyncio code posts commands to an inbox
+and the thread answers through `loop.call_soon_threadsafe`. The thread loop:
+
+  while running:
+      run queued commands (add / abort / call)
+      if engine.has_unfinished() or ≥ IDLE_STEP_S since the last step: engine.step()
+      else wait ≤ IDLE_WAIT_S for a command
+
+Idle steps (at least every `IDLE_STEP_S`) let a KV connector expire leases while no request runs.
+An exception inside `engine.step()` does not stop the loop: the requests that were running (or, if none
+were, the waiting ones) are aborted, which frees their KV, and finish with an error.
+
+Each request has its own `asyncio.Queue` of `RequestOutput`s. The last one (`finished=True`) carries
+`error` (a finished request's `Request.error`) and, as an extra attribute, `kv_transfer_params`
+(`Request.kv_transfer_params_out`, the DI producer's answer), or None.
+
+This module also owns the server's Prometheus metrics (`EngineMetrics`, one registry per engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..engine import RequestOutput
+from ..sampling import SamplingParams
+
+log = logging.getLogger("gigadecode.server")
+
+IDLE_WAIT_S = 0.01       # longest wait for new work while idle
+IDLE_STEP_S = 0.05       # an idle engine still steps this often (connector lease expiry)
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+               0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (stopped, or never started)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------------
+class _SnapshotCollector:
+    """Gauges and engine-owned counters, read from a snapshot the engine thread refreshes each step."""
+
+    def __init__(self, snap: dict[str, float]) -> None:
+        self.snap = snap
+
+    def collect(self):
+        s = dict(self.snap)
+        for name, doc, key in (
+                ("gigadecode_requests_running", "Requests in the engine's running set.", "running"),
+                ("gigadecode_requests_waiting", "Requests waiting to be scheduled.", "waiting"),
+                ("gigadecode_kv_blocks_used", "KV cache blocks in use (null block excluded).", "kv_blocks_used"),
+                ("gigadecode_kv_blocks_total", "Usable KV cache blocks (null block excluded).", "kv_blocks_total")):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], s.get(key, 0))
+            yield g
+        for name, doc, key in (
+                ("gigadecode_kv_bytes_transferred", "Bytes of KV moved by the KV connector.", "kv_bytes"),
+                ("gigadecode_kv_transfer_failures", "KV transfers that failed.", "transfer_failures")):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], s.get(key, 0))
+            yield c
+
+
+class EngineMetrics:
+    """Prometheus metrics of one engine (own registry: several apps may live in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("gigadecode_time_to_first_token_seconds",
+                              "Time from request arrival to its first generated token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("gigadecode_inter_token_latency_seconds",
+                             "Time between two consecutive generated tokens of a request.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("gigadecode_e2e_request_latency_seconds",
+                             "Time from request arrival to its end.", buckets=TTFT_BUCKETS, registry=r)
+        self.requests = Counter("gigadecode_requests", "Finished requests by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("gigadecode_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("gigadecode_generation_tokens", "Generated tokens.", registry=r)
+        self.step_failures = Counter("gigadecode_engine_step_failures", "engine.step() calls that raised.",
+                                     registry=r)
+        self.snapshot: dict[str, float] = {}
+        r.register(_SnapshotCollector(self.snapshot))
+
+    def refresh(self, engine: Any) -> None:
+        """Engine thread: read the gauges and the engine's counters."""
+        s = self.snapshot
+        s["running"] = len(engine.running)
+        s["waiting"] = len(engine.waiting)
+        kv_mgr = getattr(engine, "kv_manager", None)
+        total = engine.runner.kv.num_blocks - 1
+        s["kv_blocks_total"] = total
+        s["kv_blocks_used"] = total - kv_mgr.num_free_blocks if kv_mgr is not None else 0
+        s["kv_bytes"] = engine.stats.get("kv_bytes_transferred", 0)
+        s["transfer_failures"] = engine.stats.get("transfer_failures", 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-request stream
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class _Track:
+    """Engine-thread side of one request: where its outputs go, and its timing."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass
+class RequestStream:
+    """Asyncio side of one request: iterate it for `RequestOutput`s (the last has finished=True).
+    Leaving the iteration early (break, cancellation, client gone) aborts the request."""
+
+    request_id: str
+    num_prompt_tokens: int
+    _engine: AsyncEngine
+    _queue: asyncio.Queue
+    finished: bool = False
+    _closed: bool = field(default=False, repr=False)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                if item.finished:
+                    self.finished = True
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort the request if it has not finished (idempotent; safe from any code path)."""
+        if not self._closed:
+            self._closed = True
+            if not self.finished:
+                self._engine.abort(self.request_id)
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine thread
+# --------------------------------------------------------------------------------------------------
+class AsyncEngine:
+    """Runs `engine` on a background thread. `codec` (a `TextCodec` or None) and `model_dir` ride along
+    for the HTTP layer. Call `start()` (the app's lifespan does) before submitting requests."""
+
+    def __init__(self, engine: Any, codec: Any = None, model_dir: str | None = None,
+                 forget_finished: bool = True) -> None:
+        self.engine = engine
+        self.codec = codec
+        self.model_dir = model_dir
+        # Drop a finished request from engine.requests once its final output is delivered (a server
+        # would otherwise keep every request forever). Set False if the engine needs them later.
+        self.forget_finished = forget_finished
+        self.metrics = EngineMetrics()
+        self.max_model_len: int = int(engine.max_model_len)
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._tracks: dict[str, _Track] = {}          # engine thread only
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.metrics.refresh(engine)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="gigadecode-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- asyncio API -------------------------------------------------------------------------------
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                     kv_transfer_params: dict | None = None) -> RequestStream:
+        """Add a request; returns its stream once the engine accepted it. `engine.add_request`'s
+        errors (SamplingError, RequestError, ValueError) are raised here."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        accepted: asyncio.Future = loop.create_future()
+        arrival = time.monotonic()
+
+        def add() -> None:
+            eng = self.engine
+            try:
+                if kv_transfer_params is not None:
+                    eng.add_request(prompt_ids, params, request_id=request_id,
+                                    kv_transfer_params=kv_transfer_params)
+                else:
+                    eng.add_request(prompt_ids, params, request_id=request_id)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                _resolve(loop, accepted, exc=e)
+                return
+            self._tracks[request_id] = _Track(loop, q, arrival)
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+            _resolve(loop, accepted, result=True)
+
+        self._post(add)
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)   # it may have been added just before we were cancelled
+            raise
+        return RequestStream(request_id, len(prompt_ids), self, q)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+        """submit + iterate: yields the request's `RequestOutput`s; leaving early aborts it."""
+        stream = await self.submit(prompt_ids, params, request_id, kv_transfer_params)
+        async for out in stream:
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, non-blocking; a no-op for an unknown or finished one)."""
+        def do() -> None:
+            eng = self.engine
+            try:
+                eng.abort(request_id)
+            except Exception:  # noqa: BLE001
+                log.exception("engine.abort(%s) failed", request_id)
+            if request_id in self._tracks:
+                self._deliver_final(request_id, RequestOutput(request_id, [], True, "abort"))
+            self.metrics.refresh(eng)
+        self._post(do)
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(engine) on the engine thread; returns its result (or raises its exception)."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def do() -> None:
+            try:
+                res = fn(self.engine)
+            except BaseException as e:  # noqa: BLE001
+                _resolve(loop, fut, exc=e)
+            else:
+                _resolve(loop, fut, result=res)
+        self._post(do)
+        return await fut
+
+    # -- engine thread -----------------------------------------------------------------------------
+    def _post(self, cmd: Callable[[], None]) -> None:
+        self._inbox.put(cmd)
+        self._wake.set()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                cmd()
+            except Exception:  # noqa: BLE001 - a command must never kill the loop
+                log.exception("engine command failed")
+
+    def _run(self) -> None:
+        eng = self.engine
+        last_step = 0.0
+        while not self._stopping:
+            try:
+                self._wake.clear()
+                self._drain()
+                busy = eng.has_unfinished()
+                now = time.monotonic()
+                if busy or now - last_step >= IDLE_STEP_S:
+                    work = eng.stats.get("prefill_tokens", 0) + eng.stats.get("decode_tokens", 0)
+                    self._step()
+                    last_step = time.monotonic()
+                    if busy and eng.stats.get("prefill_tokens", 0) + eng.stats.get("decode_tokens", 0) == work:
+                        self._wake.wait(0.001)   # nothing could run (e.g. waiting for KV): don't spin hot
+                else:
+                    self._wake.wait(min(IDLE_WAIT_S, IDLE_STEP_S - (now - last_step)))
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("engine loop error")
+                time.sleep(0.01)
+        # shutting down: fail whatever is still open (including requests still in the inbox)
+        self._drain()
+        for rid in list(self._tracks):
+            try:
+                eng.abort(rid)
+            except Exception:  # noqa: BLE001
+                pass
+            self._deliver_final(rid, RequestOutput(rid, [], True, "abort", error="the server is shutting down"))
+
+    def _step(self) -> None:
+        eng = self.engine
+        try:
+            outputs = eng.step()
+        except Exception as e:  # noqa: BLE001 - fail the affected requests, keep serving
+            self.metrics.step_failures.inc()
+            log.exception("engine.step() failed")
+            self._fail_after_step_error(f"engine step failed: {type(e).__name__}: {e}")
+            self.metrics.refresh(eng)
+            return
+        for out in outputs:
+            try:
+                self._deliver(out)
+            except Exception:  # noqa: BLE001
+                log.exception("delivering the output of %s failed", out.request_id)
+        # requests the engine finished without an output this step (a failed KV transfer, ...)
+        for rid in list(self._tracks):
+            req = eng.requests.get(rid)
+            if req is None or req.finished:
+                reason = getattr(req, "finish_reason", None) or "abort"
+                self._deliver_final(rid, RequestOutput(rid, [], True, reason,
+                                                       error=getattr(req, "error", None)))
+        self.metrics.refresh(eng)
+
+    def _fail_after_step_error(self, msg: str) -> None:
+        eng = self.engine
+        victims = [r.request_id for r in list(eng.running)] or [r.request_id for r in list(eng.waiting)]
+        for rid in victims:
+            try:
+                eng.abort(rid)
+            except Exception:  # noqa: BLE001
+                log.exception("engine.abort(%s) failed after a step error", rid)
+            req = eng.requests.get(rid)
+            if req is not None:
+                req.error = msg
+            if rid in self._tracks:
+                self._deliver_final(rid, RequestOutput(rid, [], True, "error", error=msg))
+            elif self.forget_finished:
+                eng.requests.pop(rid, None)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        tr = self._tracks.get(out.request_id)
+        if tr is None:
+            return
+        now = time.monotonic()
+        n = len(out.new_token_ids)
+        if n:
+            if tr.last_token is None:
+                self.metrics.ttft.observe(now - tr.arrival)
+                for _ in range(n - 1):
+                    self.metrics.itl.observe(0.0)
+            else:
+                for _ in range(n):
+                    self.metrics.itl.observe((now - tr.last_token) / n)
+            tr.last_token = now
+            tr.num_tokens += n
+            self.metrics.generation_tokens.inc(n)
+        if out.finished:
+            self._deliver_final(out.request_id, out)
+        else:
+            _put(tr, out)
+
+    def _deliver_final(self, rid: str, out: RequestOutput) -> None:
+        """Attach the finished request's error / kv_transfer_params, send, and forget the request."""
+        tr = self._tracks.pop(rid, None)
+        req = self.engine.requests.get(rid)
+        if req is not None:
+            if out.error is None:
+                out.error = getattr(req, "error", None)
+            if out.finish_reason is None:
+                out.finish_reason = req.finish_reason
+            out.kv_transfer_params = getattr(req, "kv_transfer_params_out", None)
+            if self.forget_finished and req.finished:
+                self.engine.requests.pop(rid, None)
+        else:
+            out.kv_transfer_params = getattr(out, "kv_transfer_params", None)
+        out.finished = True
+        if out.error is not None and out.finish_reason not in ("abort",):
+            out.finish_reason = "error"
+        if tr is None:
+            return
+        now = time.monotonic()
+        self.metrics.e2e.observe(now - tr.arrival)
+        self.metrics.requests.labels(finish_reason=out.finish_reason or "unknown").inc()
+        _put(tr, out)
+
+
+def _put(tr: _Track, item: Any) -> None:
+    try:
+        tr.loop.call_soon_threadsafe(tr.queue.put_nowait, item)
+    except RuntimeError:  # the event loop is closed: nobody is listening any more
+        pass
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
+             exc: BaseException | None = None) -> None:
+    def set_() -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    try:
+        loop.call_soon_threadsafe(set_)
+    except RuntimeError:
+        pass

@@ -1,0 +1,286 @@
+"""The DI router (`gigadecode proxy`): prefill on one server, decode on another, like vLLM's
+disaggregated proxy.
+
+For each POST /v1/completions or /v1/chat/completions:
+1. send the client's body to a prefill server with `max_tokens=1` (and `max_completion_tokens=1`),
+   `stream=false` and `kv_transfer_params={"do_remote_decode": true}`; a prefill server that cannot be
+   reached or answers 5xx is retried on the next one (each at most once); a 4xx goes back to the
+   client as it is;
+2. send the client's original body plus the `kv_transfer_params` the prefill answered to a decode
+   server, and stream (or return) its answer as it is.
+Each role's server is the least loaded one (in-flight requests, then fewest sent, then list order).
+A client that disconnects closes the upstream request (which aborts it there). GET /health reports the
+upstreams' health; GET /v1/models is the first healthy decode server's. Authorization headers are
+forwarded to the upstreams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+log = logging.getLogger("gigadecode.proxy")
+
+FORWARD_HEADERS = ("authorization", "x-request-id")
+CONNECT_TIMEOUT_S = 10.0
+DISCONNECT_POLL_S = 0.2
+
+
+def _error(status: int, message: str, type: str = "server_error", code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type, "param": None, "code": code}},
+                        status_code=status)
+
+
+@dataclass
+class Upstream:
+    url: str
+    in_flight: int = 0
+    sent: int = 0
+
+
+class Pool:
+    """The servers of one role; `pick` takes the least loaded one not yet tried."""
+
+    def __init__(self, role: str, urls: Sequence[str]) -> None:
+        if not urls:
+            raise ValueError(f"the proxy needs at least one {role} server")
+        self.role = role
+        self.servers = [Upstream(u.rstrip("/")) for u in urls]
+
+    def pick(self, exclude: Sequence[Upstream] = ()) -> Upstream | None:
+        left = [(s.in_flight, s.sent, i, s) for i, s in enumerate(self.servers) if s not in exclude]
+        if not left:
+            return None
+        s = min(left, key=lambda t: t[:3])[3]
+        s.sent += 1
+        return s
+
+
+def _headers(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+
+
+def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx.AsyncClient | None = None
+                    ) -> FastAPI:
+    prefills, decodes = Pool("prefill", prefill), Pool("decode", decode)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        own = client is None
+        app.state.client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        try:
+            yield
+        finally:
+            if own:
+                await app.state.client.aclose()
+
+    app = FastAPI(title="gigadecode proxy", lifespan=lifespan)
+    app.state.prefills, app.state.decodes = prefills, decodes
+
+    async def do_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str]
+                         ) -> httpx.Response | JSONResponse:
+        pbody = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        if "max_completion_tokens" in body or path.endswith("/chat/completions"):
+            pbody["max_completion_tokens"] = 1
+        pbody.pop("stream_options", None)
+        tried: list[Upstream] = []
+        last = "no prefill server"
+        while (up := prefills.pick(tried)) is not None:
+            tried.append(up)
+            up.in_flight += 1
+            try:
+                r = await http.post(up.url + path, json=pbody, headers=headers)
+            except httpx.TransportError as e:
+                last = f"prefill server {up.url} unreachable: {type(e).__name__}: {e}"
+                log.warning(last)
+                continue
+            finally:
+                up.in_flight -= 1
+            if r.status_code >= 500:
+                last = f"prefill server {up.url} answered {r.status_code}: {r.text[:500]}"
+                log.warning(last)
+                continue
+            return r
+        return _error(502, f"every prefill server failed; last: {last}", code="prefill_failed")
+
+    async def handle(request: Request, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _error(400, f"malformed JSON body: {e}", "invalid_request_error", "invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "invalid_request_error", "invalid_json")
+        http: httpx.AsyncClient = app.state.client
+        headers = _headers(request)
+
+        async def prepare_decode() -> httpx.Response | Response:
+            pr = await do_prefill(http, path, body, headers)
+            if not isinstance(pr, httpx.Response):
+                return pr
+            if pr.status_code >= 400:       # the client's mistake: answer it as the prefill did
+                return Response(pr.content, status_code=pr.status_code,
+                                media_type=pr.headers.get("content-type", "application/json"))
+            try:
+                kv = pr.json().get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                return _error(502, f"prefill server answered a body that is not a JSON object: {pr.text[:200]}",
+                              code="prefill_failed")
+            dbody = dict(body)
+            if kv is not None:
+                dbody["kv_transfer_params"] = kv
+            else:
+                dbody.pop("kv_transfer_params", None)
+            return dbody
+
+        stream = body.get("stream") is True
+        if not stream:
+            task = asyncio.ensure_future(_prefill_and_decode(http, decodes, path, headers, prepare_decode))
+            try:
+                while True:
+                    done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                    if done:
+                        return task.result()
+                    if await request.is_disconnected():
+                        task.cancel()
+                        return Response(status_code=499)
+            finally:
+                if not task.done():
+                    task.cancel()
+
+        # streaming: prefill (watching for disconnect), then relay the decode server's stream
+        ptask = asyncio.ensure_future(prepare_decode())
+        try:
+            while True:
+                done, _ = await asyncio.wait({ptask}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    ptask.cancel()
+                    return Response(status_code=499)
+        finally:
+            if not ptask.done():
+                ptask.cancel()
+        dbody = ptask.result()
+        if isinstance(dbody, Response):
+            return dbody
+        tried: list[Upstream] = []
+        while (up := decodes.pick(tried)) is not None:
+            tried.append(up)
+            up.in_flight += 1
+            req = http.build_request("POST", up.url + path, json=dbody, headers=headers)
+            try:
+                r = await http.send(req, stream=True)
+            except httpx.ConnectError as e:      # nothing reached it: another decode server may take it
+                up.in_flight -= 1
+                log.warning("decode server %s unreachable: %s", up.url, e)
+                continue
+            except BaseException:
+                up.in_flight -= 1
+                raise
+            return StreamingResponse(_relay(r, up), status_code=r.status_code,
+                                     media_type=r.headers.get("content-type", "text/event-stream"),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _error(502, "no decode server could be reached", code="decode_failed")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        http: httpx.AsyncClient = app.state.client
+        last = "no decode server"
+        for up in decodes.servers:
+            try:
+                r = await http.get(up.url + "/v1/models", headers=_headers(request))
+            except httpx.TransportError as e:
+                last = f"{up.url}: {type(e).__name__}: {e}"
+                continue
+            return Response(r.content, status_code=r.status_code,
+                            media_type=r.headers.get("content-type", "application/json"))
+        return _error(502, f"no decode server answered: {last}")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        http: httpx.AsyncClient = app.state.client
+
+        async def check(up: Upstream) -> bool:
+            try:
+                return (await http.get(up.url + "/health", timeout=5.0)).status_code == 200
+            except httpx.HTTPError:
+                return False
+        servers = prefills.servers + decodes.servers
+        ok = await asyncio.gather(*(check(s) for s in servers))
+        status = dict(zip((s.url for s in servers), ok))
+        p_ok = any(status[s.url] for s in prefills.servers)
+        d_ok = any(status[s.url] for s in decodes.servers)
+        body = {"status": "ok" if p_ok and d_ok else "unhealthy",
+                "prefill": {s.url: {"healthy": status[s.url], "in_flight": s.in_flight} for s in prefills.servers},
+                "decode": {s.url: {"healthy": status[s.url], "in_flight": s.in_flight} for s in decodes.servers}}
+        return JSONResponse(body, status_code=200 if p_ok and d_ok else 503)
+
+    return app
+
+
+async def _prefill_and_decode(http: httpx.AsyncClient, decodes: Pool, path: str, headers: dict[str, str],
+                              prefill) -> Response:
+    """Non-streaming: prefill, then one decode request whose answer is returned as it is."""
+    dbody = await prefill()
+    if isinstance(dbody, Response):
+        return dbody
+    tried: list[Upstream] = []
+    while (up := decodes.pick(tried)) is not None:
+        tried.append(up)
+        up.in_flight += 1
+        try:
+            r = await http.post(up.url + path, json=dbody, headers=headers)
+        except httpx.ConnectError as e:
+            log.warning("decode server %s unreachable: %s", up.url, e)
+            continue
+        except httpx.TransportError as e:
+            return _error(502, f"decode server {up.url} failed: {type(e).__name__}: {e}", code="decode_failed")
+        finally:
+            up.in_flight -= 1
+        return Response(r.content, status_code=r.status_code,
+                        media_type=r.headers.get("content-type", "application/json"))
+    return _error(502, "no decode server could be reached", code="decode_failed")
+
+
+async def _relay(r: httpx.Response, up: Upstream) -> AsyncIterator[bytes]:
+    """The decode server's stream as it comes; closing it (client gone) closes the upstream request."""
+    try:
+        async for chunk in r.aiter_raw():
+            yield chunk
+    except httpx.TransportError as e:
+        msg = {"error": {"message": f"decode server {up.url} failed mid-stream: {type(e).__name__}: {e}",
+                         "type": "server_error", "param": None, "code": "decode_failed"}}
+        yield f"data: {json.dumps(msg)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        up.in_flight -= 1
+        await r.aclose()
+
+
+def run_proxy(args: Any) -> int:
+    import uvicorn
+    app = build_proxy_app(args.prefill, args.decode)
+    print(f"gigadecode proxy: prefill {args.prefill} -> decode {args.decode}; listening on "
+          f"http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
+                timeout_graceful_shutdown=5)
+    return 0

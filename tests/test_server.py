@@ -1,0 +1,639 @@
+"""The OpenAI-compatible server and the DI proxy, over real sockets on loopback.
+
+`gigadecode serve` runs as a subprocess on the tiny checkpoint; the official `openai` client talks to it.
+Greedy outputs equal the in-process engine's (same engine flags, built by the same `build_engine`);
+16 concurrent streams complete; clients that go away leave no KV behind; bad requests get their 4xx in
+OpenAI's shape and the server keeps serving. The proxy is checked against fake upstreams (what it sends
+to prefill and decode, retry on a failing prefill, 4xx pass-through, disconnects) and, for pass-through,
+against the real server standing in for both roles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gigadecode.cli import build_parser
+from gigadecode.sampling import SamplingParams
+from gigadecode.engine import RequestOutput
+from gigadecode.server.api import build_app, build_engine
+from gigadecode.server.async_engine import AsyncEngine
+from gigadecode.server.proxy import build_proxy_app
+from gigadecode.tokenizer import TextCodec
+
+from .helpers import random_prompt
+
+KEY = "sk-test-key"
+ENGINE_FLAGS = ["--num-blocks", "256", "--block-size", "16", "--kv-dtype", "fp8", "--max-num-seqs", "32"]
+CONTEXT = 255 * 16          # (num_blocks - 1) * block_size < the tiny model's 4096 positions
+METRIC_NAMES = ("gigadecode_time_to_first_token_seconds", "gigadecode_inter_token_latency_seconds",
+                "gigadecode_requests_running", "gigadecode_requests_waiting", "gigadecode_kv_blocks_used",
+                "gigadecode_kv_blocks_total", "gigadecode_kv_bytes_transferred_total",
+                "gigadecode_kv_transfer_failures_total", "gigadecode_requests_total")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_health(url: str, proc: subprocess.Popen | None = None, timeout: float = 90.0) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not become healthy in {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GIGADECODE_API_KEY": ""}
+    cmd = [sys.executable, "-m", "gigadecode", "serve", "--model", str(tiny_ckpt), "--role", "both",
+           "--port", str(port), "--api-key", KEY, "--log-level", "warning", *ENGINE_FLAGS]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_health(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    """The in-process engine `serve` builds for the same flags."""
+    args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *ENGINE_FLAGS])
+    return build_engine(args, "both")
+
+
+@pytest.fixture(scope="module")
+def codec(tiny_ckpt):
+    return TextCodec.from_dir(tiny_ckpt)
+
+
+def greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [r.output_ids for r in engine.generate(prompts, sp)]
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) ([-+0-9.eE]+|NaN)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """/metrics once nothing runs and no KV block is held."""
+    t0 = time.monotonic()
+    while True:
+        m = metrics(url)
+        if m["gigadecode_kv_blocks_used"] == 0 and m["gigadecode_requests_running"] == 0 \
+                and m["gigadecode_requests_waiting"] == 0:
+            return m
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"server not idle after {timeout}s: {m}")
+        time.sleep(0.05)
+
+
+EXTRA = {"return_token_ids": True, "ignore_eos": True}
+
+
+# --------------------------------------------------------------------------------------------------
+# Real server
+# --------------------------------------------------------------------------------------------------
+def test_completions_equal_engine(client, engine, codec):
+    ids = random_prompt(23, 1024, seed=3)
+    text_prompt = "The weather this morning was"
+    want_ids, want_text = greedy(engine, [ids, codec.encode(text_prompt)], 12)
+
+    r = client.completions.create(model="tiny_mxfp4", prompt=ids, max_tokens=12, temperature=0, extra_body=EXTRA)
+    c = r.choices[0]
+    assert c.token_ids == want_ids and c.finish_reason == "length"
+    assert c.text == codec.decode(want_ids)
+    assert r.usage.prompt_tokens == 23 and r.usage.completion_tokens == 12
+
+    r = client.completions.create(model="tiny_mxfp4", prompt=text_prompt, max_tokens=12, temperature=0,
+                                  extra_body=EXTRA)
+    assert r.choices[0].token_ids == want_text and r.choices[0].text == codec.decode(want_text)
+
+    toks, text, reasons = [], "", []
+    for chunk in client.completions.create(model="tiny_mxfp4", prompt=ids, max_tokens=12, temperature=0,
+                                           stream=True, extra_body=EXTRA):
+        for ch in chunk.choices:
+            toks += ch.token_ids
+            text += ch.text
+            reasons.append(ch.finish_reason)
+    assert toks == want_ids and text == codec.decode(want_ids)
+    assert reasons[-1] == "length" and all(x is None for x in reasons[:-1])
+
+    # a batch of prompts: one choice each
+    r = client.completions.create(model="tiny_mxfp4", prompt=[ids, ids[:5]], max_tokens=4, temperature=0,
+                                  extra_body=EXTRA)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].token_ids == want_ids[:4]
+
+
+def test_chat_equals_engine(client, engine, codec):
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What does a GPU do?"}]
+    want = greedy(engine, [codec.apply_chat_template(messages)], 10)[0]
+
+    r = client.chat.completions.create(model="tiny_mxfp4", messages=messages, max_completion_tokens=10,
+                                       temperature=0, extra_body=EXTRA)
+    assert r.choices[0].token_ids == want
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == codec.decode(want)
+
+    toks, text, first = [], "", None
+    stream = client.chat.completions.create(model="tiny_mxfp4", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}, extra_body=EXTRA)
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            first = first or ch.delta.role
+            toks += getattr(ch, "token_ids", None) or []
+            text += ch.delta.content or ""
+    assert first == "assistant" and toks == want and text == codec.decode(want)
+    assert usage.completion_tokens == 10
+
+    # logprobs come back in OpenAI's chat shape
+    r = client.chat.completions.create(model="tiny_mxfp4", messages=messages, max_tokens=3, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    lps = r.choices[0].logprobs.content
+    assert len(lps) == 3 and all(len(x.top_logprobs) == 2 and x.logprob <= 0 for x in lps)
+
+
+def test_16_concurrent_streams(server, engine):
+    prompts = [random_prompt(3 + 5 * i, 1024, seed=100 + i) for i in range(16)]
+    max_toks = [8 + (i % 5) for i in range(16)]
+    want = [r.output_ids for r in engine.generate(
+        prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_toks])]
+
+    async def one(ac, p, m):
+        toks, reason = [], None
+        async for chunk in await ac.completions.create(model="tiny_mxfp4", prompt=p, max_tokens=m,
+                                                       temperature=0, stream=True, extra_body=EXTRA):
+            for ch in chunk.choices:
+                toks += ch.token_ids
+                reason = ch.finish_reason or reason
+        return toks, reason
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0) as ac:
+            return await asyncio.gather(*(one(ac, p, m) for p, m in zip(prompts, max_toks)))
+
+    got = asyncio.run(main())
+    assert [g[0] for g in got] == want
+    assert all(g[1] == "length" for g in got)
+    wait_idle(server)
+
+
+def test_client_disconnect_frees_kv(server):
+    before = metrics(server).get('gigadecode_requests_total{finish_reason="abort"}', 0.0)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": random_prompt(40, 1024, seed=7), "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+
+    async def cancel_streams():
+        async with httpx.AsyncClient(base_url=server, headers=headers, timeout=30) as hc:
+            async def one(i):
+                async with hc.stream("POST", "/v1/completions", json={**body, "stream": True, "seed": i}) as r:
+                    assert r.status_code == 200
+                    n = 0
+                    async for line in r.aiter_lines():
+                        n += line.startswith("data: ")
+                        if n >= 3:
+                            return          # leaving the block closes the connection mid-stream
+            await asyncio.gather(*(one(i) for i in range(6)))
+    asyncio.run(cancel_streams())
+
+    # a non-streaming client that gives up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(1.0))
+    m = wait_idle(server)
+    assert m['gigadecode_requests_total{finish_reason="abort"}'] - before == 7
+
+
+BAD = [  # (path, body (dict, or raw str), headers, status, param)
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, None, 404, "model"),
+    ("/v1/completions", '{"prompt": "hi", ', None, 400, None),
+    ("/v1/completions", "[1, 2]", None, 400, None),
+    ("/v1/completions", {"prompt": [1] * (CONTEXT + 10)}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, None, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, None, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, None, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "top_k": "x"}, None, 400, "top_k"),
+    ("/v1/completions", {"prompt": [5, 100000]}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": {"a": 1}}, None, 400, None),
+    ("/v1/completions", {}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "temperature": -1}, None, 400, "temperature"),
+    ("/v1/chat/completions", {"model": "tiny_mxfp4"}, None, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, None, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, None, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 50,
+                              "logprobs": True}, None, 400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "hi"}, {"Authorization": "Bearer wrong"}, 401, None),
+    ("/v1/completions", {"prompt": "hi"}, {"Authorization": ""}, 401, None),
+    ("/v1/models", None, {"Authorization": "Bearer wrong"}, 401, None),
+]
+
+
+def test_bad_requests_get_openai_errors(server, client):
+    good = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=server, timeout=30) as hc:
+        for path, body, headers, status, param in BAD:
+            h = {**good, **(headers or {})}
+            if body is None:
+                r = hc.get(path, headers=h)
+            elif isinstance(body, str):
+                r = hc.post(path, content=body, headers={**h, "Content-Type": "application/json"})
+            else:
+                r = hc.post(path, json=body, headers=h)
+            assert r.status_code == status, (path, body, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], r.text
+            if param is not None:
+                assert err["param"] == param, (body, err)
+        assert hc.get("/no/such/route", headers=good).status_code == 404
+    # the official client maps them to its exceptions, and the server still serves
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny_mxfp4", prompt="hi", temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="bad", max_retries=0).models.list()
+    r = client.completions.create(model="tiny_mxfp4", prompt="hi", max_tokens=2, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    wait_idle(server)
+
+
+def test_models_health_metrics(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny_mxfp4"]
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+    assert httpx.get(server + "/kv/handshake").status_code == 404        # no connector on --role both
+    text = httpx.get(server + "/metrics").text
+    for name in METRIC_NAMES:
+        assert re.search(rf"^{name}", text, re.M), name
+    m = metrics(server)
+    assert m["gigadecode_kv_blocks_total"] == 255
+    assert m["gigadecode_time_to_first_token_seconds_count"] > 0
+    assert m["gigadecode_inter_token_latency_seconds_count"] > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# In-process app (build_app over an AsyncEngine): engine failures, DI hooks, token-id-only models
+# --------------------------------------------------------------------------------------------------
+def sse_lines(hc: httpx.Client, path: str, body: dict) -> tuple[int, list]:
+    with hc.stream("POST", path, json={**body, "stream": True}) as r:
+        out = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    return r.status_code, [x if x == "[DONE]" else json.loads(x) for x in out]
+
+
+def test_engine_failures_become_errors_and_serving_goes_on(tiny_ckpt, codec):
+    args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *ENGINE_FLAGS])
+    eng = build_engine(args, "both")
+    inject = {"decode": 0, "finish_error": False, "kv_out": None}
+    real_decode, real_step = eng.runner.decode, eng.step
+
+    def decode(seqs):
+        if inject["decode"]:
+            inject["decode"] -= 1
+            raise RuntimeError("injected decode failure")
+        return real_decode(seqs)
+
+    def step():                  # stands in for the DI engine: transfer failures, producer params
+        outs = real_step()
+        if inject["finish_error"]:
+            for r in list(eng.running):
+                eng._finish(r, "error", error="KV transfer failed: injected")
+        for o in outs:
+            if o.finished and inject["kv_out"] is not None:
+                eng.requests[o.request_id].kv_transfer_params_out = inject["kv_out"]
+        return outs
+
+    eng.runner.decode, eng.step = decode, step
+    app = build_app(AsyncEngine(eng, codec=codec, model_dir=str(tiny_ckpt)), "tiny", role="both")
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as hc:
+        inject["decode"] = 1
+        r = hc.post("/v1/completions", json=body)
+        assert r.status_code == 500 and "injected decode failure" in r.json()["error"]["message"]
+        inject["decode"] = 1
+        status, events = sse_lines(hc, "/v1/completions", body)
+        assert status == 200 and "injected decode failure" in events[-2]["error"]["message"]
+        assert events[-1] == "[DONE]"
+
+        inject["finish_error"] = True
+        r = hc.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 500 and "KV transfer failed: injected" in r.json()["error"]["message"]
+        status, events = sse_lines(hc, "/v1/completions", body)
+        assert "KV transfer failed" in events[-2]["error"]["message"]
+        inject["finish_error"] = False
+
+        inject["kv_out"] = {"remote_engine_id": "e1", "remote_block_ids": [[1], [2]]}
+        r = hc.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["kv_transfer_params"] == inject["kv_out"]
+        status, events = sse_lines(hc, "/v1/completions", body)
+        assert events[-2]["kv_transfer_params"] == inject["kv_out"] and events[-2]["choices"][0]["finish_reason"]
+        inject["kv_out"] = None
+
+        r = hc.post("/v1/completions", json={**body, "return_token_ids": True})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 6
+        m = wait_idle(srv.url)
+        assert m["gigadecode_engine_step_failures_total"] == 2
+        assert m['gigadecode_requests_total{finish_reason="error"}'] == 4
+        assert not eng.requests                  # finished requests are not kept
+
+
+def test_token_id_only_model(tiny_ckpt, engine):
+    args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *ENGINE_FLAGS])
+    app = build_app(AsyncEngine(build_engine(args, "both"), codec=None), "ids-only")
+    want = greedy(engine, [[9, 10, 11]], 5)[0]
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as hc:
+        r = hc.post("/v1/completions", json={"prompt": [9, 10, 11], "max_tokens": 5, "temperature": 0,
+                                             "ignore_eos": True, "return_token_ids": True})
+        c = r.json()["choices"][0]
+        assert c["text"] == "" and c["token_ids"] == want
+        status, events = sse_lines(hc, "/v1/completions", {"prompt": [9, 10, 11], "max_tokens": 5,
+                                                           "temperature": 0, "ignore_eos": True,
+                                                           "return_token_ids": True})
+        assert sum((e["choices"][0]["token_ids"] for e in events[:-1]), []) == want
+        r = hc.post("/v1/completions", json={"prompt": "text"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = hc.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+class FakeEngine:
+    """The engine contract AsyncEngine relies on, with a connector (a DI producer that answers params)."""
+
+    max_model_len = 64
+
+    def __init__(self) -> None:
+        self.running, self.waiting, self.requests, self.stats = [], [], {}, {"kv_bytes_transferred": 1234}
+        self.runner = SimpleNamespace(kv=SimpleNamespace(num_blocks=9))
+        self.kv_manager = SimpleNamespace(num_free_blocks=8)
+        self.connector = SimpleNamespace(handshake_info=lambda: {"layout": {"engine_id": "p0"}, "agent_metadata": "AA=="})
+        self.calls: list[dict] = []
+        self.steps = 0
+
+    def add_request(self, prompt_ids, params, request_id=None, **kw):
+        self.calls.append(kw)
+        self.requests[request_id] = SimpleNamespace(request_id=request_id, finished=False, finish_reason=None,
+                                                    error=None, kv_transfer_params_out=None)
+        self.waiting.append(self.requests[request_id])
+        return request_id
+
+    def has_unfinished(self):
+        return bool(self.waiting)
+
+    def step(self):
+        self.steps += 1
+        outs = []
+        for r in self.waiting:
+            r.finished, r.finish_reason = True, "length"
+            r.kv_transfer_params_out = {"remote_request_id": r.request_id}
+            outs.append(RequestOutput(r.request_id, [], True, "length"))
+        self.waiting.clear()
+        return outs
+
+    def abort(self, rid):
+        return False
+
+
+def test_di_hooks_handshake_and_idle_steps():
+    fake = FakeEngine()
+    app = build_app(AsyncEngine(fake), "fake", role="prefill")
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as hc:
+        assert hc.get("/kv/handshake").json() == {"layout": {"engine_id": "p0"}, "agent_metadata": "AA=="}
+        r = hc.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1,
+                                             "kv_transfer_params": {"do_remote_decode": True}})
+        assert r.status_code == 200
+        assert fake.calls[-1] == {"kv_transfer_params": {"do_remote_decode": True}}
+        assert r.json()["kv_transfer_params"] == {"remote_request_id": r.json()["id"]}
+        assert r.json()["choices"][0]["text"] == "" and r.json()["usage"]["completion_tokens"] == 0
+        r = hc.post("/v1/completions", json={"prompt": [1, 2, 3]})
+        assert r.status_code == 200 and fake.calls[-1] == {}          # no kv_transfer_params: not passed
+        n = fake.steps
+        time.sleep(0.5)
+        assert fake.steps - n >= 5             # idle: still steps at least every 50 ms
+        assert metrics(srv.url)["gigadecode_kv_bytes_transferred_total"] == 1234
+        assert hc.get("/health").json()["role"] == "prefill"
+
+
+# --------------------------------------------------------------------------------------------------
+# Proxy
+# --------------------------------------------------------------------------------------------------
+class ServerThread:
+    """A uvicorn server for `app` on a loopback socket, in a thread."""
+
+    def __init__(self, app) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            assert time.monotonic() - t0 < 10 and self.thread.is_alive(), "server thread did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+def fake_upstream(name: str, mode: str) -> tuple[FastAPI, dict]:
+    """mode: "fail" (500), "prefill" (answers kv_transfer_params; 400 for model "bad"), "decode"."""
+    app = FastAPI()
+    seen: dict = {"bodies": [], "cancelled": 0, "headers": []}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model"}]}
+
+    async def handle(request: Request, path: str):
+        body = await request.json()
+        seen["bodies"].append((path, body))
+        seen["headers"].append(dict(request.headers))
+        if mode == "fail":
+            return JSONResponse({"error": {"message": "boom", "type": "server_error", "param": None,
+                                           "code": None}}, status_code=500)
+        if mode == "prefill":
+            if body.get("model") == "bad":
+                return JSONResponse({"error": {"message": "no such model", "type": "invalid_request_error",
+                                               "param": "model", "code": "model_not_found"}}, status_code=404)
+            return {"id": "p", "object": "text_completion", "choices": [{"index": 0, "text": "", "finish_reason":
+                    "length"}], "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": name,
+                                                       "remote_block_ids": [[3], [4, 5]], "num_computed_tokens": 2}}
+        if body.get("stream"):
+            async def gen():
+                try:
+                    for i in range(body.get("max_tokens") or body.get("max_completion_tokens") or 10**6):
+                        yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{i}'}]})}\n\n"
+                        await asyncio.sleep(0.01)
+                    yield "data: [DONE]\n\n"
+                except asyncio.CancelledError:
+                    seen["cancelled"] += 1
+                    raise
+            return StreamingResponse(gen(), media_type="text/event-stream")
+        return {"id": "d", "object": "text_completion", "model": name,
+                "choices": [{"index": 0, "text": "decoded", "finish_reason": "length"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await handle(request, "/v1/chat/completions")
+
+    return app, seen
+
+
+def test_proxy_prefill_then_decode_with_retry():
+    bad_app, bad = fake_upstream("bad", "fail")
+    pre_app, pre = fake_upstream("pre", "prefill")
+    dec_app, dec = fake_upstream("dec", "decode")
+    dead = f"http://127.0.0.1:{free_port()}"          # nothing listens there
+    with ServerThread(bad_app) as b, ServerThread(pre_app) as p, ServerThread(dec_app) as d:
+        proxy = build_proxy_app([b.url, dead, p.url], [d.url])
+        with ServerThread(proxy) as px, httpx.Client(base_url=px.url, timeout=20) as hc:
+            body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0}
+            r = hc.post("/v1/completions", json=body, headers={"Authorization": "Bearer k"})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+            # the failing prefill (500) and the dead one were tried, then the good one
+            assert len(bad["bodies"]) == 1 and len(pre["bodies"]) == 1
+            path, pb = pre["bodies"][0]
+            assert path == "/v1/completions"
+            assert pb["max_tokens"] == 1 and pb["stream"] is False
+            assert pb["kv_transfer_params"] == {"do_remote_decode": True}
+            assert pb["prompt"] == [1, 2, 3] and pb["temperature"] == 0
+            _, db = dec["bodies"][0]
+            assert db == {**body, "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "pre",
+                                                         "remote_block_ids": [[3], [4, 5]],
+                                                         "num_computed_tokens": 2}}
+            assert dec["headers"][0]["authorization"] == "Bearer k"
+
+            # streaming chat: prefill gets max_completion_tokens=1 and stream=false; decode streams
+            chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            with hc.stream("POST", "/v1/chat/completions", json=chat) as r:
+                lines = [ln for ln in r.iter_lines() if ln]
+            assert r.status_code == 200 and lines[-1] == "data: [DONE]" and len(lines) == 4
+            path, pb = pre["bodies"][-1]
+            assert path == "/v1/chat/completions" and pb["max_completion_tokens"] == 1 and pb["max_tokens"] == 1
+            assert pb["stream"] is False and "stream_options" not in pb
+            _, db = dec["bodies"][-1]
+            assert db["stream"] is True and db["max_completion_tokens"] == 3
+            assert db["kv_transfer_params"]["remote_engine_id"] == "pre"
+
+            # a 4xx from prefill is the client's answer, decode is not asked
+            n_dec = len(dec["bodies"])
+            r = hc.post("/v1/completions", json={**body, "model": "bad"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            assert len(dec["bodies"]) == n_dec
+            r = hc.post("/v1/completions", content="{nope", headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and "error" in r.json()
+
+            # a client that leaves mid-stream cancels the decode server's stream
+            with hc.stream("POST", "/v1/completions", json={**body, "stream": True, "max_tokens": None}) as r:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i > 4:
+                        break
+            t0 = time.monotonic()
+            while dec["cancelled"] == 0 and time.monotonic() - t0 < 5:
+                time.sleep(0.05)
+            assert dec["cancelled"] == 1
+
+            assert hc.get("/v1/models").json()["data"][0]["id"] == "dec"
+            h = hc.get("/health")
+            assert h.status_code == 200 and h.json()["prefill"][dead]["healthy"] is False
+
+        # every prefill failing: 502 in OpenAI's shape
+        proxy = build_proxy_app([b.url, dead], [d.url])
+        with ServerThread(proxy) as px:
+            r = httpx.post(px.url + "/v1/completions", json=body, timeout=20)
+            assert r.status_code == 502 and r.json()["error"]["code"] == "prefill_failed"
+
+
+def test_proxy_least_loaded():
+    from gigadecode.server.proxy import Pool
+    pool = Pool("decode", ["a", "b", "c"])
+    a, b, c = pool.servers
+    assert [pool.pick().url for _ in range(4)] == ["a", "b", "c", "a"]     # idle: spread by requests sent
+    a.in_flight, b.in_flight, c.in_flight = 2, 0, 1
+    assert pool.pick() is b
+    assert pool.pick(exclude=[b]) is c
+    assert pool.pick(exclude=[a, b, c]) is None
+
+
+def test_proxy_passthrough_with_real_server(server):
+    """One `--role both` server as prefill and decode: /v1/models and /health pass through; a completion
+    gets what the prefill leg gets from the server when that is an error (a both-role engine has no KV
+    connector), else the decode answer."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    proxy = build_proxy_app([server], [server])
+    body = {"model": "tiny_mxfp4", "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0}
+    direct = httpx.post(server + "/v1/completions", headers=headers, timeout=30,
+                        json={**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}})
+    with ServerThread(proxy) as px, httpx.Client(base_url=px.url, headers=headers, timeout=30) as hc:
+        assert hc.get("/v1/models").json()["data"][0]["id"] == "tiny_mxfp4"
+        assert hc.get("/health").status_code == 200
+        r = hc.post("/v1/completions", json=body)
+        if 400 <= direct.status_code < 500:
+            assert r.status_code == direct.status_code and r.json() == direct.json()
+        elif direct.status_code == 200:
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        else:
+            assert r.status_code == 502
+        assert hc.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+    wait_idle(server)
