@@ -186,6 +186,25 @@ def test_read_noncontiguous_blocks(consumer, producer):
 
 
 @pytest.mark.timeout(60)
+def test_partial_block_reads(consumer, producer):
+    """sub_range: a byte range (a kv-head slice) of each remote block into another range of the local block."""
+    agent, cache = consumer
+    hb = agent.layout().block_len // cache.num_kv_heads                       # bytes of one kv head in a block
+    remote = expected_remote()
+    before = raw_bufs(cache)
+    agent.read_blocks(producer.name, [(4, 13), (10, 14)], timeout_s=20)      # (whole blocks: the default)
+    agent.wait(agent.read(producer.name, [(21, 13), (22, 14)], sub_range=(hb, hb), local_offset=0), 20)
+    after = raw_bufs(cache)
+    for i in range(len(after)):
+        for half in (0, 1):
+            for rb, rb2, lb in ((4, 21, 13), (10, 22, 14)):
+                got, want = after[i][half, lb].reshape(-1), remote[i][half, rb].reshape(-1).clone()
+                want[:hb] = remote[i][half, rb2].reshape(-1)[hb: 2 * hb]       # head 1 of rb2 -> head 0
+                assert torch.equal(got, want), (i, half, lb)
+            assert torch.equal(after[i][half, 15], before[i][half, 15])
+
+
+@pytest.mark.timeout(60)
 def test_empty_read_only_notifies(consumer, producer):
     agent, cache = consumer
     before = raw_bufs(cache)
@@ -209,8 +228,8 @@ def test_bad_block_ids_are_clear_errors(consumer, producer):
         agent.read(producer.name, [(1, 3), (2, 3)])
     with pytest.raises(TransferError, match="unknown remote agent"):
         agent.read("nobody", [(1, 3)])
-    with pytest.raises(NotImplementedError, match="head_ratio"):
-        agent.read(producer.name, [(1, 3)], sub_range=(0, 64))
+    with pytest.raises(TransferError, match="sub_range"):
+        agent.read(producer.name, [(1, 3)], sub_range=(64, agent.layout().block_len))
     assert all(torch.equal(a, b) for a, b in zip(before, raw_bufs(cache)))
     agent.read_blocks(producer.name, [(12, 12)], timeout_s=20)                # the agent still works
     assert torch.equal(raw_bufs(cache)[0][1, 12], expected_remote()[0][1, 12])
@@ -326,6 +345,28 @@ def test_check_compatible_rejects_malformed_and_names_head_ratio():
         check_compatible(_layout(), _layout(region_addrs=(1,)))
     with pytest.raises(HandshakeError, match="head_ratio"):
         check_compatible(_layout(), _layout(kv_heads=1))
+
+
+def test_head_mapping_between_tp_sizes():
+    from gigadecode.connector.base import head_byte_range
+    full = _layout(total_kv_heads=8)                                           # tp 1: heads [0, 8)
+    r1 = _layout(kv_heads=4, block_len=4096, kv_head_start=4, total_kv_heads=8)  # tp 2, rank 1: heads [4, 8)
+    check_compatible(full, r1)
+    check_compatible(r1, full)
+    assert head_byte_range(r1, full) == (4096, 0, 4096)                        # decode tp 2 <- prefill tp 1
+    assert head_byte_range(full, r1) == (0, 4096, 4096)                        # decode tp 1 <- prefill tp 2
+    assert head_byte_range(full, full) == (0, 0, 8192)
+    r0 = _layout(kv_heads=4, block_len=4096, kv_head_start=0, total_kv_heads=8)
+    with pytest.raises(HandshakeError, match="kv_heads"):                      # same count, disjoint heads
+        check_compatible(r0, r1)
+    with pytest.raises(HandshakeError, match="kv_heads"):                      # no TP head info
+        check_compatible(_layout(), _layout(kv_heads=4, block_len=4096))
+    with pytest.raises(HandshakeError, match="kv_heads"):                      # other bytes per head
+        check_compatible(full, _layout(kv_heads=4, block_len=8192, kv_head_start=4, total_kv_heads=8))
+    with pytest.raises(HandshakeError, match="dtype"):                         # everything else still checked
+        check_compatible(full, _layout(kv_heads=4, block_len=4096, kv_head_start=4, total_kv_heads=8,
+                                       dtype="bfloat16"))
+    assert KVLayout.from_dict(r1.to_dict()) == r1
 
 
 def test_pair_blocks_and_params():

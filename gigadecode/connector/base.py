@@ -7,30 +7,25 @@ request bookkeeping (block ids, `kv_transfer_params`, leases); the *worker side*
 the transfer agent (`nixl_agent.NixlKVAgent`) and moves bytes. The scheduler side hands the worker side
 one `ConnectorMetadata` per step; the worker side reports back through `get_finished`.
 
-Scheduler side                                              called by  what it does
-  get_num_new_matched_tokens(request_id, num_prompt_tokens, params)
-                                                             consumer   tokens whose KV arrives remotely
-                                                                        (N-1 for a prompt of N: the last
-                                                                        prompt token is recomputed here)
-  update_state_after_alloc(request_id, local_block_ids, num_external_tokens)
-                                                             consumer   record the local blocks (per KV
-                                                                        group) the remote blocks land in
-  request_finished(request_id, block_ids) -> (delay_free, kv_transfer_params)
-                                                             producer   at the end of prefill: keep the
-                                                                        blocks under a lease and answer
-                                                                        the params the router forwards
-  build_connector_meta() -> ConnectorMetadata                both       this step's reads / leases
-Worker side
-  register_kv_caches(kv_cache)                               both       register per-buffer K and V regions
-  handshake_info() -> HandshakeInfo                          producer   layout + agent metadata, served to
-                                                                        consumers (HTTP, later)
-  add_remote(info)                                           consumer   check the layout, load the metadata
-  start_load_kv(meta)                                        consumer   post the READs (non-blocking)
-  get_finished() -> FinishedTransfers                        both       producer: requests whose blocks may
-                                                                        be freed (READ notification arrived,
-                                                                        or the lease expired); consumer:
-                                                                        requests whose blocks landed, and
-                                                                        requests whose transfer failed
+Method                                                      called by  what it does
+  prefill_target(num_prompt_tokens) -> int                   producer   tokens to compute for a remote decode:
+                                                                        N-1 (the last prompt token is
+                                                                        recomputed by the decode engine)
+  request_finished(request_id, block_tables, num_computed)   producer   prefill done: lease the live blocks,
+                    -> kv_transfer_params                               answer the params the router forwards
+  validate_remote(params, num_prompt_tokens, num_groups)     consumer   check the params -> tokens whose KV
+                    -> int                                              arrives remotely (N-1)
+  start_load(request_id, params, local_block_tables)         consumer   hand-shake once per producer, post
+                                                                        the READ (non-blocking)
+  get_finished() -> (sending, recving, failed)               both       every engine step: producer requests
+                                                                        whose blocks may be freed (READ
+                                                                        notification or lease expiry);
+                                                                        consumer requests whose KV landed
+                                                                        intact; consumer loads that failed
+  cancel(request_id)                                         consumer   abort/preemption: stop a load
+  handshake_info() -> dict                                   producer   layout + agent metadata (served on
+                                                                        the side channel, GET /kv/handshake)
+  close()                                                    both       release the agent and side channel
 
 A failed, late or partial transfer must never let decode run on stale blocks: a consumer request listed
 in `FinishedTransfers.failed` is failed (or recomputed) and its local blocks freed.
@@ -61,6 +56,8 @@ class TransferError(RuntimeError):
 class TransferTimeout(TransferError):
     """A KV transfer was not done within its time limit (it has been cancelled)."""
 
+
+_DEFAULTED = ("mem_type", "device_id", "kv_head_start", "total_kv_heads")
 
 # Fields that must be equal on both sides, in the order they are checked (the first mismatch is named).
 COMPAT_FIELDS = ("model_id", "dtype", "packed", "block_size", "kv_heads", "head_dim", "num_groups",
@@ -95,6 +92,22 @@ class KVLayout:
     region_addrs: tuple[int, ...]
     mem_type: str = "DRAM"        # "DRAM" | "VRAM"
     device_id: int = 0
+    kv_head_start: int = 0        # TP: the first (global) kv head this rank holds
+    total_kv_heads: int = 0       # TP: the model's kv heads (0 = not given: this rank holds all `kv_heads`)
+
+    @property
+    def head_range(self) -> tuple[int, int]:
+        """The global kv heads [start, stop) this rank's blocks hold."""
+        return self.kv_head_start, self.kv_head_start + self.kv_heads
+
+    @property
+    def model_kv_heads(self) -> int:
+        return self.total_kv_heads or self.kv_heads
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one kv head within one block of one region (heads are outermost in a block)."""
+        return self.block_len // self.kv_heads
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "region_addrs", tuple(int(a) for a in self.region_addrs))
@@ -114,7 +127,7 @@ class KVLayout:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVLayout:
         names = {f.name for f in fields(cls)}
-        missing = sorted(n for n in names if n not in d and n not in ("mem_type", "device_id"))
+        missing = sorted(n for n in names if n not in d and n not in _DEFAULTED)
         if missing:
             raise HandshakeError(f"KV layout is missing fields: {', '.join(missing)}")
         layout = cls(**{k: v for k, v in d.items() if k in names})
@@ -124,20 +137,65 @@ class KVLayout:
         return layout
 
 
+def head_mapping(local: KVLayout, remote: KVLayout) -> tuple[int, int] | None:
+    """The global kv heads [h0, h1) both ranks hold when their head ranges differ but map onto each other
+    (prefill TP != decode TP: same model kv heads, same bytes per head, overlapping ranges); None when the
+    ranges cannot be mapped (no TP head info, different head counts or head sizes, or no overlap)."""
+    if local.total_kv_heads <= 0 or remote.total_kv_heads <= 0 or local.total_kv_heads != remote.total_kv_heads:
+        return None
+    if local.kv_heads <= 0 or remote.kv_heads <= 0 or local.block_len % local.kv_heads \
+            or remote.block_len % remote.kv_heads or local.head_bytes != remote.head_bytes:
+        return None
+    for lay in (local, remote):
+        s0, s1 = lay.head_range
+        if s0 < 0 or s1 > lay.total_kv_heads:
+            return None
+    h0 = max(local.head_range[0], remote.head_range[0])
+    h1 = min(local.head_range[1], remote.head_range[1])
+    return (h0, h1) if h0 < h1 else None
+
+
+def head_byte_range(local: KVLayout, remote: KVLayout) -> tuple[int, int, int]:
+    """(remote byte offset, local byte offset, length) of the shared kv heads within one block (of every
+    region); (0, 0, block_len) when both hold the same heads. HandshakeError when there is no mapping."""
+    if local.head_range == remote.head_range and local.block_len == remote.block_len:
+        return 0, 0, local.block_len
+    hm = head_mapping(local, remote)
+    if hm is None:
+        raise HandshakeError(f"KV layout mismatch: kv heads {local.head_range} (of {local.model_kv_heads}) local, "
+                             f"{remote.head_range} (of {remote.model_kv_heads}) remote have no head mapping")
+    hb = local.head_bytes
+    return (hm[0] - remote.kv_head_start) * hb, (hm[0] - local.kv_head_start) * hb, (hm[1] - hm[0]) * hb
+
+
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
-    """Raise `HandshakeError` naming the first `COMPAT_FIELDS` entry that differs (and on a malformed remote)."""
+    """Raise `HandshakeError` naming the first `COMPAT_FIELDS` entry that differs (and on a malformed remote).
+
+    `kv_heads` (and with it `block_len`) may differ when the two ranks' kv head ranges map onto each other
+    (`head_mapping`: prefill TP != decode TP); a READ then moves only the shared heads' byte range."""
     if len(remote.region_addrs) != remote.num_regions:
         raise HandshakeError(f"remote KV layout of {remote.agent_name!r} is malformed: "
                              f"{len(remote.region_addrs)} region addresses for num_regions={remote.num_regions}")
     if remote.num_blocks <= 0 or remote.block_len <= 0:
         raise HandshakeError(f"remote KV layout of {remote.agent_name!r} is malformed: "
                              f"num_blocks={remote.num_blocks}, block_len={remote.block_len}")
+    differ = local.head_range != remote.head_range or local.total_kv_heads != remote.total_kv_heads
+    mapped = differ and head_mapping(local, remote) is not None
+    if differ and not mapped and local.kv_heads == remote.kv_heads and local.head_range != remote.head_range:
+        raise HandshakeError(f"KV layout mismatch: kv_heads: local heads {local.head_range}, remote heads "
+                             f"{remote.head_range} (of {local.model_kv_heads}) do not overlap")
     for name in COMPAT_FIELDS:
         a, b = getattr(local, name), getattr(remote, name)
+        if mapped and name in ("kv_heads", "block_len"):
+            continue                                   # checked by head_mapping (equal bytes per head)
         if a != b:
-            hint = " (head_ratio != 1, prefill TP != decode TP, is not supported yet)" if name == "kv_heads" else ""
+            hint = ""
+            if name == "kv_heads":
+                hint = (f" (head_ratio != 1, prefill TP != decode TP, needs a head mapping: kv heads "
+                        f"{local.head_range} of {local.model_kv_heads} local, {remote.head_range} of "
+                        f"{remote.model_kv_heads} remote)")
             raise HandshakeError(f"KV layout mismatch: {name}: local {a}, remote {b}{hint}")
-    if local.compat_hash() != remote.compat_hash():  # unreachable while the fields agree; kept as a guard
+    if not mapped and local.compat_hash() != remote.compat_hash():  # unreachable while the fields agree
         raise HandshakeError(f"KV layout mismatch: compat_hash: local {local.compat_hash()}, "
                              f"remote {remote.compat_hash()}")
 
@@ -181,7 +239,10 @@ class KVTransferParams:
     remote_port: int | None = None
     remote_request_id: str | None = None
     remote_block_ids: list[list[int]] | None = None   # per KV group (sliding list clipped to the window)
+    remote_first_block: list[int] | None = None       # per KV group: logical index of remote_block_ids[g][0]
     num_computed_tokens: int | None = None            # tokens whose KV the remote blocks hold (N-1)
+    lease_expires: float | None = None                # producer wall clock: blocks are freed after this
+    kv_crc32: int | None = None                       # CRC32 of the KV bytes (group, block, buffer, K then V)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -192,44 +253,8 @@ class KVTransferParams:
         return cls(**{k: v for k, v in (d or {}).items() if k in names})
 
 
-@dataclass(frozen=True)
-class HandshakeInfo:
-    """What a producer serves to consumers: its layout and its transfer agent's metadata."""
-
-    layout: KVLayout
-    agent_metadata: bytes
-
-
-@dataclass
-class ReadRequest:
-    """One consumer request's transfer: read `remote_block_ids[g]` into `local_block_ids[g]` for each group."""
-
-    request_id: str
-    remote_engine_id: str
-    remote_request_id: str
-    remote_block_ids: list[list[int]]
-    local_block_ids: list[list[int]]
-
-
-@dataclass
-class ConnectorMetadata:
-    """Scheduler side -> worker side, once per step."""
-
-    reqs_to_recv: dict[str, ReadRequest] = field(default_factory=dict)   # consumer: reads to post
-    reqs_to_send: dict[str, float] = field(default_factory=dict)         # producer: request -> lease expiry
-
-
-@dataclass
-class FinishedTransfers:
-    """Worker side -> scheduler side."""
-
-    sending: set[str] = field(default_factory=set)        # producer: blocks may be freed
-    recving: set[str] = field(default_factory=set)        # consumer: blocks landed, request may decode
-    failed: dict[str, str] = field(default_factory=dict)  # consumer: request -> error; fail it, free its blocks
-
-
 class KVConnectorBase(ABC):
-    """The connector interface (see the module docstring for who calls what)."""
+    """The connector interface the engine drives (see the module docstring for who calls what)."""
 
     def __init__(self, role: str) -> None:
         if role not in ("kv_producer", "kv_consumer", "kv_both"):
@@ -244,42 +269,40 @@ class KVConnectorBase(ABC):
     def is_consumer(self) -> bool:
         return self.role in ("kv_consumer", "kv_both")
 
-    # -- scheduler side ----------------------------------------------------------------------------
-    @abstractmethod
-    def get_num_new_matched_tokens(self, request_id: str, num_prompt_tokens: int,
-                                   params: KVTransferParams) -> int:
-        """Consumer: how many prompt tokens' KV will be loaded remotely (0: none, compute locally)."""
+    # -- producer ------------------------------------------------------------------------------------
+    @staticmethod
+    def prefill_target(num_prompt_tokens: int) -> int:
+        """Tokens a producer computes for a remote decode: N-1 (the DI truncation fix)."""
+        return num_prompt_tokens - 1
 
     @abstractmethod
-    def update_state_after_alloc(self, request_id: str, local_block_ids: list[list[int]],
-                                 num_external_tokens: int) -> None:
-        """Consumer: the local blocks (per KV group) allocated for the remote tokens."""
+    def request_finished(self, request_id: str, block_tables: list[list[int]], num_computed: int) -> dict[str, Any]:
+        """Producer: the first N-1 tokens are computed -> lease the blocks, return the kv_transfer_params."""
 
     @abstractmethod
-    def request_finished(self, request_id: str, block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
-        """Producer: prefill is done -> (delay freeing the blocks, kv_transfer_params for the router)."""
-
-    @abstractmethod
-    def build_connector_meta(self) -> ConnectorMetadata:
-        """Both: the reads to post / leases to watch this step (and reset the pending state)."""
-
-    # -- worker side -------------------------------------------------------------------------------
-    @abstractmethod
-    def register_kv_caches(self, kv_cache: Any) -> None:
-        """Both: register the engine's KV buffers (a `gigadecode.kv.cache.KVCache`)."""
-
-    @abstractmethod
-    def handshake_info(self) -> HandshakeInfo:
+    def handshake_info(self) -> dict[str, Any]:
         """Producer: the layout and agent metadata a consumer needs to read from this engine."""
 
+    # -- consumer ------------------------------------------------------------------------------------
+    @staticmethod
     @abstractmethod
-    def add_remote(self, info: HandshakeInfo) -> str:
-        """Consumer: check the remote layout against ours and load its metadata; returns the peer's name."""
+    def validate_remote(params: dict[str, Any], num_prompt_tokens: int, num_groups: int) -> int:
+        """Consumer: check a request's params (ValueError names what is wrong) -> remote tokens (N-1)."""
 
     @abstractmethod
-    def start_load_kv(self, meta: ConnectorMetadata) -> None:
-        """Consumer: post the READs for `meta.reqs_to_recv` (non-blocking)."""
+    def start_load(self, request_id: str, params: dict[str, Any], local_tables: list[list[int]]) -> None:
+        """Consumer: post the READ of the remote blocks into `local_tables` (non-blocking)."""
 
     @abstractmethod
-    def get_finished(self) -> FinishedTransfers:
-        """Both: poll transfers and notifications; report finished and failed requests."""
+    def cancel(self, request_id: str) -> None:
+        """Consumer: stop a load (abort or preemption); its local blocks are freed by the caller."""
+
+    # -- both ----------------------------------------------------------------------------------------
+    @abstractmethod
+    def get_finished(self) -> tuple[set[str], set[str], dict[str, str]]:
+        """-> (producer: requests whose blocks may be freed, consumer: requests whose KV landed intact,
+        consumer: failed loads {request: error}). Called every engine step."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the transfer agent (and the side channel)."""

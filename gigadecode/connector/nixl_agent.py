@@ -13,6 +13,12 @@ already registered is skipped. Block b of region r is the descriptor `base_r + b
 remote at `add_remote`), and a read of pairs [(rb, lb), ...] selects descriptor `r·num_blocks + b` on both
 sides for every region r.
 
+Head mapping (prefill TP != decode TP): the layout carries the rank's kv head range (`kv_head_start`,
+`total_kv_heads`; `register_kv(kv, kv_head_start=...)`). When two layouts hold different heads, `read` moves
+only the shared heads: kv heads are outermost in a block (also for packed K), so they are one byte range
+per block, `base + b·block_len + offset` for `length` bytes, on each side (`base.head_byte_range`). Those
+partial-block descriptor lists are prepared on first use and cached per (offset, length).
+
 NIXL facts (nixl 1.5.1, UCX backend, loopback, no GPU):
 - Progress: with the progress thread off, a READ only completes while the *target* agent is progressed
   too. The producer must therefore call `get_notifs()` (or `progress()`) regularly (its engine loop does,
@@ -44,7 +50,8 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # nixl logs every backend/agent
 import nixl._bindings as _nixl_bindings  # noqa: E402  (a real dependency: fail loudly if missing)
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
-from .base import HandshakeError, KVLayout, TransferError, TransferTimeout, check_compatible  # noqa: E402
+from .base import (HandshakeError, KVLayout, TransferError, TransferTimeout, check_compatible,  # noqa: E402
+                   head_byte_range)
 
 NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
     getattr(_nixl_bindings, n) for n in dir(_nixl_bindings)
@@ -55,13 +62,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def block_descs(region_addrs: Sequence[int], num_blocks: int, block_len: int, device_id: int = 0) -> np.ndarray:
-    """[num_regions * num_blocks, 3] uint64 (addr, len, dev): row r·num_blocks + b is block b of region r."""
-    base = np.asarray(region_addrs, dtype=np.uint64)[:, None]
+def block_descs(region_addrs: Sequence[int], num_blocks: int, block_len: int, device_id: int = 0,
+                offset: int = 0, length: int | None = None) -> np.ndarray:
+    """[num_regions * num_blocks, 3] uint64 (addr, len, dev): row r·num_blocks + b is block b of region r,
+    or with `offset`/`length` the byte range [offset, offset + length) of that block (a kv-head slice)."""
+    length = block_len if length is None else length
+    if offset < 0 or length <= 0 or offset + length > block_len:
+        raise ValueError(f"byte range [{offset}, {offset + length}) is not inside a block of {block_len} bytes")
+    base = np.asarray(region_addrs, dtype=np.uint64)[:, None] + np.uint64(offset)
     offs = np.arange(num_blocks, dtype=np.uint64)[None, :] * np.uint64(block_len)
     out = np.empty((len(region_addrs) * num_blocks, 3), dtype=np.uint64)
     out[:, 0] = (base + offs).reshape(-1)
-    out[:, 1] = block_len
+    out[:, 1] = length
     out[:, 2] = device_id
     return out
 
@@ -71,6 +83,7 @@ class _Remote:
     name: str
     layout: KVLayout
     dlist: Any                       # prepped remote descriptor list
+    sub_dlists: dict[tuple[int, int], Any] = field(default_factory=dict)   # (offset, length) -> dlist
 
 
 @dataclass
@@ -115,11 +128,16 @@ class NixlKVAgent:
         self._tensors: list[torch.Tensor] = []     # the registered regions (kept alive while registered)
         self._reg = None                           # nixlRegDList, for deregistration
         self._local_dlist = None
+        self._local_sub: dict[tuple[int, int], Any] = {}     # (offset, length) -> prepped local dlist
         self._remotes: dict[str, _Remote] = {}
 
     # -- registration ------------------------------------------------------------------------------
-    def register_kv(self, kv_cache: Any) -> KVLayout:
-        """Register K and V of every buffer of a `KVCache` (`group_bufs[i]: [2, nb, kv, block, d]`)."""
+    def register_kv(self, kv_cache: Any, kv_head_start: int = 0, total_kv_heads: int | None = None) -> KVLayout:
+        """Register K and V of every buffer of a `KVCache` (`group_bufs[i]: [2, nb, kv, block, d]`).
+
+        With TP, `kv_head_start` is the first global kv head this rank's cache holds (`shard_ranges(cfg,
+        shard)["kv_heads"][0]`); `total_kv_heads` defaults to the cache's model config (0 if it has none).
+        Both go into the layout so a peer with another TP size can map heads (`read` does it)."""
         if self._layout is not None:
             raise RuntimeError(f"agent {self.name!r} already registered its KV")
         regions: list[torch.Tensor] = []
@@ -155,7 +173,10 @@ class NixlKVAgent:
             block_size=block, kv_heads=kv, head_dim=d, num_blocks=nb, block_len=block_len,
             num_groups=len(kv_cache.config.groups) if hasattr(kv_cache, "config") else 1,
             num_buffers=len(kv_cache.group_bufs), num_regions=len(regions),
-            region_addrs=tuple(r.data_ptr() for r in regions), mem_type=mem_type, device_id=dev)
+            region_addrs=tuple(r.data_ptr() for r in regions), mem_type=mem_type, device_id=dev,
+            kv_head_start=int(kv_head_start), total_kv_heads=int(
+                total_kv_heads if total_kv_heads is not None
+                else getattr(getattr(kv_cache, "cfg", None), "num_key_value_heads", 0)))
         return self._layout
 
     def layout(self) -> KVLayout:
@@ -199,8 +220,16 @@ class NixlKVAgent:
     def remove_remote(self, name: str) -> None:
         r = self._remotes.pop(name, None)
         if r is not None:
+            for d in r.sub_dlists.values():
+                d.release()
             r.dlist.release()
             self.agent.remove_remote_agent(name)
+
+    def remote_layout(self, name: str) -> KVLayout:
+        r = self._remotes.get(name)
+        if r is None:
+            raise TransferError(f"unknown remote agent {name!r} (known: {sorted(self._remotes)}); add_remote first")
+        return r.layout
 
     @property
     def remotes(self) -> list[str]:
@@ -208,23 +237,32 @@ class NixlKVAgent:
 
     # -- transfers ---------------------------------------------------------------------------------
     def read(self, remote: str, pairs: Sequence[tuple[int, int]], notif: bytes = b"",
-             sub_range: tuple[int, int] | None = None) -> ReadHandle:
+             sub_range: tuple[int, int] | None = None, local_offset: int = 0) -> ReadHandle:
         """Post a READ of remote block rb into local block lb for each (rb, lb) in `pairs`, in every region.
 
         `notif` is delivered to the remote agent (its `get_notifs()`) when the READ completes. Returns at
         once; finish with `wait` (blocking) or `poll`. An empty `pairs` only sends `notif`.
 
-        `sub_range=(offset, length)` is the hook for `head_ratio != 1` (prefill TP != decode TP): read only
-        that byte range of each remote block (its kv-head slice; heads are outermost within a block, also
-        for packed K) into the local block. Not implemented yet: it needs a second remote dlist prepared
-        from `block_descs` with `addr + offset`, `length`, and a local block_len of `length`.
+        Head mapping (`head_ratio != 1`, prefill TP != decode TP): when the two layouts hold different kv
+        head ranges, only the shared heads move: their byte range of each remote block (heads are
+        outermost within a block, also for packed K) into their byte range of the local block
+        (`base.head_byte_range`). `sub_range=(offset, length)` overrides it: read bytes [offset, offset +
+        length) of each remote block into [local_offset, local_offset + length) of the local block. Partial
+        ranges use extra descriptor lists, prepared on first use and cached per (offset, length).
         """
-        if sub_range is not None:
-            raise NotImplementedError("partial-block reads (head_ratio != 1) are not implemented yet")
         local = self.layout()
         r = self._remotes.get(remote)
         if r is None:
             raise TransferError(f"unknown remote agent {remote!r} (known: {sorted(self._remotes)}); add_remote first")
+        if sub_range is None:
+            roff, loff, length = head_byte_range(local, r.layout)
+        else:
+            (roff, length), loff = (int(x) for x in sub_range), int(local_offset)
+            if length <= 0 or roff < 0 or loff < 0 or roff + length > r.layout.block_len \
+                    or loff + length > local.block_len:
+                raise TransferError(f"sub_range: bytes [{roff}, {roff + length}) of a remote block "
+                                    f"({r.layout.block_len} bytes) into [{loff}, {loff + length}) of a local "
+                                    f"block ({local.block_len} bytes) is out of range")
         notif = notif.encode() if isinstance(notif, str) else bytes(notif)
         arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
         rb, lb = arr[:, 0], arr[:, 1]
@@ -239,17 +277,18 @@ class NixlKVAgent:
             if len(np.unique(lb)) != len(lb):
                 raise TransferError("a local block id appears twice in one read")
         handle = ReadHandle(remote, len(arr), len(arr) * local.num_regions,
-                            len(arr) * local.num_regions * local.block_len, notif, time.monotonic())
+                            len(arr) * local.num_regions * length, notif, time.monotonic())
         if not len(arr):
             if notif:
                 self._nixl(self.agent.send_notif, remote, notif, what="send notification")
             handle.state, handle.t_done = "DONE", time.monotonic()
             return handle
+        local_dl, remote_dl = self._dlists(r, roff, loff, length)
         reg = np.arange(local.num_regions, dtype=np.int64)[:, None]
         local_idx = (reg * local.num_blocks + lb[None, :]).reshape(-1).astype(np.int32)
         remote_idx = (reg * r.layout.num_blocks + rb[None, :]).reshape(-1).astype(np.int32)
-        handle.xfer = self._nixl(self.agent.make_prepped_xfer, "READ", self._local_dlist, local_idx,
-                                 r.dlist, remote_idx, notif, what="prepare READ")
+        handle.xfer = self._nixl(self.agent.make_prepped_xfer, "READ", local_dl, local_idx,
+                                 remote_dl, remote_idx, notif, what="prepare READ")
         state = "ERR"
         try:
             state = self.agent.transfer(handle.xfer)
@@ -260,6 +299,32 @@ class NixlKVAgent:
         if state == "DONE":
             self._finish(handle)
         return handle
+
+    def _dlists(self, r: _Remote, roff: int, loff: int, length: int) -> tuple[Any, Any]:
+        """(local, remote) prepped descriptor lists for byte range (offset, length) of every block."""
+        local = self.layout()
+        rl = r.layout
+        if (loff, length) == (0, local.block_len):
+            local_dl = self._local_dlist
+        else:
+            local_dl = self._local_sub.get((loff, length))
+            if local_dl is None:
+                local_dl = self._nixl(self.agent.prep_xfer_dlist, "NIXL_INIT_AGENT",
+                                      block_descs(local.region_addrs, local.num_blocks, local.block_len,
+                                                  local.device_id, loff, length),
+                                      local.mem_type, what="prepare local partial-block descriptors")
+                self._local_sub[(loff, length)] = local_dl
+        if (roff, length) == (0, rl.block_len):
+            remote_dl = r.dlist
+        else:
+            remote_dl = r.sub_dlists.get((roff, length))
+            if remote_dl is None:
+                remote_dl = self._nixl(self.agent.prep_xfer_dlist, r.name,
+                                       block_descs(rl.region_addrs, rl.num_blocks, rl.block_len, rl.device_id,
+                                                   roff, length),
+                                       rl.mem_type, what="prepare remote partial-block descriptors")
+                r.sub_dlists[(roff, length)] = remote_dl
+        return local_dl, remote_dl
 
     def poll(self, handle: ReadHandle) -> bool:
         """Non-blocking: True once the READ is done (the handle is then released); raises TransferError."""
@@ -325,6 +390,9 @@ class NixlKVAgent:
                 self.remove_remote(name)
             except NIXL_ERRORS:
                 pass
+        for d in self._local_sub.values():
+            d.release()
+        self._local_sub = {}
         if self._local_dlist is not None:
             self._local_dlist.release()
             self._local_dlist = None

@@ -4,7 +4,9 @@ Producer (`kv_producer`): a request with `kv_transfer_params={"do_remote_decode"
 tokens is prefilled for its first **N-1** tokens only (the DI truncation fix, below). Its blocks are then
 held under a lease and the engine answers `kv_transfer_params`: engine id, side-channel host/port, request
 id, per KV group the block ids still live (the sliding list clipped to the window) and the logical index
-of the first one, `num_computed_tokens = N-1`, the lease deadline and a CRC32 of the KV bytes. The blocks
+of the first one, `num_computed_tokens = N-1`, the lease deadline, a CRC32 of the KV bytes and one CRC32
+per kv head (`kv_crc32_heads`, from global head `kv_head_start`: a decode rank of another TP size checks the
+head slice it read). The blocks
 are freed when the consumer's READ notification arrives or when the lease expires.
 
 Consumer (`kv_consumer`): a request carrying those params is admitted with N-1 tokens computed; its
@@ -38,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .base import HandshakeError, KVLayout, TransferError, model_identity
+from .base import HandshakeError, KVConnectorBase, KVLayout, TransferError, model_identity
 from .nixl_agent import NixlKVAgent, ReadHandle
 
 
@@ -53,6 +55,71 @@ def kv_crc32(kv, block_ids: list[list[int]]) -> int:
             for half in (buf[0], buf[1]):
                 crc = zlib.crc32(half.view(torch.uint8).index_select(0, idx).numpy().tobytes(), crc)
     return crc
+
+
+def kv_crc32_heads(kv, block_ids: list[list[int]], heads: tuple[int, int] | None = None) -> list[int]:
+    """One CRC32 per kv head of the cache (local head index h in `heads`, default all): that head's bytes
+    of a request's KV, group by group, block by block, every buffer's K then V. Lets a consumer that
+    holds other kv heads (prefill TP != decode TP) check exactly the slice it read."""
+    h0, h1 = heads if heads is not None else (0, kv.group_bufs[0].shape[2])
+    crcs = [0] * (h1 - h0)
+    for ids in block_ids:
+        if not ids:
+            continue
+        idx = torch.tensor(ids, dtype=torch.long)
+        for buf in kv.group_bufs:
+            for half in (buf[0], buf[1]):                   # [nb, kv, ...]: heads outermost within a block
+                sel = half.view(torch.uint8).index_select(0, idx)
+                for i, h in enumerate(range(h0, h1)):
+                    crcs[i] = zlib.crc32(sel[:, h].contiguous().numpy().tobytes(), crcs[i])
+    return crcs
+
+
+def crc_matches(kv, local_ids: list[list[int]], params: dict[str, Any], local_heads: tuple[int, int],
+                heads: tuple[int, int] | None = None) -> bool:
+    """Did the KV of `local_ids` arrive intact? Global kv heads `heads` (default: all of `local_heads`, the
+    heads this cache holds) are checked against the producer's per-head CRCs (`kv_crc32_heads`, from global
+    head `kv_head_start` on) when both sides hold different heads, else against its whole-block `kv_crc32`."""
+    h0, h1 = heads or local_heads
+    r0 = int(params.get("kv_head_start", 0))
+    per_head = params.get("kv_crc32_heads")
+    if heads is None and per_head is not None and (r0, r0 + len(per_head)) == tuple(local_heads):
+        return kv_crc32(kv, local_ids) == int(params["kv_crc32"])
+    if per_head is None:
+        if (h0, h1) != tuple(local_heads):
+            return False                                  # no per-head CRCs to check a slice against
+        return kv_crc32(kv, local_ids) == int(params["kv_crc32"])
+    if h0 < r0 or h1 > r0 + len(per_head):
+        return False
+    got = kv_crc32_heads(kv, local_ids, (h0 - local_heads[0], h1 - local_heads[0]))
+    return got == [int(c) for c in per_head[h0 - r0: h1 - r0]]
+
+
+def pair_remote_blocks(params: dict[str, Any], local_tables: list[list[int]], block_size: int
+                       ) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """Map each group's live remote blocks (`remote_block_ids` from `remote_first_block` on) onto the local
+    blocks at the same logical indices -> (pairs, per-group local ids). Every live local block that holds
+    computed tokens needs a remote block (else the prefill never sent it: the failure the N-1 rule
+    prevents); blocks past the last computed token need no data."""
+    n, B = int(params["num_computed_tokens"]), block_size
+    last = (n - 1) // B if n > 0 else -1               # last logical block holding a computed token
+    pairs: list[tuple[int, int]] = []
+    local_ids: list[list[int]] = []
+    for g, (rids, j0, table) in enumerate(zip(params["remote_block_ids"], params["remote_first_block"],
+                                               local_tables)):
+        mine: list[int] = []
+        for j, lb in enumerate(table[: last + 1]):
+            if lb == 0:
+                continue
+            if not j0 <= j < j0 + len(rids):
+                raise TransferError(f"KV group {g}: logical block {j} was not sent by the prefill "
+                                    f"(it sent blocks {j0}..{j0 + len(rids) - 1})")
+            pairs.append((int(rids[j - j0]), int(lb)))
+            mine.append(int(lb))
+        if len(mine) != len(rids):
+            raise TransferError(f"KV group {g}: the prefill sent {len(rids)} blocks, {len(mine)} are live here")
+        local_ids.append(mine)
+    return pairs, local_ids
 
 
 @dataclass
@@ -111,17 +178,13 @@ def fetch_handshake(host: str, port: int, timeout_s: float = 5.0) -> dict[str, A
         raise HandshakeError(f"KV handshake with {url} failed: {type(e).__name__}: {e}") from None
 
 
-class NixlConnector:
-    """One engine's connector (see the module docstring). The engine calls:
-
-    producer: `prefill_target(params, n)`, `request_finished(rid, block_tables)`, `get_finished()`;
-    consumer: `validate_remote(params, n)`, `start_load(rid, params, local_tables)`, `get_finished()`;
-    both: `handshake_info()` (served on the side channel), `close()`.
-    """
+class NixlConnector(KVConnectorBase):
+    """One engine's NIXL connector (the interface and who calls what: `base.KVConnectorBase`)."""
 
     def __init__(self, role: str, kv, cfg, *, host: str = "127.0.0.1", side_port: int = 0,
                  lease_s: float = 30.0, timeout_s: float = 10.0, engine_id: str | None = None) -> None:
-        self.role, self.kv, self.cfg = role, kv, cfg
+        super().__init__(role)
+        self.kv, self.cfg = kv, cfg
         self.engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:8]}"
         self.lease_s, self.timeout_s = lease_s, timeout_s
         self.agent = NixlKVAgent(self.engine_id, engine_id=self.engine_id, host=host, model_id=model_identity(cfg),
@@ -143,11 +206,6 @@ class NixlConnector:
                 "agent_metadata": base64.b64encode(self.agent.metadata()).decode()}
 
     # -- producer ------------------------------------------------------------------------------------
-    @staticmethod
-    def prefill_target(num_prompt_tokens: int) -> int:
-        """Tokens a producer computes for a remote decode: N-1 (the DI truncation fix)."""
-        return num_prompt_tokens - 1
-
     def request_finished(self, request_id: str, block_tables: list[list[int]], num_computed: int) -> dict[str, Any]:
         """Prefill of N-1 tokens is done: lease the live blocks, answer the params for the router."""
         first, ids = [], []
@@ -164,7 +222,8 @@ class NixlConnector:
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                 "remote_host": self.host, "remote_port": self.side_port, "remote_request_id": request_id,
                 "remote_block_ids": ids, "remote_first_block": first, "num_computed_tokens": num_computed,
-                "lease_expires": expires, "kv_crc32": kv_crc32(self.kv, ids)}
+                "lease_expires": expires, "kv_crc32": kv_crc32(self.kv, ids),
+                "kv_head_start": self.agent.layout().kv_head_start, "kv_crc32_heads": kv_crc32_heads(self.kv, ids)}
 
     # -- consumer ------------------------------------------------------------------------------------
     @staticmethod
@@ -192,6 +251,10 @@ class NixlConnector:
             if time.time() > float(params.get("lease_expires", float("inf"))):
                 raise TransferError(f"the prefill lease of {params['remote_request_id']} expired before the read")
             remote = self._ensure_remote(params)
+            (l0, l1), (r0, r1) = self.agent.layout().head_range, self.agent.remote_layout(remote).head_range
+            if not (r0 <= l0 and l1 <= r1):
+                raise HandshakeError(f"prefill {remote!r} holds kv heads [{r0}, {r1}), this engine needs [{l0}, {l1}) "
+                                     f"(reading from several prefill TP ranks needs the parallel DI runner)")
             load.pairs, load.local_ids = self._pairs(params, local_tables)
             load.handle = self.agent.read(remote, load.pairs, notif=str(params["remote_request_id"]).encode())
         except (TransferError, HandshakeError, ValueError) as e:
@@ -210,28 +273,7 @@ class NixlConnector:
 
     def _pairs(self, params: dict[str, Any], local_tables: list[list[int]]
                ) -> tuple[list[tuple[int, int]], list[list[int]]]:
-        """Map each group's live remote blocks onto the local blocks at the same logical indices. Every live
-        local block that holds computed tokens needs a remote block (else the prefill never sent it: the
-        failure the N-1 rule prevents); blocks past the last computed token need no data."""
-        n, B = int(params["num_computed_tokens"]), self.kv.block_size
-        last = (n - 1) // B if n > 0 else -1               # last logical block holding a computed token
-        pairs: list[tuple[int, int]] = []
-        local_ids: list[list[int]] = []
-        for g, (rids, j0, table) in enumerate(zip(params["remote_block_ids"], params["remote_first_block"],
-                                                   local_tables)):
-            mine: list[int] = []
-            for j, lb in enumerate(table[: last + 1]):
-                if lb == 0:
-                    continue
-                if not j0 <= j < j0 + len(rids):
-                    raise TransferError(f"KV group {g}: logical block {j} was not sent by the prefill "
-                                        f"(it sent blocks {j0}..{j0 + len(rids) - 1})")
-                pairs.append((int(rids[j - j0]), int(lb)))
-                mine.append(int(lb))
-            if len(mine) != len(rids):
-                raise TransferError(f"KV group {g}: the prefill sent {len(rids)} blocks, {len(mine)} are live here")
-            local_ids.append(mine)
-        return pairs, local_ids
+        return pair_remote_blocks(params, local_tables, self.kv.block_size)
 
     # -- both -------------------------------------------------------------------------------------------
     def get_finished(self) -> tuple[set[str], set[str], dict[str, str]]:
@@ -263,10 +305,9 @@ class NixlConnector:
                             continue
                 except TransferError as e:
                     err = str(e)
-                if err is None:
-                    crc = kv_crc32(self.kv, load.local_ids)
-                    if crc != int(load.params["kv_crc32"]):
-                        err = "KV arrived corrupted or stale (CRC32 mismatch); the prefill's blocks were reused?"
+                if err is None and not crc_matches(self.kv, load.local_ids, load.params,
+                                                   self.agent.layout().head_range):
+                    err = "KV arrived corrupted or stale (CRC32 mismatch); the prefill's blocks were reused?"
             del self.loads[rid]
             if err is None:
                 done.add(rid)
