@@ -117,34 +117,33 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
     return out.reshape(bt, nh * d)
 
 
-def moe_decode(h: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: KernelSpec,
-               expert_offset: int = 0) -> torch.Tensor:
-    """h [Bt, H] -> [Bt, H]. Only the selected experts are decoded (per top-k slot, `moe_chunk` tokens at a
-    time). `expert_offset`: first global expert id held here (EP); experts not held contribute 0."""
+def expert_mlp(hc: torch.Tensor, ec: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: KernelSpec
+               ) -> torch.Tensor:
+    """Each row's own expert: hc [c, H] through expert ec [c] of layer i -> [c, H]. MXFP4 experts are decoded
+    to a dense [c, 2I, H] / [c, H, I] transient (c = `moe_chunk` rows at most)."""
+    if spec.mxfp4:
+        w1 = decode_mxfp4(W["gate_up_blocks"][i][ec], W["gate_up_scales"][i][ec], hc.dtype)  # [c, 2I, H]
+        w2 = decode_mxfp4(W["down_blocks"][i][ec], W["down_scales"][i][ec], hc.dtype)        # [c, H, I]
+        g = torch.bmm(w1, hc.unsqueeze(-1)).squeeze(-1)
+    else:
+        w1 = W["gate_up"][i][ec]                                          # [c, H, 2I]
+        w2 = W["down"][i][ec].transpose(-1, -2)                           # [c, H, I]
+        g = torch.bmm(hc.unsqueeze(1), w1).squeeze(1)
+    a = swiglu(g + W["gate_up_bias"][i][ec], spec.alpha, spec.limit)      # [c, I]
+    return torch.bmm(w2, a.unsqueeze(-1)).squeeze(-1) + W["down_bias"][i][ec]
+
+
+def moe_decode(h: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: KernelSpec) -> torch.Tensor:
+    """h [Bt, H] -> [Bt, H]. Only the selected experts are decoded, per top-k slot, `moe_chunk` tokens at a
+    time (a fixed loop structure: the eager reference of the compiled form's fused MoE)."""
     idx, gate_w = route(h, W["router_w"][i], W["router_b"][i], spec.top_k)  # [Bt, k]
-    n_local = W["gate_up_bias"].shape[1]
     out = torch.zeros_like(h)
     bt = h.shape[0]
     for j in range(spec.top_k):
-        e = idx[:, j] - expert_offset
-        held = (e >= 0) & (e < n_local)
-        e = e.clamp(0, n_local - 1)
         for c0 in range(0, bt, spec.moe_chunk):
             c1 = min(bt, c0 + spec.moe_chunk)
-            ec, hc = e[c0:c1], h[c0:c1]
-            if spec.mxfp4:
-                w1 = decode_mxfp4(W["gate_up_blocks"][i][ec], W["gate_up_scales"][i][ec], h.dtype)  # [c, 2I, H]
-                w2 = decode_mxfp4(W["down_blocks"][i][ec], W["down_scales"][i][ec], h.dtype)        # [c, H, I]
-                g = torch.bmm(w1, hc.unsqueeze(-1)).squeeze(-1)
-            else:
-                w1 = W["gate_up"][i][ec]                                  # [c, H, 2I]
-                w2 = W["down"][i][ec].transpose(-1, -2)                   # [c, H, I]
-                g = torch.bmm(hc.unsqueeze(1), w1).squeeze(1)
-            g = g + W["gate_up_bias"][i][ec]
-            a = swiglu(g, spec.alpha, spec.limit)                         # [c, I]
-            y = torch.bmm(w2, a.unsqueeze(-1)).squeeze(-1) + W["down_bias"][i][ec]
-            wgt = (gate_w[c0:c1, j] * held[c0:c1]).unsqueeze(-1)
-            out[c0:c1] += y * wgt
+            y = expert_mlp(h[c0:c1], idx[c0:c1, j], W, i, spec)
+            out[c0:c1] += y * gate_w[c0:c1, j].unsqueeze(-1)
     return out
 
 
@@ -160,17 +159,7 @@ def moe_decode_ep(h: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: Ker
     out = torch.zeros_like(h)
     for c0 in range(0, tok.numel(), spec.moe_chunk):
         tc, sc = tok[c0: c0 + spec.moe_chunk], slot[c0: c0 + spec.moe_chunk]
-        ec, hc = e[tc, sc], h[tc]
-        if spec.mxfp4:
-            w1 = decode_mxfp4(W["gate_up_blocks"][i][ec], W["gate_up_scales"][i][ec], h.dtype)  # [c, 2I, H]
-            w2 = decode_mxfp4(W["down_blocks"][i][ec], W["down_scales"][i][ec], h.dtype)        # [c, H, I]
-            g = torch.bmm(w1, hc.unsqueeze(-1)).squeeze(-1)
-        else:
-            w1 = W["gate_up"][i][ec]                                      # [c, H, 2I]
-            w2 = W["down"][i][ec].transpose(-1, -2)                       # [c, H, I]
-            g = torch.bmm(hc.unsqueeze(1), w1).squeeze(1)
-        a = swiglu(g + W["gate_up_bias"][i][ec], spec.alpha, spec.limit)  # [c, I]
-        y = torch.bmm(w2, a.unsqueeze(-1)).squeeze(-1) + W["down_bias"][i][ec]
+        y = expert_mlp(h[tc], e[tc, sc], W, i, spec)
         out.index_add_(0, tc, y * gate_w[tc, sc].unsqueeze(-1))
     return out
 
