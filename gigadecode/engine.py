@@ -248,7 +248,7 @@ class LLMEngine:
             done = req.num_computed + n == req.num_tokens
             chunks.append(SeqChunk(ids, req.num_computed, self.kv_manager.block_tables(req.request_id),
                                    "last" if done else "none"))
-        logits = self.runner.model.forward(chunks, self.runner.kv).logits
+        logits = self.runner.prefill(chunks)
         self.stats["prefill_tokens"] += sum(n for _, n in prefills)
         ready, rows = [], []
         for (req, n), lg in zip(prefills, logits):

@@ -17,7 +17,7 @@ from .config import EngineConfig, GptOssConfig
 from .gk.attn_control import build_attention_control
 from .gk.model import GptOssGKDecodeModel
 from .kv.cache import KVCache
-from .kv.spec import SlidingWindowSpec, cdiv, get_kv_spec, make_kv_cache_config
+from .kv.spec import SlidingWindowSpec, get_kv_spec, make_kv_cache_config
 from .model import GptOssModel, SeqChunk
 from .weights import ModelWeights, Shard, load_weights
 
@@ -110,12 +110,10 @@ class ModelRunner:
         return self.ecfg.block_size
 
     def prefill(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
-        """-> per chunk: logits of its last token [V] (only meaningful when it ends its prompt)."""
-        return [l[-1] for l in self.model.forward(chunks, self.kv).logits]
+        """Run prompt chunks through the per-layer model -> per chunk the logits it asked for
+        ([1, V] for want_logits="last", empty for "none")."""
+        return self.model.forward(chunks, self.kv).logits
 
     def decode(self, seqs: list[DecodeSeq]) -> torch.Tensor:
         """-> logits [len(seqs), V]."""
         return self.decoder.decode_batch(seqs, self.kv)
-
-    def max_blocks_per_seq(self) -> int:
-        return cdiv(self.max_model_len, self.block_size)
