@@ -24,6 +24,10 @@ concurrency level (order alternating) so each DI/both ratio shares the machine's
 system (one request, then max(C) concurrent ones, 2 output tokens each: this includes DI's first KV
 handshake) runs first and is excluded.
 
+The default (tiny, C = 1 4 16) takes ~2.5 minutes on 2 shared cores. `--preset small` is slow on CPU here
+(~15 s per 64-token prefill and ~2 s per decode step on one thread), so keep its load small, e.g.
+`--preset small --concurrency 1 4 --output-len 8 --requests 1` (~17 minutes on a busy 2-core machine).
+
     .venv/bin/python bench/serve.py [--preset small] [--concurrency 1 4 16] [--prompt-len 64]
         [--output-len 32] [--requests N] [--duration 60] [--kv-dtype fp8] [--threads 1] [--no-vllm] [--quick]
 """
