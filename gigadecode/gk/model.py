@@ -23,6 +23,7 @@ import torch
 
 from ..config import GptOssConfig
 from ..kv.spec import KVCacheConfig, KVSpec, get_kv_spec
+from ..mxfp4 import _luts
 from ..weights import ModelWeights
 from .attn_control import AttentionControl
 from .mega_decode import KernelSpec, gpt_oss_decode_mega_kernel
@@ -67,6 +68,7 @@ class GptOssGKDecodeModel(torch.nn.Module):
         self.compiled = compiled
         self._stacked = False
         self._programs: dict[tuple, object] = {}
+        _luts(weights.embed.dtype)   # fill the MXFP4 tables now: filling them while tracing forces a recompile
 
     # -- KV binding (seed names) -------------------------------------------------------------------
     def get_kv_spec(self) -> dict[int, KVSpec]:
