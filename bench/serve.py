@@ -42,8 +42,6 @@ import os
 import random
 import re
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,17 +56,12 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
+from gigadecode.demo import free_port, wait_healthy  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "gigadecode"
 
 
 # -- processes -------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Procs:
     """Server subprocesses, each logging to its own file; all stopped together (terminate, then kill)."""
 
@@ -105,22 +98,6 @@ class Procs:
 
     def alive(self) -> list[str]:
         return [n for n, p, _ in self.procs if p.poll() is None]
-
-
-def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{url}: a server exited with code {p.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
 
 
 def metric(url: str, name: str) -> float:

@@ -24,17 +24,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+def wait_healthy(url: str, procs: subprocess.Popen | list[subprocess.Popen], timeout_s: float = 180.0) -> None:
+    """Poll `url`/health until it answers 200; fail at once if one of `procs` (the servers behind it) exits."""
+    procs = procs if isinstance(procs, list) else [procs]
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: server exited with code {proc.returncode}")
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{url}: a server exited with code {p.returncode}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
                     return
         except OSError:
-            time.sleep(0.3)
+            pass
+        time.sleep(0.3)
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
 
 
