@@ -91,34 +91,44 @@ def _read_requests(args: argparse.Namespace, codec) -> list[tuple[list[int], dic
     return [(codec.encode(args.prompt), {})]
 
 
-def _generate_parallel(args: argparse.Namespace) -> int:
-    """`generate --tp/--dp/--ep` (under torchrun): the sharded lockstep runner; rank 0 prints."""
-    if args.temperature > 0 or args.top_k not in (0, -1, 1) or args.top_p < 1 or args.min_p > 0:
-        raise ValueError("parallel generate (--tp/--dp/--ep > 1) supports greedy decoding only for now")
-    if args.decoder == "gk-compiled":
-        raise ValueError("parallel generate runs the eager GK program; use --decoder gk")
-    from .parallel.launch import main as launch_main
-    argv = ["--model", args.model, "--max-tokens", str(args.max_tokens), "--tp", str(args.tp), "--dp", str(args.dp),
-            "--ep", str(args.ep), "--dtype", args.dtype, "--kv-dtype", args.kv_dtype, "--block-size",
-            str(args.block_size), "--decoder", args.decoder]
-    argv += ["--prompt-ids", args.prompt_ids] if args.prompt_ids is not None else \
-        ["--requests", args.requests] if args.requests else ["--prompt", args.prompt]
-    argv += ["--ignore-eos"] if args.ignore_eos else []
-    argv += ["--json"] if args.json else []
-    return launch_main(argv)
+def _generate_parallel(args: argparse.Namespace, ecfg) -> int:
+    """`generate --tp/--dp/--ep` under torchrun: an engine replica on every rank; rank 0 reads the requests,
+    drives the world and prints what one process would print."""
+    world = ecfg.tp * ecfg.dp
+    if "WORLD_SIZE" not in os.environ:
+        print(f"gigadecode generate: --tp {ecfg.tp} × --dp {ecfg.dp} needs {world} ranks: start it with "
+              f"torchrun --nproc-per-node {world} -m gigadecode generate …", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    from .parallel.engine import DistributedEngine, build_parallel_engine, run_worker
+    replica, ctx = build_parallel_engine(args.model, ecfg, progress=not args.json)
+    try:
+        if ctx.rank != 0:
+            run_worker(replica, ctx)
+            return 0
+        with DistributedEngine(replica, ctx) as engine:
+            return _run_generate(args, ecfg, engine, f"TP{ecfg.tp} × DP{ecfg.dp} × EP{ecfg.ep}, ")
+    finally:
+        dist.destroy_process_group()
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    if args.tp * args.dp * args.ep > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return _generate_parallel(args)
+    from .parallel.engine import is_parallel
+    ecfg = engine_config(args)
+    if is_parallel(ecfg):
+        return _generate_parallel(args, ecfg)
     from .engine import LLMEngine
     from .runner import ModelRunner
+    return _run_generate(args, ecfg, LLMEngine(ModelRunner(args.model, ecfg, progress=not args.json)))
+
+
+def _run_generate(args: argparse.Namespace, ecfg, engine, layout: str = "") -> int:
+    """Add the requests to `engine` (an LLMEngine, or a parallel engine's rank 0), run them to the end and
+    print: the single request streamed, or one line / one JSON object per request in input order."""
     from .sampling import SamplingParams
     from .tokenizer import TextCodec
 
-    ecfg = engine_config(args)
-    runner = ModelRunner(args.model, ecfg, progress=not args.json)
-    engine = LLMEngine(runner)
     codec = TextCodec.from_dir(args.model)
     base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
@@ -161,7 +171,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if not stream:
                 print(f"prompt ids: {r.prompt_ids}")
             print(("\n" if stream else "") + f"token ids: {r.output_ids}")
-            print(f"finish: {r.finish_reason}  decode: {tok_s:.1f} tok/s ({ecfg.decoder}, kv {ecfg.kv_dtype})")
+            print(f"finish: {r.finish_reason}  decode: {tok_s:.1f} tok/s ({layout}{ecfg.decoder}, kv {ecfg.kv_dtype})")
     return 0
 
 

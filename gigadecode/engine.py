@@ -111,10 +111,20 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, kv_transfer_params: dict | None = None) -> str:
         params = params or SamplingParams()
-        params.validate(self.cfg.vocab_size)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
+        self.check_request(prompt_ids, params)
+        req = Request(rid, list(prompt_ids), params, generator=make_generator(params.seed))
+        if kv_transfer_params:
+            self._admit_di(req, dict(kv_transfer_params))
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise SamplingError / RequestError if this engine would refuse the request (changes nothing)."""
+        params.validate(self.cfg.vocab_size)
         if not prompt_ids:
             raise RequestError("prompt is empty")
         if any((not isinstance(t, int)) or t < 0 or t >= self.cfg.vocab_size for t in prompt_ids):
@@ -126,12 +136,6 @@ class LLMEngine:
         if not self._fits_pool(len(prompt_ids) + 1):
             raise RequestError(f"prompt of {len(prompt_ids)} tokens can never fit the KV pool "
                                f"({self.runner.kv.num_blocks - 1} blocks of {self.runner.block_size})")
-        req = Request(rid, list(prompt_ids), params, generator=make_generator(params.seed))
-        if kv_transfer_params:
-            self._admit_di(req, dict(kv_transfer_params))
-        self.requests[rid] = req
-        self.waiting.append(req)
-        return rid
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -143,6 +147,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def kv_usage(self) -> tuple[int, int]:
+        """-> (KV blocks in use, usable KV blocks); the null block is not counted."""
+        total = self.runner.kv.num_blocks - 1
+        return total - self.kv_manager.num_free_blocks, total
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns what each request produced (and which finished)."""
         self.stats["steps"] += 1
@@ -150,10 +159,11 @@ class LLMEngine:
         if self.connector is not None:
             self._poll_connector(outputs)
         decodes, prefills = self._schedule(outputs)
-        if prefills:
+        run_prefill, decode_rows = self.runner.agree_step(len(prefills), len(decodes))
+        if run_prefill:
             self._run_prefill(prefills, outputs)
-        if decodes:
-            self._run_decode(decodes, outputs)
+        if decode_rows:
+            self._run_decode(decodes, outputs, decode_rows)
         for req in list(self.running):
             if not req.finished:
                 self.kv_manager.remove_skipped_blocks(req.request_id, req.num_computed)
@@ -262,18 +272,20 @@ class LLMEngine:
         if ready:
             self._sample(ready, torch.stack(rows), outputs)
 
-    def _run_decode(self, decodes: list[Request], outputs: dict[str, RequestOutput]) -> None:
+    def _run_decode(self, decodes: list[Request], outputs: dict[str, RequestOutput], pad_to: int = 0) -> None:
         seqs = [DecodeSeq(r.all_ids[-1], r.num_computed, self.kv_manager.block_tables(r.request_id))
                 for r in decodes]
-        logits = self.runner.decode(seqs)
+        logits = self.runner.decode(seqs, pad_to)
+        if not decodes:                        # an all-padding step (other DP groups of the EP group decode)
+            return
         self.stats["decode_tokens"] += len(decodes)
         for r in decodes:
             r.num_computed += 1
         self._sample(decodes, logits, outputs)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, outputs: dict[str, RequestOutput]) -> None:
-        res = self.sampler.sample(logits.float(), [r.params for r in reqs], [r.generator for r in reqs],
-                                  [r.all_ids for r in reqs], [r.output_ids for r in reqs])
+        res = self.runner.sample(self.sampler, logits, [r.params for r in reqs], [r.generator for r in reqs],
+                                 [r.all_ids for r in reqs], [r.output_ids for r in reqs])
         now = time.monotonic()
         for i, req in enumerate(reqs):
             tok = int(res.token_ids[i])

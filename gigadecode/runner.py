@@ -2,8 +2,14 @@
 
 Prefill chunks run through the per-layer model; decode steps run through the decoder the factory picks
 (`gk_decode`: the GK program, eager or compiled; else the per-layer model one token at a time). The
-runner owns `initialize_kv_cache` (one allocation per HMA buffer, bound to the GK model per buffer) and
-pads decode batches to the program's batch buckets.
+runner owns `initialize_kv_cache` (one allocation per HMA buffer, bound to the GK model per buffer),
+pads decode batches to the program's batch buckets, and turns logits into tokens (`sample`).
+
+With `parallel` (a `ParallelContext`, one rank of a TP × DP × EP layout) the runner holds this rank's
+shard, its programs carry the collectives, and its logits are this rank's vocabulary columns. Every rank
+of a DP group runs the same engine steps (the engine is replicated, see `parallel/engine.py`); what the
+ranks of an EP group that spans several DP groups must also agree on — whether this step runs a
+prefill forward and how many decode rows it pads to — is settled by `agree_step` (one small all-reduce).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from .gk.model import GptOssGKDecodeModel
 from .kv.cache import KVCache
 from .kv.spec import SlidingWindowSpec, get_kv_spec, make_kv_cache_config
 from .model import GptOssModel, SeqChunk
+from .sampling import Sampler, SampleResult, SamplingParams
 from .weights import ModelWeights, Shard, load_weights
 
 DEFAULT_KV_BUDGET_GIB = 2.0
@@ -37,9 +44,10 @@ class ReferenceDecoder:
     def __init__(self, model: GptOssModel) -> None:
         self.model = model
 
-    def decode_batch(self, seqs: list[DecodeSeq], kv: KVCache) -> torch.Tensor:
+    def decode_batch(self, seqs: list[DecodeSeq], kv: KVCache, pad_to: int = 0) -> torch.Tensor:
+        """(`pad_to` is ignored: the per-layer model exchanges token counts itself.)"""
         out = self.model.forward([SeqChunk([s.token_id], s.position, s.block_tables) for s in seqs], kv)
-        return torch.cat(out.logits)
+        return torch.cat(out.logits) if seqs else torch.empty(0)
 
 
 class GKDecoder:
@@ -49,27 +57,32 @@ class GKDecoder:
         self.gk, self.rope, self.ecfg, self.window = gk, model.rope, ecfg, window
         self.group_sliding = [isinstance(g.spec, SlidingWindowSpec) for g in gk.kv_config.groups]
 
-    def decode_batch(self, seqs: list[DecodeSeq], kv: KVCache) -> torch.Tensor:
+    def decode_batch(self, seqs: list[DecodeSeq], kv: KVCache, pad_to: int = 0) -> torch.Tensor:
+        """-> logits of `seqs`. The batch runs as calls of at most the biggest bucket, each padded to its
+        bucket; `pad_to` > len(seqs) pads as if there were `pad_to` rows (the same calls and buckets on
+        every DP group of an EP group, so their collectives line up)."""
         outs = []
         biggest = self.ecfg.batch_buckets[-1]
-        for s0 in range(0, len(seqs), biggest):
+        rows = max(len(seqs), pad_to)
+        for s0 in range(0, rows, biggest):
             part = seqs[s0: s0 + biggest]
-            bucket = next(b for b in self.ecfg.batch_buckets if b >= len(part))
+            bucket = next(b for b in self.ecfg.batch_buckets if b >= min(biggest, rows - s0))
             ctl = build_attention_control([s.position for s in part], [s.block_tables for s in part],
                                           self.group_sliding, self.rope, self.ecfg.block_size, self.window,
                                           batch_bucket=bucket)
             ids = torch.zeros(bucket, dtype=torch.long)
             ids[: len(part)] = torch.tensor([s.token_id for s in part])
             outs.append(self.gk.decode(ids, ctl)[: len(part)])
-        return torch.cat(outs)
+        return torch.cat(outs) if outs else torch.empty(0)
 
 
-def build_decoder(cfg: GptOssConfig, weights: ModelWeights, model: GptOssModel, kv: KVCache, ecfg: EngineConfig):
+def build_decoder(cfg: GptOssConfig, weights: ModelWeights, model: GptOssModel, kv: KVCache, ecfg: EngineConfig,
+                  parallel=None):
     """The factory gate: the GK model when `gk_decode`, the per-layer model otherwise (untouched)."""
     if not ecfg.gk_decode or ecfg.decoder == "reference":
         return ReferenceDecoder(model)
     gk = GptOssGKDecodeModel(cfg, weights, kv.config, ecfg.block_size, kv.k_scale, kv.v_scale,
-                             compiled=ecfg.decoder == "gk-compiled")
+                             compiled=ecfg.decoder == "gk-compiled", parallel=parallel)
     gk.bind_kv_cache(kv.bind_map())
     return GKDecoder(gk, model, ecfg, cfg.sliding_window)
 
@@ -87,18 +100,26 @@ def default_num_blocks(cfg: GptOssConfig, ecfg: EngineConfig, num_kv_heads: int,
     return max(2, min(want, int(budget // bytes_per_block)))
 
 
+def _plain_greedy(p: SamplingParams, num_output: int) -> bool:
+    """True when the token is the argmax of the raw logits (nothing masks, penalizes or reports them)."""
+    return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 and num_output >= p.min_tokens)
+
+
 class ModelRunner:
     def __init__(self, model_dir: str | Path, ecfg: EngineConfig, cfg: GptOssConfig | None = None,
-                 weights: ModelWeights | None = None, progress: bool = False) -> None:
+                 weights: ModelWeights | None = None, progress: bool = False, parallel=None) -> None:
         self.model_dir = Path(model_dir)
         self.cfg = cfg or GptOssConfig.from_hf(self.model_dir)
         self.ecfg = ecfg
         self.dtype = ecfg.torch_dtype
-        self.weights = weights or load_weights(self.model_dir, self.cfg, self.dtype, Shard(), progress=progress)
-        self.model = GptOssModel(self.cfg, self.weights, self.dtype)
+        self.parallel = parallel          # gigadecode.parallel.ParallelContext or None (one rank)
+        shard = parallel.shard if parallel is not None else Shard()
+        self.weights = weights or load_weights(self.model_dir, self.cfg, self.dtype, shard, progress=progress)
+        self.model = GptOssModel(self.cfg, self.weights, self.dtype, parallel=parallel)
         self.max_model_len = self.cfg.max_position_embeddings
         self.kv = self.initialize_kv_cache()
-        self.decoder = build_decoder(self.cfg, self.weights, self.model, self.kv, ecfg)
+        self.decoder = build_decoder(self.cfg, self.weights, self.model, self.kv, ecfg, parallel)
 
     def initialize_kv_cache(self) -> KVCache:
         nkv = self.model.num_kv_heads
@@ -109,11 +130,38 @@ class ModelRunner:
     def block_size(self) -> int:
         return self.ecfg.block_size
 
+    def agree_step(self, num_prefill_chunks: int, num_decodes: int) -> tuple[bool, int]:
+        """-> (run a prefill forward this step, decode rows to pad to). One rank: what it has. An EP group
+        that spans DP groups: the maximum over the group, so every member makes the same model calls."""
+        par = self.parallel
+        if par is None or par.layout.ep_span == 1:
+            return num_prefill_chunks > 0, num_decodes
+        prefill, rows = par.agree_max([int(num_prefill_chunks > 0), num_decodes])
+        return bool(prefill), rows
+
     def prefill(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
         """Run prompt chunks through the per-layer model -> per chunk the logits it asked for
-        ([1, V] for want_logits="last", empty for "none")."""
+        ([1, V] for want_logits="last", empty for "none"). With `parallel` an empty list still runs (it
+        joins the EP collectives) and the logits are this rank's vocabulary columns."""
+        if not chunks and self.parallel is None:
+            return []
         return self.model.forward(chunks, self.kv).logits
 
-    def decode(self, seqs: list[DecodeSeq]) -> torch.Tensor:
-        """-> logits [len(seqs), V]."""
-        return self.decoder.decode_batch(seqs, self.kv)
+    def decode(self, seqs: list[DecodeSeq], pad_to: int = 0) -> torch.Tensor:
+        """-> logits [len(seqs), V] (with `parallel`: [len(seqs), this rank's vocab columns])."""
+        if not seqs and (self.parallel is None or pad_to == 0):
+            return torch.empty(0)
+        return self.decoder.decode_batch(seqs, self.kv, pad_to)
+
+    def sample(self, sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list, histories: list[list[int]], outputs: list[list[int]]) -> SampleResult:
+        """Logits [B, V] (this rank's columns with `parallel`) -> one token per row. With `parallel`, a batch
+        of plain greedy rows takes the distributed argmax (per-rank (value, index), reduced over TP); any
+        other batch gathers the full logits over TP and samples them like one rank (every TP rank draws
+        the same tokens: same logits, same per-request generators)."""
+        par = self.parallel
+        if par is not None:
+            if all(_plain_greedy(p, len(o)) for p, o in zip(params, outputs)):
+                return SampleResult(par.greedy(logits))
+            logits = par.gather_logits(logits)
+        return sampler.sample(logits.float(), params, generators, histories, outputs)

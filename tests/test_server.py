@@ -334,11 +334,11 @@ def test_engine_failures_become_errors_and_serving_goes_on(tiny_ckpt, codec):
     inject = {"decode": 0, "finish_error": False, "kv_out": None}
     real_decode, real_step = eng.runner.decode, eng.step
 
-    def decode(seqs):
+    def decode(seqs, pad_to=0):
         if inject["decode"]:
             inject["decode"] -= 1
             raise RuntimeError("injected decode failure")
-        return real_decode(seqs)
+        return real_decode(seqs, pad_to)
 
     def step():                  # stands in for the DI engine: transfer failures, producer params
         outs = real_step()
@@ -411,7 +411,6 @@ class FakeEngine:
     def __init__(self) -> None:
         self.running, self.waiting, self.requests, self.stats = [], [], {}, {"kv_bytes_transferred": 1234}
         self.runner = SimpleNamespace(kv=SimpleNamespace(num_blocks=9))
-        self.kv_manager = SimpleNamespace(num_free_blocks=8)
         self.connector = SimpleNamespace(handshake_info=lambda: {"layout": {"engine_id": "p0"}, "agent_metadata": "AA=="})
         self.calls: list[dict] = []
         self.steps = 0
@@ -425,6 +424,9 @@ class FakeEngine:
 
     def has_unfinished(self):
         return bool(self.waiting)
+
+    def kv_usage(self):
+        return 0, 8
 
     def step(self):
         self.steps += 1

@@ -2,7 +2,10 @@
 
 - `mesh`: the rank layout (`build_layout`, `ParallelLayout`: TP / EP replica groups as tuples of tuples).
 - `context`: `ParallelContext` (process groups + counted collectives), `make_parallel_context`.
-- `launch`: `run_parallel_generate` and `python -m gigadecode.parallel.launch` (under torchrun).
+- `engine`: the parallel engine (an `LLMEngine` replica per rank, `DistributedEngine` on rank 0, `run_worker`).
+- `launch`: `run_parallel_generate` (prompts to the end on a layout; tests and benchmarks).
+- `di`: disaggregated prefill → decode across different TP layouts (head_ratio ≠ 1), lockstep.
+- `spawn`: `run_world`, a local gloo world for tests and benchmarks.
 """
 
 from .context import CollectiveStats, ParallelContext, init_distributed, make_parallel_context

@@ -184,6 +184,16 @@ class ParallelContext:
         _reduce_scatter_single(out, x.reshape(-1, *x.shape[2:]).contiguous(), group=self.ep_group)
         return out
 
+    def agree_max(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of small ints over the EP group (the engine's per-step agreement on
+        model calls; counted under the "sched" mesh, not as a model collective)."""
+        if self.ep_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.long)
+        self.stats.record("sched", "all_reduce", self.ep_size, t.numel() * t.element_size())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ep_group)
+        return t.tolist()
+
     def all_reduce_world(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.world_size > 1:
             self.stats.record("world", "all_reduce", self.world_size, x.numel() * x.element_size())

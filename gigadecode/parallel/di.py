@@ -19,7 +19,7 @@ Pieces (every rank of a world calls its job with the same arguments; `spawn.run_
   token N-1 on and on in lockstep; rank 0 returns what `run_parallel_generate` returns.
 - `run_di`: both worlds on this machine (prefill world in a thread) -> rank 0's results.
 
-This is a lockstep test-level runner, like `launch.run_parallel_generate`, not the serving engine.
+This is a lockstep test-level runner (greedy, one batch), not the serving engine (`parallel.engine`).
 """
 
 from __future__ import annotations
@@ -44,12 +44,18 @@ from ..gk.attn_control import build_attention_control
 from ..gk.model import GptOssGKDecodeModel
 from ..kv.cache import KVCache
 from ..kv.manager import KVCacheManager
-from ..kv.spec import SlidingWindowSpec
+from ..kv.spec import SlidingWindowSpec, cdiv, get_kv_spec, make_kv_cache_config
 from ..model import GptOssModel, SeqChunk
 from ..weights import Shard, load_weights, shard_ranges
 from .context import make_parallel_context
-from .launch import _num_blocks
 
+
+
+def _num_blocks(cfg: GptOssConfig, ecfg: EngineConfig, nkv: int, lengths: list[int], max_tokens: int) -> int:
+    """A KV pool that holds every prompt plus max_tokens (+1 block per group for a partly filled one)."""
+    itemsize = torch.empty((), dtype=ecfg.kv_storage_dtype()).element_size()
+    groups = make_kv_cache_config(get_kv_spec(cfg, ecfg.block_size, itemsize, nkv), 1).groups
+    return 2 + sum(len(groups) * (cdiv(n + max_tokens, ecfg.block_size) + 1) for n in lengths)
 
 def _setup(model_dir: str | Path, tp: int, ep: int, prompts: list[list[int]], max_tokens: int, dtype: str,
            kv_dtype: str, block_size: int):
@@ -201,7 +207,7 @@ def decode_rank_job(rank: int, model_dir: str, prompts: list[list[int]], tp: int
     finally:
         agent.close()
 
-    # -- decode token N-1 on, in lockstep (as launch.run_parallel_generate) -------------------------------
+    # -- decode token N-1 on, in lockstep  -------------------------------
     eos = set(cfg.eos_token_ids)
     bucket = max(1, len(prompts))
     reqs = [{"rid": f"r{i}", "prompt": list(p), "out": [], "done": None} for i, p in enumerate(prompts)]

@@ -667,19 +667,66 @@ def build_engine(args: Any, role: str) -> Any:
 
 
 def serve(args: Any) -> int:
+    """`gigadecode serve`. With --tp/--dp/--ep (under torchrun) every rank builds its engine replica; rank 0
+    serves HTTP in front of the parallel engine and the other ranks follow its steps."""
+    from ..parallel.engine import is_parallel
+    from ..cli import engine_config
+    if is_parallel(engine_config(args)):
+        return _serve_parallel(args)
+    t0 = time.perf_counter()
+    return _serve_engine(args, build_engine(args, args.role), t0)
+
+
+def _serve_engine(args: Any, engine: Any, t0: float) -> int:
     import prometheus_client
     import uvicorn
 
     from ..tokenizer import TextCodec
     prometheus_client.disable_created_metrics()
     name = args.served_model_name or Path(args.model).resolve().name
-    t0 = time.perf_counter()
-    engine = build_engine(args, args.role)
     aeng = AsyncEngine(engine, codec=TextCodec.from_dir(args.model), model_dir=str(args.model))
     app = build_app(aeng, name, api_key=args.api_key, role=args.role)
-    print(f"gigadecode serve: model {name!r} ({args.role}, {engine.runner.kv.num_blocks} KV blocks, context "
+    used, total = engine.kv_usage()
+    layout = f"TP{args.tp} × DP{args.dp} × EP{args.ep}, " if getattr(engine, "ctx", None) is not None else ""
+    print(f"gigadecode serve: model {name!r} ({layout}{args.role}, {total} KV blocks, context "
           f"{aeng.max_model_len}) loaded in {time.perf_counter() - t0:.1f}s; listening on "
           f"http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
+                    timeout_graceful_shutdown=5)
+    finally:
+        aeng.stop(timeout=None)          # the engine thread has left its last step before anything else runs
     return 0
+
+
+def _serve_parallel(args: Any) -> int:
+    import os
+
+    import torch.distributed as dist
+
+    from ..cli import engine_config
+    from ..parallel.engine import DistributedEngine, build_parallel_engine, run_worker
+    if args.role != "both":
+        raise SystemExit("gigadecode serve: a parallel engine (--tp/--dp/--ep) serves --role both for now")
+    ecfg = engine_config(args)
+    if "WORLD_SIZE" not in os.environ:
+        n = ecfg.tp * ecfg.dp
+        raise SystemExit(f"gigadecode serve: --tp {ecfg.tp} × --dp {ecfg.dp} needs {n} ranks: start it with "
+                         f"torchrun --nproc-per-node {n} -m gigadecode serve …")
+    t0 = time.perf_counter()
+    replica, ctx = build_parallel_engine(args.model, ecfg)
+    try:
+        # torchrun signals every rank at once on SIGTERM/SIGINT. The other ranks stay until rank 0 has shut the
+        # server down and says stop (or leave when rank 0 is gone and their collective fails); rank 0 lets
+        # uvicorn shut down gracefully, and the signal uvicorn re-raises afterwards must not kill it before
+        # it has told the others.
+        import signal
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN if ctx.rank != 0 else lambda *_: None)
+        if ctx.rank != 0:
+            run_worker(replica, ctx)
+            return 0
+        with DistributedEngine(replica, ctx) as engine:
+            return _serve_engine(args, engine, t0)
+    finally:
+        dist.destroy_process_group()

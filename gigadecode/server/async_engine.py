@@ -107,10 +107,7 @@ class EngineMetrics:
         s = self.snapshot
         s["running"] = len(engine.running)
         s["waiting"] = len(engine.waiting)
-        kv_mgr = getattr(engine, "kv_manager", None)
-        total = engine.runner.kv.num_blocks - 1
-        s["kv_blocks_total"] = total
-        s["kv_blocks_used"] = total - kv_mgr.num_free_blocks if kv_mgr is not None else 0
+        s["kv_blocks_used"], s["kv_blocks_total"] = engine.kv_usage()
         s["kv_bytes"] = engine.stats.get("kv_bytes_transferred", 0)
         s["transfer_failures"] = engine.stats.get("transfer_failures", 0)
 
@@ -196,12 +193,14 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="gigadecode-engine", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """Stop the engine thread, waiting up to `timeout` s (None: until it has left its last step)."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-            self._thread = None
+            if not self._thread.is_alive():
+                self._thread = None
 
     @property
     def is_running(self) -> bool:

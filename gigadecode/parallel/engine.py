@@ -1,0 +1,292 @@
+"""The parallel engine: an `LLMEngine` replica on every rank of a TP × DP × EP layout, stepped in lockstep
+and fronted by world rank 0.
+
+Every rank builds the same engine over its own shard (`build_parallel_engine`). The ranks of one DP group
+hold the same requests and take the same scheduling decisions — the scheduler is deterministic, every
+TP rank samples the same token (the distributed argmax, or the same gathered logits with the same
+per-request generator; rank 0 gives a seed to every non-greedy request that has none) — so their model
+calls, and the TP collectives inside them, line up by construction. DP groups hold different requests;
+where an EP group spans DP groups the runner's `agree_step` pads their model calls to match.
+
+World rank 0's `DistributedEngine` is what `generate` and the server drive: it has LLMEngine's interface
+(`add_request`, `abort`, `step`, `has_unfinished`, `requests`, `running`, `waiting`, `kv_usage`, `stats`,
+`max_model_len`). Each of its steps
+1. broadcasts a `StepInbox` to the world: new requests (each placed on the least-loaded DP group after
+   rank 0 validated it), aborts, or stop;
+2. steps rank 0's own replica, while every other rank does the same in `run_worker`;
+3. gathers from the first TP rank of each DP group that group's `RequestOutput`s and a small status, and
+   applies them to its mirror `Request`s (which is what `requests` holds on rank 0).
+A replica whose step raises fails its requests with the error (its TP ranks raise alike) and the engine
+keeps serving. Three world collectives per step (broadcast, the EP agreement, gather), a few hundred bytes.
+
+This is SGLang's arrangement (a scheduler on every rank, requests broadcast from rank 0) rather than vLLM's
+(one scheduler shipping each step's batch to workers): nothing per step is serialized but new requests.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..config import EngineConfig, GptOssConfig
+from ..engine import LLMEngine, Request, RequestError, RequestOutput, Status
+from ..runner import ModelRunner
+from ..sampling import SamplingParams
+from .context import ParallelContext, init_distributed, make_parallel_context
+from .mesh import LayoutError
+
+
+@dataclass
+class StepInbox:
+    """What world rank 0 tells every rank before a step."""
+    adds: list[tuple[int, str, list[int], SamplingParams]] = field(default_factory=list)  # (dp group, id, prompt, params)
+    aborts: list[tuple[int, str]] = field(default_factory=list)                            # (dp group, id)
+    stop: bool = False
+
+
+@dataclass
+class GroupReport:
+    """What the first TP rank of a DP group sends back after a step."""
+    dp_rank: int
+    outputs: list[RequestOutput]
+    running: list[str]
+    waiting: list[str]
+    kv_used: int
+    kv_total: int
+    stats: dict
+
+
+@dataclass
+class StepTrace:
+    """One step as this rank saw it (benchmarks and tests): wall time, the collectives it made and whether
+    it ran prefill / decode tokens."""
+    seconds: float
+    collectives: dict
+    prefill_tokens: int
+    decode_tokens: int
+
+
+def build_parallel_engine(model_dir: str | Path, ecfg: EngineConfig, progress: bool = False
+                          ) -> tuple[LLMEngine, ParallelContext]:
+    """This rank's engine replica over its shard, and its context. Every rank calls it (collectively); the
+    default process group is initialized from torchrun's environment if it is not already."""
+    if ecfg.decoder == "gk-compiled":
+        raise ValueError("the compiled GK program runs on one rank only; a parallel engine uses --decoder gk "
+                         "(or reference)")
+    if ecfg.kv_role != "kv_both":
+        raise ValueError("a parallel engine serves --role both; disaggregated prefill/decode across TP layouts "
+                         "runs through gigadecode.parallel.di")
+    _, world = init_distributed()
+    if world != ecfg.tp * ecfg.dp:
+        raise LayoutError(f"--tp {ecfg.tp} × --dp {ecfg.dp} = {ecfg.tp * ecfg.dp} ranks, but the world has {world}")
+    cfg = GptOssConfig.from_hf(model_dir)
+    ctx = make_parallel_context(cfg, ecfg.tp, ecfg.dp, ecfg.ep)
+    runner = ModelRunner(model_dir, ecfg, cfg, progress=progress and ctx.rank == 0, parallel=ctx)
+    return LLMEngine(runner), ctx
+
+
+# --------------------------------------------------------------------------------------------------
+# what every rank does each step
+# --------------------------------------------------------------------------------------------------
+def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
+                  trace: list[StepTrace] | None) -> GroupReport | None:
+    """Apply the inbox to this rank's replica, step it, and (first TP rank of the group) report."""
+    outputs: list[RequestOutput] = []
+    for g, rid, prompt, params in inbox.adds:
+        if g != ctx.dp_rank:
+            continue
+        try:
+            engine.add_request(prompt, params, request_id=rid)
+        except ValueError as e:              # rank 0 checked it; only a replica out of step gets here
+            outputs.append(RequestOutput(rid, [], True, "error", error=str(e)))
+    for g, rid in inbox.aborts:
+        if g == ctx.dp_rank:
+            engine.abort(rid)
+            engine.requests.pop(rid, None)
+    s0 = dict(engine.stats)
+    ctx.stats.reset()
+    t0 = time.perf_counter()
+    try:
+        outputs += engine.step()
+    except Exception as e:  # noqa: BLE001 - fail this group's requests, keep serving
+        outputs += _fail_running(engine, f"engine step failed: {type(e).__name__}: {e}")
+    if trace is not None:
+        trace.append(StepTrace(time.perf_counter() - t0, ctx.stats.snapshot(),
+                               engine.stats["prefill_tokens"] - s0["prefill_tokens"],
+                               engine.stats["decode_tokens"] - s0["decode_tokens"]))
+    for out in outputs:
+        if out.finished:
+            req = engine.requests.pop(out.request_id, None)
+            if req is not None and out.error is None:
+                out.error = req.error
+    if ctx.tp_rank != 0:
+        return None
+    used, total = engine.kv_usage()
+    return GroupReport(ctx.dp_rank, outputs, [r.request_id for r in engine.running],
+                       [r.request_id for r in engine.waiting], used, total, dict(engine.stats))
+
+
+def _fail_running(engine: LLMEngine, msg: str) -> list[RequestOutput]:
+    victims = list(engine.running) or list(engine.waiting)
+    for req in victims:
+        engine.abort(req.request_id)
+        req.error = msg
+    return [RequestOutput(r.request_id, [], True, "error", error=msg) for r in victims]
+
+
+def _exchange(ctx: ParallelContext, inbox: StepInbox | None) -> StepInbox:
+    box = [inbox]
+    dist.broadcast_object_list(box, src=0, group=ctx.world_group)
+    return box[0]
+
+
+def run_worker(engine: LLMEngine, ctx: ParallelContext, trace: list[StepTrace] | None = None) -> None:
+    """Every rank but 0: step this replica as rank 0 says until it says stop."""
+    while True:
+        inbox = _exchange(ctx, None)
+        if inbox.stop:
+            dist.barrier(group=ctx.world_group)      # nobody tears the group down while a message is in flight
+            return
+        report = _replica_step(engine, ctx, inbox, trace)
+        dist.gather_object(report, None, dst=0, group=ctx.world_group)
+
+
+# --------------------------------------------------------------------------------------------------
+# world rank 0
+# --------------------------------------------------------------------------------------------------
+class DistributedEngine:
+    """World rank 0's engine: LLMEngine's interface over the DP groups' replicas (see the module doc)."""
+
+    def __init__(self, replica: LLMEngine, ctx: ParallelContext, trace: list[StepTrace] | None = None) -> None:
+        if ctx.rank != 0:
+            raise ValueError("DistributedEngine runs on world rank 0; other ranks call run_worker")
+        self.replica, self.ctx, self.trace = replica, ctx, trace
+        self.cfg = replica.cfg
+        self.runner = replica.runner            # rank 0's (its KV pool has the size of every DP group's)
+        self.max_model_len = replica.max_model_len
+        self.connector = None
+        self.requests: dict[str, Request] = {}  # mirrors of every request, updated from the groups' outputs
+        self._group: dict[str, int] = {}        # request id -> DP group
+        self._inbox = StepInbox()
+        self._ids = 0
+        self._reports: dict[int, GroupReport] = {}
+        self._seed = random.SystemRandom()
+        self._stopped = False
+
+    # -- LLMEngine's interface ---------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, kv_transfer_params: dict | None = None) -> str:
+        if kv_transfer_params:
+            raise RequestError("kv_transfer_params given, but this parallel engine has no KV connector")
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id, self._ids = f"req-{self._ids}", self._ids + 1
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self.replica.check_request(prompt_ids, params)      # every group's replica would answer the same
+        if not params.is_greedy and params.seed is None:    # every TP rank must draw the same tokens
+            params = replace(params, seed=self._seed.randrange(2**63))
+        load = [0] * self.ctx.dp_size
+        for rid, g in self._group.items():
+            if not self.requests[rid].finished:
+                load[g] += 1
+        g = min(range(self.ctx.dp_size), key=lambda i: (load[i], i))
+        self.requests[request_id] = Request(request_id, list(prompt_ids), params)
+        self._group[request_id] = g
+        self._inbox.adds.append((g, request_id, list(prompt_ids), params))
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        req.status, req.finish_reason = Status.FINISHED, "abort"
+        self._inbox.aborts.append((self._group[request_id], request_id))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return any(not r.finished for r in self.requests.values())
+
+    def step(self) -> list[RequestOutput]:
+        if self._stopped:
+            raise RuntimeError("this parallel engine was shut down")
+        inbox, self._inbox = self._inbox, StepInbox()
+        _exchange(self.ctx, inbox)
+        mine = _replica_step(self.replica, self.ctx, inbox, self.trace)
+        gathered: list[GroupReport | None] = [None] * self.ctx.world_size
+        dist.gather_object(mine, gathered, dst=0, group=self.ctx.world_group)
+        outputs = []
+        now = time.monotonic()
+        for rep in gathered:
+            if rep is None:
+                continue
+            self._reports[rep.dp_rank] = rep
+            for out in rep.outputs:
+                if self._apply(out, now):
+                    outputs.append(out)
+        return outputs
+
+    def _apply(self, out: RequestOutput, now: float) -> bool:
+        req = self.requests.get(out.request_id)
+        if req is None or req.finished:          # aborted (or forgotten) here meanwhile
+            return False
+        req.output_ids += out.new_token_ids
+        req.output_logprobs += out.new_logprobs
+        if out.new_token_ids:
+            req.first_token_time = req.first_token_time or now
+            req.last_token_time = now
+            req.status = Status.RUNNING
+        if out.finished:
+            req.status, req.finish_reason, req.error = Status.FINISHED, out.finish_reason, out.error
+            self._group.pop(out.request_id, None)
+        return True
+
+    @property
+    def running(self) -> list[Request]:
+        return self._listed("running")
+
+    @property
+    def waiting(self) -> list[Request]:
+        return self._listed("waiting")
+
+    def _listed(self, which: str) -> list[Request]:
+        ids = [rid for rep in self._reports.values() for rid in getattr(rep, which)]
+        return [self.requests[i] for i in ids if i in self.requests and not self.requests[i].finished]
+
+    def kv_usage(self) -> tuple[int, int]:
+        """Summed over the DP groups (each has its own pool)."""
+        if len(self._reports) < self.ctx.dp_size:          # before the first step: every pool is empty
+            return 0, self.replica.kv_usage()[1] * self.ctx.dp_size
+        return (sum(r.kv_used for r in self._reports.values()), sum(r.kv_total for r in self._reports.values()))
+
+    @property
+    def stats(self) -> dict:
+        out: dict = {}
+        for rep in self._reports.values():
+            for k, v in rep.stats.items():
+                out[k] = out.get(k, 0) + v
+        return out or dict(self.replica.stats)
+
+    def shutdown(self) -> None:
+        """Tell every other rank to leave `run_worker` (idempotent)."""
+        if not self._stopped:
+            self._stopped = True
+            _exchange(self.ctx, StepInbox(stop=True))
+            dist.barrier(group=self.ctx.world_group)
+
+    def __enter__(self) -> DistributedEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def is_parallel(ecfg: EngineConfig) -> bool:
+    """True when the engine flags ask for more than one rank (or torchrun started several)."""
+    return ecfg.tp * ecfg.dp * ecfg.ep > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
