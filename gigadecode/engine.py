@@ -122,7 +122,8 @@ class LLMEngine:
         self.waiting.append(req)
         return rid
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams,
+                      kv_transfer_params: dict | None = None) -> None:
         """Raise SamplingError / RequestError if this engine would refuse the request (changes nothing)."""
         params.validate(self.cfg.vocab_size)
         if not prompt_ids:
@@ -136,6 +137,8 @@ class LLMEngine:
         if not self._fits_pool(len(prompt_ids) + 1):
             raise RequestError(f"prompt of {len(prompt_ids)} tokens can never fit the KV pool "
                                f"({self.runner.kv.num_blocks - 1} blocks of {self.runner.block_size})")
+        if kv_transfer_params:
+            self._admit_di(Request("check", list(prompt_ids), params), dict(kv_transfer_params))
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)

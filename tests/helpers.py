@@ -178,3 +178,46 @@ GPT_OSS_20B = {
     "use_cache": True,
     "vocab_size": 201088,
 }
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (read from /proc; torchrun starts each rank in its own session, so
+    killing torchrun's process group misses them)."""
+    import os
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def stop_process_tree(proc, timeout: float = 30.0) -> None:
+    """SIGTERM `proc` (a server, or torchrun: it forwards the signal and waits for its ranks), then SIGKILL
+    whatever of its tree is still alive after `timeout`."""
+    import os
+    import signal
+    import subprocess
+    if proc.poll() is not None:
+        return
+    tree = descendants(proc.pid)
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

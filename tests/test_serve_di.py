@@ -6,10 +6,11 @@ on either engine (read from /metrics)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -18,40 +19,46 @@ from gigadecode.cli import build_parser
 from gigadecode.sampling import SamplingParams
 from gigadecode.server.api import build_engine
 
-from .helpers import random_prompt
-from .test_server import free_port, metrics, wait_health
+from .helpers import random_prompt, stop_process_tree
+from .test_server import assert_completion_ids, free_port, metrics, wait_health, wait_idle
 
 MODEL = "tiny"
 FLAGS = ["--served-model-name", MODEL, "--num-blocks", "512", "--block-size", "16", "--kv-dtype", "fp8", "--max-num-seqs", "64"]
 
 
-def _start(args: list[str]) -> subprocess.Popen:
+def start_gigadecode(args: list[str], ranks: int = 1) -> subprocess.Popen:
+    """`gigadecode ARGS` in a subprocess (under torchrun with `ranks` > 1), one torch thread per process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GIGADECODE_API_KEY": ""}
-    return subprocess.Popen([sys.executable, "-m", "gigadecode", *args, "--log-level", "warning"], env=env,
+    head = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(ranks), "--master-port",
+            str(free_port())] if ranks > 1 else [sys.executable]
+    return subprocess.Popen([*head, "-m", "gigadecode", *args, "--log-level", "warning"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-@pytest.fixture(scope="module")
-def di(tiny_ckpt):
+@contextlib.contextmanager
+def di_servers(model_dir, prefill_args: list[str], decode_args: list[str], prefill_ranks: int = 1,
+               decode_ranks: int = 1):
+    """A prefill server, a decode server and the proxy in front -> {"prefill", "decode", "proxy"} URLs."""
     ports = [free_port() for _ in range(3)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    procs = [
-        _start(["serve", "--model", str(tiny_ckpt), "--role", "prefill", "--port", str(ports[0]), *FLAGS]),
-        _start(["serve", "--model", str(tiny_ckpt), "--role", "decode", "--port", str(ports[1]), *FLAGS]),
-        _start(["proxy", "--prefill", urls[0], "--decode", urls[1], "--port", str(ports[2])]),  # noqa
-    ]
+    procs = [start_gigadecode(["serve", "--model", str(model_dir), "--role", "prefill", "--port", str(ports[0]),
+                               *prefill_args], prefill_ranks),
+             start_gigadecode(["serve", "--model", str(model_dir), "--role", "decode", "--port", str(ports[1]),
+                               *decode_args], decode_ranks),
+             start_gigadecode(["proxy", "--prefill", urls[0], "--decode", urls[1], "--port", str(ports[2])])]
     try:
         for u, p in zip(urls, procs):
             wait_health(u, p, timeout=180)
         yield dict(prefill=urls[0], decode=urls[1], proxy=urls[2])
     finally:
         for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            stop_process_tree(p)
+
+
+@pytest.fixture(scope="module")
+def di(tiny_ckpt):
+    with di_servers(tiny_ckpt, FLAGS, FLAGS) as urls:
+        yield urls
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +76,7 @@ def test_di_completions_equal_single_node(di, single):
     client = openai.OpenAI(base_url=di["proxy"] + "/v1", api_key="x", max_retries=0, timeout=60)
     for n in (1, 15, 16, 17, 31, 47):
         prompt = random_prompt(n, 1024, seed=700 + n)
-        want = _greedy(single, prompt, 12)
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})
-        assert r.choices[0].model_extra["token_ids"] == want, n
-        got = []
-        for ch in client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.0, stream=True,
-                                            extra_body={"ignore_eos": True, "return_token_ids": True}):
-            got += (ch.choices[0].model_extra or {}).get("token_ids") or []
-        assert got == want, n
+        assert_completion_ids(client, MODEL, prompt, _greedy(single, prompt, 12))
     m = metrics(di["decode"])
     assert m["gigadecode_kv_bytes_transferred_total"] > 0 and m["gigadecode_kv_transfer_failures_total"] == 0
 
@@ -117,10 +116,5 @@ def test_64_concurrent_streams_and_cancellation(di, single):
     for i, got in results:
         if i % 2 == 0:
             assert got == want[i], i
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        used = [metrics(di[k])["gigadecode_kv_blocks_used"] for k in ("prefill", "decode")]
-        if used == [0, 0]:
-            break
-        time.sleep(0.2)
-    assert used == [0, 0]
+    for k in ("prefill", "decode"):
+        wait_idle(di[k], timeout=30)

@@ -6,12 +6,7 @@ leave the server serving and no KV block in use; SIGTERM stops every rank."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import openai
 import pytest
@@ -20,8 +15,9 @@ from gigadecode.cli import build_parser
 from gigadecode.sampling import SamplingParams
 from gigadecode.server.api import build_engine
 
-from .helpers import random_prompt
-from .test_server import free_port, metrics, wait_health
+from .helpers import random_prompt, stop_process_tree
+from .test_serve_di import di_servers, start_gigadecode
+from .test_server import assert_completion_ids, free_port, wait_health, wait_idle
 
 MODEL = "tiny"
 FLAGS = ["--served-model-name", MODEL, "--num-blocks", "256", "--block-size", "4", "--kv-dtype", "fp8"]
@@ -29,22 +25,15 @@ FLAGS = ["--served-model-name", MODEL, "--num-blocks", "256", "--block-size", "4
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt):
-    port, master = free_port(), free_port()
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GIGADECODE_API_KEY": ""}
-    proc = subprocess.Popen([str(torchrun), "--nproc-per-node", "4", "--master-port", str(master), "-m", "gigadecode",
-                             "serve", "--model", str(tiny_ckpt), "--role", "both", "--port", str(port), "--tp", "2",
-                             "--dp", "2", "--ep", "4", "--log-level", "warning", *FLAGS],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    port = free_port()
+    proc = start_gigadecode(["serve", "--model", str(tiny_ckpt), "--role", "both", "--port", str(port), "--tp", "2",
+                             "--dp", "2", "--ep", "4", *FLAGS], ranks=4)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_health(url, proc, timeout=180)
         yield url, proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop_process_tree(proc)
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +51,8 @@ def test_parallel_server_equals_single_rank(server, single, tiny_ckpt):
     extra = {"ignore_eos": True, "return_token_ids": True}
     for n in (1, 6, 19):
         prompt = random_prompt(n, 1024, seed=900 + n)
-        want = _want(single, prompt, temperature=0.0, max_tokens=10, ignore_eos=True)
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0.0, extra_body=extra)
-        assert r.choices[0].model_extra["token_ids"] == want, n
-        got = []
-        for ch in client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0.0, stream=True,
-                                            extra_body=extra):
-            got += (ch.choices[0].model_extra or {}).get("token_ids") or []
-        assert got == want, n
+        assert_completion_ids(client, MODEL, prompt, _want(single, prompt, temperature=0.0, max_tokens=10,
+                                                           ignore_eos=True))
     prompt = random_prompt(9, 1024, seed=1)
     want = _want(single, prompt, temperature=0.9, top_p=0.95, seed=42, max_tokens=8, ignore_eos=True)
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0.9, top_p=0.95, seed=42,
@@ -112,13 +95,7 @@ def test_parallel_server_concurrent_streams_and_cancellation(server, single):
     for i, got in asyncio.run(main()):
         if i % 3:
             assert got == want[i], i
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = metrics(url)
-        if m["gigadecode_kv_blocks_used"] == 0 and m["gigadecode_requests_running"] == 0:
-            break
-        time.sleep(0.2)
-    assert m["gigadecode_kv_blocks_used"] == 0 and m["gigadecode_requests_running"] == 0
+    m = wait_idle(url, timeout=30)
     assert m["gigadecode_kv_blocks_total"] == 2 * 255              # two DP groups, a pool each
 
 
@@ -129,3 +106,58 @@ def test_parallel_server_stops_every_rank_on_sigterm(server):
     out = proc.stdout.read()
     # every rank left cleanly (torchrun's own agent still reports the signal it got, with a traceback)
     assert "[rank" not in out and "engine.step() failed" not in out, out[-3000:]
+
+
+# --------------------------------------------------------------------------------------------------
+# disaggregated serving across TP sizes (head_ratio != 1) behind the proxy
+# --------------------------------------------------------------------------------------------------
+DI_FLAGS = FLAGS + ["--kv-lease-s", "5"]
+
+
+@pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["prefill-tp1-decode-tp2", "prefill-tp2-decode-tp1"])
+def di_stack(request, tiny_ckpt):
+    p_tp, d_tp = request.param
+    tp = lambda n: ["--tp", str(n), "--ep", str(n)] if n > 1 else []      # noqa: E731
+    with di_servers(tiny_ckpt, tp(p_tp) + DI_FLAGS, tp(d_tp) + DI_FLAGS, p_tp, d_tp) as urls:
+        yield urls
+
+
+def _pools_back(stack) -> dict:
+    wait_idle(stack["prefill"], timeout=20)
+    return wait_idle(stack["decode"], timeout=20)
+
+
+def test_di_across_tp_sizes_equals_single_node(di_stack, single):
+    client = openai.OpenAI(base_url=di_stack["proxy"] + "/v1", api_key="x", max_retries=0, timeout=120)
+    for n in (1, 5, 15, 19, 38):                 # nothing to send; N % block == block-1 (the N-1 rule); > 2 windows
+        prompt = random_prompt(n, 1024, seed=800 + n)
+        assert_completion_ids(client, MODEL, prompt, _want(single, prompt, temperature=0.0, max_tokens=8,
+                                                           ignore_eos=True))
+    m = _pools_back(di_stack)
+    assert m["gigadecode_kv_bytes_transferred_total"] > 0 and m["gigadecode_kv_transfer_failures_total"] == 0
+
+
+def test_di_across_tp_sizes_refuses_one_corrupted_head(di_stack, single):
+    """One kv head's CRC is wrong: the decode rank (or the one engine) holding it refuses, its TP group
+    agrees, the request fails with a clear error, nothing is decoded from it, and serving goes on."""
+    import httpx
+    prompt = random_prompt(19, 1024, seed=5)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    params = httpx.post(di_stack["prefill"] + "/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
+    ranks = params["remote_ranks"] if params.get("remote_ranks") else [params]
+    assert len(ranks) == (2 if len(params.get("remote_ranks") or []) == 2 else 1)
+    last = ranks[-1]
+    last["kv_crc32_heads"] = last["kv_crc32_heads"][:-1] + [last["kv_crc32_heads"][-1] ^ 1]
+    last["kv_crc32"] = last["kv_crc32"] ^ 1
+    r = httpx.post(di_stack["decode"] + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+        "kv_transfer_params": params})
+    assert r.status_code == 500 and "CRC32 mismatch" in r.json()["error"]["message"], r.text
+    client = openai.OpenAI(base_url=di_stack["proxy"] + "/v1", api_key="x", max_retries=0, timeout=120)
+    want = _want(single, prompt, temperature=0.0, max_tokens=4, ignore_eos=True)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0.0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == want
+    m = _pools_back(di_stack)                     # the corrupted one's lease expired (5 s)
+    assert m["gigadecode_kv_transfer_failures_total"] >= 1

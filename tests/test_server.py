@@ -132,6 +132,18 @@ def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
+def assert_completion_ids(client, model: str, prompt: list[int], want: list[int], **kw) -> None:
+    """A completions request (token-id prompt, greedy, ignore_eos) returns `want`, whole and streamed."""
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    kw = {"max_tokens": len(want), "temperature": 0.0, **kw}
+    r = client.completions.create(model=model, prompt=prompt, extra_body=extra, **kw)
+    assert r.choices[0].model_extra["token_ids"] == want, len(prompt)
+    got = []
+    for ch in client.completions.create(model=model, prompt=prompt, stream=True, extra_body=extra, **kw):
+        got += (ch.choices[0].model_extra or {}).get("token_ids") or []
+    assert got == want, len(prompt)
+
+
 EXTRA = {"return_token_ids": True, "ignore_eos": True}
 
 

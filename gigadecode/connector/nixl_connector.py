@@ -18,6 +18,13 @@ A failed handshake, READ error, time-out, expired lease, missing block or CRC mi
 run on those blocks: the request fails with a clear error (or, with policy `recompute`, is prefilled
 locally) and its blocks are freed.
 
+Tensor parallel on either side (`head_ratio != 1`): each engine rank has its own connector over the kv heads
+it holds (`kv_head_start`). A parallel producer's answer lists every rank (`remote_ranks`, see
+`parallel.connector.TPGroupConnector`); a consumer posts one READ per producer rank whose heads overlap its
+own, moving only the shared heads' bytes of each block, and checks those heads' CRC32s. A consumer rank of
+a TP group does not notify the producer itself (`notify_on_read=False`): its group does, once every rank
+holds intact KV.
+
 The N-1 rule: the decode node recomputes the last prompt token, so it holds N-1 computed tokens and its
 sliding group keeps blocks from token N-1-W+1 = N-W on. A prefill that computed all N tokens would apply
 the sliding skip at N and free the block starting at N-W+1 whenever N-W+1 is a block boundary (with W a
@@ -129,14 +136,34 @@ class _Lease:
 
 
 @dataclass
+class _Read:
+    """One READ of a load: from one producer rank, the kv heads [heads) both hold."""
+    remote: str
+    handle: ReadHandle
+    heads: tuple[int, int]
+    source: dict[str, Any]              # that producer rank's params (CRCs from its kv_head_start)
+    done: bool = False
+
+
+@dataclass
 class _Load:
     request_id: str
     params: dict[str, Any]
     local_tables: list[list[int]] = field(default_factory=list)
-    handle: ReadHandle | None = None
+    reads: list[_Read] = field(default_factory=list)
     pairs: list[tuple[int, int]] = field(default_factory=list)
     local_ids: list[list[int]] = field(default_factory=list)
     t_start: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.handle.nbytes for r in self.reads)
+
+
+def producer_ranks(params: dict[str, Any]) -> list[dict[str, Any]]:
+    """The producer ranks a consumer reads from: `remote_ranks` (a tensor-parallel prefill engine: one entry
+    per TP rank with its engine id, side channel and kv heads) or the params themselves (one rank)."""
+    return list(params.get("remote_ranks") or [params])
 
 
 class _SideChannel:
@@ -182,18 +209,24 @@ class NixlConnector(KVConnectorBase):
     """One engine's NIXL connector (the interface and who calls what: `base.KVConnectorBase`)."""
 
     def __init__(self, role: str, kv, cfg, *, host: str = "127.0.0.1", side_port: int = 0,
-                 lease_s: float = 30.0, timeout_s: float = 10.0, engine_id: str | None = None) -> None:
+                 lease_s: float = 30.0, timeout_s: float = 10.0, engine_id: str | None = None,
+                 kv_head_start: int = 0, notify_on_read: bool = True) -> None:
+        """`kv_head_start`: the first global kv head this cache holds (a TP rank's shard; 0 = all heads).
+        `notify_on_read` False: a consumer does not tell the producer when its READs land; `notify` does
+        it later (a TP group's ranks notify once all of them hold intact KV)."""
         super().__init__(role)
         self.kv, self.cfg = kv, cfg
         self.engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:8]}"
         self.lease_s, self.timeout_s = lease_s, timeout_s
+        self.notify_on_read = notify_on_read
         self.agent = NixlKVAgent(self.engine_id, engine_id=self.engine_id, host=host, model_id=model_identity(cfg),
                                  progress_thread=role != "kv_consumer")
-        self.agent.register_kv(kv)
+        self.agent.register_kv(kv, kv_head_start=kv_head_start, total_kv_heads=cfg.num_key_value_heads)
         self.host = host
         self.side = _SideChannel(host, side_port, self.handshake_info) if role != "kv_consumer" else None
         self.leases: dict[str, _Lease] = {}
         self.loads: dict[str, _Load] = {}
+        self.landed: dict[str, _Load] = {}         # notify_on_read False: landed, producer not told yet
         self._by_remote_rid: dict[str, str] = {}
         self.stats = {"kv_bytes_transferred": 0, "transfer_failures": 0, "transfer_seconds": 0.0}
 
@@ -244,27 +277,43 @@ class NixlConnector(KVConnectorBase):
         return n
 
     def start_load(self, request_id: str, params: dict[str, Any], local_tables: list[list[int]]) -> None:
-        """Handshake (once per producer) and post the READ; failures are reported by `get_finished`."""
+        """Handshake (once per producer rank) and post one READ per producer rank holding some of this cache's
+        kv heads (each moves only the shared heads); failures are reported by `get_finished`."""
         load = _Load(request_id, params, local_tables, t_start=time.monotonic())
         self.loads[request_id] = load
         try:
             if time.time() > float(params.get("lease_expires", float("inf"))):
                 raise TransferError(f"the prefill lease of {params['remote_request_id']} expired before the read")
-            remote = self._ensure_remote(params)
-            (l0, l1), (r0, r1) = self.agent.layout().head_range, self.agent.remote_layout(remote).head_range
-            if not (r0 <= l0 and l1 <= r1):
-                raise HandshakeError(f"prefill {remote!r} holds kv heads [{r0}, {r1}), this engine needs [{l0}, {l1}) "
-                                     f"(reading from several prefill TP ranks needs the parallel DI runner)")
+            remotes = [(self._ensure_remote(src), src) for src in producer_ranks(params)]   # handshakes first
             load.pairs, load.local_ids = self._pairs(params, local_tables)
-            load.handle = self.agent.read(remote, load.pairs, notif=str(params["remote_request_id"]).encode())
-        except (TransferError, HandshakeError, ValueError) as e:
-            load.handle = None
-            load.params = {**params, "_error": str(e)}
+            l0, l1 = self.agent.layout().head_range
+            covered = set()
+            for remote, src in remotes:
+                r0, r1 = self.agent.remote_layout(remote).head_range
+                h0, h1 = max(l0, r0), min(l1, r1)
+                if h0 >= h1 or covered >= set(range(h0, h1)):
+                    continue                          # none (or only already covered) of our heads
+                covered |= set(range(h0, h1))
+                notif = str(src.get("remote_request_id", params["remote_request_id"])).encode()
+                handle = self.agent.read(remote, load.pairs, notif=notif if self.notify_on_read else b"")
+                load.reads.append(_Read(remote, handle, (h0, h1), src))
+            if covered != set(range(l0, l1)):
+                raise HandshakeError(f"the prefill ranks hold kv heads {sorted(covered)} of the [{l0}, {l1}) this "
+                                     f"engine needs")
+        except (TransferError, HandshakeError, ValueError, KeyError) as e:
+            self._release(load)
+            load.params = {**params, "_error": f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)}
 
-    def _ensure_remote(self, params: dict[str, Any]) -> str:
-        name = params["remote_engine_id"]
+    def _release(self, load: _Load) -> None:
+        for r in load.reads:
+            if not r.done:
+                self.agent._release(r.handle)
+        load.reads = []
+
+    def _ensure_remote(self, src: dict[str, Any]) -> str:
+        name = src["remote_engine_id"]
         if name not in self.agent.remotes:
-            info = fetch_handshake(params["remote_host"], int(params["remote_port"]), self.timeout_s)
+            info = fetch_handshake(src["remote_host"], int(src["remote_port"]), self.timeout_s)
             layout = KVLayout.from_dict(info["layout"])
             self.agent.add_remote(layout.agent_name, base64.b64decode(info["agent_metadata"]), layout)
             if layout.agent_name != name:
@@ -294,34 +343,50 @@ class NixlConnector(KVConnectorBase):
         failed: dict[str, str] = {}
         for rid, load in list(self.loads.items()):
             err = load.params.get("_error")
-            if err is None and load.handle is not None:
+            if err is None:
                 try:
-                    if not self.agent.poll(load.handle):
-                        if time.monotonic() - load.t_start > self.timeout_s:
-                            self.agent._release(load.handle)
-                            err = (f"KV transfer from {load.params['remote_engine_id']} timed out after "
-                                   f"{self.timeout_s:.3g} s")
-                        else:
+                    for r in load.reads:
+                        r.done = r.done or self.agent.poll(r.handle)
+                    if not all(r.done for r in load.reads):
+                        if time.monotonic() - load.t_start <= self.timeout_s:
                             continue
+                        late = [r.remote for r in load.reads if not r.done]
+                        err = f"KV transfer from {', '.join(late)} timed out after {self.timeout_s:.3g} s"
                 except TransferError as e:
                     err = str(e)
-                if err is None and not crc_matches(self.kv, load.local_ids, load.params,
-                                                   self.agent.layout().head_range):
-                    err = "KV arrived corrupted or stale (CRC32 mismatch); the prefill's blocks were reused?"
+                if err is None:
+                    bad = [r for r in load.reads
+                           if not crc_matches(self.kv, load.local_ids, r.source, self.agent.layout().head_range,
+                                              None if len(load.reads) == 1 else r.heads)]
+                    if bad:
+                        err = (f"KV heads {', '.join(f'[{r.heads[0]}, {r.heads[1]})' for r in bad)} from "
+                               f"{', '.join(r.remote for r in bad)} arrived corrupted or stale (CRC32 mismatch); "
+                               f"the prefill's blocks were reused?")
             del self.loads[rid]
             if err is None:
                 done.add(rid)
-                self.stats["kv_bytes_transferred"] += load.handle.nbytes
+                self.stats["kv_bytes_transferred"] += load.nbytes
                 self.stats["transfer_seconds"] += time.monotonic() - load.t_start
+                if not self.notify_on_read:
+                    self.landed[rid] = load
             else:
+                self._release(load)
                 failed[rid] = err
                 self.stats["transfer_failures"] += 1
         return sending, done, failed
 
+    def notify(self, request_id: str) -> None:
+        """(`notify_on_read` False) tell every producer rank a landed load read from that it may free."""
+        load = self.landed.pop(request_id, None)
+        for r in (load.reads if load is not None else []):
+            self.agent.send_notif(r.remote, str(r.source.get("remote_request_id",
+                                                             load.params["remote_request_id"])).encode())
+
     def cancel(self, request_id: str) -> None:
+        self.landed.pop(request_id, None)
         load = self.loads.pop(request_id, None)
-        if load is not None and load.handle is not None:
-            self.agent._release(load.handle)
+        if load is not None:
+            self._release(load)
 
     def close(self) -> None:
         if self.side is not None:

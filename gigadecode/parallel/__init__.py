@@ -4,7 +4,7 @@
 - `context`: `ParallelContext` (process groups + counted collectives), `make_parallel_context`.
 - `engine`: the parallel engine (an `LLMEngine` replica per rank, `DistributedEngine` on rank 0, `run_worker`).
 - `launch`: `run_parallel_generate` (prompts to the end on a layout; tests and benchmarks).
-- `di`: disaggregated prefill → decode across different TP layouts (head_ratio ≠ 1), lockstep.
+- `connector`: `TPGroupConnector`, a TP group's per-rank NIXL connectors deciding transfers together (DI).
 - `spawn`: `run_world`, a local gloo world for tests and benchmarks.
 """
 

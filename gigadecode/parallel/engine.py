@@ -17,7 +17,10 @@ World rank 0's `DistributedEngine` is what `generate` and the server drive: it h
 3. gathers from the first TP rank of each DP group that group's `RequestOutput`s and a small status, and
    applies them to its mirror `Request`s (which is what `requests` holds on rank 0).
 A replica whose step raises fails its requests with the error (its TP ranks raise alike) and the engine
-keeps serving. Three world collectives per step (broadcast, the EP agreement, gather), a few hundred bytes.
+keeps serving. Disaggregated roles work the same way: each rank has a NIXL connector over its kv heads and
+a TP group's connectors agree on every transfer event (`parallel.connector.TPGroupConnector`), so a prefill
+engine of one TP size feeds a decode engine of another (each decode rank reads its heads' slice of the
+blocks of whichever prefill ranks hold them). Three world collectives per step (broadcast, the EP agreement, gather), a few hundred bytes.
 
 This is SGLang's arrangement (a scheduler on every rank, requests broadcast from rank 0) rather than vLLM's
 (one scheduler shipping each step's batch to workers): nothing per step is serialized but new requests.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import os
 import random
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -44,7 +48,8 @@ from .mesh import LayoutError
 @dataclass
 class StepInbox:
     """What world rank 0 tells every rank before a step."""
-    adds: list[tuple[int, str, list[int], SamplingParams]] = field(default_factory=list)  # (dp group, id, prompt, params)
+    adds: list[tuple[int, str, list[int], SamplingParams, dict | None]] = field(default_factory=list)
+    #     (dp group, request id, prompt, params, kv_transfer_params)
     aborts: list[tuple[int, str]] = field(default_factory=list)                            # (dp group, id)
     stop: bool = False
 
@@ -59,6 +64,7 @@ class GroupReport:
     kv_used: int
     kv_total: int
     stats: dict
+    transfer_params: dict[str, dict] = field(default_factory=dict)   # DI producer: request id -> its answer
 
 
 @dataclass
@@ -71,23 +77,34 @@ class StepTrace:
     decode_tokens: int
 
 
-def build_parallel_engine(model_dir: str | Path, ecfg: EngineConfig, progress: bool = False
-                          ) -> tuple[LLMEngine, ParallelContext]:
+def build_parallel_engine(model_dir: str | Path, ecfg: EngineConfig, progress: bool = False, *,
+                          host: str = "127.0.0.1", side_port: int = 0) -> tuple[LLMEngine, ParallelContext]:
     """This rank's engine replica over its shard, and its context. Every rank calls it (collectively); the
-    default process group is initialized from torchrun's environment if it is not already."""
+    default process group is initialized from torchrun's environment if it is not already.
+
+    A prefill or decode role (`ecfg.kv_role`) gets a NIXL connector per rank over its kv heads, joined
+    with its TP group's (`TPGroupConnector`); a producer rank serves its handshake on `host:side_port +
+    rank` (side_port 0: any free port), which its answers advertise."""
     if ecfg.decoder == "gk-compiled":
         raise ValueError("the compiled GK program runs on one rank only; a parallel engine uses --decoder gk "
                          "(or reference)")
-    if ecfg.kv_role != "kv_both":
-        raise ValueError("a parallel engine serves --role both; disaggregated prefill/decode across TP layouts "
-                         "runs through gigadecode.parallel.di")
     _, world = init_distributed()
     if world != ecfg.tp * ecfg.dp:
         raise LayoutError(f"--tp {ecfg.tp} × --dp {ecfg.dp} = {ecfg.tp * ecfg.dp} ranks, but the world has {world}")
     cfg = GptOssConfig.from_hf(model_dir)
     ctx = make_parallel_context(cfg, ecfg.tp, ecfg.dp, ecfg.ep)
     runner = ModelRunner(model_dir, ecfg, cfg, progress=progress and ctx.rank == 0, parallel=ctx)
-    return LLMEngine(runner), ctx
+    connector = None
+    if ecfg.kv_role != "kv_both":
+        from ..connector.nixl_connector import NixlConnector
+        from ..weights import shard_ranges
+        from .connector import TPGroupConnector
+        inner = NixlConnector(ecfg.kv_role, runner.kv, cfg, host=host, side_port=side_port + ctx.rank if side_port
+                              else 0, lease_s=ecfg.kv_lease_s, timeout_s=ecfg.kv_transfer_timeout_s,
+                              engine_id=f"{ecfg.kv_role}-{uuid.uuid4().hex[:8]}-r{ctx.rank}",
+                              kv_head_start=shard_ranges(cfg, ctx.shard)["kv_heads"][0], notify_on_read=False)
+        connector = TPGroupConnector(inner, ctx)
+    return LLMEngine(runner, ecfg, connector), ctx
 
 
 # --------------------------------------------------------------------------------------------------
@@ -97,11 +114,11 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
                   trace: list[StepTrace] | None) -> GroupReport | None:
     """Apply the inbox to this rank's replica, step it, and (first TP rank of the group) report."""
     outputs: list[RequestOutput] = []
-    for g, rid, prompt, params in inbox.adds:
+    for g, rid, prompt, params, kv_params in inbox.adds:
         if g != ctx.dp_rank:
             continue
         try:
-            engine.add_request(prompt, params, request_id=rid)
+            engine.add_request(prompt, params, request_id=rid, kv_transfer_params=kv_params)
         except ValueError as e:              # rank 0 checked it; only a replica out of step gets here
             outputs.append(RequestOutput(rid, [], True, "error", error=str(e)))
     for g, rid in inbox.aborts:
@@ -119,16 +136,19 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
         trace.append(StepTrace(time.perf_counter() - t0, ctx.stats.snapshot(),
                                engine.stats["prefill_tokens"] - s0["prefill_tokens"],
                                engine.stats["decode_tokens"] - s0["decode_tokens"]))
+    transfer_params = {}
     for out in outputs:
         if out.finished:
             req = engine.requests.pop(out.request_id, None)
             if req is not None and out.error is None:
                 out.error = req.error
+            if req is not None and req.kv_transfer_params_out is not None:
+                transfer_params[out.request_id] = req.kv_transfer_params_out
     if ctx.tp_rank != 0:
         return None
     used, total = engine.kv_usage()
     return GroupReport(ctx.dp_rank, outputs, [r.request_id for r in engine.running],
-                       [r.request_id for r in engine.waiting], used, total, dict(engine.stats))
+                       [r.request_id for r in engine.waiting], used, total, dict(engine.stats), transfer_params)
 
 
 def _fail_running(engine: LLMEngine, msg: str) -> list[RequestOutput]:
@@ -169,7 +189,7 @@ class DistributedEngine:
         self.cfg = replica.cfg
         self.runner = replica.runner            # rank 0's (its KV pool has the size of every DP group's)
         self.max_model_len = replica.max_model_len
-        self.connector = None
+        self.connector = replica.connector      # rank 0's (its handshake; every rank's is in a producer's answer)
         self.requests: dict[str, Request] = {}  # mirrors of every request, updated from the groups' outputs
         self._group: dict[str, int] = {}        # request id -> DP group
         self._inbox = StepInbox()
@@ -181,14 +201,12 @@ class DistributedEngine:
     # -- LLMEngine's interface ---------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, kv_transfer_params: dict | None = None) -> str:
-        if kv_transfer_params:
-            raise RequestError("kv_transfer_params given, but this parallel engine has no KV connector")
         params = params or SamplingParams()
         if request_id is None:
             request_id, self._ids = f"req-{self._ids}", self._ids + 1
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        self.replica.check_request(prompt_ids, params)      # every group's replica would answer the same
+        self.replica.check_request(prompt_ids, params, kv_transfer_params)   # every group's replica would agree
         if not params.is_greedy and params.seed is None:    # every TP rank must draw the same tokens
             params = replace(params, seed=self._seed.randrange(2**63))
         load = [0] * self.ctx.dp_size
@@ -198,7 +216,8 @@ class DistributedEngine:
         g = min(range(self.ctx.dp_size), key=lambda i: (load[i], i))
         self.requests[request_id] = Request(request_id, list(prompt_ids), params)
         self._group[request_id] = g
-        self._inbox.adds.append((g, request_id, list(prompt_ids), params))
+        self._inbox.adds.append((g, request_id, list(prompt_ids), params,
+                                 dict(kv_transfer_params) if kv_transfer_params else None))
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -227,6 +246,8 @@ class DistributedEngine:
                 continue
             self._reports[rep.dp_rank] = rep
             for out in rep.outputs:
+                if out.request_id in rep.transfer_params and out.request_id in self.requests:
+                    self.requests[out.request_id].kv_transfer_params_out = rep.transfer_params[out.request_id]
                 if self._apply(out, now):
                     outputs.append(out)
         return outputs

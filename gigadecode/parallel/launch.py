@@ -10,6 +10,7 @@ DP group i % dp) and steps the world until every request has finished, the other
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -46,7 +47,7 @@ def run_parallel_generate(model_dir: str | Path, prompts: list[list[int]], tp: i
         build_layout(tp, dp, ep, 1)                          # the same errors as a world would give
         runner = ModelRunner(model_dir, ecfg)
         engine, rank, shard = LLMEngine(runner), 0, None
-        results = _run(engine, prompts, params)
+        results = _run(engine, prompts, params, trace)
     else:
         replica, ctx = build_parallel_engine(model_dir, ecfg)
         runner, rank, shard = replica.runner, ctx.rank, ctx.shard
@@ -65,10 +66,17 @@ def run_parallel_generate(model_dir: str | Path, prompts: list[list[int]], tp: i
     return results
 
 
-def _run(engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[dict]:
+def _run(engine, prompts: list[list[int]], params: list[SamplingParams], trace: list[StepTrace] | None = None
+         ) -> list[dict]:
+    """Add, step to the end, collect. `trace`: record one-rank steps (a parallel engine records its own)."""
     ids = [engine.add_request(list(p), sp) for p, sp in zip(prompts, params)]
     while engine.has_unfinished():
+        s0, t0 = dict(engine.stats), time.perf_counter()
         engine.step()
+        if trace is not None:
+            trace.append(StepTrace(time.perf_counter() - t0, {"calls": {}, "bytes": {}, "by_op": {}},
+                                   engine.stats["prefill_tokens"] - s0["prefill_tokens"],
+                                   engine.stats["decode_tokens"] - s0["decode_tokens"]))
     out = []
     for rid in ids:
         r = engine.requests[rid]

@@ -706,15 +706,14 @@ def _serve_parallel(args: Any) -> int:
 
     from ..cli import engine_config
     from ..parallel.engine import DistributedEngine, build_parallel_engine, run_worker
-    if args.role != "both":
-        raise SystemExit("gigadecode serve: a parallel engine (--tp/--dp/--ep) serves --role both for now")
-    ecfg = engine_config(args)
+    ecfg = engine_config(args, kv_role=ROLES[args.role])
     if "WORLD_SIZE" not in os.environ:
         n = ecfg.tp * ecfg.dp
         raise SystemExit(f"gigadecode serve: --tp {ecfg.tp} × --dp {ecfg.dp} needs {n} ranks: start it with "
                          f"torchrun --nproc-per-node {n} -m gigadecode serve …")
     t0 = time.perf_counter()
-    replica, ctx = build_parallel_engine(args.model, ecfg)
+    host = args.host if args.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+    replica, ctx = build_parallel_engine(args.model, ecfg, host=host, side_port=getattr(args, "kv_port", 0) or 0)
     try:
         # torchrun signals every rank at once on SIGTERM/SIGINT. The other ranks stay until rank 0 has shut the
         # server down and says stop (or leave when rank 0 is gone and their collective fails); rank 0 lets
