@@ -86,9 +86,8 @@ class GptOssModel:
         cfg, w, par = self.cfg, self.w, self.parallel
         if par is None:
             return moe_tokens(h, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit)
-        from .parallel.ops import moe_tokens_local
-        return par.ep_moe(h, lambda t: moe_tokens_local(t, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha,
-                                                         cfg.swiglu_limit, par.expert_offset), counts)
+        return par.ep_moe(h, lambda t: moe_tokens(t, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha,
+                                                   cfg.swiglu_limit, par.expert_offset), counts)
 
     # ----------------------------------------------------------------------------------------------
     def attention(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

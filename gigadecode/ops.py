@@ -57,14 +57,30 @@ def dense_expert_weights(weights, layer: int, expert: torch.Tensor | int, dtype:
     return weights.gate_up[layer, expert].transpose(-1, -2), weights.down[layer, expert].transpose(-1, -2)
 
 
-def moe_tokens(x: torch.Tensor, weights, layer: int, top_k: int, alpha: float, limit: float) -> torch.Tensor:
-    """Mixture of experts over many tokens: loop over the experts hit, decode each once. x [T, H] -> [T, H]."""
-    idx, gate_w = route(x, weights.router_w[layer], weights.router_b[layer], top_k)
+def moe_routed(x: torch.Tensor, idx: torch.Tensor, gate_w: torch.Tensor, dense_expert, gate_up_bias: torch.Tensor,
+               down_bias: torch.Tensor, alpha: float, limit: float, expert_offset: int = 0) -> torch.Tensor:
+    """The (token, slot) pairs routed to the experts held here, summed per token: x [T, H], idx / gate_w [T, k]
+    -> [T, H]. The stacks hold local experts 0..n_local-1 = global ids [expert_offset, expert_offset + n_local)
+    (all experts on one rank); pairs routed elsewhere contribute nothing. Each expert hit is made dense once
+    (`dense_expert(local id)` -> w1 [2I, H], w2 [H, I]) and applied to all of its tokens together."""
+    n_local = gate_up_bias.shape[0]
+    e = idx - expert_offset
     out = torch.zeros_like(x)
-    for e in torch.unique(idx).tolist():
-        tok, slot = torch.where(idx == e)
-        w1, w2 = dense_expert_weights(weights, layer, e, x.dtype)
-        h = F.linear(x[tok], w1, weights.gate_up_bias[layer, e])
-        h = F.linear(swiglu(h, alpha, limit), w2, weights.down_bias[layer, e])
+    for le in torch.unique(e).tolist():
+        if not 0 <= le < n_local:
+            continue
+        tok, slot = torch.where(e == le)
+        w1, w2 = dense_expert(le)
+        h = F.linear(x[tok], w1, gate_up_bias[le])
+        h = F.linear(swiglu(h, alpha, limit), w2, down_bias[le])
         out.index_add_(0, tok, h * gate_w[tok, slot, None])
     return out
+
+
+def moe_tokens(x: torch.Tensor, weights, layer: int, top_k: int, alpha: float, limit: float,
+               expert_offset: int = 0) -> torch.Tensor:
+    """The per-layer model's MoE over many tokens (the router sees every expert; this rank's stacks hold the
+    experts from global id `expert_offset` on, see `moe_routed`). x [T, H] -> [T, H]."""
+    idx, gate_w = route(x, weights.router_w[layer], weights.router_b[layer], top_k)
+    return moe_routed(x, idx, gate_w, lambda le: dense_expert_weights(weights, layer, le, x.dtype),
+                      weights.gate_up_bias[layer], weights.down_bias[layer], alpha, limit, expert_offset)

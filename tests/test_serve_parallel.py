@@ -1,7 +1,11 @@
 """`torchrun --nproc-per-node 4 -m gigadecode serve --tp 2 --dp 2 --ep 4`: the OpenAI server in front of the
 parallel engine, driven with the official `openai` client. Greedy and seeded outputs (completions and
 chat, streamed and not, concurrent) equal the single-rank engine's; a cancelled stream and a bad request
-leave the server serving and no KV block in use; SIGTERM stops every rank."""
+leave the server serving and no KV block in use; SIGTERM stops every rank.
+
+Disaggregated serving across TP sizes (prefill tp=1 -> decode tp=2 and the reverse, behind the proxy):
+token-identical to the single node for prompt lengths across block and window edges, both pools back to
+empty; one corrupted kv head is refused by its decode group with the CRC error and serving goes on."""
 
 from __future__ import annotations
 

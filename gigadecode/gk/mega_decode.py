@@ -5,7 +5,8 @@ the KV cache as per-buffer K/V tensors (`K_i`, `V_i`; K packed-FP8 `[nb, kv, B/2
 `[nb, kv, B, d]`) or the legacy stacked `K_cache`/`V_cache` (exactly one form), and the step's
 `AttentionControl`. Layer i picks its table, write index and position frame by its kind (the seed's
 `i % 2`: sliding or full) and its KV buffer by `layer_buffer[i]` (the seed's `i // 2`).
-MoE decodes only the selected MXFP4 experts, per top-k slot, in token chunks (bounded transient memory).
+MoE decodes only the experts the batch selected, each once per step for all of its tokens (one expert's
+dense transient at a time); the compiled form fuses the MXFP4 decode into the dot product instead.
 
 Everything static (layer pattern, sizes, scales) is in `KernelSpec`, so the same function is the eager
 reference and, through `torch.compile(fullgraph=True)`, the compiled program (weights and KV stay inputs).
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..mxfp4 import _luts, decode_mxfp4
-from ..ops import rms_norm, route, swiglu
+from ..ops import moe_routed, rms_norm, route, swiglu
 from ..rope import apply_rope
 
 FP8 = torch.float8_e4m3fn
@@ -43,7 +44,6 @@ class KernelSpec:
     k_scale: float = 1.0
     v_scale: float = 1.0
     mxfp4: bool = True
-    moe_chunk: int = 4                  # tokens per expert-decode chunk (bounds the dequantized transient)
     fused_moe: bool = False             # compiled form: decode-and-dot as one reduction (Inductor fuses it)
 
     @property
@@ -117,51 +117,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
     return out.reshape(bt, nh * d)
 
 
-def expert_mlp(hc: torch.Tensor, ec: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: KernelSpec
-               ) -> torch.Tensor:
-    """Each row's own expert: hc [c, H] through expert ec [c] of layer i -> [c, H]. MXFP4 experts are decoded
-    to a dense [c, 2I, H] / [c, H, I] transient (c = `moe_chunk` rows at most)."""
+def dense_expert(W: dict[str, torch.Tensor], i: int, le: int, spec: KernelSpec, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert `le` (local id) of layer i as dense w1 [2I, H], w2 [H, I] (out-features first): MXFP4 decoded
+    into a transient, bf16 / fp32 experts as views."""
     if spec.mxfp4:
-        w1 = decode_mxfp4(W["gate_up_blocks"][i][ec], W["gate_up_scales"][i][ec], hc.dtype)  # [c, 2I, H]
-        w2 = decode_mxfp4(W["down_blocks"][i][ec], W["down_scales"][i][ec], hc.dtype)        # [c, H, I]
-        g = torch.bmm(w1, hc.unsqueeze(-1)).squeeze(-1)
-    else:
-        w1 = W["gate_up"][i][ec]                                          # [c, H, 2I]
-        w2 = W["down"][i][ec].transpose(-1, -2)                           # [c, H, I]
-        g = torch.bmm(hc.unsqueeze(1), w1).squeeze(1)
-    a = swiglu(g + W["gate_up_bias"][i][ec], spec.alpha, spec.limit)      # [c, I]
-    return torch.bmm(w2, a.unsqueeze(-1)).squeeze(-1) + W["down_bias"][i][ec]
+        return (decode_mxfp4(W["gate_up_blocks"][i][le], W["gate_up_scales"][i][le], dtype),
+                decode_mxfp4(W["down_blocks"][i][le], W["down_scales"][i][le], dtype))
+    return W["gate_up"][i][le].transpose(-1, -2), W["down"][i][le].transpose(-1, -2)
 
 
-def moe_decode(h: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: KernelSpec) -> torch.Tensor:
-    """h [Bt, H] -> [Bt, H]. Only the selected experts are decoded, per top-k slot, `moe_chunk` tokens at a
-    time (a fixed loop structure: the eager reference of the compiled form's fused MoE)."""
+def moe_decode(h: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: KernelSpec,
+               expert_offset: int = 0) -> torch.Tensor:
+    """The eager form's MoE: h [Bt, H] -> [Bt, H]. Only the experts the batch selected are decoded, each once
+    for all of its tokens (`ops.moe_routed`). With expert parallelism the stacks hold the experts from global
+    id `expert_offset` on and the result is this rank's partial sum (pairs routed elsewhere cost nothing)."""
     idx, gate_w = route(h, W["router_w"][i], W["router_b"][i], spec.top_k)  # [Bt, k]
-    out = torch.zeros_like(h)
-    bt = h.shape[0]
-    for j in range(spec.top_k):
-        for c0 in range(0, bt, spec.moe_chunk):
-            c1 = min(bt, c0 + spec.moe_chunk)
-            y = expert_mlp(h[c0:c1], idx[c0:c1, j], W, i, spec)
-            out[c0:c1] += y * gate_w[c0:c1, j].unsqueeze(-1)
-    return out
-
-
-def moe_decode_ep(h: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: KernelSpec,
-                  expert_offset: int) -> torch.Tensor:
-    """Expert-parallel MoE: this rank's partial sum over the (token, slot) pairs routed to the experts it
-    holds (global ids [expert_offset, expert_offset + n_local)); pairs routed elsewhere cost nothing.
-    h [Bt, H] -> [Bt, H]. Eager only (data-dependent pair count)."""
-    idx, gate_w = route(h, W["router_w"][i], W["router_b"][i], spec.top_k)  # [Bt, k]
-    n_local = W["gate_up_bias"].shape[1]
-    e = idx - expert_offset
-    tok, slot = ((e >= 0) & (e < n_local)).nonzero(as_tuple=True)          # [P] each, token-major
-    out = torch.zeros_like(h)
-    for c0 in range(0, tok.numel(), spec.moe_chunk):
-        tc, sc = tok[c0: c0 + spec.moe_chunk], slot[c0: c0 + spec.moe_chunk]
-        y = expert_mlp(h[tc], e[tc, sc], W, i, spec)
-        out.index_add_(0, tc, y * gate_w[tc, sc].unsqueeze(-1))
-    return out
+    return moe_routed(h, idx, gate_w, lambda le: dense_expert(W, i, le, spec, h.dtype), W["gate_up_bias"][i],
+                      W["down_bias"][i], spec.alpha, spec.limit, expert_offset)
 
 
 def mxfp4_matvec(blocks: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -239,7 +212,7 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
         if parallel is None:
             x = x + (moe_decode_fused(h, W, i, spec) if spec.fused_moe else moe_decode(h, W, i, spec))
         else:
-            x = x + parallel.ep_moe(h, lambda t, i=i: moe_decode_ep(t, W, i, spec, parallel.expert_offset))
+            x = x + parallel.ep_moe(h, lambda t, i=i: moe_decode(t, W, i, spec, parallel.expert_offset))
     x = rms_norm(x, W["norm"], spec.eps)
     if return_hidden:
         return x
