@@ -1,8 +1,8 @@
 """Parallel decode benchmark: step time, collectives and bytes exchanged per decode step, by layout.
 
-Runs greedy generation through the parallel engine (GK program, eager; every prompt added at once, so after
-the first step every step is a pure decode step) on each TP × DP × EP layout as a local gloo world (one
-torch thread per rank, loopback) and reports, per layout: the median decode-step wall time (slowest rank)
+Runs greedy generation through the parallel engine (GK program, eager or --decoder gk-compiled; every prompt
+added at once, so after the first step every step is a pure decode step) on each TP × DP × EP layout as a
+local gloo world (one torch thread per rank, loopback) and reports, per layout: the median decode-step wall time (slowest rank)
 and its ratio to the first layout's (the single-rank baseline by default, measured in the same run),
 aggregate tok/s, collectives per step per mesh (and per layer), the bytes one rank sends per step per mesh
 (ring model: all_reduce 2(p-1)/p·S, all_gather (p-1)·S, reduce_scatter (p-1)/p·S) and the weight bytes
@@ -72,6 +72,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--kv-dtype", default="fp8", choices=["auto", "bf16", "fp8"])
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--decoder", default="gk", choices=["gk", "gk-compiled", "reference"],
+                    help="gk-compiled: each layer's attention and MoE as compiled graphs between the collectives "
+                         "(the first run of a layout compiles; Inductor caches it on disk)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -82,7 +85,8 @@ def main() -> int:
     cfg = GptOssConfig.from_hf(model_dir)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
-    kw = dict(max_tokens=args.max_tokens, ignore_eos=True, kv_dtype=args.kv_dtype, block_size=args.block_size)
+    kw = dict(max_tokens=args.max_tokens, ignore_eos=True, kv_dtype=args.kv_dtype, block_size=args.block_size,
+              decoder=args.decoder)
     rows = []
     for spec in args.layouts:
         layout = tuple(int(x) for x in spec.split(","))

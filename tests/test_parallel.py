@@ -22,10 +22,8 @@ import pytest
 import torch
 
 from gigadecode.checkpoint import make_checkpoint, preset_config
-from gigadecode.config import EngineConfig, GptOssConfig
-from gigadecode.gk.model import GptOssGKDecodeModel
-from gigadecode.kv.cache import KVCache
-from gigadecode.parallel.context import CollectiveStats, ParallelContext
+from gigadecode.config import GptOssConfig
+from gigadecode.parallel.context import CollectiveStats
 from gigadecode.parallel.launch import run_parallel_generate
 from gigadecode.parallel.mesh import LayoutError, build_layout
 from gigadecode.parallel.spawn import argmax_job, generate_job, run_world
@@ -213,13 +211,6 @@ def test_single_rank_loading_unchanged(full_weights, tiny_cfg):
     assert full_weights.nbytes() == _expected_rank_bytes(tiny_cfg, full_weights, 1, 1)
 
 
-def test_compiled_gk_with_parallel_is_refused(tiny_cfg, full_weights):
-    kv = KVCache(tiny_cfg, EngineConfig(kv_dtype="fp8", block_size=4), 8)
-    ctx = ParallelContext(build_layout(1, 1, 1), 0, None, None, tiny_cfg.num_local_experts, tiny_cfg.vocab_size)
-    with pytest.raises(NotImplementedError, match="compiled"):
-        GptOssGKDecodeModel(tiny_cfg, full_weights, kv.config, 4, compiled=True, parallel=ctx)
-
-
 def test_collective_stats_ring_bytes():
     s = CollectiveStats()
     s.record("tp", "all_reduce", 4, 1000)
@@ -279,6 +270,17 @@ def test_parallel_generate_equals_single_rank(tiny_ckpt, tiny_cfg, full_weights,
 @pytest.mark.parametrize("layout", SLOW_LAYOUTS)
 def test_parallel_generate_more_layouts(tiny_ckpt, tiny_cfg, prompts, single_rank, layout):
     outs = _check_world(tiny_ckpt, prompts, single_rank, layout)
+    _check_collectives(outs, layout, tiny_cfg.num_hidden_layers)
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param((1, 2, 2), id="tp1-dp2-ep2"),                        # the EP group gathers both DP groups
+    pytest.param((2, 1, 2), id="tp2-dp1-ep2", marks=pytest.mark.slow),
+])
+def test_parallel_compiled_gk_equals_single_rank(tiny_ckpt, tiny_cfg, prompts, single_rank, layout):
+    """--decoder gk-compiled on a world: each layer's attention and (EP-masked, fused MXFP4) MoE run as
+    compiled graphs between the eager collectives; same tokens and the same collectives per step."""
+    outs = _check_world(tiny_ckpt, prompts, single_rank, layout, decoder="gk-compiled")
     _check_collectives(outs, layout, tiny_cfg.num_hidden_layers)
 
 

@@ -44,6 +44,7 @@ class KernelSpec:
     k_scale: float = 1.0
     v_scale: float = 1.0
     mxfp4: bool = True
+    packed_k: bool = False              # K buffers use the packed view (a buffer passed whole is split by it)
     fused_moe: bool = False             # compiled form: decode-and-dot as one reduction (Inductor fuses it)
 
     @property
@@ -68,31 +69,74 @@ def _load(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     return x.to(dtype)
 
 
-def write_token_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   spec: KernelSpec) -> None:
-    """Write one token per batch slot. slot [Bt]; k, v [Bt, kv, d]."""
-    B = spec.block_size
-    blk, off = slot // B, slot % B
-    kq, vq = _store(k, k_buf.dtype, spec.k_scale), _store(v, v_buf.dtype, spec.v_scale)
-    if k_buf.dim() == v_buf.dim() + 1:                 # packed K: token 2p+s at [.., p, j, s]
+@torch.library.custom_op("gigadecode::write_gather_kv", mutates_args=("k_buf", "v_buf"))
+def write_gather_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
+                    kq: torch.Tensor, vq: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one token per batch slot — k_buf[blk, :, off], v_buf[blk, :, off] = kq, vq (already in storage
+    form; packed K: token 2p+s at [.., p, j, s]) — then gather the blocks of `table` [Bt, n] -> raw K
+    [Bt, n, kv, B/2, d, 2] (or [Bt, n, kv, B, d]) and V [Bt, n, kv, B, d].
+
+    One op of its own, write and read together, so a compiled program updates the KV in place: an indexed
+    store into a graph input is otherwise functionalized into a copy of the whole buffer, and the two layers
+    sharing a buffer (write, read, write, read) defeat Inductor's re-inplacing — a step would cost
+    O(KV pool size) instead of O(its tokens)."""
+    if k_buf.dim() == v_buf.dim() + 1:
         _u8(k_buf)[blk, :, off // 2, :, off % 2] = kq
     else:
         _u8(k_buf)[blk, :, off, :] = kq
     _u8(v_buf)[blk, :, off, :] = vq
+    return k_buf[table], v_buf[table]
 
 
-def read_table_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor, dtype: torch.dtype,
-                  spec: KernelSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """table [Bt, n] -> k, v [Bt, kv, n*B, d] (token-major, frame position = column)."""
-    bt, n = table.shape
-    kb = k_buf[table]                                  # [Bt, n, kv, B/2, d, 2] or [Bt, n, kv, B, d]
-    vb = v_buf[table]                                  # [Bt, n, kv, B, d]
+@write_gather_kv.register_fake
+def _write_gather_kv_fake(k_buf, v_buf, blk, off, kq, vq, table):
+    return (k_buf.new_empty((*table.shape, *k_buf.shape[1:])), v_buf.new_empty((*table.shape, *v_buf.shape[1:])))
+
+
+def split_kv_buffer(buf: torch.Tensor, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One HMA buffer's allocation [2, nb, kv, B, d] -> (K: packed [nb, kv, B/2, d, 2] or [nb, kv, B, d], V)."""
+    k = buf[0]
+    if packed:
+        nb, kvh, B, d = k.shape
+        k = k.view(nb, kvh, B // 2, d, 2)
+    return k, buf[1]
+
+
+@torch.library.custom_op("gigadecode::write_gather_kv_buffer", mutates_args=("buf",))
+def write_gather_kv_buffer(buf: torch.Tensor, packed: bool, blk: torch.Tensor, off: torch.Tensor, kq: torch.Tensor,
+                           vq: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`write_gather_kv` on a buffer's whole allocation [2, nb, kv, B, d] (K and V are views of one tensor:
+    given as two graph inputs they alias, which makes a compiled program copy them)."""
+    return write_gather_kv(*split_kv_buffer(buf, packed), blk, off, kq, vq, table)
+
+
+@write_gather_kv_buffer.register_fake
+def _write_gather_kv_buffer_fake(buf, packed, blk, off, kq, vq, table):
+    k, v = split_kv_buffer(buf, packed)
+    return k.new_empty((*table.shape, *k.shape[1:])), v.new_empty((*table.shape, *v.shape[1:]))
+
+
+def write_read_kv(kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor], slot: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, table: torch.Tensor, dtype: torch.dtype, spec: KernelSpec
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the step's token per batch slot (slot [Bt]; k, v [Bt, kv, d]) into the layer's KV — its buffer's
+    allocation [2, nb, kv, B, d], or a (K, V) pair — then read the layer's table [Bt, n] -> k, v
+    [Bt, kv, n*B, d] of `dtype` (token-major, frame position = column)."""
+    B = spec.block_size
+    if isinstance(kv, torch.Tensor):
+        sd = kv.dtype
+        kq, vq = _store(k, sd, spec.k_scale), _store(v, sd, spec.v_scale)
+        kb, vb = write_gather_kv_buffer(kv, spec.packed_k, slot // B, slot % B, kq, vq, table)
+    else:
+        kq, vq = _store(k, kv[0].dtype, spec.k_scale), _store(v, kv[1].dtype, spec.v_scale)
+        kb, vb = write_gather_kv(kv[0], kv[1], slot // B, slot % B, kq, vq, table)
+    bt, n = table.shape                                # kb [Bt, n, kv, B/2, d, 2] or [Bt, n, kv, B, d]
     if kb.dim() == vb.dim() + 1:
         kb = kb.transpose(-1, -2)                      # [Bt, n, kv, B/2, 2, d]
-    k = _load(kb, dtype, spec.k_scale).reshape(bt, n, spec.num_kv_heads, spec.block_size, spec.head_dim)
+    k = _load(kb, dtype, spec.k_scale).reshape(bt, n, spec.num_kv_heads, B, spec.head_dim)
     v = _load(vb, dtype, spec.v_scale)
-    k = k.permute(0, 2, 1, 3, 4).reshape(bt, spec.num_kv_heads, n * spec.block_size, spec.head_dim)
-    v = v.permute(0, 2, 1, 3, 4).reshape(bt, spec.num_kv_heads, n * spec.block_size, spec.head_dim)
+    k = k.permute(0, 2, 1, 3, 4).reshape(bt, spec.num_kv_heads, n * B, spec.head_dim)
+    v = v.permute(0, 2, 1, 3, 4).reshape(bt, spec.num_kv_heads, n * B, spec.head_dim)
     return k, v
 
 
@@ -117,24 +161,35 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
     return out.reshape(bt, nh * d)
 
 
-def dense_expert(W: dict[str, torch.Tensor], i: int, le: int, spec: KernelSpec, dtype: torch.dtype
+ATTN_KEYS = ("input_norm", "qkv_w", "qkv_b", "sinks")
+MOE_KEYS = ("router_w", "router_b", "gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales", "gate_up",
+            "down", "gate_up_bias", "down_bias")
+
+
+def layer_weights(W: dict[str, torch.Tensor], i: int, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Layer i's slices (views) of the stacked weights named `keys` (those the stacks have)."""
+    return {k: W[k][i] for k in keys if k in W}
+
+
+def dense_expert(Wl: dict[str, torch.Tensor], le: int, spec: KernelSpec, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert `le` (local id) of layer i as dense w1 [2I, H], w2 [H, I] (out-features first): MXFP4 decoded
+    """Expert `le` (local id) of a layer as dense w1 [2I, H], w2 [H, I] (out-features first): MXFP4 decoded
     into a transient, bf16 / fp32 experts as views."""
     if spec.mxfp4:
-        return (decode_mxfp4(W["gate_up_blocks"][i][le], W["gate_up_scales"][i][le], dtype),
-                decode_mxfp4(W["down_blocks"][i][le], W["down_scales"][i][le], dtype))
-    return W["gate_up"][i][le].transpose(-1, -2), W["down"][i][le].transpose(-1, -2)
+        return (decode_mxfp4(Wl["gate_up_blocks"][le], Wl["gate_up_scales"][le], dtype),
+                decode_mxfp4(Wl["down_blocks"][le], Wl["down_scales"][le], dtype))
+    return Wl["gate_up"][le].transpose(-1, -2), Wl["down"][le].transpose(-1, -2)
 
 
-def moe_decode(h: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: KernelSpec,
-               expert_offset: int = 0) -> torch.Tensor:
-    """The eager form's MoE: h [Bt, H] -> [Bt, H]. Only the experts the batch selected are decoded, each once
-    for all of its tokens (`ops.moe_routed`). With expert parallelism the stacks hold the experts from global
-    id `expert_offset` on and the result is this rank's partial sum (pairs routed elsewhere cost nothing)."""
-    idx, gate_w = route(h, W["router_w"][i], W["router_b"][i], spec.top_k)  # [Bt, k]
-    return moe_routed(h, idx, gate_w, lambda le: dense_expert(W, i, le, spec, h.dtype), W["gate_up_bias"][i],
-                      W["down_bias"][i], spec.alpha, spec.limit, expert_offset)
+def moe_decode(h: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec, expert_offset: int = 0
+               ) -> torch.Tensor:
+    """The eager form's MoE of one layer (`Wl`: its `MOE_KEYS` slices): h [Bt, H] -> [Bt, H]. Only the experts
+    the batch selected are decoded, each once for all of its tokens (`ops.moe_routed`). With expert
+    parallelism the stacks hold the experts from global id `expert_offset` on and the result is this rank's
+    partial sum (pairs routed elsewhere cost nothing)."""
+    idx, gate_w = route(h, Wl["router_w"], Wl["router_b"], spec.top_k)  # [Bt, k]
+    return moe_routed(h, idx, gate_w, lambda le: dense_expert(Wl, le, spec, h.dtype), Wl["gate_up_bias"],
+                      Wl["down_bias"], spec.alpha, spec.limit, expert_offset)
 
 
 def mxfp4_matvec(blocks: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -148,23 +203,56 @@ def mxfp4_matvec(blocks: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) ->
     return (part * scale[scales.long()].squeeze(-1)).sum(-1)
 
 
-def moe_decode_fused(h: torch.Tensor, W: dict[str, torch.Tensor], i: int, spec: KernelSpec) -> torch.Tensor:
-    """The compiled form's MoE: every (token, slot) pair at once, experts never dequantized to memory."""
-    idx, gate_w = route(h, W["router_w"][i], W["router_b"][i], spec.top_k)  # [Bt, k]
+def moe_decode_fused(h: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec, expert_offset: int = 0
+                     ) -> torch.Tensor:
+    """The compiled form's MoE of one layer: every (token, slot) pair at once, experts never dequantized to
+    memory. With expert parallelism (`expert_offset`, fewer local experts than the router's), pairs routed
+    to other ranks' experts run on a clamped local id with gate 0 (a fixed shape for the compiler)."""
+    idx, gate_w = route(h, Wl["router_w"], Wl["router_b"], spec.top_k)  # [Bt, k]
     bt, k = idx.shape
     e = idx.reshape(-1)                                                   # [Bt k]
+    gate = gate_w.reshape(-1, 1)
+    n_local = Wl["gate_up_bias"].shape[0]
+    if n_local != Wl["router_w"].shape[0]:                                # EP: this rank's experts only
+        e = e - expert_offset
+        gate = gate * ((e >= 0) & (e < n_local)).unsqueeze(-1).to(gate.dtype)
+        e = e.clamp(0, n_local - 1)
     hk = h.repeat_interleave(k, dim=0)                                    # [Bt k, H]
     if spec.mxfp4:
-        g = mxfp4_matvec(W["gate_up_blocks"][i][e], W["gate_up_scales"][i][e], hk)
+        g = mxfp4_matvec(Wl["gate_up_blocks"][e], Wl["gate_up_scales"][e], hk)
     else:
-        g = torch.bmm(hk.unsqueeze(1), W["gate_up"][i][e]).squeeze(1)
-    a = swiglu(g + W["gate_up_bias"][i][e], spec.alpha, spec.limit)      # [Bt k, I]
+        g = torch.bmm(hk.unsqueeze(1), Wl["gate_up"][e]).squeeze(1)
+    a = swiglu(g + Wl["gate_up_bias"][e], spec.alpha, spec.limit)        # [Bt k, I]
     if spec.mxfp4:
-        y = mxfp4_matvec(W["down_blocks"][i][e], W["down_scales"][i][e], a)
+        y = mxfp4_matvec(Wl["down_blocks"][e], Wl["down_scales"][e], a)
     else:
-        y = torch.bmm(a.unsqueeze(1), W["down"][i][e]).squeeze(1)
-    y = (y + W["down_bias"][i][e]) * gate_w.reshape(-1, 1)
+        y = torch.bmm(a.unsqueeze(1), Wl["down"][e]).squeeze(1)
+    y = (y + Wl["down_bias"][e]) * gate
     return y.view(bt, k, -1).sum(1)
+
+
+def attention_block(x: torch.Tensor, Wl: dict[str, torch.Tensor], kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                    cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor, slot: torch.Tensor,
+                    fpos: torch.Tensor, active: torch.Tensor, *, window: int | None, spec: KernelSpec
+                    ) -> torch.Tensor:
+    """One layer's attention up to the o-proj (`Wl`: its `ATTN_KEYS` slices): x [Bt, H] -> [Bt, nh*d].
+    Writes the step's K/V into the layer's KV (`write_read_kv`) and reads its table."""
+    nh, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    h = rms_norm(x, Wl["input_norm"], spec.eps)
+    qkv = F.linear(h, Wl["qkv_w"], Wl["qkv_b"])                          # [Bt, (nh + 2 kv) d]
+    q = apply_rope(qkv[:, : nh * d].reshape(-1, nh, d), cos, sin)
+    k = apply_rope(qkv[:, nh * d: (nh + kvh) * d].reshape(-1, kvh, d), cos, sin)
+    v = qkv[:, (nh + kvh) * d:].reshape(-1, kvh, d)
+    keys, vals = write_read_kv(kv, slot, k, v, table, x.dtype, spec)
+    return decode_attention(q, keys, vals, fpos, active, Wl["sinks"], window, spec)
+
+
+@dataclass(frozen=True)
+class LayerBlocks:
+    """The per-layer pieces a parallel step runs between its collectives (eager functions, or their
+    compiled forms: one graph per piece, reused by every layer since weights come in as per-layer views)."""
+    attention: object = attention_block
+    moe: object = moe_decode
 
 
 def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tensor],
@@ -174,45 +262,46 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
                                pos_swa: torch.Tensor, kv_cache_update_idx: torch.Tensor,
                                kv_cache_update_idx_swa: torch.Tensor, *, spec: KernelSpec,
                                K_cache: torch.Tensor | None = None, V_cache: torch.Tensor | None = None,
-                               return_hidden: bool = False, parallel=None) -> torch.Tensor:
+                               return_hidden: bool = False, parallel=None,
+                               blocks: LayerBlocks | None = None,
+                               kv_bufs: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """One decode step over all layers. input_ids [Bt] -> logits [Bt, V] (or the final hidden [Bt, H]).
 
     `parallel` (a `gigadecode.parallel.ParallelContext`; None = one rank, no collectives): W is this rank's
     shard. Per layer: local heads, o-proj all-reduced over the TP group (bias added once), MoE on the local
     experts summed over the EP group (gathering the EP group's DP tokens first when it spans several: every
     DP group must pass the same batch bucket Bt). Returns this rank's vocabulary columns
-    [Bt, vocab_stop - vocab_start] (reduce with `parallel.greedy`). Eager only (no compiled form yet)."""
-    assert (k_bufs is None) != (K_cache is None), "pass exactly one KV form: per-buffer K/V or stacked K_cache/V_cache"
-    nh, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    [Bt, vocab_stop - vocab_start] (reduce with `parallel.greedy`). `blocks`: the per-layer pieces to run
+    between the collectives (default: eager; the compiled parallel program passes compiled ones)."""
+    assert (k_bufs is not None) + (K_cache is not None) + (kv_bufs is not None) == 1, \
+        "pass exactly one KV form: per-buffer K/V, per-buffer allocations (kv_bufs) or stacked K_cache/V_cache"
+    blocks = blocks or LayerBlocks(moe=moe_decode_fused if spec.fused_moe else moe_decode)
     x = W["embed"][input_ids]                                              # [Bt, H]
     for i in range(spec.num_layers):
         buf = spec.layer_buffer[i]
-        kb = k_bufs[buf] if k_bufs is not None else K_cache[buf]
-        vb = v_bufs[buf] if v_bufs is not None else V_cache[buf]
+        if kv_bufs is not None:
+            kv = kv_bufs[buf]                                              # [2, nb, kv, B, d]
+        else:
+            kv = (k_bufs[buf], v_bufs[buf]) if k_bufs is not None else (K_cache[buf], V_cache[buf])
         g = spec.layer_kind_group[i]
         if spec.layer_sliding[i]:
             table, slot, fpos, window = swa_table[g], kv_cache_update_idx_swa[g], pos_swa, spec.window
         else:
             table, slot, fpos, window = full_table[g], kv_cache_update_idx[g], pos, None
 
-        h = rms_norm(x, W["input_norm"][i], spec.eps)
-        qkv = F.linear(h, W["qkv_w"][i], W["qkv_b"][i])                    # [Bt, (nh + 2 kv) d]
-        q = apply_rope(qkv[:, : nh * d].reshape(-1, nh, d), cos, sin)
-        k = apply_rope(qkv[:, nh * d: (nh + kvh) * d].reshape(-1, kvh, d), cos, sin)
-        v = qkv[:, (nh + kvh) * d:].reshape(-1, kvh, d)
-        write_token_kv(kb, vb, slot, k, v, spec)
-        keys, vals = read_table_kv(kb, vb, table, x.dtype, spec)
-        a = decode_attention(q, keys, vals, fpos, active, W["sinks"][i], window, spec)
+        a = blocks.attention(x, layer_weights(W, i, ATTN_KEYS), kv, cos, sin, table, slot, fpos, active,
+                             window=window, spec=spec)
         if parallel is None:
             x = x + F.linear(a, W["o_w"][i], W["o_b"][i])
         else:
             x = x + parallel.row_parallel_linear(a, W["o_w"][i], W["o_b"][i])
 
         h = rms_norm(x, W["post_norm"][i], spec.eps)
+        Wl = layer_weights(W, i, MOE_KEYS)
         if parallel is None:
-            x = x + (moe_decode_fused(h, W, i, spec) if spec.fused_moe else moe_decode(h, W, i, spec))
+            x = x + blocks.moe(h, Wl, spec)
         else:
-            x = x + parallel.ep_moe(h, lambda t, i=i: moe_decode(t, W, i, spec, parallel.expert_offset))
+            x = x + parallel.ep_moe(h, lambda t, Wl=Wl: blocks.moe(t, Wl, spec, parallel.expert_offset))
     x = rms_norm(x, W["norm"], spec.eps)
     if return_hidden:
         return x

@@ -26,7 +26,7 @@ from ..kv.spec import KVCacheConfig, KVSpec, get_kv_spec
 from ..mxfp4 import _luts
 from ..weights import ModelWeights
 from .attn_control import AttentionControl
-from .mega_decode import KernelSpec, gpt_oss_decode_mega_kernel
+from .mega_decode import KernelSpec, LayerBlocks, attention_block, gpt_oss_decode_mega_kernel, moe_decode_fused
 
 CACHE_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode"))
 
@@ -57,9 +57,6 @@ class GptOssGKDecodeModel(torch.nn.Module):
     def __init__(self, cfg: GptOssConfig, weights: ModelWeights, kv_config: KVCacheConfig, block_size: int,
                  k_scale: float = 1.0, v_scale: float = 1.0, compiled: bool = False, parallel=None) -> None:
         super().__init__()
-        if compiled and parallel is not None:
-            raise NotImplementedError("the compiled GK program has no collectives yet: use the eager GK "
-                                      "decoder (--decoder gk) with --tp/--dp/--ep")
         self.parallel = parallel      # gigadecode.parallel.ParallelContext (None = one rank)
         self.cfg, self.weights, self.kv_config = cfg, weights, kv_config
         self.block_size = block_size
@@ -67,6 +64,7 @@ class GptOssGKDecodeModel(torch.nn.Module):
         self.group_size = kv_config.group_size
         self.compiled = compiled
         self._stacked = False
+        self._kv_allocs: tuple[torch.Tensor, ...] | None = None
         self._programs: dict[tuple, object] = {}
         _luts(weights.embed.dtype)   # fill the MXFP4 tables now: filling them while tracing forces a recompile
 
@@ -97,6 +95,12 @@ class GptOssGKDecodeModel(torch.nn.Module):
             self.register_buffer(f"K_cache_buf_{i}", k, persistent=False)
             self.register_buffer(f"V_cache_buf_{i}", v, persistent=False)
         self._stacked = False
+        self.spec = dataclasses.replace(self.spec, packed_k=k_bufs[0].dim() == v_bufs[0].dim() + 1)
+        # K and V of a buffer are usually views of its one allocation [2, nb, kv, B, d]: the program then
+        # takes the allocation (two aliasing inputs would make a compiled program copy the whole cache)
+        allocs = [_allocation(k, v) for k, v in zip(k_bufs, v_bufs)]
+        self._kv_allocs = tuple(allocs) if all(a is not None for a in allocs) else None
+        self._programs.clear()
 
     def use_stacked_kv_cache(self, K_cache: torch.Tensor, V_cache: torch.Tensor) -> None:
         """Legacy form: one stacked K `[group_size, nb, …]` and one stacked V."""
@@ -110,17 +114,25 @@ class GptOssGKDecodeModel(torch.nn.Module):
 
     # -- the program -------------------------------------------------------------------------------
     def program(self, ctl: AttentionControl):
-        if self.parallel is not None:
-            return functools.partial(gpt_oss_decode_mega_kernel, spec=self.spec, parallel=self.parallel)
+        """The step's program. One rank, compiled: the whole kernel as one graph per (batch bucket, table
+        width). Parallel, compiled: the kernel loop runs eagerly around its collectives and each layer's
+        attention and MoE run as compiled graphs (one of each per bucket and table width, shared by every
+        layer: the weights come in as per-layer views)."""
         if not self.compiled:
-            return functools.partial(gpt_oss_decode_mega_kernel, spec=self.spec)
+            return functools.partial(gpt_oss_decode_mega_kernel, spec=self.spec, parallel=self.parallel)
         key = (ctl.active.shape[0], ctl.full_table.shape[-1], self._stacked)
         prog = self._programs.get(key)
         if prog is None:
             enable_inductor_disk_cache()
             spec = dataclasses.replace(self.spec, fused_moe=True)
-            prog = torch.compile(functools.partial(gpt_oss_decode_mega_kernel, spec=spec),
-                                 fullgraph=True, dynamic=False)
+            if self.parallel is None:
+                prog = torch.compile(functools.partial(gpt_oss_decode_mega_kernel, spec=spec),
+                                     fullgraph=True, dynamic=False)
+            else:
+                blocks = LayerBlocks(attention=torch.compile(attention_block, fullgraph=True, dynamic=False),
+                                     moe=torch.compile(moe_decode_fused, fullgraph=True, dynamic=False))
+                prog = functools.partial(gpt_oss_decode_mega_kernel, spec=spec, parallel=self.parallel,
+                                         blocks=blocks)
             self._programs[key] = prog
         return prog
 
@@ -132,8 +144,20 @@ class GptOssGKDecodeModel(torch.nn.Module):
         if self._stacked:
             return prog(input_ids, self.weights.tensors, None, None, *ctl.tensors(),
                         K_cache=self.K_cache, V_cache=self.V_cache)
+        if self._kv_allocs is not None:
+            return prog(input_ids, self.weights.tensors, None, None, *ctl.tensors(), kv_bufs=self._kv_allocs)
         ks, vs = self.kv_buffers()
         return prog(input_ids, self.weights.tensors, ks, vs, *ctl.tensors())
+
+
+def _allocation(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """The [2, nb, kv, B, d] tensor whose [0] holds K (maybe through the packed view) and [1] is V, or None."""
+    base = v._base
+    if base is None or k._base is not base or base.dim() != 5 or base.shape[0] != 2 or base.dtype != v.dtype \
+            or base[1].shape != v.shape or base[1].data_ptr() != v.data_ptr() or base[0].data_ptr() != k.data_ptr() \
+            or k.numel() != base[0].numel() or not base.is_contiguous():
+        return None
+    return base
 
 
 def enable_inductor_disk_cache() -> None:

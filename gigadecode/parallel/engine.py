@@ -85,9 +85,6 @@ def build_parallel_engine(model_dir: str | Path, ecfg: EngineConfig, progress: b
     A prefill or decode role (`ecfg.kv_role`) gets a NIXL connector per rank over its kv heads, joined
     with its TP group's (`TPGroupConnector`); a producer rank serves its handshake on `host:side_port +
     rank` (side_port 0: any free port), which its answers advertise."""
-    if ecfg.decoder == "gk-compiled":
-        raise ValueError("the compiled GK program runs on one rank only; a parallel engine uses --decoder gk "
-                         "(or reference)")
     _, world = init_distributed()
     if world != ecfg.tp * ecfg.dp:
         raise LayoutError(f"--tp {ecfg.tp} × --dp {ecfg.dp} = {ecfg.tp * ecfg.dp} ranks, but the world has {world}")
