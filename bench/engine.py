@@ -15,12 +15,11 @@ every batch bucket and KV table width the timed runs use (the compilation; Induc
 a second run of the bench compiles much faster), for eager gk two batch-1 calls, and a short transformers
 `generate`.
 
-Defaults (concurrency 1 8, 16 output tokens, 1 thread) keep the run near 10 minutes on this 2-core shared
-machine: the eager GK program decodes the experts of every token separately (MoE cost grows linearly with
-the batch: ~1.5 s per step at batch 1, ~20 s at 8, ~85 s at 32 here), and 1 thread is much faster than 2
-when other jobs share the cores (OpenMP spinning). The case of 32 concurrent requests x 32 tokens:
-    .venv/bin/python bench/engine.py --concurrency 1 8 32 --output-len 32 --decoders gk-compiled   (~15 min)
-(add `gk` to --decoders for the eager program too: ~45 min more at 32).
+Defaults (concurrency 1 8, 16 output tokens, 1 thread) keep the run near 5 minutes on this 2-core shared
+machine (the eager GK program decodes each expert the batch selected once per step: ~1 s per step at batch
+1, ~3.5 s at 8, ~6 s at 32 on the small preset), and 1 thread is much faster than 2 when other jobs share
+the cores (OpenMP spinning). The case of 32 concurrent requests, both decoders:
+    .venv/bin/python bench/engine.py --concurrency 1 8 32 --decoders gk gk-compiled   (~15 min)
 
 Greedy check: our batch-1 tokens vs transformers' batch-1 tokens for the same prompt; both fp32, so they
 must be equal (ours runs with --dtype float32 --kv-dtype auto for it; if the timed runs use other
