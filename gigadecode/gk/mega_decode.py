@@ -203,11 +203,27 @@ def mxfp4_matvec(blocks: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) ->
     return (part * scale[scales.long()].squeeze(-1)).sum(-1)
 
 
+def expert_pairs_fused(hp: torch.Tensor, e: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec
+                       ) -> torch.Tensor:
+    """Each row through its own expert: hp [M, H], e [M] local expert ids -> [M, H] (down bias included, no
+    gate), the MXFP4 decode fused into the dot products (experts never dequantized to memory)."""
+    if spec.mxfp4:
+        g = mxfp4_matvec(Wl["gate_up_blocks"][e], Wl["gate_up_scales"][e], hp)
+    else:
+        g = torch.bmm(hp.unsqueeze(1), Wl["gate_up"][e]).squeeze(1)
+    a = swiglu(g + Wl["gate_up_bias"][e], spec.alpha, spec.limit)        # [M, I]
+    if spec.mxfp4:
+        y = mxfp4_matvec(Wl["down_blocks"][e], Wl["down_scales"][e], a)
+    else:
+        y = torch.bmm(a.unsqueeze(1), Wl["down"][e]).squeeze(1)
+    return y + Wl["down_bias"][e]
+
+
 def moe_decode_fused(h: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec, expert_offset: int = 0
                      ) -> torch.Tensor:
-    """The compiled form's MoE of one layer: every (token, slot) pair at once, experts never dequantized to
-    memory. With expert parallelism (`expert_offset`, fewer local experts than the router's), pairs routed
-    to other ranks' experts run on a clamped local id with gate 0 (a fixed shape for the compiler)."""
+    """The compiled form's MoE of one layer: every (token, slot) pair at once through `expert_pairs_fused`
+    (a fixed shape). With expert parallelism (`expert_offset`, fewer local experts than the router's), pairs
+    routed to other ranks' experts run on a clamped local id with gate 0."""
     idx, gate_w = route(h, Wl["router_w"], Wl["router_b"], spec.top_k)  # [Bt, k]
     bt, k = idx.shape
     e = idx.reshape(-1)                                                   # [Bt k]
@@ -217,18 +233,33 @@ def moe_decode_fused(h: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelS
         e = e - expert_offset
         gate = gate * ((e >= 0) & (e < n_local)).unsqueeze(-1).to(gate.dtype)
         e = e.clamp(0, n_local - 1)
-    hk = h.repeat_interleave(k, dim=0)                                    # [Bt k, H]
-    if spec.mxfp4:
-        g = mxfp4_matvec(Wl["gate_up_blocks"][e], Wl["gate_up_scales"][e], hk)
-    else:
-        g = torch.bmm(hk.unsqueeze(1), Wl["gate_up"][e]).squeeze(1)
-    a = swiglu(g + Wl["gate_up_bias"][e], spec.alpha, spec.limit)        # [Bt k, I]
-    if spec.mxfp4:
-        y = mxfp4_matvec(Wl["down_blocks"][e], Wl["down_scales"][e], a)
-    else:
-        y = torch.bmm(a.unsqueeze(1), Wl["down"][e]).squeeze(1)
-    y = (y + Wl["down_bias"][e]) * gate
+    y = expert_pairs_fused(h.repeat_interleave(k, dim=0), e, Wl, spec) * gate
     return y.view(bt, k, -1).sum(1)
+
+
+class LocalPairsMoE:
+    """A parallel rank's compiled MoE: route eagerly, keep only the (token, slot) pairs routed to this rank's
+    experts and run them through `expert_pairs_fused`, compiled once with the pair count symbolic. Unlike
+    `moe_decode_fused` under EP, other ranks' pairs cost nothing."""
+
+    def __init__(self) -> None:
+        self._fn = torch.compile(expert_pairs_fused, fullgraph=True, dynamic=False)
+
+    def __call__(self, h: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec, expert_offset: int = 0
+                 ) -> torch.Tensor:
+        idx, gate_w = route(h, Wl["router_w"], Wl["router_b"], spec.top_k)  # [Bt, k]
+        n_local = Wl["gate_up_bias"].shape[0]
+        e = idx - expert_offset
+        tok, slot = ((e >= 0) & (e < n_local)).nonzero(as_tuple=True)     # [n] each
+        out = torch.zeros_like(h)
+        if tok.numel() == 0:
+            return out
+        hp, ep = h[tok], e[tok, slot]
+        torch._dynamo.maybe_mark_dynamic(hp, 0)
+        torch._dynamo.maybe_mark_dynamic(ep, 0)
+        y = self._fn(hp, ep, Wl, spec)                                      # [n, H]
+        out.index_add_(0, tok, y * gate_w[tok, slot].unsqueeze(-1))
+        return out
 
 
 def attention_block(x: torch.Tensor, Wl: dict[str, torch.Tensor], kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor],

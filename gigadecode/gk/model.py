@@ -26,7 +26,7 @@ from ..kv.spec import KVCacheConfig, KVSpec, get_kv_spec
 from ..mxfp4 import _luts
 from ..weights import ModelWeights
 from .attn_control import AttentionControl
-from .mega_decode import KernelSpec, LayerBlocks, attention_block, gpt_oss_decode_mega_kernel, moe_decode_fused
+from .mega_decode import KernelSpec, LayerBlocks, LocalPairsMoE, attention_block, gpt_oss_decode_mega_kernel
 
 CACHE_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode"))
 
@@ -65,6 +65,7 @@ class GptOssGKDecodeModel(torch.nn.Module):
         self.compiled = compiled
         self._stacked = False
         self._kv_allocs: tuple[torch.Tensor, ...] | None = None
+        self._local_moe = LocalPairsMoE()          # parallel + compiled: shared by every program
         self._programs: dict[tuple, object] = {}
         _luts(weights.embed.dtype)   # fill the MXFP4 tables now: filling them while tracing forces a recompile
 
@@ -115,9 +116,9 @@ class GptOssGKDecodeModel(torch.nn.Module):
     # -- the program -------------------------------------------------------------------------------
     def program(self, ctl: AttentionControl):
         """The step's program. One rank, compiled: the whole kernel as one graph per (batch bucket, table
-        width). Parallel, compiled: the kernel loop runs eagerly around its collectives and each layer's
-        attention and MoE run as compiled graphs (one of each per bucket and table width, shared by every
-        layer: the weights come in as per-layer views)."""
+        width). Parallel, compiled: the kernel loop runs eagerly around its collectives; each layer's
+        attention runs as a compiled graph (one per bucket and table width, shared by every layer: the
+        weights come in as per-layer views) and its MoE as `LocalPairsMoE` (only this rank's pairs)."""
         if not self.compiled:
             return functools.partial(gpt_oss_decode_mega_kernel, spec=self.spec, parallel=self.parallel)
         key = (ctl.active.shape[0], ctl.full_table.shape[-1], self._stacked)
@@ -130,7 +131,7 @@ class GptOssGKDecodeModel(torch.nn.Module):
                                      fullgraph=True, dynamic=False)
             else:
                 blocks = LayerBlocks(attention=torch.compile(attention_block, fullgraph=True, dynamic=False),
-                                     moe=torch.compile(moe_decode_fused, fullgraph=True, dynamic=False))
+                                     moe=self._local_moe)
                 prog = functools.partial(gpt_oss_decode_mega_kernel, spec=spec, parallel=self.parallel,
                                          blocks=blocks)
             self._programs[key] = prog
