@@ -5,7 +5,6 @@ on either engine (read from /metrics)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import subprocess
@@ -20,7 +19,7 @@ from gigadecode.sampling import SamplingParams
 from gigadecode.server.api import build_engine
 
 from .helpers import random_prompt, stop_process_tree
-from .test_server import assert_completion_ids, free_port, metrics, wait_health, wait_idle
+from .test_server import assert_completion_ids, free_port, metrics, stream_and_cancel, wait_health, wait_idle
 
 MODEL = "tiny"
 FLAGS = ["--served-model-name", MODEL, "--num-blocks", "512", "--block-size", "16", "--kv-dtype", "fp8", "--max-num-seqs", "64"]
@@ -96,25 +95,8 @@ def test_64_concurrent_streams_and_cancellation(di, single):
     prompts = [random_prompt(5 + (i * 7) % 40, 1024, seed=i) for i in range(64)]
     want = {i: _greedy(single, p, 8) for i, p in enumerate(prompts) if i % 2 == 0}
 
-    async def one(client, i, p):
-        stream = await client.completions.create(model=MODEL, prompt=p, max_tokens=8 if i % 2 == 0 else 200,
-                                                 temperature=0.0, stream=True,
-                                                 extra_body={"ignore_eos": True, "return_token_ids": True})
-        got = []
-        async for ch in stream:
-            got += (ch.choices[0].model_extra or {}).get("token_ids") or []
-            if i % 2 == 1 and len(got) >= 2:
-                await stream.close()                 # the client goes away mid-stream
-                return i, None
-        return i, got
-
-    async def main():
-        async with openai.AsyncOpenAI(base_url=di["proxy"] + "/v1", api_key="x", max_retries=0, timeout=120) as c:
-            return await asyncio.gather(*(one(c, i, p) for i, p in enumerate(prompts)))
-
-    results = asyncio.run(main())
-    for i, got in results:
-        if i % 2 == 0:
-            assert got == want[i], i
+    got = stream_and_cancel(di["proxy"], MODEL, prompts, 8, {i for i in range(64) if i % 2 == 1}, 200)
+    for i in want:
+        assert got[i] == want[i], i
     for k in ("prefill", "decode"):
         wait_idle(di[k], timeout=30)

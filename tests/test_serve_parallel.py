@@ -9,7 +9,6 @@ empty; one corrupted kv head is refused by its decode group with the CRC error a
 
 from __future__ import annotations
 
-import asyncio
 import signal
 
 import openai
@@ -21,7 +20,7 @@ from gigadecode.server.api import build_engine
 
 from .helpers import random_prompt, stop_process_tree
 from .test_serve_di import di_servers, start_gigadecode
-from .test_server import assert_completion_ids, free_port, wait_health, wait_idle
+from .test_server import assert_completion_ids, free_port, stream_and_cancel, wait_health, wait_idle
 
 MODEL = "tiny"
 FLAGS = ["--served-model-name", MODEL, "--num-blocks", "256", "--block-size", "4", "--kv-dtype", "fp8"]
@@ -80,25 +79,9 @@ def test_parallel_server_concurrent_streams_and_cancellation(server, single):
     want = {i: _want(single, p, temperature=0.0, max_tokens=6, ignore_eos=True)
             for i, p in enumerate(prompts) if i % 3}
 
-    async def one(client, i, p):
-        stream = await client.completions.create(model=MODEL, prompt=p, max_tokens=6 if i % 3 else 300,
-                                                 temperature=0.0, stream=True,
-                                                 extra_body={"ignore_eos": True, "return_token_ids": True})
-        got = []
-        async for ch in stream:
-            got += (ch.choices[0].model_extra or {}).get("token_ids") or []
-            if i % 3 == 0 and len(got) >= 2:
-                await stream.close()                 # the client goes away mid-stream
-                return i, None
-        return i, got
-
-    async def main():
-        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
-            return await asyncio.gather(*(one(c, i, p) for i, p in enumerate(prompts)))
-
-    for i, got in asyncio.run(main()):
-        if i % 3:
-            assert got == want[i], i
+    got = stream_and_cancel(url, MODEL, prompts, 6, {i for i in range(12) if i % 3 == 0}, 300)
+    for i in want:
+        assert got[i] == want[i], i
     m = wait_idle(url, timeout=30)
     assert m["gigadecode_kv_blocks_total"] == 2 * 255              # two DP groups, a pool each
 

@@ -144,6 +144,30 @@ def assert_completion_ids(client, model: str, prompt: list[int], want: list[int]
     assert got == want, len(prompt)
 
 
+def stream_and_cancel(base_url: str, model: str, prompts: list[list[int]], max_tokens: int,
+                      cancelled: set[int], long_tokens: int) -> dict[int, list[int] | None]:
+    """Stream every prompt at once through the openai client (greedy, ignore_eos, token ids). The streams in
+    `cancelled` ask for `long_tokens` and the client goes away after their first 2 tokens (-> None); the
+    others return their `max_tokens` ids."""
+    async def one(client, i, p):
+        stream = await client.completions.create(model=model, prompt=p, temperature=0.0, stream=True,
+                                                 max_tokens=long_tokens if i in cancelled else max_tokens,
+                                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+        got = []
+        async for ch in stream:
+            got += (ch.choices[0].model_extra or {}).get("token_ids") or []
+            if i in cancelled and len(got) >= 2:
+                await stream.close()                 # the client goes away mid-stream
+                return i, None
+        return i, got
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(one(c, i, p) for i, p in enumerate(prompts)))
+
+    return dict(asyncio.run(main()))
+
+
 EXTRA = {"return_token_ids": True, "ignore_eos": True}
 
 

@@ -227,7 +227,6 @@ class NixlConnector(KVConnectorBase):
         self.leases: dict[str, _Lease] = {}
         self.loads: dict[str, _Load] = {}
         self.landed: dict[str, _Load] = {}         # notify_on_read False: landed, producer not told yet
-        self._by_remote_rid: dict[str, str] = {}
         self.stats = {"kv_bytes_transferred": 0, "transfer_failures": 0, "transfer_seconds": 0.0}
 
     @property
