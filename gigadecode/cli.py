@@ -23,7 +23,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from --kv-budget-gib)")
     g.add_argument("--kv-budget-gib", type=float, default=None)
-    g.add_argument("--decoder", default="gk", choices=["reference", "gk", "gk-compiled"])
+    g.add_argument("--decoder", default="gk-native", choices=["gk-native", "gk", "gk-compiled", "reference"],
+                   help="gk-native: the GK program on the native kernels (default); gk / gk-compiled: its torch "
+                        "forms; reference: the per-layer model")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-prefill-tokens", type=int, default=512)
     g.add_argument("--tp", type=int, default=1)
@@ -204,7 +206,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ns = argparse.Namespace(model=str(d), prompt=args.prompt, prompt_ids=None, requests=None, json=False,
                             max_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
                             ignore_eos=True, dtype="float32", kv_dtype="fp8", block_size=16, num_blocks=None,
-                            kv_budget_gib=None, decoder="gk", max_num_seqs=64, max_prefill_tokens=512,
+                            kv_budget_gib=None, decoder="gk-native", max_num_seqs=64, max_prefill_tokens=512,
                             tp=1, dp=1, ep=1)
     print(f"generate on the tiny model ({d}): GK decode program, packed-FP8 KV cache")
     return cmd_generate(ns)

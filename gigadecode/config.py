@@ -261,6 +261,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 KV_DTYPES = ("auto", "bf16", "fp8")
 
 
+# decode paths: the GK program on the native kernels, in eager torch, compiled by Inductor; the per-layer model
+DECODERS = ("gk-native", "gk", "gk-compiled", "reference")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine adds to the model config."""
@@ -273,7 +277,7 @@ class EngineConfig:
     k_scale: float = 1.0               # FP8 per-tensor scales: stored = x / scale
     v_scale: float = 1.0
     gk_decode: bool = True             # decode through the GK program (else the per-layer model)
-    decoder: str = "gk"                # reference | gk | gk-compiled
+    decoder: str = "gk-native"         # gk-native (kernels) | gk (eager torch) | gk-compiled | reference
     kv_role: str = "kv_both"           # kv_producer | kv_consumer | kv_both
     max_num_seqs: int = 64
     max_prefill_tokens: int = 512      # chunked prefill budget per step
@@ -292,8 +296,8 @@ class EngineConfig:
             raise ConfigError(f"--kv-dtype must be one of {KV_DTYPES} (got {self.kv_dtype!r})")
         if self.block_size <= 0 or (self.kv_dtype == "fp8" and self.block_size % 2):
             raise ConfigError(f"--block-size must be positive (and even for packed fp8); got {self.block_size}")
-        if self.decoder not in ("reference", "gk", "gk-compiled"):
-            raise ConfigError(f"--decoder must be reference|gk|gk-compiled (got {self.decoder!r})")
+        if self.decoder not in DECODERS:
+            raise ConfigError(f"--decoder must be {'|'.join(DECODERS)} (got {self.decoder!r})")
         if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ConfigError(f"kv_role must be kv_producer|kv_consumer|kv_both (got {self.kv_role!r})")
         if self.kv_failure_policy not in ("fail", "recompute"):

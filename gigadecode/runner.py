@@ -82,7 +82,8 @@ def build_decoder(cfg: GptOssConfig, weights: ModelWeights, model: GptOssModel, 
     if not ecfg.gk_decode or ecfg.decoder == "reference":
         return ReferenceDecoder(model)
     gk = GptOssGKDecodeModel(cfg, weights, kv.config, ecfg.block_size, kv.k_scale, kv.v_scale,
-                             compiled=ecfg.decoder == "gk-compiled", parallel=parallel)
+                             compiled=ecfg.decoder == "gk-compiled", parallel=parallel,
+                             native=ecfg.decoder == "gk-native")
     gk.bind_kv_cache(kv.bind_map())
     return GKDecoder(gk, model, ecfg, cfg.sliding_window)
 

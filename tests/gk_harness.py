@@ -37,7 +37,7 @@ def run_lockstep(cfg: GptOssConfig, weights: ModelWeights, prompts: list[list[in
     gk = None
     if decoder != "reference":
         gk = gk_model or GptOssGKDecodeModel(cfg, weights, kv.config, block_size, kv.k_scale, kv.v_scale,
-                                              compiled=decoder == "gk-compiled")
+                                              compiled=decoder == "gk-compiled", native=decoder == "gk-native")
         if stacked:
             K = torch.stack([kv.k_buf(i) for i in range(kv.config.group_size)])
             V = torch.stack([kv.v_buf(i) for i in range(kv.config.group_size)])

@@ -40,22 +40,25 @@ def reference_tokens(tiny, prompts):
     return run_lockstep(cfg, w, prompts, steps=24, decoder="reference")
 
 
-def test_gk_eager_equals_per_layer_with_padding(tiny, prompts, reference_tokens):
+@pytest.mark.parametrize("decoder", ["gk", "gk-native"])
+def test_gk_eager_equals_per_layer_with_padding(tiny, prompts, reference_tokens, decoder):
     cfg, w = tiny
-    got = run_lockstep(cfg, w, prompts, steps=24, decoder="gk", bucket=16)   # 11 live slots + 5 padded
+    got = run_lockstep(cfg, w, prompts, steps=24, decoder=decoder, bucket=16)   # 11 live slots + 5 padded
     assert got == reference_tokens
 
 
-def test_gk_stacked_kv_equals_per_buffer(tiny, prompts, reference_tokens):
+@pytest.mark.parametrize("decoder", ["gk", "gk-native"])
+def test_gk_stacked_kv_equals_per_buffer(tiny, prompts, reference_tokens, decoder):
     cfg, w = tiny
-    got = run_lockstep(cfg, w, prompts, steps=24, decoder="gk", bucket=16, stacked=True)
+    got = run_lockstep(cfg, w, prompts, steps=24, decoder=decoder, bucket=16, stacked=True)
     assert got == reference_tokens
 
 
-def test_gk_bf16_kv_equals_per_layer(tiny, prompts):
+@pytest.mark.parametrize("decoder", ["gk", "gk-native"])
+def test_gk_bf16_kv_equals_per_layer(tiny, prompts, decoder):
     cfg, w = tiny
     ref = run_lockstep(cfg, w, prompts[:6], steps=12, decoder="reference", kv_dtype="auto", block_size=8)
-    got = run_lockstep(cfg, w, prompts[:6], steps=12, decoder="gk", kv_dtype="auto", block_size=8, bucket=8)
+    got = run_lockstep(cfg, w, prompts[:6], steps=12, decoder=decoder, kv_dtype="auto", block_size=8, bucket=8)
     assert got == ref
 
 

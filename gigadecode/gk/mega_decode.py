@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..mxfp4 import _luts, decode_mxfp4
+from ..native.twins import decode_attention
 from ..ops import moe_routed, rms_norm, route, swiglu
 from ..rope import apply_rope
 
@@ -140,27 +141,6 @@ def write_read_kv(kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor], slot: to
     return k, v
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, active: torch.Tensor,
-                     sinks: torch.Tensor, window: int | None, spec: KernelSpec) -> torch.Tensor:
-    """q [Bt, nh, d]; k, v [Bt, kv, S, d]; pos [Bt] frame position of the query -> [Bt, nh*d]."""
-    bt, nh, d = q.shape
-    kvh, S = k.shape[1], k.shape[2]
-    rep = nh // kvh
-    qg = q.view(bt, kvh, rep, d)
-    scores = torch.einsum("bgrd,bgsd->bgrs", qg, k) * spec.scale            # [Bt, kv, rep, S]
-    kf = torch.arange(S, device=q.device)
-    mask = (kf[None, :] <= pos[:, None]) & active[:, None]                  # [Bt, S]
-    if window is not None:
-        mask = mask & (kf[None, :] > pos[:, None] - window)
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    sink = sinks.view(1, kvh, rep, 1).to(scores.dtype).expand(bt, kvh, rep, 1)
-    logits = torch.cat((scores, sink), dim=-1)
-    logits = logits - logits.amax(dim=-1, keepdim=True)
-    probs = torch.softmax(logits, dim=-1)[..., :-1]
-    out = torch.einsum("bgrs,bgsd->bgrd", probs.to(v.dtype), v)             # [Bt, kv, rep, d]
-    return out.reshape(bt, nh * d)
-
-
 ATTN_KEYS = ("input_norm", "qkv_w", "qkv_b", "sinks")
 MOE_KEYS = ("router_w", "router_b", "gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales", "gate_up",
             "down", "gate_up_bias", "down_bias")
@@ -275,15 +255,18 @@ def attention_block(x: torch.Tensor, Wl: dict[str, torch.Tensor], kv: torch.Tens
     k = apply_rope(qkv[:, nh * d: (nh + kvh) * d].reshape(-1, kvh, d), cos, sin)
     v = qkv[:, (nh + kvh) * d:].reshape(-1, kvh, d)
     keys, vals = write_read_kv(kv, slot, k, v, table, x.dtype, spec)
-    return decode_attention(q, keys, vals, fpos, active, Wl["sinks"], window, spec)
+    return decode_attention(q, keys, vals, fpos, active, Wl["sinks"], window, spec.scale)
 
 
 @dataclass(frozen=True)
 class LayerBlocks:
-    """The per-layer pieces a parallel step runs between its collectives (eager functions, or their
-    compiled forms: one graph per piece, reused by every layer since weights come in as per-layer views)."""
+    """The pieces the layer loop runs (eager torch functions, their compiled forms — one graph per piece,
+    reused by every layer since weights come in as per-layer views — or the native kernels,
+    `native_blocks.NATIVE_BLOCKS`). `linear` and `norm` serve the o-proj, post-norm and the head."""
     attention: object = attention_block
     moe: object = moe_decode
+    linear: object = F.linear
+    norm: object = rms_norm
 
 
 def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tensor],
@@ -323,19 +306,19 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
         a = blocks.attention(x, layer_weights(W, i, ATTN_KEYS), kv, cos, sin, table, slot, fpos, active,
                              window=window, spec=spec)
         if parallel is None:
-            x = x + F.linear(a, W["o_w"][i], W["o_b"][i])
+            x = x + blocks.linear(a, W["o_w"][i], W["o_b"][i])
         else:
             x = x + parallel.row_parallel_linear(a, W["o_w"][i], W["o_b"][i])
 
-        h = rms_norm(x, W["post_norm"][i], spec.eps)
+        h = blocks.norm(x, W["post_norm"][i], spec.eps)
         Wl = layer_weights(W, i, MOE_KEYS)
         if parallel is None:
             x = x + blocks.moe(h, Wl, spec)
         else:
             x = x + parallel.ep_moe(h, lambda t, Wl=Wl: blocks.moe(t, Wl, spec, parallel.expert_offset))
-    x = rms_norm(x, W["norm"], spec.eps)
+    x = blocks.norm(x, W["norm"], spec.eps)
     if return_hidden:
         return x
     if parallel is not None:
         return parallel.local_logits(x, W["lm_head"])
-    return F.linear(x, W["lm_head"])
+    return blocks.linear(x, W["lm_head"])

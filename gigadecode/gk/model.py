@@ -7,7 +7,8 @@ per-buffer KV, and the program that runs them.
 - `set_kv_cache_buffers(ks, vs)` stores each buffer as its own registered buffer `K_cache_buf_i` /
   `V_cache_buf_i` (never a list: a program built on meta/fake tensors walks tensor attributes only).
 - `use_stacked_kv_cache(K_cache, V_cache)` selects the legacy stacked form instead.
-- `decode(input_ids, ctl)` runs `gpt_oss_decode_mega_kernel` eagerly, or its compiled form
+- `decode(input_ids, ctl)` runs `gpt_oss_decode_mega_kernel` on the native kernels (`native=True`), eagerly
+  in torch, or its compiled form
   (`torch.compile(fullgraph=True)`, one program per batch bucket and table width, Inductor's on-disk
   cache under `~/.cache/gigadecode/inductor` so a restart does not recompile).
 """
@@ -27,6 +28,7 @@ from ..mxfp4 import _luts
 from ..weights import ModelWeights
 from .attn_control import AttentionControl
 from .mega_decode import KernelSpec, LayerBlocks, LocalPairsMoE, attention_block, gpt_oss_decode_mega_kernel
+from .native_blocks import NATIVE_BLOCKS
 
 CACHE_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode"))
 
@@ -55,7 +57,8 @@ class GptOssGKDecodeModel(torch.nn.Module):
     """Decode-only GK model over stacked weights (shared with the per-layer model, never copied)."""
 
     def __init__(self, cfg: GptOssConfig, weights: ModelWeights, kv_config: KVCacheConfig, block_size: int,
-                 k_scale: float = 1.0, v_scale: float = 1.0, compiled: bool = False, parallel=None) -> None:
+                 k_scale: float = 1.0, v_scale: float = 1.0, compiled: bool = False, parallel=None,
+                 native: bool = False) -> None:
         super().__init__()
         self.parallel = parallel      # gigadecode.parallel.ParallelContext (None = one rank)
         self.cfg, self.weights, self.kv_config = cfg, weights, kv_config
@@ -63,6 +66,7 @@ class GptOssGKDecodeModel(torch.nn.Module):
         self.spec = kernel_spec(cfg, weights, kv_config, block_size, k_scale, v_scale)
         self.group_size = kv_config.group_size
         self.compiled = compiled
+        self.native = native          # the layer pieces on the native kernels (gigadecode.native)
         self._stacked = False
         self._kv_allocs: tuple[torch.Tensor, ...] | None = None
         self._local_moe = LocalPairsMoE()          # parallel + compiled: shared by every program
@@ -119,6 +123,9 @@ class GptOssGKDecodeModel(torch.nn.Module):
         width). Parallel, compiled: the kernel loop runs eagerly around its collectives; each layer's
         attention runs as a compiled graph (one per bucket and table width, shared by every layer: the
         weights come in as per-layer views) and its MoE as `LocalPairsMoE` (only this rank's pairs)."""
+        if self.native:
+            return functools.partial(gpt_oss_decode_mega_kernel, spec=self.spec, parallel=self.parallel,
+                                     blocks=NATIVE_BLOCKS)
         if not self.compiled:
             return functools.partial(gpt_oss_decode_mega_kernel, spec=self.spec, parallel=self.parallel)
         key = (ctl.active.shape[0], ctl.full_table.shape[-1], self._stacked)

@@ -36,8 +36,8 @@ def run_parallel_generate(model_dir: str | Path, prompts: list[list[int]], tp: i
     `report`, if given, is filled with this rank's facts: rank, layout, shard, weight bytes, and per engine
     step its wall time and collectives (`steps`: `StepTrace`s); `step_times` / `step_stats` are those of
     the pure decode steps (no prefill token that step)."""
-    if decoder not in ("gk", "gk-compiled", "reference"):
-        raise ValueError(f"decoder must be gk, gk-compiled or reference (got {decoder!r})")
+    if decoder not in DECODERS:
+        raise ValueError(f"decoder must be one of {', '.join(DECODERS)} (got {decoder!r})")
     ecfg = EngineConfig(dtype=dtype, kv_dtype=kv_dtype, block_size=block_size, decoder=decoder,
                         gk_decode=decoder != "reference", tp=tp, dp=dp, ep=ep, **engine_kw)
     if params is None:

@@ -1,0 +1,45 @@
+"""The GK program's layer pieces on the native kernels (`gigadecode.native`): `NATIVE_BLOCKS` plugs them
+into `gpt_oss_decode_mega_kernel`, which stays the one layer loop of the program.
+
+Per layer and step: rms_norm -> qkv linear -> RoPE + KV write (packed-FP8 in place) -> paged attention
+over the block table in place -> o linear -> rms_norm -> router linear + top-k -> the MXFP4 MoE grouped by
+expert. Weights are the stacks' per-layer views; nothing the size of a weight is allocated per step.
+Checkpoints with dense (bf16) experts run the eager expert loop for the MoE.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import native
+from .mega_decode import KernelSpec, LayerBlocks, moe_decode, split_kv_buffer
+
+
+def native_attention_block(x: torch.Tensor, Wl: dict[str, torch.Tensor],
+                           kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
+                           sin: torch.Tensor, table: torch.Tensor, slot: torch.Tensor, fpos: torch.Tensor,
+                           active: torch.Tensor, *, window: int | None, spec: KernelSpec) -> torch.Tensor:
+    """`mega_decode.attention_block` on the kernels: x [Bt, H] -> [Bt, nh*d] (before the o-proj)."""
+    k_buf, v_buf = split_kv_buffer(kv, spec.packed_k) if isinstance(kv, torch.Tensor) else kv
+    h = native.rms_norm(x, Wl["input_norm"], spec.eps)
+    qkv = native.linear(h, Wl["qkv_w"], Wl["qkv_b"])                         # [Bt, (nh + 2 kv) d]
+    q = native.rope_kv_write(qkv, cos, sin, k_buf, v_buf, slot, spec.num_heads, spec.k_scale, spec.v_scale)
+    return native.paged_decode_attention(q, k_buf, v_buf, table, fpos, active, Wl["sinks"], window or 0,
+                                         spec.scale, spec.k_scale, spec.v_scale, x.dtype)
+
+
+def native_moe(h: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec, expert_offset: int = 0
+               ) -> torch.Tensor:
+    """`mega_decode.moe_decode` on the kernels: h [Bt, H] -> [Bt, H] (this rank's experts' share under EP)."""
+    if not spec.mxfp4:
+        return moe_decode(h, Wl, spec, expert_offset)
+    logits = native.linear(h, Wl["router_w"], Wl["router_b"])                # [Bt, E]
+    top, idx = torch.topk(logits, spec.top_k, dim=-1)
+    gate_w = torch.softmax(top, dim=-1)
+    return native.moe_mxfp4(h, idx, gate_w, Wl["gate_up_blocks"], Wl["gate_up_scales"], Wl["gate_up_bias"],
+                            Wl["down_blocks"], Wl["down_scales"], Wl["down_bias"], spec.alpha, spec.limit,
+                            expert_offset)
+
+
+NATIVE_BLOCKS = LayerBlocks(attention=native_attention_block, moe=native_moe, linear=native.linear,
+                            norm=native.rms_norm)

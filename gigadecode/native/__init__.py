@@ -1,0 +1,113 @@
+"""Native CPU kernels for decode (and the MXFP4 decode prefill uses), each with a torch twin.
+
+Ops (registered as `torch.ops.gigadecode_native.*`; fake implementations below so a compiled program
+treats each as one opaque node). Every function here calls the kernel when it is built (see `build.py`)
+and its twin (`twins.py`, same signature) otherwise.
+
+- `moe_mxfp4(x [T, H], idx [T, k] int64, gate_w [T, k], gate_up_blocks [E, 2I, H/32, 16], gate_up_scales
+  [E, 2I, H/32], gate_up_bias [E, 2I], down_blocks [E, H, I/32, 16], down_scales [E, H, I/32], down_bias [E, H],
+  alpha, limit, expert_offset) -> [T, H]`: the routed MXFP4 MoE, each selected expert read once for all of
+  its tokens; global expert ids outside [expert_offset, expert_offset + E) contribute nothing (EP).
+- `mxfp4_dequant(blocks [..., R, G, 16], scales [..., R, G], dtype) -> [..., R, G*32]` (exact).
+- `linear(x [M, K], weight [N, K], bias [N] | None) -> [M, N]`: small-M dense projection (fp32 accumulate).
+- `paged_decode_attention(q [Bt, nh, d] fp32, k_cache, v_cache, table [Bt, n], pos [Bt], active [Bt], sinks [nh],
+  window (0 = full), scale, k_scale, v_scale, out_dtype) -> [Bt, nh*d]`: reads the table's blocks in place;
+  K is plain [nb, kv, B, d] or packed-FP8 [nb, kv, B/2, d, 2], V [nb, kv, B, d].
+- `rope_kv_write(qkv [Bt, (nh + 2kv) d], cos, sin [Bt, d/2], k_cache, v_cache, slot [Bt], num_heads, k_scale,
+  v_scale) -> q [Bt, nh, d] fp32`: RoPE on q and k, k and v stored at `slot` (FP8: x / scale, clamped).
+- `rms_norm(x [M, H], weight [H], eps) -> [M, H]`.
+All compute in fp32 and return x's dtype unless stated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import twins
+from .build import load, status
+
+__all__ = ["moe_mxfp4", "mxfp4_dequant", "linear", "paged_decode_attention", "rope_kv_write", "rms_norm",
+           "available", "status", "twins"]
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _op(name: str):
+    ops = load()
+    return getattr(ops, name) if ops is not None else getattr(twins, name)
+
+
+def moe_mxfp4(x, idx, gate_w, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias,
+              alpha: float, limit: float, expert_offset: int = 0) -> torch.Tensor:
+    return _op("moe_mxfp4")(x.contiguous(), idx.contiguous(), gate_w.contiguous(), gate_up_blocks, gate_up_scales,
+                            gate_up_bias.contiguous(), down_blocks, down_scales, down_bias.contiguous(), float(alpha),
+                            float(limit), int(expert_offset))
+
+
+def mxfp4_dequant(blocks, scales, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return _op("mxfp4_dequant")(blocks, scales, dtype)
+
+
+def linear(x, weight, bias=None) -> torch.Tensor:
+    return _op("linear")(x.contiguous(), weight, bias)
+
+
+def paged_decode_attention(q, k_cache, v_cache, table, pos, active, sinks, window: int, scale: float,
+                           k_scale: float = 1.0, v_scale: float = 1.0, out_dtype: torch.dtype = torch.float32
+                           ) -> torch.Tensor:
+    return _op("paged_decode_attention")(q.contiguous(), k_cache, v_cache, table.contiguous(), pos.contiguous(),
+                                         active.contiguous(), sinks, int(window or 0), float(scale), float(k_scale),
+                                         float(v_scale), out_dtype)
+
+
+def rope_kv_write(qkv, cos, sin, k_cache, v_cache, slot, num_heads: int, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor:
+    return _op("rope_kv_write")(qkv.contiguous(), cos, sin, k_cache, v_cache, slot.contiguous(), int(num_heads),
+                                float(k_scale), float(v_scale))
+
+
+def rms_norm(x, weight, eps: float) -> torch.Tensor:
+    return _op("rms_norm")(x.contiguous(), weight, float(eps))
+
+
+def _register_fakes() -> None:
+    """Shape-only implementations (meta / fake tensors) of the registered ops."""
+    if load() is None:
+        return
+    lib = "gigadecode_native::"
+
+    @torch.library.register_fake(lib + "moe_mxfp4")
+    def _(x, idx, gate_w, gub, gus, gubias, dnb, dns, dnbias, alpha, limit, offset):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(lib + "mxfp4_dequant")
+    def _(blocks, scales, dtype):
+        return blocks.new_empty((*scales.shape[:-1], scales.shape[-1] * 32), dtype=dtype)
+
+    @torch.library.register_fake(lib + "linear")
+    def _(x, weight, bias):
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @torch.library.register_fake(lib + "paged_decode_attention")
+    def _(q, k, v, table, pos, active, sinks, window, scale, ks, vs, out_dtype):
+        return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=out_dtype)
+
+    @torch.library.register_fake(lib + "rope_kv_write")
+    def _(qkv, cos, sin, k, v, slot, nh, ks, vs):
+        return qkv.new_empty((qkv.shape[0], nh, v.shape[-1]), dtype=torch.float32)
+
+    @torch.library.register_fake(lib + "rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+
+_fakes_done = False
+
+
+def register_fakes() -> None:
+    global _fakes_done
+    if not _fakes_done:
+        _fakes_done = True
+        _register_fakes()

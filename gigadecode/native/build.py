@@ -1,0 +1,117 @@
+"""Builds and loads the native CPU kernels (`csrc/`) once per machine, cached.
+
+The sources are compiled with `torch.utils.cpp_extension` (ninja) for the best ISA this CPU has —
+AVX-512 (F/BW/VL + F16C/FMA) or AVX2 (+FMA/F16C) — into `~/.cache/gigadecode/native/<key>`, keyed by the
+sources, the ISA and the torch version, so the first start builds (about a minute on 2 cores) and every later
+start loads the cached library. No build runs inside a timed or request path once `ensure_built()` ran
+(`python -m gigadecode.native` does it at install). Where no compiler or ninja is found, or the CPU has
+neither ISA, nothing is built and `load()` returns None: callers fall back to the torch twins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("gigadecode.native")
+
+SRC = Path(__file__).with_name("csrc")
+SOURCES = ("ops.cpp", "moe.cpp", "linear.cpp", "attention.cpp")
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+CACHE_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode")) / "native"
+
+_state: dict[str, object] = {}
+
+
+def cpu_isa() -> str | None:
+    """'avx512', 'avx2' or None, from the CPU flags (GIGADECODE_NATIVE_ISA overrides, e.g. to test avx2)."""
+    forced = os.environ.get("GIGADECODE_NATIVE_ISA")
+    if forced:
+        return forced if forced in ISA_FLAGS else None
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split())
+    except (OSError, IndexError):
+        cap = torch.backends.cpu.get_cpu_capability()
+        return {"AVX512": "avx512", "AVX2": "avx2"}.get(cap)
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"} <= flags:
+        return "avx512"
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2"
+    return None
+
+
+def _missing_tool() -> str | None:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None and shutil.which("g++") is None:
+        return f"no C++ compiler ({cxx} / g++) on PATH"
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        if shutil.which("ninja") is None:
+            return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def build_key(isa: str) -> str:
+    h = hashlib.sha256()
+    for name in sorted(p.name for p in SRC.iterdir()):
+        h.update(name.encode() + (SRC / name).read_bytes())
+    h.update(f"{isa}|{torch.__version__}|{sys.version_info[:2]}".encode())
+    return h.hexdigest()[:16]
+
+
+def load(verbose: bool = False):
+    """The loaded extension's op namespace (`torch.ops.gigadecode_native`), or None (with one warning)."""
+    if "ops" in _state:
+        return _state["ops"]
+    ops = None
+    if os.environ.get("GIGADECODE_NATIVE", "1") == "0":
+        reason = "disabled by GIGADECODE_NATIVE=0"
+    elif (isa := cpu_isa()) is None:
+        reason = "this CPU has neither AVX-512 nor AVX2"
+    elif (reason := _missing_tool()) is None:
+        try:
+            ops = _build(isa, verbose)
+        except Exception as e:                       # a failed build: say why once, run the twins
+            reason = f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
+    if ops is None:
+        log.warning("gigadecode: native kernels unavailable (%s); using the torch twins (slower)", reason)
+        _state["reason"] = reason
+    _state["ops"] = ops
+    return ops
+
+
+def _build(isa: str, verbose: bool):
+    from torch.utils import cpp_extension
+
+    key = build_key(isa)
+    out = CACHE_DIR / f"{isa}-{key}"
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"gigadecode_native_{isa}"
+    lib = out / f"{name}.so"
+    if lib.exists():
+        torch.ops.load_library(str(lib))
+    else:
+        if not verbose:
+            print(f"gigadecode: building the native kernels ({isa}) once into {out} ...", file=sys.stderr, flush=True)
+        cpp_extension.load(name=name, sources=[str(SRC / s) for s in SOURCES], build_directory=str(out),
+                           extra_cflags=["-O3", "-fopenmp", "-std=c++17", *ISA_FLAGS[isa]],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
+    ops = torch.ops.gigadecode_native
+    _state["isa"] = ops.isa()
+    return ops
+
+
+def status() -> str:
+    """One line: which kernels run here."""
+    ops = load()
+    return f"native ({_state['isa']})" if ops is not None else f"torch twins ({_state.get('reason')})"

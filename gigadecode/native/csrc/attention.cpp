@@ -1,0 +1,338 @@
+// Decode attention over the paged KV, read in place, and the small fused pieces around it (RMSNorm,
+// RoPE + the KV write into the packed-FP8 or plain buffer).
+//
+// KV layouts (one buffer half): plain [nb, kv, B, d] (fp32 / bf16 / fp8), packed-FP8 K [nb, kv, B/2, d, 2]
+// (element [b, h, p, j, s] = token 2p+s, dim j). FP8 is e4m3 with a per-tensor scale (stored = x / scale).
+// Attention for slot b reads the blocks of its table row that hold frame positions [lo, pos] (lo = pos-W+1
+// on sliding layers, 0 on full ones) with an online softmax; the work is split over (slot, kv head) and,
+// when that leaves threads idle on a long context, over block ranges merged by their log-sum-exp. The
+// sink joins the softmax denominator at the merge: out = Σ_s o_s e^{m_s-M} / (Σ_s l_s e^{m_s-M} + e^{sink-M}).
+#include "common.h"
+
+namespace gd {
+
+namespace {
+
+template <typename T>
+inline VF kvload(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return vload(p);
+  else if constexpr (std::is_same_v<T, uint16_t>) return vload_bf16(p);
+  else return vload_fp8_div256(p);
+}
+// scalar twin of kvload (FP8 also divided by 256: the caller's multiplier folds it back)
+template <typename T>
+inline float kvscalar(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return *p;
+  else if constexpr (std::is_same_v<T, uint16_t>) return bf16_to_f32(*p);
+  else return fp8_to_f32(*p) * (1.f / 256.f);
+}
+// what a loaded element is multiplied by: FP8 carries its per-tensor scale (and the 256 of kvload); plain
+// fp32 / bf16 KV is stored unscaled
+template <typename T>
+float kv_multiplier(double scale) { return std::is_same_v<T, uint8_t> ? float(scale) * 256.f : 1.f; }
+
+struct AttnShape {
+  int64_t Bt, nh, kv, rep, d, B, n_table;
+  bool packed;
+  int64_t window;  // 0 = full attention
+};
+
+// One (slot, kv head, block range) item: partial (o [rep, d] unnormalized, m [rep], l [rep]) into `part`.
+template <typename KT, typename VT>
+void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, const int64_t* table, int64_t lo,
+                  int64_t pos, int64_t jb0, int64_t jb1, int64_t b, int64_t h, float qmul, float* part) {
+  const int64_t rep = s.rep, d = s.d, B = s.B;
+  float* qs = scratch(0, rep * 2 * d);               // q · scale · k multiplier (packed: each dim twice)
+  float* sc = scratch(1, rep * (B + 1));              // scores of one block
+  for (int64_t r = 0; r < rep; ++r) {
+    const float* qr = q + (b * s.nh + h * rep + r) * d;
+    for (int64_t j = 0; j < d; ++j) {
+      if (s.packed) qs[r * 2 * d + 2 * j] = qs[r * 2 * d + 2 * j + 1] = qr[j] * qmul;
+      else qs[r * 2 * d + j] = qr[j] * qmul;
+    }
+  }
+  float* o = part;                                      // [rep][d + 2]: o, then m, l
+  for (int64_t r = 0; r < rep; ++r) {
+    std::fill(o + r * (d + 2), o + r * (d + 2) + d, 0.f);
+    o[r * (d + 2) + d] = -INFINITY;
+    o[r * (d + 2) + d + 1] = 0.f;
+  }
+  VF even_mask = vzero(), odd_mask = vzero();
+  {
+    float em[W], om[W];
+    for (int i = 0; i < W; ++i) { em[i] = i % 2 ? 0.f : 1.f; om[i] = i % 2 ? 1.f : 0.f; }
+    even_mask = vload(em);
+    odd_mask = vload(om);
+  }
+  const int64_t dv = d / W * W;
+  for (int64_t jb = jb0; jb <= jb1; ++jb) {
+    const int64_t bid = table[b * s.n_table + jb];
+    const int64_t t0 = std::max(lo, jb * B) - jb * B, t1 = std::min(pos, jb * B + B - 1) - jb * B;  // in-block
+    const int64_t nt = t1 - t0 + 1;
+    if (nt <= 0) continue;
+    const KT* Kb = K + (bid * s.kv + h) * B * d;
+    const VT* Vb = V + (bid * s.kv + h) * B * d;
+    // scores sc[r][t - t0]
+    if (s.packed) {
+      const int64_t n2 = 2 * d, n2v = n2 / W * W;
+      for (int64_t p = t0 / 2; p <= t1 / 2; ++p) {
+        const KT* kp = Kb + p * n2;                       // [d][2]: token 2p, 2p+1 interleaved per dim
+        for (int64_t r = 0; r < rep; ++r) {
+          const float* qr = qs + r * 2 * d;
+          VF acc = vzero();
+          for (int64_t c = 0; c < n2v; c += W) acc = vfma(kvload(kp + c), vload(qr + c), acc);
+          float se = vsum(vmul(acc, even_mask)), so = vsum(vmul(acc, odd_mask));
+          for (int64_t c = n2v; c < n2; ++c) (c % 2 ? so : se) += kvscalar(kp + c) * qr[c];
+          if (2 * p >= t0) sc[r * B + 2 * p - t0] = se;
+          if (2 * p + 1 <= t1) sc[r * B + 2 * p + 1 - t0] = so;
+        }
+      }
+    } else {
+      for (int64_t t = t0; t <= t1; ++t) {
+        const KT* kt = Kb + t * d;
+        for (int64_t r = 0; r < rep; ++r) {
+          const float* qr = qs + r * 2 * d;
+          VF acc = vzero();
+          for (int64_t c = 0; c < dv; c += W) acc = vfma(kvload(kt + c), vload(qr + c), acc);
+          float sum = vsum(acc);
+          for (int64_t c = dv; c < d; ++c) sum += kvscalar(kt + c) * qr[c];
+          sc[r * B + t - t0] = sum;
+        }
+      }
+    }
+    // online softmax update, then o += p · V
+    for (int64_t r = 0; r < rep; ++r) {
+      float* sr = sc + r * B;
+      float* orow = o + r * (d + 2);
+      float m_old = orow[d], m_new = m_old;
+      for (int64_t t = 0; t < nt; ++t) m_new = std::max(m_new, sr[t]);
+      const float corr = std::exp(m_old - m_new);     // 0 on the first block (m_old = -inf)
+      const VF mv = vset1(m_new);
+      int64_t t = 0;
+      for (; t + W <= nt; t += W) vstore(sr + t, vexp(vadd(vload(sr + t), vmul(mv, vset1(-1.f)))));
+      for (; t < nt; ++t) sr[t] = std::exp(sr[t] - m_new);
+      float l = orow[d + 1] * corr;
+      for (int64_t i = 0; i < nt; ++i) l += sr[i];
+      orow[d] = m_new;
+      orow[d + 1] = l;
+      if (corr != 1.f)
+        for (int64_t j = 0; j < d; ++j) orow[j] *= corr;
+    }
+    for (int64_t t = 0; t < nt; ++t) {
+      const VT* vt = Vb + (t0 + t) * d;
+      for (int64_t c = 0; c < dv; c += W) {
+        const VF vv = kvload(vt + c);
+        for (int64_t r = 0; r < rep; ++r) {
+          float* orow = o + r * (d + 2);
+          vstore(orow + c, vfma(vset1(sc[r * B + t]), vv, vload(orow + c)));
+        }
+      }
+      for (int64_t c = dv; c < d; ++c) {
+        const float vv = kvscalar(vt + c);
+        for (int64_t r = 0; r < rep; ++r) o[r * (d + 2) + c] += sc[r * B + t] * vv;
+      }
+    }
+  }
+}
+
+template <typename KT, typename VT>
+void attention_impl(const AttnShape& s, const float* q, const KT* K, const VT* V, const int64_t* table,
+                    const int64_t* pos, const bool* active, const FloatView& sinks, float qmul, float vmul,
+                    at::Tensor& out) {
+  const int64_t base = s.Bt * s.kv, nthreads = at::get_num_threads();
+  int64_t max_blocks = 1;
+  for (int64_t b = 0; b < s.Bt; ++b) max_blocks = std::max(max_blocks, pos[b] / s.B + 1);
+  if (s.window) max_blocks = std::min(max_blocks, (s.window + s.B - 1) / s.B + 1);
+  int64_t S = 1;
+  if (base < 2 * nthreads && max_blocks >= 8) S = std::max<int64_t>(1, std::min((2 * nthreads + base - 1) / base, max_blocks / 4));
+  const int64_t stride = s.rep * (s.d + 2);
+  float* part = shared_scratch(0, base * S * stride);
+  at::parallel_for(0, base * S, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (s.kv * S), h = (i / S) % s.kv, sp = i % S;
+      float* pr = part + i * stride;
+      const int64_t p = pos[b];
+      const int64_t lo = s.window ? std::max<int64_t>(0, p - s.window + 1) : 0;
+      const int64_t jb0 = lo / s.B, jb1 = p / s.B, nb = jb1 - jb0 + 1;
+      const int64_t a = jb0 + nb * sp / S, e = jb0 + nb * (sp + 1) / S - 1;
+      if (!active[b] || e < a) {
+        for (int64_t r = 0; r < s.rep; ++r) { pr[r * (s.d + 2) + s.d] = -INFINITY; pr[r * (s.d + 2) + s.d + 1] = 0.f; }
+        continue;
+      }
+      attend_range<KT, VT>(s, q, K, V, table, lo, p, a, e, b, h, qmul, pr);
+    }
+  });
+  // merge the block ranges with the sink
+  at::parallel_for(0, base, 1, [&](int64_t i0, int64_t i1) {
+    float* row = scratch(2, s.d);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / s.kv, h = i % s.kv;
+      for (int64_t r = 0; r < s.rep; ++r) {
+        const int64_t qh = h * s.rep + r;
+        std::fill(row, row + s.d, 0.f);
+        if (active[b]) {
+          const float sink = sinks[qh];
+          float M = sink;
+          for (int64_t sp = 0; sp < S; ++sp) M = std::max(M, part[(i * S + sp) * stride + r * (s.d + 2) + s.d]);
+          float L = std::exp(sink - M);
+          for (int64_t sp = 0; sp < S; ++sp) {
+            const float* pr = part + (i * S + sp) * stride + r * (s.d + 2);
+            if (pr[s.d + 1] == 0.f) continue;
+            const float f = std::exp(pr[s.d] - M);
+            L += pr[s.d + 1] * f;
+            for (int64_t j = 0; j < s.d; ++j) row[j] += pr[j] * f;
+          }
+          const float inv = vmul / L;
+          for (int64_t j = 0; j < s.d; ++j) row[j] *= inv;
+        }
+        store_row(row, out, (b * s.nh + qh) * s.d, s.d);
+      }
+    }
+  });
+}
+
+template <typename F>
+void dispatch_kv(const at::Tensor& k, const at::Tensor& v, F&& f) {
+  auto with_v = [&](auto kp) {
+    switch (elem_of(v)) {
+      case Elem::F32: f(kp, static_cast<const float*>(v.data_ptr())); break;
+      case Elem::BF16: f(kp, static_cast<const uint16_t*>(v.data_ptr())); break;
+      default: f(kp, static_cast<const uint8_t*>(v.data_ptr()));
+    }
+  };
+  switch (elem_of(k)) {
+    case Elem::F32: with_v(static_cast<const float*>(k.data_ptr())); break;
+    case Elem::BF16: with_v(static_cast<const uint16_t*>(k.data_ptr())); break;
+    default: with_v(static_cast<const uint8_t*>(k.data_ptr()));
+  }
+}
+
+// shape of one buffer half: returns (num_blocks, kv, B, d); packed K is [nb, kv, B/2, d, 2]
+std::array<int64_t, 4> kv_dims(const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(v.dim() == 4 && (k.dim() == 4 || (k.dim() == 5 && k.size(4) == 2)),
+              "KV: expected V [nb, kv, B, d] and K [nb, kv, B, d] or packed [nb, kv, B/2, d, 2], got K ", k.sizes(),
+              " V ", v.sizes());
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "KV buffers must be contiguous");
+  const int64_t nb = v.size(0), kv = v.size(1), B = v.size(2), d = v.size(3);
+  const bool packed = k.dim() == 5;
+  TORCH_CHECK(k.size(0) == nb && k.size(1) == kv && (packed ? (k.size(2) * 2 == B && k.size(3) == d) : (k.size(2) == B && k.size(3) == d)),
+              "K ", k.sizes(), " does not match V ", v.sizes());
+  TORCH_CHECK(!packed || elem_of(k) == Elem::FP8, "packed K must be FP8");
+  return {nb, kv, B, d};
+}
+
+}  // namespace
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& table, const at::Tensor& pos, const at::Tensor& active,
+                                  const at::Tensor& sinks, int64_t window, double scale, double k_scale,
+                                  double v_scale, at::ScalarType out_dtype) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q must be float32 [Bt, nh, d]");
+  const auto [nb, kv, B, d] = kv_dims(k_cache, v_cache);
+  const int64_t Bt = q.size(0), nh = q.size(1);
+  TORCH_CHECK(q.size(2) == d && nh % kv == 0, "q ", q.sizes(), " does not fit KV heads ", kv, " × dim ", d);
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(0) == Bt && table.is_contiguous(),
+              "table must be int64 [Bt, n]");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.numel() == Bt && active.scalar_type() == at::kBool &&
+              active.numel() == Bt, "pos (int64) and active (bool) must be [Bt]");
+  TORCH_CHECK(sinks.numel() == nh, "sinks must have one value per q head");
+  TORCH_CHECK(window >= 0, "window must be >= 0");
+  const int64_t* tb = table.data_ptr<int64_t>();
+  const int64_t* ps = pos.data_ptr<int64_t>();
+  const bool* ac = active.data_ptr<bool>();
+  for (int64_t b = 0; b < Bt; ++b) {
+    if (!ac[b]) continue;
+    TORCH_CHECK(ps[b] >= 0 && ps[b] / B < table.size(1), "slot ", b, ": position ", ps[b], " past its table");
+    const int64_t lo = window ? std::max<int64_t>(0, ps[b] - window + 1) : 0;
+    for (int64_t j = lo / B; j <= ps[b] / B; ++j)
+      TORCH_CHECK(tb[b * table.size(1) + j] > 0 && tb[b * table.size(1) + j] < nb, "slot ", b, ": block id ",
+                  tb[b * table.size(1) + j], " out of range");
+  }
+  AttnShape s{Bt, nh, kv, nh / kv, d, B, table.size(1), k_cache.dim() == 5, window};
+  at::Tensor sk = sinks.contiguous();
+  const FloatView sv(sk);
+  at::Tensor out = at::empty({Bt, nh * d}, q.options().dtype(out_dtype));
+  dispatch_kv(k_cache, v_cache, [&](auto kp, auto vp) {
+    using KT = std::remove_cv_t<std::remove_pointer_t<decltype(kp)>>;
+    using VT = std::remove_cv_t<std::remove_pointer_t<decltype(vp)>>;
+    attention_impl<KT, VT>(s, q.data_ptr<float>(), kp, vp, tb, ps, ac, sv,
+                           float(scale) * kv_multiplier<KT>(k_scale), kv_multiplier<VT>(v_scale), out);
+  });
+  return out;
+}
+
+// qkv [Bt, (nh + 2 kv) d] -> q [Bt, nh, d] fp32 with RoPE; RoPE'd k and v written to slot[b] of the KV buffer
+at::Tensor rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                         at::Tensor v_cache, const at::Tensor& slot, int64_t num_heads, double k_scale, double v_scale) {
+  check_float_like(qkv, "qkv");
+  const auto [nb, kv, B, d] = kv_dims(k_cache, v_cache);
+  const int64_t Bt = qkv.size(0), nh = num_heads, half = d / 2;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (nh + 2 * kv) * d, "qkv ", qkv.sizes(), " does not match ", nh,
+              " q heads, ", kv, " kv heads of dim ", d);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == Bt && cos.size(1) == half && sin.sizes() == cos.sizes(),
+              "cos/sin must be [Bt, d/2]");
+  TORCH_CHECK(slot.scalar_type() == at::kLong && slot.numel() == Bt, "slot must be int64 [Bt]");
+  const bool packed = k_cache.dim() == 5;
+  const Elem ke = elem_of(k_cache), ve = elem_of(v_cache);
+  const float* x = rows_as_f32(qkv, 0);
+  at::Tensor cc = cos.contiguous(), ss = sin.contiguous();
+  const FloatView cv(cc), sv(ss);
+  at::Tensor q = at::empty({Bt, nh, d}, qkv.options().dtype(at::kFloat));
+  float* qo = q.data_ptr<float>();
+  const int64_t* sl = slot.data_ptr<int64_t>();
+  const int64_t W3 = (nh + 2 * kv) * d;
+  auto store = [](void* base, Elem e, int64_t i, float val, float scale) {
+    if (e == Elem::F32) static_cast<float*>(base)[i] = val;
+    else if (e == Elem::BF16) static_cast<uint16_t*>(base)[i] = f32_to_bf16(val);
+    else static_cast<uint8_t*>(base)[i] = f32_to_fp8(std::min(std::max(val / scale, -448.f), 448.f));
+  };
+  float rk[1024];
+  TORCH_CHECK(d <= 1024, "head_dim > 1024");
+  for (int64_t b = 0; b < Bt; ++b) {
+    const float* xb = x + b * W3;
+    auto rope = [&](const float* src, float* dst) {
+      for (int64_t j = 0; j < half; ++j) {
+        const float c = cv[b * half + j], s = sv[b * half + j];
+        const float x1 = src[j], x2 = src[j + half];
+        dst[j] = x1 * c - x2 * s;
+        dst[j + half] = x2 * c + x1 * s;
+      }
+    };
+    for (int64_t h = 0; h < nh; ++h) rope(xb + h * d, qo + (b * nh + h) * d);
+    const int64_t blk = sl[b] / B, off = sl[b] % B;
+    TORCH_CHECK(sl[b] >= 0 && blk < nb, "slot ", sl[b], " outside the KV buffer");
+    for (int64_t h = 0; h < kv; ++h) {
+      rope(xb + (nh + h) * d, rk);
+      const float* vsrc = xb + (nh + kv + h) * d;
+      for (int64_t j = 0; j < d; ++j) {
+        const int64_t ki = packed ? (((blk * kv + h) * (B / 2) + off / 2) * d + j) * 2 + off % 2
+                                  : ((blk * kv + h) * B + off) * d + j;
+        store(k_cache.data_ptr(), ke, ki, rk[j], float(k_scale));
+        store(v_cache.data_ptr(), ve, ((blk * kv + h) * B + off) * d + j, vsrc[j], float(v_scale));
+      }
+    }
+  }
+  return q;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_float_like(x, "x");
+  TORCH_CHECK(x.dim() == 2 && weight.numel() == x.size(1), "rms_norm: x ", x.sizes(), " vs weight ", weight.sizes());
+  const int64_t M = x.size(0), H = x.size(1);
+  const float* xf = rows_as_f32(x, 0);
+  at::Tensor wc = weight.contiguous();
+  const FloatView w(wc);
+  at::Tensor out = at::empty_like(x);
+  float* row = scratch(1, H);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = xf + m * H;
+    float ss = 0.f;
+    for (int64_t j = 0; j < H; ++j) ss += xr[j] * xr[j];
+    const float inv = 1.f / std::sqrt(ss / float(H) + float(eps));
+    for (int64_t j = 0; j < H; ++j) row[j] = w[j] * (xr[j] * inv);
+    store_row(row, out, m * H, H);
+  }
+  return out;
+}
+
+}  // namespace gd

@@ -1,0 +1,94 @@
+// Helpers shared by the kernels: per-thread scratch that grows and is reused (a decode step allocates
+// nothing per call once warm), element loads by dtype, E8M0 scales, a vectorized exp, checks.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <vector>
+
+#include "vec.h"
+
+namespace gd {
+
+// Reused scratch: `slot` separates the buffers one op needs at the same time. Each thread has its own.
+inline float* scratch(int slot, size_t n) {
+  thread_local std::vector<float> bufs[4];
+  auto& b = bufs[slot];
+  if (b.size() < n) b.resize(n);
+  return b.data();
+}
+// Scratch shared by the workers of one op: the calling thread's (workers write disjoint parts). Apart from
+// `scratch`, which the calling thread also uses as a worker.
+inline float* shared_scratch(int slot, size_t n) {
+  thread_local std::vector<float> bufs[4];
+  auto& b = bufs[slot];
+  if (b.size() < n) b.resize(n);
+  return b.data();
+}
+
+enum class Elem { F32, BF16, FP8 };
+
+inline Elem elem_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return Elem::F32;
+    case at::kBFloat16: return Elem::BF16;
+    case at::kFloat8_e4m3fn: case at::kByte: return Elem::FP8;
+    default: TORCH_CHECK(false, "unsupported dtype ", t.scalar_type());
+  }
+}
+
+inline float load_elem(const void* p, Elem e, int64_t i) {
+  switch (e) {
+    case Elem::F32: return static_cast<const float*>(p)[i];
+    case Elem::BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    default: return fp8_to_f32(static_cast<const uint8_t*>(p)[i]);
+  }
+}
+
+// A float tensor of one row of a small (bias / norm / sink) tensor, read in place whatever its dtype.
+struct FloatView {
+  const void* p;
+  Elem e;
+  explicit FloatView(const at::Tensor& t) : p(t.data_ptr()), e(elem_of(t)) {
+    TORCH_CHECK(t.is_contiguous(), "expected a contiguous tensor");
+    TORCH_CHECK(e != Elem::FP8, "expected a float or bf16 tensor");
+  }
+  float operator[](int64_t i) const { return load_elem(p, e, i); }
+};
+
+// E8M0 byte -> 2^(s - 127) (s = 0 gives the fp32 subnormal 2^-127, s = 255 overflows to inf like torch's table)
+inline const float* e8m0_table() {
+  static const std::vector<float> t = [] {
+    std::vector<float> v(256);
+    for (int s = 0; s < 256; ++s) v[s] = float(std::ldexp(1.0, s - 127));
+    return v;
+  }();
+  return t.data();
+}
+
+// rows of `x` [M, K] (float or bf16) as contiguous fp32 [M, K]
+inline const float* rows_as_f32(const at::Tensor& x, int slot) {
+  const int64_t n = x.numel();
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  float* out = scratch(slot, n);
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(p[i]);
+  return out;
+}
+
+inline void store_row(const float* src, at::Tensor& out, int64_t off, int64_t n) {
+  if (out.scalar_type() == at::kFloat) {
+    std::memcpy(out.data_ptr<float>() + off, src, n * sizeof(float));
+  } else {
+    uint16_t* d = reinterpret_cast<uint16_t*>(out.data_ptr()) + off;
+    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+  }
+}
+
+inline void check_float_like(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16 (got ", t.scalar_type(), ")");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace gd

@@ -1,0 +1,102 @@
+// Dense projections at small batch (qkv, o, router, lm_head): y [M, N] = x [M, K] · W [N, K]^T + b.
+// Memory-bound: each weight row streams once per call for all M inputs (register tiles of RT rows × TT
+// inputs, fp32 accumulation, bf16 or fp32 weights). Many rows (prefill) go to oneDNN instead (Python side).
+#include <array>
+#include <utility>
+
+#include "common.h"
+
+namespace gd {
+
+namespace {
+
+constexpr int RT_MAX = 4;
+constexpr int TT_MAX = W == 16 ? 4 : 2;
+
+template <typename WT>
+inline VF wload(const WT* p) {
+  if constexpr (std::is_same_v<WT, float>) return vload(p);
+  else return vload_bf16(p);
+}
+template <typename WT>
+inline float wscalar(const WT* p) {
+  if constexpr (std::is_same_v<WT, float>) return *p;
+  else return bf16_to_f32(*p);
+}
+
+template <typename WT, int RT, int TT>
+void dense_tile(const WT* w, int64_t K, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  VF acc[RT][TT];
+  for (int r = 0; r < RT; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = vzero();
+  const int64_t Kv = K / W * W;
+  for (int64_t k = 0; k < Kv; k += W) {
+    VF xv[TT];
+    for (int t = 0; t < TT; ++t) xv[t] = vload(x + t * ldx + k);
+    for (int r = 0; r < RT; ++r) {
+      const VF wv = wload(w + r * K + k);
+      for (int t = 0; t < TT; ++t) acc[r][t] = vfma(wv, xv[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int t = 0; t < TT; ++t) {
+      float s = vsum(acc[r][t]);
+      for (int64_t k = Kv; k < K; ++k) s += wscalar(w + r * K + k) * x[t * ldx + k];
+      out[t * ldo + r] = s;
+    }
+}
+
+template <typename WT>
+using DenseFn = void (*)(const WT*, int64_t, const float*, int64_t, float*, int64_t);
+
+template <typename WT, int RT, int... TTs>
+constexpr std::array<DenseFn<WT>, sizeof...(TTs)> dense_row(std::integer_sequence<int, TTs...>) {
+  return {&dense_tile<WT, RT, TTs + 1>...};
+}
+template <typename WT, int... RTs>
+constexpr std::array<std::array<DenseFn<WT>, TT_MAX>, sizeof...(RTs)> dense_table(std::integer_sequence<int, RTs...>) {
+  return {dense_row<WT, RTs + 1>(std::make_integer_sequence<int, TT_MAX>{})...};
+}
+
+template <typename WT>
+void dense_rows(const WT* w, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
+  static const auto TILES = dense_table<WT>(std::make_integer_sequence<int, RT_MAX>{});
+  const int64_t strip = 16, strips = (N + strip - 1) / strip;     // 16 rows per work item
+  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t r1 = std::min(N, (s + 1) * strip);
+      for (int64_t r = s * strip; r < r1; r += RT_MAX) {
+        const int rt = int(std::min<int64_t>(RT_MAX, r1 - r));
+        for (int64_t t = 0; t < M; t += TT_MAX) {
+          const int tt = int(std::min<int64_t>(TT_MAX, M - t));
+          TILES[rt - 1][tt - 1](w + r * K, K, x + t * K, K, y + t * N + r, N);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  check_float_like(x, "x");
+  check_float_like(w, "weight");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x ", x.sizes(), " vs weight ", w.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const float* xf = rows_as_f32(x, 0);
+  float* y = x.scalar_type() == at::kFloat ? out.data_ptr<float>() : shared_scratch(0, M * N);
+  if (w.scalar_type() == at::kFloat) dense_rows(w.data_ptr<float>(), N, K, xf, M, y);
+  else dense_rows(reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K, xf, M, y);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " values for ", N, " rows");
+    const FloatView b(*bias);
+    for (int64_t t = 0; t < M; ++t)
+      for (int64_t n = 0; n < N; ++n) y[t * N + n] += b[n];
+  }
+  if (x.scalar_type() != at::kFloat) store_row(y, out, 0, M * N);
+  return out;
+}
+
+}  // namespace gd

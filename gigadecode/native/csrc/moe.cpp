@@ -1,0 +1,263 @@
+// MXFP4 expert kernels: the routed MoE for decode (grouped by expert) and the exact MXFP4 -> dense decode
+// used by prefill before its oneDNN GEMMs.
+//
+// Weights stay in the checkpoint's MXFP4 layout, which is already the streamed one: a row's groups are
+// contiguous (blocks [E, R, G, 16] bytes, two e2m1 codes per byte, low nibble first; scales [E, R, G] E8M0).
+// The kernel decodes a tile of RT rows of a group into fp32 registers (codes -> values by a vector table
+// lookup, times the group's power of two: exact) and multiplies them with up to TT inputs at once, so each
+// selected expert's bytes stream from memory once per step for all of its tokens. Inputs are stored
+// "deinterleaved" per W-byte chunk ([W even elements][W odd elements]) so the low/high nibbles of a chunk
+// meet their inputs without shuffles.
+#include <array>
+#include <utility>
+
+#include "common.h"
+
+namespace gd {
+
+namespace {
+
+constexpr int RT_MAX = W == 16 ? 4 : 2;   // rows per register tile
+constexpr int TT_MAX = W == 16 ? 4 : 2;   // inputs per register tile
+
+// x [K] -> deinterleaved chunks: out[c*2W + i] = x[2(cW + i)], out[c*2W + W + i] = x[2(cW + i) + 1]
+inline void deinterleave(const float* x, int64_t K, float* out) {
+  for (int64_t c = 0; c < K / (2 * W); ++c)
+    for (int i = 0; i < W; ++i) {
+      out[c * 2 * W + i] = x[2 * (c * W + i)];
+      out[c * 2 * W + W + i] = x[2 * (c * W + i) + 1];
+    }
+}
+
+// out[t * ldo + r] = row r · input t for RT rows (row r at blk + r*G*16, scales at scl + r*G) and TT inputs
+template <int RT, int TT>
+void mx_tile(const uint8_t* blk, const uint8_t* scl, int64_t G, const float* const* xs, float* out, int64_t ldo) {
+  const float* e8 = e8m0_table();
+  VF acc[RT][TT];
+  for (int r = 0; r < RT; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = vzero();
+  constexpr int CPG = 16 / W;             // chunks of W bytes per 32-value group
+  for (int64_t g = 0; g < G; ++g) {
+    VF s[RT];
+    for (int r = 0; r < RT; ++r) s[r] = vset1(e8[scl[r * G + g]]);
+    for (int cc = 0; cc < CPG; ++cc) {
+      const int64_t c = g * CPG + cc;
+      VF we[RT], wo[RT];
+      for (int r = 0; r < RT; ++r) vdecode_e2m1(blk + r * G * 16 + c * W, s[r], we[r], wo[r]);
+      for (int t = 0; t < TT; ++t) {
+        const VF xe = vload(xs[t] + c * 2 * W), xo = vload(xs[t] + c * 2 * W + W);
+        for (int r = 0; r < RT; ++r) acc[r][t] = vfma(wo[r], xo, vfma(we[r], xe, acc[r][t]));
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int t = 0; t < TT; ++t) out[t * ldo + r] = vsum(acc[r][t]);
+}
+
+using TileFn = void (*)(const uint8_t*, const uint8_t*, int64_t, const float* const*, float*, int64_t);
+
+template <int RT, int... TTs>
+constexpr std::array<TileFn, sizeof...(TTs)> tile_row(std::integer_sequence<int, TTs...>) {
+  return {&mx_tile<RT, TTs + 1>...};
+}
+template <int... RTs>
+constexpr std::array<std::array<TileFn, TT_MAX>, sizeof...(RTs)> tile_table(std::integer_sequence<int, RTs...>) {
+  return {tile_row<RTs + 1>(std::make_integer_sequence<int, TT_MAX>{})...};
+}
+const auto TILES = tile_table(std::make_integer_sequence<int, RT_MAX>{});
+
+// rows [r0, r1) of expert matrix (blk, scl: the expert's first row) times `n` deinterleaved inputs
+// -> out[i * ldo + r] for i < n
+void expert_rows(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1, const float* const* xs,
+                 int64_t n, float* out, int64_t ldo) {
+  for (int64_t r = r0; r < r1; r += RT_MAX) {
+    const int rt = int(std::min<int64_t>(RT_MAX, r1 - r));
+    for (int64_t t = 0; t < n; t += TT_MAX) {
+      const int tt = int(std::min<int64_t>(TT_MAX, n - t));
+      TILES[rt - 1][tt - 1](blk + r * G * 16, scl + r * G, G, xs + t, out + t * ldo + r, ldo);
+    }
+  }
+}
+
+struct Routing {
+  std::vector<int64_t> expert_start;   // [n_local + 1] first pair of each local expert (pairs sorted by expert)
+  std::vector<int64_t> pair_token;     // [P] token of each pair
+  std::vector<float> pair_gate;        // [P] its gate weight
+  std::vector<int64_t> active;         // local experts with at least one pair, ascending
+};
+
+Routing group_by_expert(const at::Tensor& idx, const at::Tensor& gate_w, int64_t n_local, int64_t offset) {
+  const int64_t T = idx.size(0), k = idx.size(1);
+  const int64_t* id = idx.data_ptr<int64_t>();
+  at::Tensor gw = gate_w.to(at::kFloat).contiguous();
+  const float* g = gw.data_ptr<float>();
+  Routing r;
+  r.expert_start.assign(n_local + 1, 0);
+  for (int64_t i = 0; i < T * k; ++i) {
+    const int64_t e = id[i] - offset;
+    if (e >= 0 && e < n_local) r.expert_start[e + 1]++;
+  }
+  for (int64_t e = 0; e < n_local; ++e) {
+    if (r.expert_start[e + 1]) r.active.push_back(e);
+    r.expert_start[e + 1] += r.expert_start[e];
+  }
+  const int64_t P = r.expert_start[n_local];
+  r.pair_token.resize(P);
+  r.pair_gate.resize(P);
+  std::vector<int64_t> fill(r.expert_start.begin(), r.expert_start.end() - 1);
+  for (int64_t i = 0; i < T * k; ++i) {          // token order within an expert (stable)
+    const int64_t e = id[i] - offset;
+    if (e < 0 || e >= n_local) continue;
+    r.pair_token[fill[e]] = i / k;
+    r.pair_gate[fill[e]++] = g[i];
+  }
+  return r;
+}
+
+void check_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, const char* name) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && scales.scalar_type() == at::kByte, name, ": MXFP4 must be uint8");
+  TORCH_CHECK(blocks.dim() == 4 && blocks.size(3) == 16 && scales.dim() == 3 &&
+              blocks.sizes().slice(0, 3) == scales.sizes(), name, ": expected blocks [E, R, G, 16] and scales [E, R, G]");
+  TORCH_CHECK(blocks.is_contiguous() && scales.is_contiguous(), name, ": MXFP4 tensors must be contiguous");
+}
+
+}  // namespace
+
+// out [T, H] = sum over the (token, slot) pairs routed to local experts of gate · expert(x[token]).
+// expert(x) = W2 · swiglu(W1 · x + b1) + b2, with W1 = gate_up (rows interleaved gate, up), W2 = down.
+at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& gate_w,
+                     const at::Tensor& gu_blocks, const at::Tensor& gu_scales, const at::Tensor& gu_bias,
+                     const at::Tensor& dn_blocks, const at::Tensor& dn_scales, const at::Tensor& dn_bias,
+                     double alpha, double limit, int64_t expert_offset) {
+  check_float_like(x, "x");
+  check_mxfp4(gu_blocks, gu_scales, "gate_up");
+  check_mxfp4(dn_blocks, dn_scales, "down");
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.size(0) == x.size(0) && idx.is_contiguous(),
+              "idx must be int64 [T, k]");
+  TORCH_CHECK(gate_w.sizes() == idx.sizes(), "gate_w must be [T, k] like idx");
+  const int64_t T = x.size(0), H = x.size(1);
+  const int64_t E = gu_blocks.size(0), R1 = gu_blocks.size(1), G1 = gu_blocks.size(2);
+  const int64_t I = R1 / 2, G2 = dn_blocks.size(2);
+  TORCH_CHECK(G1 * 32 == H && dn_blocks.size(1) == H && G2 * 32 == I && dn_blocks.size(0) == E && R1 % 2 == 0,
+              "expert shapes do not match x: gate_up ", gu_blocks.sizes(), ", down ", dn_blocks.sizes(), ", x ", x.sizes());
+  TORCH_CHECK(gu_bias.dim() == 2 && gu_bias.size(0) == E && gu_bias.size(1) == R1 && dn_bias.dim() == 2 &&
+              dn_bias.size(0) == E && dn_bias.size(1) == H, "expert biases must be [E, 2I] and [E, H]");
+  const FloatView b1(gu_bias), b2(dn_bias);
+  Routing rt = group_by_expert(idx, gate_w, E, expert_offset);
+  const int64_t P = rt.pair_token.size();
+  at::Tensor out = at::zeros_like(x);
+  if (P == 0) return out;
+
+  const float* xf = rows_as_f32(x, 0);
+  float* xd = shared_scratch(0, T * H);                            // [T, H] deinterleaved inputs
+  float* gu = shared_scratch(1, P * R1);                           // [P, 2I] gate_up outputs
+  float* ad = shared_scratch(2, P * I);                            // [P, I] activations, deinterleaved
+  float* y = shared_scratch(3, P * H);                             // [P, H] down outputs
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) deinterleave(xf + t * H, H, xd + t * H);
+  });
+  std::vector<const float*> xin(P), ain(P);
+  for (int64_t p = 0; p < P; ++p) {
+    xin[p] = xd + rt.pair_token[p] * H;
+    ain[p] = ad + p * I;
+  }
+  const uint8_t* gub = gu_blocks.data_ptr<uint8_t>();
+  const uint8_t* gus = gu_scales.data_ptr<uint8_t>();
+  const uint8_t* dnb = dn_blocks.data_ptr<uint8_t>();
+  const uint8_t* dns = dn_scales.data_ptr<uint8_t>();
+  const int64_t n_act = rt.active.size();
+
+  // one work item = a strip of RT_MAX * 4 rows of one active expert, for all of that expert's pairs
+  auto run = [&](const uint8_t* blk, const uint8_t* scl, int64_t R, int64_t G, const std::vector<const float*>& in,
+                 float* dst) {
+    const int64_t strip = RT_MAX * 4, strips = (R + strip - 1) / strip;
+    at::parallel_for(0, n_act * strips, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t e = rt.active[i / strips], r0 = (i % strips) * strip;
+        const int64_t p0 = rt.expert_start[e], n = rt.expert_start[e + 1] - p0;
+        expert_rows(blk + e * R * G * 16, scl + e * R * G, G, r0, std::min(R, r0 + strip), in.data() + p0, n,
+                    dst + p0 * R, R);
+      }
+    });
+  };
+  run(gub, gus, R1, G1, xin, gu);
+
+  // swiglu on (gate, up) = (even, odd) columns with the gate_up bias, written deinterleaved for `down`
+  std::vector<int64_t> pair_expert(P);
+  for (int64_t e : rt.active)
+    for (int64_t p = rt.expert_start[e]; p < rt.expert_start[e + 1]; ++p) pair_expert[p] = e;
+  const float a = float(alpha), lim = float(limit);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    float* act = scratch(2, I);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t e = pair_expert[p];
+      for (int64_t i = 0; i < I; ++i) {
+        float g = gu[p * R1 + 2 * i] + b1[e * R1 + 2 * i];
+        float u = gu[p * R1 + 2 * i + 1] + b1[e * R1 + 2 * i + 1];
+        g = std::min(g, lim);
+        u = std::min(std::max(u, -lim), lim);
+        act[i] = (u + 1.f) * (g / (1.f + std::exp(-a * g)));
+      }
+      deinterleave(act, I, ad + p * I);
+    }
+  });
+  run(dnb, dns, H, G2, ain, y);
+
+  // out[t] = sum of its pairs (expert order) gate · (y + b2)
+  std::vector<std::vector<int64_t>> tok_pairs(T);
+  for (int64_t p = 0; p < P; ++p) tok_pairs[rt.pair_token[p]].push_back(p);
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    float* row = scratch(3, H);
+    for (int64_t t = t0; t < t1; ++t) {
+      if (tok_pairs[t].empty()) continue;
+      std::fill(row, row + H, 0.f);
+      for (int64_t p : tok_pairs[t]) {
+        const float gt = rt.pair_gate[p];
+        const int64_t e = pair_expert[p];
+        for (int64_t j = 0; j < H; ++j) row[j] += (y[p * H + j] + b2[e * H + j]) * gt;
+      }
+      store_row(row, out, t * H, H);
+    }
+  });
+  return out;
+}
+
+// blocks [..., R, G, 16], scales [..., R, G] -> dense [..., R, G*32] of `dtype` (exact)
+at::Tensor mxfp4_dequant(const at::Tensor& blocks, const at::Tensor& scales, at::ScalarType dtype) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && scales.scalar_type() == at::kByte, "MXFP4 must be uint8");
+  TORCH_CHECK(blocks.dim() >= 2 && blocks.size(-1) == 16 && blocks.sizes().slice(0, blocks.dim() - 1) == scales.sizes(),
+              "MXFP4 shape mismatch: blocks ", blocks.sizes(), " vs scales ", scales.sizes());
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequant dtype must be float32 or bfloat16");
+  at::Tensor b = blocks.contiguous(), s = scales.contiguous();
+  std::vector<int64_t> shape(scales.sizes().begin(), scales.sizes().end());
+  const int64_t G = shape.back();
+  shape.back() = G * 32;
+  at::Tensor out = at::empty(shape, blocks.options().dtype(dtype));
+  const int64_t groups = s.numel();
+  const uint8_t* bp = b.data_ptr<uint8_t>();
+  const uint8_t* sp = s.data_ptr<uint8_t>();
+  const float* e8 = e8m0_table();
+  static const float LUT[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  const bool bf = dtype == at::kBFloat16;
+  void* op = out.data_ptr();
+  at::parallel_for(0, groups, 2048, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const float sc = e8[sp[g]];
+      float v[32];
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t byte = bp[g * 16 + j];
+        v[2 * j] = LUT[byte & 0xF] * sc;
+        v[2 * j + 1] = LUT[byte >> 4] * sc;
+      }
+      if (bf) {
+        uint16_t* d = static_cast<uint16_t*>(op) + g * 32;
+        for (int j = 0; j < 32; ++j) d[j] = f32_to_bf16(v[j]);
+      } else {
+        std::memcpy(static_cast<float*>(op) + g * 32, v, sizeof v);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace gd

@@ -1,0 +1,43 @@
+// Registers the native kernels as torch ops (namespace `gigadecode_native`), so Python calls them like any
+// op and a compiled program sees each as one opaque node (fake implementations live in Python).
+#include <torch/library.h>
+
+#include "common.h"
+
+namespace gd {
+at::Tensor moe_mxfp4(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, int64_t);
+at::Tensor mxfp4_dequant(const at::Tensor&, const at::Tensor&, at::ScalarType);
+at::Tensor linear_small(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&);
+at::Tensor paged_decode_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, double,
+                                  double, at::ScalarType);
+at::Tensor rope_kv_write(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor,
+                         const at::Tensor&, int64_t, double, double);
+at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double);
+
+std::string isa() { return GD_ISA; }
+}  // namespace gd
+
+TORCH_LIBRARY(gigadecode_native, m) {
+  m.def("moe_mxfp4(Tensor x, Tensor idx, Tensor gate_w, Tensor gate_up_blocks, Tensor gate_up_scales, "
+        "Tensor gate_up_bias, Tensor down_blocks, Tensor down_scales, Tensor down_bias, float alpha, float limit, "
+        "int expert_offset) -> Tensor");
+  m.def("mxfp4_dequant(Tensor blocks, Tensor scales, ScalarType dtype) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor pos, Tensor active, "
+        "Tensor sinks, int window, float scale, float k_scale, float v_scale, ScalarType out_dtype) -> Tensor");
+  m.def("rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot, "
+        "int num_heads, float k_scale, float v_scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("isa() -> str", &gd::isa);
+}
+
+TORCH_LIBRARY_IMPL(gigadecode_native, CPU, m) {
+  m.impl("moe_mxfp4", &gd::moe_mxfp4);
+  m.impl("mxfp4_dequant", &gd::mxfp4_dequant);
+  m.impl("linear", &gd::linear_small);
+  m.impl("paged_decode_attention", &gd::paged_decode_attention);
+  m.impl("rope_kv_write", &gd::rope_kv_write);
+  m.impl("rms_norm", &gd::rms_norm);
+}

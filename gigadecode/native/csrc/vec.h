@@ -1,0 +1,159 @@
+// The vector layer every kernel is written against: one fp32 vector type `VF` of W lanes and the loads
+// the kernels need (bf16, fp16 bits, FP8 e4m3, MXFP4 nibbles). Built once per ISA: with -mavx512f … the
+// type is a __m512 (W = 16), otherwise with -mavx2 -mfma -mf16c a __m256 (W = 8). Kernels never test the
+// ISA themselves; they use W and these functions.
+#pragma once
+
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+
+namespace gd {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define GD_ISA "avx512"
+constexpr int W = 16;
+struct VF { __m512 v; };
+inline VF vzero() { return {_mm512_setzero_ps()}; }
+inline VF vset1(float x) { return {_mm512_set1_ps(x)}; }
+inline VF vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void vstore(float* p, VF a) { _mm512_storeu_ps(p, a.v); }
+inline VF vfma(VF a, VF b, VF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline VF vmul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline VF vadd(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline float vsum(VF a) { return _mm512_reduce_add_ps(a.v); }
+// W bf16 values -> fp32 (bf16 is the top half of an fp32)
+inline VF vload_bf16(const uint16_t* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
+// W FP8 e4m3 bytes -> fp32 / 256: the byte's exponent and mantissa bits placed into an fp16 (bias 15 vs 7:
+// a factor 2^-8 for normal and subnormal values alike, which the caller folds into its scale).
+inline VF vload_fp8_div256(const uint8_t* p) {
+  __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                              _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return {_mm512_cvtph_ps(h)};
+}
+// MXFP4: W bytes (2W e2m1 codes, low nibble first) -> values of the low nibbles (even elements) and of the
+// high nibbles (odd elements), each times `scale`.
+inline void vdecode_e2m1(const uint8_t* p, VF scale, VF& even, VF& odd) {
+  const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  even.v = _mm512_mul_ps(_mm512_permutexvar_ps(b, lut), scale.v);      // permutexvar uses the low 4 bits
+  odd.v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), scale.v);
+}
+// e^x for x <= 88 (x = -inf gives ~1e-38; callers never use masked lanes): 2^n · p(f), Cephes' polynomial
+inline VF vexp(VF x) {
+  __m512 v = _mm512_min_ps(_mm512_max_ps(x.v, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return {_mm512_mul_ps(p, _mm512_castsi512_ps(e))};
+}
+#else
+#define GD_ISA "avx2"
+constexpr int W = 8;
+struct VF { __m256 v; };
+inline VF vzero() { return {_mm256_setzero_ps()}; }
+inline VF vset1(float x) { return {_mm256_set1_ps(x)}; }
+inline VF vload(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline void vstore(float* p, VF a) { _mm256_storeu_ps(p, a.v); }
+inline VF vfma(VF a, VF b, VF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline VF vmul(VF a, VF b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline VF vadd(VF a, VF b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline float vsum(VF a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline VF vload_bf16(const uint16_t* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+}
+inline VF vload_fp8_div256(const uint8_t* p) {
+  __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
+  __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
+                           _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  return {_mm256_cvtph_ps(h)};
+}
+inline void vdecode_e2m1(const uint8_t* p, VF scale, VF& even, VF& odd) {
+  // magnitude from an 8-entry table, sign from bit 3 of the code
+  const __m256 lut = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  __m256i hi = _mm256_srli_epi32(b, 4);
+  __m256 lo_m = _mm256_permutevar8x32_ps(lut, b);                     // uses the low 3 bits
+  __m256 hi_m = _mm256_permutevar8x32_ps(lut, hi);
+  __m256i lo_s = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(8)), 28);
+  __m256i hi_s = _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(8)), 28);
+  even.v = _mm256_mul_ps(_mm256_xor_ps(lo_m, _mm256_castsi256_ps(lo_s)), scale.v);
+  odd.v = _mm256_mul_ps(_mm256_xor_ps(hi_m, _mm256_castsi256_ps(hi_s)), scale.v);
+}
+inline VF vexp(VF x) {
+  __m256 v = _mm256_min_ps(_mm256_max_ps(x.v, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return {_mm256_mul_ps(p, _mm256_castsi256_ps(e))};
+}
+#endif
+
+// ---- scalar conversions (exact, round-to-nearest-even like torch's casts) ---------------------------
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);   // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+// e4m3fn (bias 7, no infinities, max 448): value of one byte
+inline float fp8_to_f32(uint8_t b) {
+  int e = (b >> 3) & 0xF, m = b & 7;
+  float v = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
+  if (e == 15 && m == 7) v = NAN;
+  return (b & 0x80) ? -v : v;
+}
+// fp32 -> e4m3fn, saturating to ±448 (the caller clamps as the torch code does), ties to even
+inline uint8_t f32_to_fp8(float x) {
+  if (std::isnan(x)) return 0x7F;
+  uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  float a = std::fabs(x);
+  if (a >= 448.f) return sign | 0x7E;
+  if (a < std::ldexp(1.f, -6)) {                       // subnormal range: step 2^-9
+    float q = std::nearbyint(std::ldexp(a, 9));          // default rounding mode: ties to even
+    return sign | uint8_t(q);                            // q == 8 is the smallest normal, same bits
+  }
+  int e;
+  std::frexp(a, &e);                                     // a = f * 2^e, f in [0.5, 1)
+  float q = std::nearbyint(std::ldexp(a, 4 - e));       // 8..16: 1.mmm * 8
+  if (q >= 16.f) { q = 8.f; e += 1; }
+  int eb = e - 1 + 7;
+  if (eb > 15 || (eb == 15 && q > 14.f)) return sign | 0x7E;
+  return sign | uint8_t(eb << 3) | uint8_t(int(q) - 8);
+}
+
+}  // namespace gd

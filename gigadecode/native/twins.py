@@ -1,0 +1,85 @@
+"""Torch twins of the native kernels: the same signatures and semantics in plain PyTorch.
+
+Each twin is the oracle the kernel is tested against and the fallback where no kernel could be built.
+All compute in fp32 and return the dtype the kernel returns (shapes in the native docstrings of
+`gigadecode.native`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kv.cache import dequantize, packed_to_token_major, write_kv
+from ..mxfp4 import decode_mxfp4
+from ..ops import moe_routed, rms_norm as _rms_norm
+from ..rope import apply_rope
+
+
+def moe_mxfp4(x, idx, gate_w, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias,
+              alpha: float, limit: float, expert_offset: int) -> torch.Tensor:
+    def dense(le: int):
+        return (decode_mxfp4(gate_up_blocks[le], gate_up_scales[le], torch.float32),
+                decode_mxfp4(down_blocks[le], down_scales[le], torch.float32))
+    out = moe_routed(x.float(), idx, gate_w.float(), dense, gate_up_bias.float(), down_bias.float(), alpha, limit,
+                     expert_offset)
+    return out.to(x.dtype)
+
+
+def mxfp4_dequant(blocks, scales, dtype: torch.dtype) -> torch.Tensor:
+    return decode_mxfp4(blocks, scales, torch.float32).to(dtype)
+
+
+def linear(x, weight, bias=None) -> torch.Tensor:
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+def rms_norm(x, weight, eps: float) -> torch.Tensor:
+    return _rms_norm(x.float(), weight.float(), eps).to(x.dtype)
+
+
+def rope_kv_write(qkv, cos, sin, k_cache, v_cache, slot, num_heads: int, k_scale: float, v_scale: float
+                  ) -> torch.Tensor:
+    nb, kvh, B, d = v_cache.shape
+    x = qkv.float()
+    c, s = cos.float(), sin.float()
+    q = apply_rope(x[:, : num_heads * d].reshape(-1, num_heads, d), c, s)
+    k = apply_rope(x[:, num_heads * d: (num_heads + kvh) * d].reshape(-1, kvh, d), c, s)
+    v = x[:, (num_heads + kvh) * d:].reshape(-1, kvh, d)
+    write_kv(k_cache, v_cache, slot, k, v, B, k_scale, v_scale)
+    return q.contiguous()
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, active: torch.Tensor,
+                     sinks: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+    """Dense decode attention with sinks: q [Bt, nh, d]; k, v [Bt, kv, S, d] (frame position = column);
+    pos [Bt] frame position of the query -> [Bt, nh*d]. Sliding (`window`): keys pos-W < k <= pos."""
+    bt, nh, d = q.shape
+    kvh, S = k.shape[1], k.shape[2]
+    rep = nh // kvh
+    qg = q.view(bt, kvh, rep, d)
+    scores = torch.einsum("bgrd,bgsd->bgrs", qg, k) * scale                  # [Bt, kv, rep, S]
+    kf = torch.arange(S, device=q.device)
+    mask = (kf[None, :] <= pos[:, None]) & active[:, None]                  # [Bt, S]
+    if window is not None:
+        mask = mask & (kf[None, :] > pos[:, None] - window)
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    sink = sinks.view(1, kvh, rep, 1).to(scores.dtype).expand(bt, kvh, rep, 1)
+    logits = torch.cat((scores, sink), dim=-1)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    out = torch.einsum("bgrs,bgsd->bgrd", probs.to(v.dtype), v)             # [Bt, kv, rep, d]
+    return out.reshape(bt, nh * d)
+
+
+def paged_decode_attention(q, k_cache, v_cache, table, pos, active, sinks, window: int, scale: float,
+                           k_scale: float, v_scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+    bt, n = table.shape
+    nb, kvh, B, d = v_cache.shape
+    kb, vb = k_cache[table], v_cache[table]               # [Bt, n, kv, B(/2), d(, 2)]
+    if kb.dim() == vb.dim() + 1:
+        kb = packed_to_token_major(kb)                    # [Bt, n, kv, B, d]
+    k = dequantize(kb, torch.float32, k_scale).permute(0, 2, 1, 3, 4).reshape(bt, kvh, n * B, d)
+    v = dequantize(vb, torch.float32, v_scale).permute(0, 2, 1, 3, 4).reshape(bt, kvh, n * B, d)
+    out = decode_attention(q.float(), k, v, pos, active, sinks.float(), window or None, scale)
+    return out.to(out_dtype)
