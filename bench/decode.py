@@ -1,15 +1,25 @@
-"""Decode-step benchmark: the per-layer loop vs the GK program (eager and compiled), side by side.
+"""Decode and prefill benchmark: the GK program (native kernels) against the per-layer loop, transformers,
+and this machine's streaming-read bandwidth, all measured in the same run.
 
-Prints ms/step and tok/s at each batch size for the three decoders, their ratio to the per-layer loop
-(measured in the same run, interleaved to share the machine's noise), and the achieved GB/s of weights
-read per step against this machine's measured streaming-read bandwidth.
+Decode: for each batch and context, one step per decoder, alternated (A B A B …) so they share the machine's
+noise; medians. The KV cache is filled with random values and block tables of the full context (the cost of
+a decode step does not depend on the values), so long contexts need no prefill. Reported per step: ms,
+tok/s, weight bytes read per token (from the config: attention + router + norms + lm_head + the expected
+number of distinct experts a batch hits, E·(1-(1-k/E)^B), at their stored size), and MBU = bytes read per
+second / the streaming-read bandwidth measured here (torch.sum over a 1 GiB fp32 tensor, median of 5).
+Prefill: tokens/s of a 512- and a 4096-token prompt through the engine's chunked prefill (512 per chunk)
+against transformers' `GptOssForCausalLM` forward on the same checkpoint (bf16, when it fits in memory).
+Peak RSS is reported against the checkpoint's bytes.
 
-    .venv/bin/python bench/decode.py [--preset small] [--batch 1 8] [--steps 16] [--context 200]
+    .venv/bin/python bench/decode.py [--preset small] [--batch 1 8 32] [--context 256 4096] [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import resource
 import statistics
 import sys
 import time
@@ -19,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gigadecode import native  # noqa: E402
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
 from gigadecode.config import EngineConfig, GptOssConfig  # noqa: E402
 from gigadecode.gk.attn_control import build_attention_control  # noqa: E402
@@ -32,11 +43,12 @@ from gigadecode.weights import load_weights  # noqa: E402
 CACHE = Path.home() / ".cache" / "gigadecode"
 
 
-def memory_bandwidth_gbs(mib: int = 512, reps: int = 5) -> float:
-    x = torch.ones(mib * 1024 * 1024 // 4)
+def streaming_read_gbs(gib: float = 1.0, reps: int = 5) -> float:
+    x = torch.ones(int(gib * 2**30) // 4)
     x.sum()
-    best = min(_timed(lambda: x.sum()) for _ in range(reps))
-    return x.numel() * 4 / best / 1e9
+    t = [_timed(x.sum) for _ in range(reps)]
+    del x
+    return int(gib * 2**30) / statistics.median(t) / 1e9
 
 
 def _timed(fn) -> float:
@@ -46,12 +58,10 @@ def _timed(fn) -> float:
 
 
 def weight_bytes_per_step(cfg: GptOssConfig, w, batch: int) -> float:
-    """Bytes of weights one decode step must read: all attention/router/norm stacks, the lm_head, and the
-    expected number of distinct experts hit per layer (E·(1-(1-k/E)^B)) at their stored size."""
     t = w.tensors
     dense = sum(t[n].numel() * t[n].element_size() for n in
                 ("qkv_w", "qkv_b", "o_w", "o_b", "sinks", "router_w", "router_b", "input_norm", "post_norm",
-                 "norm", "lm_head"))
+                 "norm", "lm_head") if n in t)
     E, k = cfg.num_local_experts, cfg.num_experts_per_tok
     names = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales") if w.mxfp4 else ("gate_up", "down")
     per_expert = sum(t[n][0, 0].numel() * t[n].element_size() for n in names + ("gate_up_bias", "down_bias"))
@@ -59,80 +69,154 @@ def weight_bytes_per_step(cfg: GptOssConfig, w, batch: int) -> float:
     return dense + cfg.num_hidden_layers * hit * per_expert + batch * cfg.hidden_size * t["embed"].element_size()
 
 
-class Bench:
-    def __init__(self, model_dir: Path, batch: int, context: int, kv_dtype: str, block: int) -> None:
-        self.cfg = GptOssConfig.from_hf(model_dir)
-        self.w = load_weights(model_dir, self.cfg, torch.float32)
-        self.model = GptOssModel(self.cfg, self.w, torch.float32)
-        ecfg = EngineConfig(kv_dtype=kv_dtype, block_size=block)
-        nb = batch * 2 * (-(-(context + 256) // block)) + 8
-        self.kv = KVCache(self.cfg, ecfg, nb)
+class DecodeBench:
+    """One batch × context: a KV pool of random values and full tables, one GK model per decoder."""
+
+    def __init__(self, cfg, w, model, dtype: str, batch: int, context: int, block: int, decoders: list[str]) -> None:
+        self.cfg, self.model, self.batch, self.block, self.pos = cfg, model, batch, block, context
+        ecfg = EngineConfig(dtype=dtype, kv_dtype="fp8", block_size=block)
+        per_seq = -(-(context + 1) // block)
+        self.kv = KVCache(cfg, ecfg, batch * 2 * per_seq + 2)
+        for buf in self.kv.group_bufs:                       # random KV: values do not change the cost
+            buf.copy_((torch.randn(buf.shape) * 0.5).to(buf.dtype))
         self.mgr = KVCacheManager(self.kv.config, block)
-        self.batch, self.block = batch, block
-        g = torch.Generator().manual_seed(0)
         self.rids = [f"r{i}" for i in range(batch)]
-        prompts = [torch.randint(3, self.cfg.vocab_size, (context,), generator=g).tolist() for _ in range(batch)]
         for r in self.rids:
-            self.mgr.allocate(r, context + 256, 0)
-        self.model.forward([SeqChunk(p, 0, self.mgr.block_tables(r), "none") for r, p in zip(self.rids, prompts)],
-                           self.kv)
-        self.pos = context
-        self.sliding = [isinstance(gr.spec, SlidingWindowSpec) for gr in self.kv.config.groups]
+            assert self.mgr.allocate(r, context + 1, 0)
+            self.mgr.remove_skipped_blocks(r, context)
+        self.sliding = [isinstance(g.spec, SlidingWindowSpec) for g in self.kv.config.groups]
         self.gk = {}
-        for name, compiled in (("gk", False), ("gk-compiled", True)):
-            m = GptOssGKDecodeModel(self.cfg, self.w, self.kv.config, block, self.kv.k_scale, self.kv.v_scale,
-                                    compiled=compiled)
+        for d in decoders:
+            if d == "per-layer":
+                continue
+            m = GptOssGKDecodeModel(cfg, w, self.kv.config, block, self.kv.k_scale, self.kv.v_scale,
+                                    compiled=d == "gk-compiled", native=d == "gk-native")
             m.bind_kv_cache(self.kv.bind_map())
-            self.gk[name] = m
-        self.full_width = 1 << (-(-(context + 256) // block) - 1).bit_length()
+            self.gk[d] = m
 
     def step(self, decoder: str) -> None:
-        # Every decoder re-writes the same position each step: same work, no growth between samples.
+        # every decoder re-writes the same position: the same work each sample, no growth
         tables = [self.mgr.block_tables(r) for r in self.rids]
         ids = [7] * self.batch
         if decoder == "per-layer":
             self.model.forward([SeqChunk([t], self.pos, tb) for t, tb in zip(ids, tables)], self.kv)
             return
         ctl = build_attention_control([self.pos] * self.batch, tables, self.sliding, self.model.rope, self.block,
-                                      self.cfg.sliding_window, batch_bucket=self.batch, full_width=self.full_width)
+                                      self.cfg.sliding_window, batch_bucket=self.batch)
         self.gk[decoder].decode(torch.tensor(ids), ctl)
+
+
+def prefill_tok_s(cfg, w, model, dtype: str, n: int, reps: int) -> float:
+    """Chunked prefill (512 tokens a chunk) of an n-token prompt through the per-layer model, median."""
+    ecfg = EngineConfig(dtype=dtype, kv_dtype="fp8", block_size=16)
+    kv = KVCache(cfg, ecfg, -(-n // 16) * 2 + 2)
+    mgr = KVCacheManager(kv.config, 16)
+    prompt = torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    times = []
+    for rep in range(reps):
+        rid = f"p{rep}"
+        assert mgr.allocate(rid, n, 0)
+        t0 = time.perf_counter()
+        for s in range(0, n, 512):
+            model.forward([SeqChunk(prompt[s: s + 512], s, mgr.block_tables(rid), "last")], kv)
+        times.append(time.perf_counter() - t0)
+        mgr.free(rid)
+    return n / statistics.median(times)
+
+
+def transformers_prefill_tok_s(model_dir: Path, cfg, n: int, reps: int) -> float | None:
+    try:
+        from transformers import GptOssForCausalLM
+    except ImportError:
+        return None
+    m = GptOssForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).eval()
+    ids = torch.randint(3, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    times = []
+    with torch.inference_mode():
+        m(ids[:, :16])
+        for _ in range(reps):
+            times.append(_timed(lambda: m(ids, logits_to_keep=1)))
+    del m
+    gc.collect()
+    return n / statistics.median(times)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--context", type=int, default=200)
-    ap.add_argument("--kv-dtype", default="fp8")
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the preset's, written once)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--context", type=int, nargs="+", default=[256, 4096])
+    ap.add_argument("--decoders", nargs="+", default=["gk-native", "per-layer"])
+    ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--prefill", type=int, nargs="*", default=[512, 4096])
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers prefill baseline")
+    ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else CACHE / args.preset
     if not (model_dir / "config.json").exists():
         print(f"writing the {args.preset} checkpoint to {model_dir} ...", flush=True)
         make_checkpoint(model_dir, args.preset, seed=0)
-    bw = memory_bandwidth_gbs()
-    print(f"model {model_dir}  threads {torch.get_num_threads()}  measured read bandwidth {bw:.1f} GB/s")
-    decoders = ["per-layer", "gk", "gk-compiled"]
-    print(f"{'batch':>5} {'decoder':<12} {'ms/step':>9} {'tok/s':>8} {'x per-layer':>11} {'GB/s':>7} {'% bw':>6}")
-    for batch in args.batch:
-        b = Bench(model_dir, batch, args.context, args.kv_dtype, args.block_size)
-        t0 = time.perf_counter()
-        for d in decoders:                                    # warm-up (compiles once; Inductor caches on disk)
-            b.step(d)
-        print(f"      (warm-up incl. compile {time.perf_counter() - t0:.0f}s)", flush=True)
-        times: dict[str, list[float]] = {d: [] for d in decoders}
-        for _ in range(args.steps):                           # interleaved: the three share the same noise
-            for d in decoders:
-                times[d].append(_timed(lambda: b.step(d)))
-        wbytes = weight_bytes_per_step(b.cfg, b.w, batch)
-        base = statistics.median(times["per-layer"])
-        for d in decoders:
-            med = statistics.median(times[d])
-            gbs = wbytes / med / 1e9
-            print(f"{batch:>5} {d:<12} {med * 1e3:>9.2f} {batch / med:>8.1f} {base / med:>11.2f} {gbs:>7.2f} "
-                  f"{100 * gbs / bw:>5.0f}%", flush=True)
+    ckpt_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    bw = streaming_read_gbs()
+    print(f"model {model_dir} ({ckpt_bytes / 1e9:.2f} GB)  dtype {args.dtype}  threads {torch.get_num_threads()}  "
+          f"kernels {native.status()}  streaming read {bw:.1f} GB/s", flush=True)
+    cfg = GptOssConfig.from_hf(model_dir)
+    dt = getattr(torch, args.dtype)
+    w = load_weights(model_dir, cfg, dt)
+    model = GptOssModel(cfg, w, dt)
+    results: dict = {"model": str(model_dir), "bandwidth_gbs": bw, "dtype": args.dtype, "decode": [], "prefill": []}
+
+    print(f"{'batch':>5} {'ctx':>5} {'decoder':<11} {'ms/step':>8} {'tok/s':>8} {'MB/tok':>7} {'MBU':>5} {'x base':>7}")
+    for context in args.context:
+        for batch in args.batch:
+            b = DecodeBench(cfg, w, model, args.dtype, batch, context, args.block_size, args.decoders)
+            for d in args.decoders:                           # warm-up
+                b.step(d)
+            times: dict[str, list[float]] = {d: [] for d in args.decoders}
+            for _ in range(args.steps):
+                for d in args.decoders:
+                    times[d].append(_timed(lambda: b.step(d)))
+            wbytes = weight_bytes_per_step(cfg, w, batch)
+            base = statistics.median(times[args.decoders[-1]])
+            for d in args.decoders:
+                med = statistics.median(times[d])
+                mbu = wbytes / med / 1e9 / bw
+                row = dict(batch=batch, context=context, decoder=d, ms_per_step=med * 1e3, tok_s=batch / med,
+                           mb_per_token=wbytes / batch / 1e6, mbu=mbu, vs_base=base / med)
+                results["decode"].append(row)
+                print(f"{batch:>5} {context:>5} {d:<11} {med * 1e3:>8.1f} {batch / med:>8.1f} "
+                      f"{wbytes / batch / 1e6:>7.1f} {100 * mbu:>4.0f}% {base / med:>7.2f}", flush=True)
+            del b
+            gc.collect()
+
+    for n in args.prefill:
+        ours = prefill_tok_s(cfg, w, model, args.dtype, n, reps=3)
+        row = dict(tokens=n, gigadecode_tok_s=ours)
+        print(f"prefill {n:>5} tokens: gigadecode {ours:8.1f} tok/s", end="", flush=True)
+        results["prefill"].append(row)
+        print()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # before transformers loads its copy
+    results["peak_rss_bytes"] = peak
+    print(f"peak RSS {peak / 1e9:.2f} GB = {peak / ckpt_bytes:.2f}x the checkpoint's bytes", flush=True)
+    if args.prefill and not args.no_transformers:
+        del model, w
+        gc.collect()
+        bf16_bytes = ckpt_bytes * 4                        # experts dequantized to bf16 at load (~4x MXFP4)
+        avail = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
+        if bf16_bytes > 0.8 * avail:
+            print(f"transformers baseline skipped: a bf16 copy (~{bf16_bytes / 1e9:.0f} GB) does not fit in memory")
+        else:
+            for row in results["prefill"]:
+                tf = transformers_prefill_tok_s(model_dir, cfg, row["tokens"], reps=3)
+                if tf:
+                    row["transformers_tok_s"] = tf
+                    print(f"prefill {row['tokens']:>5} tokens: transformers bf16 {tf:8.1f} tok/s -> gigadecode "
+                          f"{row['gigadecode_tok_s'] / tf:.2f}x", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 
 

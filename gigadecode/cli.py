@@ -19,7 +19,8 @@ DEFAULT_TINY_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    g.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp8"])
+    g.add_argument("--kv-dtype", default=None, choices=["auto", "bf16", "fp8"],
+                   help="KV storage: auto = the model dtype, fp8 = packed FP8 (default for GK decode engines)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from --kv-budget-gib)")
     g.add_argument("--kv-budget-gib", type=float, default=None)
@@ -28,14 +29,19 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "forms; reference: the per-layer model")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-prefill-tokens", type=int, default=512)
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the kernels (default: the cores this process may use; under torchrun, "
+                        "divided among the local ranks)")
     g.add_argument("--tp", type=int, default=1)
     g.add_argument("--dp", type=int, default=1)
     g.add_argument("--ep", type=int, default=1)
 
 
 def engine_config(args: argparse.Namespace, kv_role: str = "kv_both"):
-    from .config import EngineConfig
-    return EngineConfig(dtype=args.dtype, kv_dtype=args.kv_dtype, block_size=args.block_size,
+    from .config import EngineConfig, default_threads
+    kv_dtype = args.kv_dtype or ("auto" if args.decoder == "reference" else "fp8")
+    return EngineConfig(dtype=args.dtype, kv_dtype=kv_dtype, block_size=args.block_size,
+                        threads=getattr(args, "threads", None) or default_threads(),
                         num_blocks=args.num_blocks, kv_budget_gib=args.kv_budget_gib,
                         decoder=args.decoder, gk_decode=args.decoder != "reference", kv_role=kv_role,
                         max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
@@ -165,7 +171,7 @@ def _run_generate(args: argparse.Namespace, ecfg, engine, layout: str = "") -> i
         tok_s = (n - 1) / dt if n > 1 and dt > 0 else 0.0
         if args.json:
             d = {"prompt_ids": r.prompt_ids, "token_ids": r.output_ids, "finish_reason": r.finish_reason,
-                 "decode_tok_s": round(tok_s, 2)}
+                 "decode_tok_s": round(tok_s, 2), **_prefill_timing(r)}
             if codec is not None:
                 d["text"] = codec.decode(r.output_ids)
             print(json.dumps(d), flush=True)
@@ -175,6 +181,18 @@ def _run_generate(args: argparse.Namespace, ecfg, engine, layout: str = "") -> i
             print(("\n" if stream else "") + f"token ids: {r.output_ids}")
             print(f"finish: {r.finish_reason}  decode: {tok_s:.1f} tok/s ({layout}{ecfg.decoder}, kv {ecfg.kv_dtype})")
     return 0
+
+
+def _prefill_timing(r) -> dict:
+    """ttft_s: arrival -> first token; prompt_tok_s: prompt tokens / seconds from its first prefill chunk to its
+    first token (the tokens this engine computed; a DI consumer computes only the last one)."""
+    if r.first_token_time is None:
+        return {"ttft_s": None, "prompt_tok_s": None}
+    start = r.prefill_start_time if r.prefill_start_time is not None else r.arrival
+    dt = r.first_token_time - start
+    computed = len(r.prompt_ids) - r.remote_tokens
+    return {"ttft_s": round(r.first_token_time - r.arrival, 4),
+            "prompt_tok_s": round(computed / dt, 1) if dt > 0 else None}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ and the newer `rope_parameters` form alike); unknown keys are ignored. Defaults 
 from __future__ import annotations
 
 import json
+import os
 import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -261,6 +262,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 KV_DTYPES = ("auto", "bf16", "fp8")
 
 
+def default_threads() -> int:
+    """The cores this process may run on, shared among the ranks torchrun started on this node."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:                     # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 # decode paths: the GK program on the native kernels, in eager torch, compiled by Inductor; the per-layer model
 DECODERS = ("gk-native", "gk", "gk-compiled", "reference")
 
@@ -282,6 +292,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_prefill_tokens: int = 512      # chunked prefill budget per step
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    threads: int | None = None         # kernel threads (None = `default_threads()`)
     tp: int = 1
     dp: int = 1
     ep: int = 1
@@ -298,6 +309,8 @@ class EngineConfig:
             raise ConfigError(f"--block-size must be positive (and even for packed fp8); got {self.block_size}")
         if self.decoder not in DECODERS:
             raise ConfigError(f"--decoder must be {'|'.join(DECODERS)} (got {self.decoder!r})")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1 (got {self.threads})")
         if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ConfigError(f"kv_role must be kv_producer|kv_consumer|kv_both (got {self.kv_role!r})")
         if self.kv_failure_policy not in ("fail", "recompute"):

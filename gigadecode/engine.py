@@ -55,6 +55,7 @@ class Request:
     error: str | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    prefill_start_time: float | None = None   # when its first prefill chunk ran
     first_token_time: float | None = None
     last_token_time: float | None = None
     kv_ready: bool = True              # False while a DI consumer waits for its KV to arrive
@@ -256,7 +257,10 @@ class LLMEngine:
     # -- execution ---------------------------------------------------------------------------------------
     def _run_prefill(self, prefills: list[tuple[Request, int]], outputs: dict[str, RequestOutput]) -> None:
         chunks = []
+        now = time.monotonic()
         for req, n in prefills:
+            if req.prefill_start_time is None:
+                req.prefill_start_time = now
             ids = req.all_ids[req.num_computed: req.num_computed + n]
             done = req.num_computed + n == req.num_tokens
             chunks.append(SeqChunk(ids, req.num_computed, self.kv_manager.block_tables(req.request_id),

@@ -114,6 +114,8 @@ class ModelRunner:
         self.cfg = cfg or GptOssConfig.from_hf(self.model_dir)
         self.ecfg = ecfg
         self.dtype = ecfg.torch_dtype
+        if ecfg.threads is not None:
+            torch.set_num_threads(ecfg.threads)
         self.parallel = parallel          # gigadecode.parallel.ParallelContext or None (one rank)
         shard = parallel.shard if parallel is not None else Shard()
         self.weights = weights or load_weights(self.model_dir, self.cfg, self.dtype, shard, progress=progress)

@@ -46,6 +46,7 @@ class KernelSpec:
     v_scale: float = 1.0
     mxfp4: bool = True
     packed_k: bool = False              # K buffers use the packed view (a buffer passed whole is split by it)
+    mxfp4_bf16_scales: bool = True      # every E8M0 scale fits the native bf16 path (see native/csrc/bf16dot.h)
     fused_moe: bool = False             # compiled form: decode-and-dot as one reduction (Inductor fuses it)
 
     @property

@@ -28,7 +28,7 @@ from ..mxfp4 import _luts
 from ..weights import ModelWeights
 from .attn_control import AttentionControl
 from .mega_decode import KernelSpec, LayerBlocks, LocalPairsMoE, attention_block, gpt_oss_decode_mega_kernel
-from .native_blocks import NATIVE_BLOCKS
+from .native_blocks import BF16_SCALE_RANGE, NATIVE_BLOCKS
 
 CACHE_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode"))
 
@@ -50,6 +50,9 @@ def kernel_spec(cfg: GptOssConfig, weights: ModelWeights, kv_config: KVCacheConf
         layer_sliding=tuple(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)),
         layer_kind_group=tuple(kind_group), layer_buffer=tuple(kv_config.layer_buffer),
         k_scale=k_scale, v_scale=v_scale, mxfp4=weights.mxfp4,
+        mxfp4_bf16_scales=not weights.mxfp4 or all(
+            BF16_SCALE_RANGE[0] <= int(lo) and int(hi) <= BF16_SCALE_RANGE[1]
+            for lo, hi in (torch.aminmax(weights.tensors[n]) for n in ("gate_up_scales", "down_scales"))),
     )
 
 

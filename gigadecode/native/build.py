@@ -1,7 +1,7 @@
 """Builds and loads the native CPU kernels (`csrc/`) once per machine, cached.
 
 The sources are compiled with `torch.utils.cpp_extension` (ninja) for the best ISA this CPU has —
-AVX-512 (F/BW/VL + F16C/FMA) or AVX2 (+FMA/F16C) — into `~/.cache/gigadecode/native/<key>`, keyed by the
+AVX-512 with BF16 dot products, AVX-512 (F/BW/VL/DQ + F16C/FMA) or AVX2 (+FMA/F16C) — into `~/.cache/gigadecode/native/<key>`, keyed by the
 sources, the ISA and the torch version, so the first start builds (about a minute on 2 cores) and every later
 start loads the cached library. No build runs inside a timed or request path once `ensure_built()` ran
 (`python -m gigadecode.native` does it at install). Where no compiler or ninja is found, or the CPU has
@@ -24,6 +24,7 @@ log = logging.getLogger("gigadecode.native")
 SRC = Path(__file__).with_name("csrc")
 SOURCES = ("ops.cpp", "moe.cpp", "linear.cpp", "attention.cpp")
 ISA_FLAGS = {
+    "avx512-bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
@@ -43,7 +44,7 @@ def cpu_isa() -> str | None:
         cap = torch.backends.cpu.get_cpu_capability()
         return {"AVX512": "avx512", "AVX2": "avx2"}.get(cap)
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"} <= flags:
-        return "avx512"
+        return "avx512-bf16" if "avx512_bf16" in flags else "avx512"
     if {"avx2", "fma", "f16c"} <= flags:
         return "avx2"
     return None
@@ -96,7 +97,7 @@ def _build(isa: str, verbose: bool):
     key = build_key(isa)
     out = CACHE_DIR / f"{isa}-{key}"
     out.mkdir(parents=True, exist_ok=True)
-    name = f"gigadecode_native_{isa}"
+    name = f"gigadecode_native_{isa.replace('-', '_')}"
     lib = out / f"{name}.so"
     if lib.exists():
         torch.ops.load_library(str(lib))

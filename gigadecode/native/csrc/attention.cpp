@@ -237,6 +237,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               active.numel() == Bt, "pos (int64) and active (bool) must be [Bt]");
   TORCH_CHECK(sinks.numel() == nh, "sinks must have one value per q head");
   TORCH_CHECK(window >= 0, "window must be >= 0");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "out_dtype must be float32 or bfloat16");
   const int64_t* tb = table.data_ptr<int64_t>();
   const int64_t* ps = pos.data_ptr<int64_t>();
   const bool* ac = active.data_ptr<bool>();

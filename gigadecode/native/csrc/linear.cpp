@@ -4,6 +4,7 @@
 #include <array>
 #include <utility>
 
+#include "bf16dot.h"
 #include "common.h"
 
 namespace gd {
@@ -76,6 +77,58 @@ void dense_rows(const WT* w, int64_t N, int64_t K, const float* x, int64_t M, fl
   });
 }
 
+#ifdef GD_BF16DOT
+// bf16 weights × bf16 inputs: 32 products per instruction, exact, fp32 sums
+template <int RT, int TT>
+void dense_tile_bf16(const uint16_t* w, int64_t K, const uint16_t* x, int64_t ldx, float* out, int64_t ldo) {
+  __m512 acc[RT][TT];
+  for (int r = 0; r < RT; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t Kv = K / 32 * 32;
+  for (int64_t k = 0; k < Kv; k += 32) {
+    __m512i wv[RT];
+    for (int r = 0; r < RT; ++r) wv[r] = _mm512_loadu_si512(w + r * K + k);
+    for (int t = 0; t < TT; ++t) {
+      const uint16_t* xt = x + t * ldx + k;
+      for (int r = 0; r < RT; ++r) acc[r][t] = dot_bf16(acc[r][t], wv[r], xt);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int t = 0; t < TT; ++t) {
+      float s = _mm512_reduce_add_ps(acc[r][t]);
+      for (int64_t k = Kv; k < K; ++k) s += bf16_to_f32(w[r * K + k]) * bf16_to_f32(x[t * ldx + k]);
+      out[t * ldo + r] = s;
+    }
+}
+
+using DenseFnBf16 = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t);
+template <int RT, int... TTs>
+constexpr std::array<DenseFnBf16, sizeof...(TTs)> dense_row_bf16(std::integer_sequence<int, TTs...>) {
+  return {&dense_tile_bf16<RT, TTs + 1>...};
+}
+template <int... RTs>
+constexpr std::array<std::array<DenseFnBf16, TT_MAX>, sizeof...(RTs)> dense_table_bf16(std::integer_sequence<int, RTs...>) {
+  return {dense_row_bf16<RTs + 1>(std::make_integer_sequence<int, TT_MAX>{})...};
+}
+
+void dense_rows_bf16(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M, float* y) {
+  static const auto TILES = dense_table_bf16(std::make_integer_sequence<int, RT_MAX>{});
+  const int64_t strip = 16, strips = (N + strip - 1) / strip;
+  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t r1 = std::min(N, (s + 1) * strip);
+      for (int64_t r = s * strip; r < r1; r += RT_MAX) {
+        const int rt = int(std::min<int64_t>(RT_MAX, r1 - r));
+        for (int64_t t = 0; t < M; t += TT_MAX) {
+          const int tt = int(std::min<int64_t>(TT_MAX, M - t));
+          TILES[rt - 1][tt - 1](w + r * K, K, x + t * K, K, y + t * N + r, N);
+        }
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
@@ -85,10 +138,18 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w, const c10::opt
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
-  const float* xf = rows_as_f32(x, 0);
   float* y = x.scalar_type() == at::kFloat ? out.data_ptr<float>() : shared_scratch(0, M * N);
-  if (w.scalar_type() == at::kFloat) dense_rows(w.data_ptr<float>(), N, K, xf, M, y);
-  else dense_rows(reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K, xf, M, y);
+#ifdef GD_BF16DOT
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
+    dense_rows_bf16(reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K,
+                    reinterpret_cast<const uint16_t*>(x.data_ptr()), M, y);
+  } else
+#endif
+  {
+    const float* xf = rows_as_f32(x, 0);
+    if (w.scalar_type() == at::kFloat) dense_rows(w.data_ptr<float>(), N, K, xf, M, y);
+    else dense_rows(reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K, xf, M, y);
+  }
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " values for ", N, " rows");
     const FloatView b(*bias);

@@ -11,6 +11,7 @@
 #include <array>
 #include <utility>
 
+#include "bf16dot.h"
 #include "common.h"
 
 namespace gd {
@@ -78,6 +79,62 @@ void expert_rows(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, 
     }
   }
 }
+
+#ifdef GD_BF16DOT
+// bf16 inputs: x [K] -> chunks of 64 elements [32 even][32 odd] as bf16, zero-padded to whole chunks
+inline void deinterleave_bf16(const float* x, int64_t K, uint16_t* out) {
+  const int64_t chunks = (K + 63) / 64;
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int i = 0; i < 32; ++i) {
+      const int64_t e = c * 64 + 2 * i;
+      out[c * 64 + i] = e < K ? f32_to_bf16(x[e]) : 0;
+      out[c * 64 + 32 + i] = e + 1 < K ? f32_to_bf16(x[e + 1]) : 0;
+    }
+}
+
+template <int RT, int TT>
+void mx_tile_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint16_t* const* xs, float* out,
+                  int64_t ldo) {
+  __m512 acc[RT][TT];
+  for (int r = 0; r < RT; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < (G + 1) / 2; ++c) {
+    const bool half = 2 * c + 1 == G;
+    __m512i lo[RT], hi[RT];
+    for (int r = 0; r < RT; ++r)
+      decode_e2m1_bf16(blk + r * G * 16 + c * 32, scl[r * G + 2 * c], half ? 127 : scl[r * G + 2 * c + 1], half,
+                       lo[r], hi[r]);
+    for (int t = 0; t < TT; ++t) {
+      const uint16_t* x = xs[t] + c * 64;
+      for (int r = 0; r < RT; ++r) acc[r][t] = dot_bf16(dot_bf16(acc[r][t], lo[r], x), hi[r], x + 32);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int t = 0; t < TT; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+using TileFnBf16 = void (*)(const uint8_t*, const uint8_t*, int64_t, const uint16_t* const*, float*, int64_t);
+template <int RT, int... TTs>
+constexpr std::array<TileFnBf16, sizeof...(TTs)> tile_row_bf16(std::integer_sequence<int, TTs...>) {
+  return {&mx_tile_bf16<RT, TTs + 1>...};
+}
+template <int... RTs>
+constexpr std::array<std::array<TileFnBf16, TT_MAX>, sizeof...(RTs)> tile_table_bf16(std::integer_sequence<int, RTs...>) {
+  return {tile_row_bf16<RTs + 1>(std::make_integer_sequence<int, TT_MAX>{})...};
+}
+const auto TILES_BF16 = tile_table_bf16(std::make_integer_sequence<int, RT_MAX>{});
+
+void expert_rows_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
+                      const uint16_t* const* xs, int64_t n, float* out, int64_t ldo) {
+  for (int64_t r = r0; r < r1; r += RT_MAX) {
+    const int rt = int(std::min<int64_t>(RT_MAX, r1 - r));
+    for (int64_t t = 0; t < n; t += TT_MAX) {
+      const int tt = int(std::min<int64_t>(TT_MAX, n - t));
+      TILES_BF16[rt - 1][tt - 1](blk + r * G * 16, scl + r * G, G, xs + t, out + t * ldo + r, ldo);
+    }
+  }
+}
+#endif
 
 struct Routing {
   std::vector<int64_t> expert_start;   // [n_local + 1] first pair of each local expert (pairs sorted by expert)
@@ -149,17 +206,33 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   if (P == 0) return out;
 
   const float* xf = rows_as_f32(x, 0);
-  float* xd = shared_scratch(0, T * H);                            // [T, H] deinterleaved inputs
+#ifdef GD_BF16DOT
+  const bool bf = x.scalar_type() == at::kBFloat16;   // bf16 activations: the exact bf16 dot-product path
+#else
+  const bool bf = false;
+#endif
+  const int64_t H64 = (H + 63) / 64 * 64, I64 = (I + 63) / 64 * 64;   // bf16 inputs, padded to whole chunks
+  float* xd = shared_scratch(0, bf ? T * H64 / 2 : T * H);        // [T, H] deinterleaved inputs
   float* gu = shared_scratch(1, P * R1);                           // [P, 2I] gate_up outputs
-  float* ad = shared_scratch(2, P * I);                            // [P, I] activations, deinterleaved
+  float* ad = shared_scratch(2, bf ? P * I64 / 2 : P * I);         // [P, I] activations, deinterleaved
   float* y = shared_scratch(3, P * H);                             // [P, H] down outputs
+  uint16_t* xd16 = reinterpret_cast<uint16_t*>(xd);
+  uint16_t* ad16 = reinterpret_cast<uint16_t*>(ad);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) deinterleave(xf + t * H, H, xd + t * H);
+    for (int64_t t = t0; t < t1; ++t) {
+#ifdef GD_BF16DOT
+      if (bf) { deinterleave_bf16(xf + t * H, H, xd16 + t * H64); continue; }
+#endif
+      deinterleave(xf + t * H, H, xd + t * H);
+    }
   });
   std::vector<const float*> xin(P), ain(P);
+  std::vector<const uint16_t*> xin16(P), ain16(P);
   for (int64_t p = 0; p < P; ++p) {
     xin[p] = xd + rt.pair_token[p] * H;
     ain[p] = ad + p * I;
+    xin16[p] = xd16 + rt.pair_token[p] * H64;
+    ain16[p] = ad16 + p * I64;
   }
   const uint8_t* gub = gu_blocks.data_ptr<uint8_t>();
   const uint8_t* gus = gu_scales.data_ptr<uint8_t>();
@@ -169,18 +242,23 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 
   // one work item = a strip of RT_MAX * 4 rows of one active expert, for all of that expert's pairs
   auto run = [&](const uint8_t* blk, const uint8_t* scl, int64_t R, int64_t G, const std::vector<const float*>& in,
-                 float* dst) {
+                 const std::vector<const uint16_t*>& in16, float* dst) {
     const int64_t strip = RT_MAX * 4, strips = (R + strip - 1) / strip;
     at::parallel_for(0, n_act * strips, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t e = rt.active[i / strips], r0 = (i % strips) * strip;
+        const int64_t e = rt.active[i / strips], r0 = (i % strips) * strip, r1 = std::min(R, r0 + strip);
         const int64_t p0 = rt.expert_start[e], n = rt.expert_start[e + 1] - p0;
-        expert_rows(blk + e * R * G * 16, scl + e * R * G, G, r0, std::min(R, r0 + strip), in.data() + p0, n,
-                    dst + p0 * R, R);
+#ifdef GD_BF16DOT
+        if (bf) {
+          expert_rows_bf16(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in16.data() + p0, n, dst + p0 * R, R);
+          continue;
+        }
+#endif
+        expert_rows(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in.data() + p0, n, dst + p0 * R, R);
       }
     });
   };
-  run(gub, gus, R1, G1, xin, gu);
+  run(gub, gus, R1, G1, xin, xin16, gu);
 
   // swiglu on (gate, up) = (even, odd) columns with the gate_up bias, written deinterleaved for `down`
   std::vector<int64_t> pair_expert(P);
@@ -198,10 +276,15 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
         u = std::min(std::max(u, -lim), lim);
         act[i] = (u + 1.f) * (g / (1.f + std::exp(-a * g)));
       }
+#ifdef GD_BF16DOT
+      if (bf) { deinterleave_bf16(act, I, ad16 + p * I64); continue; }
+#endif
+      if (x.scalar_type() == at::kBFloat16)            // bf16 activations, as on the bf16 dot-product path
+        for (int64_t i = 0; i < I; ++i) act[i] = bf16_to_f32(f32_to_bf16(act[i]));
       deinterleave(act, I, ad + p * I);
     }
   });
-  run(dnb, dns, H, G2, ain, y);
+  run(dnb, dns, H, G2, ain, ain16, y);
 
   // out[t] = sum of its pairs (expert order) gate · (y + b2)
   std::vector<std::vector<int64_t>> tok_pairs(T);

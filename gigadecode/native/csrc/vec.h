@@ -12,7 +12,11 @@
 namespace gd {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__)
+#define GD_ISA "avx512-bf16"
+#else
 #define GD_ISA "avx512"
+#endif
 constexpr int W = 16;
 struct VF { __m512 v; };
 inline VF vzero() { return {_mm512_setzero_ps()}; }

@@ -1,0 +1,542 @@
+"""The native CPU kernels (`gigadecode.native`, csrc/) against their torch twins (`gigadecode.native.twins`),
+over awkward shapes: odd row counts, reductions that are not a multiple of the vector width (scalar tails),
+odd expert counts with idle experts and EP offsets, every KV layout (packed FP8, plain FP8 / bf16 / fp32) with
+odd head dims, block sizes 1..64, GQA, padded batch slots, positions at block edges, sliding windows and the
+block-range split of long contexts. Skipped as a whole where the kernels cannot be built here.
+
+The kernels are called through `torch.ops.gigadecode_native` directly (not the Python wrappers, which fall
+back to the twins), so a pass here is about the C++ code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+
+import pytest
+import torch
+
+from gigadecode import native
+from gigadecode.kv.cache import FP8, pack_k_view
+from gigadecode.mxfp4 import encode_mxfp4
+from gigadecode.native import twins
+
+OPS = native.load()
+if OPS is None:
+    pytest.skip(f"native kernels not available here: {native.status()}", allow_module_level=True)
+
+F32, BF16 = torch.float32, torch.bfloat16
+NAMES = {F32: "f32", BF16: "bf16"}
+BF16_RTOL = 2.0 ** -8          # bf16 round-to-nearest: at most half an ulp = 2^-8 of the value
+
+
+def gen(*key) -> torch.Generator:
+    """A generator seeded from `key` (stable across runs, unlike hash())."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def randn(g: torch.Generator, *shape, dtype=F32, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def assert_rounded(out: torch.Tensor, ref32: torch.Tensor, atol: float) -> None:
+    """A bf16 result against the fp32 reference it rounds: within bf16 rounding (+ atol for fp32 order)."""
+    assert out.dtype == BF16 and ref32.dtype == F32
+    torch.testing.assert_close(out.float(), ref32, rtol=BF16_RTOL, atol=atol)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns (so -0.0 != +0.0)."""
+    return t.view({F32: torch.int32, BF16: torch.int16, FP8: torch.uint8}[t.dtype])
+
+
+# ---- linear ------------------------------------------------------------------------------------------
+
+LIN_M = (1, 2, 3, 5, 8, 17, 33)
+LIN_N = (1, 3, 33, 130)
+
+
+@pytest.mark.parametrize("xdt,wdt", [(F32, F32), (BF16, BF16), (F32, BF16), (BF16, F32)],
+                         ids=["f32", "bf16", "f32x-bf16w", "bf16x-f32w"])
+@pytest.mark.parametrize("K", [1, 7, 70, 200, 64, 1024])
+def test_linear(xdt, wdt, K):
+    g = gen(K)
+    for N in LIN_N:
+        w = randn(g, N, K, dtype=wdt)
+        biases = (None, randn(g, N, dtype=F32), randn(g, N, dtype=BF16))
+        for M in LIN_M:
+            x = randn(g, M, K, dtype=xdt)
+            for b in biases:
+                out = OPS.linear(x, w, b)
+                assert out.shape == (M, N) and out.dtype == xdt
+                ref32 = twins.linear(x.float(), w, b)
+                atol = 1e-5 * math.sqrt(K)
+                if xdt == F32:
+                    torch.testing.assert_close(out, ref32, rtol=1e-5, atol=atol)
+                else:
+                    assert_rounded(out, ref32, atol)
+
+
+def test_linear_multithreaded_and_empty():
+    g = gen(1)
+    x, w, b = randn(g, 5, 200), randn(g, 130, 200, dtype=BF16), randn(g, 130)
+    with num_threads(4):
+        out = OPS.linear(x, w, b)
+    torch.testing.assert_close(out, twins.linear(x, w, b), rtol=1e-5, atol=2e-4)
+    assert OPS.linear(torch.zeros(0, 200), w, b).shape == (0, 130)
+
+
+def test_linear_shape_errors():
+    with pytest.raises(RuntimeError, match="linear: x"):
+        OPS.linear(torch.zeros(2, 7), torch.zeros(3, 8), None)
+    with pytest.raises(RuntimeError, match="linear: x"):
+        OPS.linear(torch.zeros(2, 3, 8), torch.zeros(3, 8), None)
+    with pytest.raises(RuntimeError, match="bias has 4 values for 3 rows"):
+        OPS.linear(torch.zeros(2, 8), torch.zeros(3, 8), torch.zeros(4))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        OPS.linear(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(3, 8), None)
+
+
+# ---- rms_norm ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("xdt", [F32, BF16])
+@pytest.mark.parametrize("wdt", [F32, BF16])
+def test_rms_norm(xdt, wdt):
+    g = gen(2)
+    for H in (1, 33, 100, 2880):
+        w = randn(g, H, dtype=wdt)
+        for M in (1, 3, 17):
+            x = randn(g, M, H, dtype=xdt, scale=3.0)
+            for eps in (1e-5, 1e-2):
+                out = OPS.rms_norm(x, w, eps)
+                assert out.shape == x.shape and out.dtype == xdt
+                ref32 = twins.rms_norm(x.float(), w, eps)
+                if xdt == F32:
+                    torch.testing.assert_close(out, ref32, rtol=1e-5, atol=1e-6)
+                else:
+                    assert_rounded(out, ref32, 1e-6)
+
+
+# ---- mxfp4_dequant (exact) ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("lead", [(3, 5), (7,), (), (1, 1)], ids=["E3R5", "R7", "G-only", "E1R1"])
+def test_mxfp4_dequant_exact(dtype, lead):
+    g = gen(3)
+    for G in (1, 2, 5):
+        # encoded weights
+        w = randn(g, *lead, G * 32, scale=0.1)
+        if not lead:
+            w = w.view(1, G * 32)
+        blocks, scales = encode_mxfp4(w)
+        if not lead:                                 # blocks [G, 16], scales [G]: one row, no row dim
+            blocks, scales = blocks[0], scales[0]
+        out = OPS.mxfp4_dequant(blocks, scales, dtype)
+        ref = twins.mxfp4_dequant(blocks, scales, dtype)
+        assert out.shape == ref.shape == (*scales.shape[:-1], G * 32) and out.dtype == dtype
+        assert torch.equal(bits(out), bits(ref))
+        # random bytes, scales 2^-27 .. 2^23 (no inf)
+        blocks = torch.randint(0, 256, (*lead, G, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(100, 151, (*lead, G), generator=g, dtype=torch.uint8)
+        out = OPS.mxfp4_dequant(blocks, scales, dtype)
+        ref = twins.mxfp4_dequant(blocks, scales, dtype)
+        assert torch.equal(bits(out), bits(ref))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_mxfp4_dequant_every_scale_and_noncontiguous(dtype):
+    g = gen(4)
+    # every code with every scale byte: 0 (a subnormal power of two) .. 254, and 255 (inf, 0 * inf = nan)
+    codes = torch.arange(256, dtype=torch.uint8).view(16, 16)
+    blocks = codes.expand(256, 16, 16).contiguous().view(256, 16, 16)    # [R=256, G=16, 16]
+    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(256, 1).expand(256, 16).contiguous()
+    out = OPS.mxfp4_dequant(blocks, scales, dtype)
+    ref = twins.mxfp4_dequant(blocks, scales, dtype)
+    fin = torch.isfinite(ref)
+    assert torch.equal(bits(out)[fin], bits(ref)[fin])
+    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+    # a strided slice of the rows (the kernel copies to contiguous)
+    blocks = torch.randint(0, 256, (3, 9, 4, 16), generator=g, dtype=torch.uint8)[:, 1::2]
+    scales = torch.randint(110, 140, (3, 9, 4), generator=g, dtype=torch.uint8)[:, 1::2]
+    assert not blocks.is_contiguous()
+    assert torch.equal(bits(OPS.mxfp4_dequant(blocks, scales, dtype)), bits(twins.mxfp4_dequant(blocks, scales, dtype)))
+    with num_threads(4):                          # parallel over >= 2048 groups
+        blocks = torch.randint(0, 256, (2, 70, 40, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(100, 151, (2, 70, 40), generator=g, dtype=torch.uint8)
+        out = OPS.mxfp4_dequant(blocks, scales, dtype)
+    assert torch.equal(bits(out), bits(twins.mxfp4_dequant(blocks, scales, dtype)))
+
+
+def test_mxfp4_dequant_errors():
+    b, s = torch.zeros(2, 3, 16, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        OPS.mxfp4_dequant(b, s[:, :2], F32)
+    with pytest.raises(RuntimeError, match="dtype"):
+        OPS.mxfp4_dequant(b, s, torch.float16)
+
+
+# ---- moe_mxfp4 ---------------------------------------------------------------------------------------
+
+def _moe_cases():
+    """(T, E, k, H, I, offset, x dtype, bias dtype, limit): every (E, k) with k <= min(4, E) at every T."""
+    dims = [(32, 32), (64, 96), (96, 64), (160, 160), (32, 160), (160, 32)]
+    cases, i = [], 0
+    for E in (1, 3, 7):
+        for k in range(1, min(4, E) + 1):
+            for T in (1, 2, 5, 33):
+                H, I = dims[i % len(dims)]
+                offset = (0, 2, 5)[i % 3]
+                xdt = (F32, BF16)[(i // 2) % 2]
+                bdt = (F32, BF16)[(i // 3) % 2]
+                limit = (7.0, 0.3)[(i // 5) % 2]
+                name = f"T{T}-E{E}-k{k}-H{H}-I{I}-off{offset}-x{NAMES[xdt]}-bias{NAMES[bdt]}-lim{limit}"
+                cases.append(pytest.param(T, E, k, H, I, offset, xdt, bdt, limit, id=name))
+                i += 1
+    return cases
+
+
+def _moe_weights(g, E, H, I, bdt):
+    gu_b, gu_s = encode_mxfp4(randn(g, E, 2 * I, H, scale=0.1))
+    dn_b, dn_s = encode_mxfp4(randn(g, E, H, I, scale=0.1))
+    return gu_b, gu_s, randn(g, E, 2 * I, dtype=bdt, scale=0.1), dn_b, dn_s, randn(g, E, H, dtype=bdt, scale=0.1)
+
+
+def _routing(g, T, E, k, offset, n_global):
+    """idx [T, k] of distinct global ids per token, drawn from all ids but one local expert (idle) when E >= 3;
+    tokens 0 and 1 share their experts (one expert hit by several tokens)."""
+    idle = offset + 1 if E >= 3 and n_global - 1 >= k else None
+    cand = [e for e in range(n_global) if e != idle]
+    rows = [torch.tensor(cand)[torch.randperm(len(cand), generator=g)[:k]] for _ in range(T)]
+    if T >= 2:
+        rows[1] = rows[0].flip(0)
+    idx = torch.stack(rows).long()
+    gate_w = torch.softmax(torch.randn(T, k, generator=g), -1)
+    return idx, gate_w
+
+
+def _check_moe(x, idx, gate_w, weights, alpha, limit, offset):
+    out = OPS.moe_mxfp4(x, idx, gate_w, *weights, alpha, limit, offset)
+    ref = twins.moe_mxfp4(x, idx, gate_w, *weights, alpha, limit, offset)   # bf16 x: bf16 activations too
+    assert out.shape == x.shape and out.dtype == x.dtype
+    atol = 1e-5 * max(1.0, ref.float().abs().max().item())
+    if x.dtype == F32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=atol)
+    else:   # both round once at the end (and the activations once): two bf16 steps apart at most
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 * BF16_RTOL, atol=8 * atol)
+    return out, ref
+
+
+@pytest.mark.parametrize("T,E,k,H,I,offset,xdt,bdt,limit", _moe_cases())
+def test_moe_mxfp4(T, E, k, H, I, offset, xdt, bdt, limit):
+    g = gen(1000 * E + 10 * k + T)
+    weights = _moe_weights(g, E, H, I, bdt)
+    n_global = offset + E + (3 if offset else 0)           # EP: ids below and above the local range
+    idx, gate_w = _routing(g, T, E, k, offset, n_global)
+    x = randn(g, T, H, dtype=xdt, scale=2.0)
+    out, ref = _check_moe(x, idx, gate_w, weights, 1.702, limit, offset)
+    local = ((idx >= offset) & (idx < offset + E)).any(1)
+    assert torch.equal(out[~local].float(), torch.zeros_like(ref[~local]))   # tokens routed elsewhere: 0
+
+
+def test_moe_mxfp4_edge_routing():
+    g = gen(5)
+    E, H, I = 3, 64, 32
+    weights = _moe_weights(g, E, H, I, F32)
+    x = randn(g, 6, H)
+    # every pair outside the local range [4, 7): all zeros (the kernel's P == 0 path)
+    idx = torch.tensor([[0, 1], [2, 3], [7, 8], [9, 0], [1, 3], [8, 2]])
+    out, _ = _check_moe(x, idx, torch.full((6, 2), 0.5), weights, 1.702, 7.0, 4)
+    assert torch.equal(out, torch.zeros_like(x))
+    # one token routed twice to the same expert, bf16 gate weights, many threads
+    idx = torch.tensor([[1, 1], [0, 2], [2, 2], [1, 0], [0, 0], [2, 1]])
+    with num_threads(4):
+        _check_moe(x, idx, torch.rand(6, 2, generator=g).to(BF16), weights, 1.702, 7.0, 0)
+    # large activations: the swiglu clamps bite
+    _check_moe(x * 40, idx, torch.rand(6, 2, generator=g), weights, 1.702, 7.0, 0)
+
+
+def test_moe_mxfp4_errors():
+    g = gen(6)
+    weights = _moe_weights(g, 2, 64, 32, F32)
+    idx, gw = torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    with pytest.raises(RuntimeError, match="expert shapes do not match"):
+        OPS.moe_mxfp4(torch.zeros(3, 96), idx, gw, *weights, 1.702, 7.0, 0)
+    with pytest.raises(RuntimeError, match="idx must be int64"):
+        OPS.moe_mxfp4(torch.zeros(3, 64), idx.int(), gw, *weights, 1.702, 7.0, 0)
+
+
+# ---- KV: rope_kv_write, paged_decode_attention -------------------------------------------------------
+
+KV_FORMS = ("fp8-packed", "fp8", "bf16", "fp32")
+
+
+def make_kv(g, form: str, nb: int, kv: int, B: int, d: int):
+    """(buf [2, nb, kv, B, d] filled with random values, K view, V view)."""
+    dtype = {"fp8-packed": FP8, "fp8": FP8, "bf16": BF16, "fp32": F32}[form]
+    buf = torch.zeros(2, nb, kv, B, d, dtype=dtype)
+    buf.copy_(torch.randn(2, nb, kv, B, d, generator=g).to(dtype))
+    return buf, *kv_views(buf, form)
+
+
+def kv_views(buf, form):
+    return (pack_k_view(buf[0]) if form == "fp8-packed" else buf[0]), buf[1]
+
+
+# FP8 carries per-tensor scales != 1; plain bf16 / fp32 KV ignores them (kernel and twin), so the same odd values
+# are passed for every layout
+KS, VS = 0.37, 1.75
+
+
+def assert_kv_written(out_buf, ref_buf, written: int):
+    """Whole KV buffers after a write: bf16 / fp32 tight; FP8 by decoded value within one e4m3 step (a rounding
+    tie can go either way when the fp32 input differs in its last bit), and >= 99.9% of written bytes exact."""
+    if out_buf.dtype == F32:
+        torch.testing.assert_close(out_buf, ref_buf, rtol=1e-6, atol=1e-6)
+        return
+    if out_buf.dtype == BF16:
+        torch.testing.assert_close(out_buf.float(), ref_buf.float(), rtol=2.0 ** -7, atol=1e-6)
+    else:
+        a, b = out_buf.float(), ref_buf.float()
+        step = torch.maximum(a.abs(), b.abs()) * 2.0 ** -3 + 2.0 ** -9      # one e4m3 step (subnormal: 2^-9)
+        assert ((a - b).abs() <= step).all()
+    mismatched = (bits(out_buf) != bits(ref_buf)).sum().item()
+    assert mismatched <= 0.001 * written, f"{mismatched} of {written} written values differ"
+
+
+def rope_cos_sin(g, Bt, d, dtype):
+    pos = torch.randint(0, 5000, (Bt,), generator=g).float()
+    inv = 150000.0 ** (-torch.arange(0, d // 2).float() / (d // 2))
+    f = pos[:, None] * inv[None, :]
+    return f.cos().to(dtype), f.sin().to(dtype)
+
+
+def _kv_cases():
+    """(layout, block size, head dim): packed FP8 needs an even block; d = 18 leaves a scalar tail."""
+    cases = []
+    for form in KV_FORMS:
+        for B in (1, 2, 4, 16, 64):
+            if form == "fp8-packed" and B == 1:
+                continue
+            for d in (16, 18, 64):
+                cases.append((form, B, d))
+    return cases
+
+
+@pytest.mark.parametrize("form,B,d", _kv_cases())
+def test_rope_kv_write(form, B, d):
+    g = gen("rope", form, B, d)
+    for i, (kv, rep) in enumerate(((1, 1), (2, 4), (3, 1))):
+        nh = kv * rep
+        nb = 6
+        Bt = 1 + (i * 2 + B + d) % 5
+        buf, K, V = make_kv(g, form, nb, kv, B, d)
+        slot = torch.randperm(nb * B, generator=g)[:Bt]           # distinct slots, any block (0 included)
+        qdt, cdt = ((F32, F32), (BF16, BF16), (F32, BF16))[i]
+        qkv = randn(g, Bt, (nh + 2 * kv) * d, dtype=qdt, scale=2.0)
+        cos, sin = rope_cos_sin(g, Bt, d, cdt)
+        ks, vs = KS, VS
+        ref_buf = buf.clone()
+        rK, rV = kv_views(ref_buf, form)
+        q = OPS.rope_kv_write(qkv, cos, sin, K, V, slot, nh, ks, vs)
+        q_ref = twins.rope_kv_write(qkv, cos, sin, rK, rV, slot, nh, ks, vs)
+        assert q.shape == (Bt, nh, d) and q.dtype == F32
+        torch.testing.assert_close(q, q_ref, rtol=1e-6, atol=1e-6)
+        assert_kv_written(buf, ref_buf, 2 * Bt * kv * d)
+
+
+def _fp8_sweep() -> torch.Tensor:
+    """fp32 values that exercise fp32 -> e4m3 rounding: every e4m3 value, every midpoint between neighbours
+    (ties, incl. the subnormal ones) and their fp32 neighbours, the ±448 clamp, inf, signed zeros."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    vals = codes.view(FP8).float()
+    vals = vals[torch.isfinite(vals)]
+    pos = torch.unique(vals[vals >= 0])                                  # sorted, 0 .. 448
+    mids = (pos[1:] + pos[:-1]) / 2                                      # exact in fp32
+    up, down = torch.nextafter(mids, torch.tensor(math.inf)), torch.nextafter(mids, torch.tensor(-math.inf))
+    big = torch.tensor([447.0, 448.0, 449.0, 463.9, 464.0, 464.1, 479.0, 480.0, 500.0, 1e4, 3e38, math.inf])
+    tiny = torch.tensor([2.0 ** -10, 2.0 ** -11, 2.0 ** -20, 1e-40, 3 * 2.0 ** -11, 2.0 ** -6 - 2.0 ** -12])
+    mags = torch.cat((pos, mids, up, down, big, tiny, torch.rand(300, generator=gen(7)) * 2.0 ** -6,
+                      torch.exp2(torch.rand(300, generator=gen(8)) * 20 - 11)))
+    return torch.cat((mags, -mags, torch.tensor([0.0, -0.0])))
+
+
+@pytest.mark.parametrize("form", ["fp8-packed", "fp8"])
+@pytest.mark.parametrize("scale", [1.0, 0.5, 0.37, 2.5])
+def test_fp8_conversion_matches_torch(form, scale):
+    """The V half is stored without RoPE: the written bytes must be torch's (x / scale).clamp(±448) -> e4m3."""
+    sweep = _fp8_sweep()
+    d, kv, B = 64, 2, 4
+    n_tok = -(-sweep.numel() // (kv * d))
+    vals = torch.cat((sweep, torch.zeros(n_tok * kv * d - sweep.numel())))
+    nb = n_tok // B + 2
+    buf = torch.zeros(2, nb, kv, B, d, dtype=FP8)
+    K, V = kv_views(buf, form)
+    slot = torch.randperm(nb * B, generator=gen(9))[:n_tok]
+    finite = torch.where(torch.isfinite(vals), vals, torch.zeros(()))            # K gets no inf (inf * 0 = nan)
+    qkv = torch.cat((torch.randn(n_tok, d, generator=gen(10)), finite.view(n_tok, kv * d),
+                     vals.view(n_tok, kv * d)), 1)
+    cos, sin = torch.ones(n_tok, d // 2), torch.zeros(n_tok, d // 2)
+    OPS.rope_kv_write(qkv, cos, sin, K, V, slot, 1, scale, scale)
+    blk, off = slot // B, slot % B
+    want = (vals.view(n_tok, kv, d) / scale).clamp(-448, 448).to(FP8)
+    got = V[blk, :, off, :]                                                        # [n_tok, kv, d]
+    bad = (bits(got) != bits(want)).nonzero()
+    assert bad.numel() == 0, [(vals.view(n_tok, kv, d)[tuple(i)].item(), bits(got)[tuple(i)].item(),
+                               bits(want)[tuple(i)].item()) for i in bad[:10]]
+    # K (RoPE with cos 1, sin 0) against the twin's bytes
+    ref_buf = torch.zeros_like(buf)
+    rK, rV = kv_views(ref_buf, form)
+    twins.rope_kv_write(qkv, cos, sin, rK, rV, slot, 1, scale, scale)
+    assert torch.equal(bits(buf), bits(ref_buf))
+
+
+def test_rope_kv_write_errors():
+    g = gen(11)
+    buf, K, V = make_kv(g, "fp8-packed", 3, 1, 4, 16)
+    qkv, cos, sin = torch.zeros(1, 3 * 16), torch.ones(1, 8), torch.zeros(1, 8)
+    with pytest.raises(RuntimeError, match="outside the KV buffer"):
+        OPS.rope_kv_write(qkv, cos, sin, K, V, torch.tensor([12]), 1, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="does not match"):
+        OPS.rope_kv_write(torch.zeros(1, 4 * 16), cos, sin, K, V, torch.tensor([1]), 1, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="cos/sin"):
+        OPS.rope_kv_write(qkv, torch.ones(1, 16), torch.zeros(1, 16), K, V, torch.tensor([1]), 1, 1.0, 1.0)
+
+
+def make_tables(g, nb: int, B: int, pos: list[int], active: list[bool], extra: int = 1):
+    """table [Bt, n] (n covers the largest position, plus `extra` unused columns of junk): each active slot
+    gets distinct random block ids >= 1 for its blocks; padded slots a row of zeros."""
+    n = max(p // B for p in pos) + 1 + extra
+    table = torch.zeros(len(pos), n, dtype=torch.long)
+    for b, (p, a) in enumerate(zip(pos, active)):
+        if a:
+            need = p // B + 1
+            table[b, :need] = torch.randperm(nb - 1, generator=g)[:need] + 1
+            table[b, need:] = torch.randint(0, nb, (n - need,), generator=g)
+    return table
+
+
+def check_attention(g, form, K, V, table, pos, active, nh, window, out_dtype=F32, sink_dtype=F32):
+    Bt, d = table.shape[0], V.shape[-1]
+    q = randn(g, Bt, nh, d, scale=2.0)
+    sinks = randn(g, nh, dtype=sink_dtype)
+    scale = 1.0 / math.sqrt(d)
+    ks, vs = KS, VS
+    pos_t, act_t = torch.tensor(pos, dtype=torch.long), torch.tensor(active)
+    out = OPS.paged_decode_attention(q, K, V, table, pos_t, act_t, sinks, window, scale, ks, vs, out_dtype)
+    ref32 = twins.paged_decode_attention(q, K, V, table, pos_t, act_t, sinks, window, scale, ks, vs, F32)
+    assert out.shape == (Bt, nh * d) and out.dtype == out_dtype
+    atol = 2e-5 * max(1.0, ref32.abs().max().item())
+    if out_dtype == F32:
+        torch.testing.assert_close(out, ref32, rtol=1e-5, atol=atol)
+    else:
+        assert_rounded(out, ref32, atol)
+    assert torch.equal(out[~act_t].float(), torch.zeros(int((~act_t).sum()), nh * d))   # padded slots: 0
+    return out
+
+
+@pytest.mark.parametrize("form,B,d", _kv_cases())
+def test_paged_decode_attention(form, B, d):
+    g = gen("attn", form, B, d)
+    long = max(300, 9 * B) + int(torch.randint(0, B, (1,), generator=g))
+    # slots: block edges (0, B-1, B, 2B-1), a long context, padded inactive slots
+    pos = [0, B - 1, B, long, 2 * B - 1, 0, 7]
+    active = [True, True, True, True, True, False, False]
+    nb = long // B + 4
+    # (kv heads, GQA rep, which slots): all 7, then a batch of 2 (one padded), then a single slot at 0
+    for i, (kv, rep, slots) in enumerate(((1, 1, range(7)), (2, 4, range(7)), (1, 4, (3, 6)), (2, 1, (0,)))):
+        buf, K, V = make_kv(g, form, nb, kv, B, d)
+        p, a = [pos[s] for s in slots], [active[s] for s in slots]
+        table = make_tables(g, nb, B, p, a)
+        for j, window in enumerate((0, 5, 16, long + 50)):
+            k = i * 4 + j
+            check_attention(g, form, K, V, table, p, a, kv * rep, window,
+                            out_dtype=(F32, BF16)[k % 2], sink_dtype=(F32, BF16)[(k // 2) % 2])
+
+
+@pytest.mark.parametrize("form", KV_FORMS)
+@pytest.mark.parametrize("threads", [1, 4])
+def test_paged_decode_attention_split_long_context(form, threads):
+    """Few (slot, kv head) items and >= 8 blocks: the block ranges are split and merged by log-sum-exp
+    (some ranges empty for the shorter slot)."""
+    g = gen(12 + threads)
+    with num_threads(threads):
+        for B, d in ((2, 18), (4, 64), (16, 16)):
+            if form != "fp8-packed":
+                B = B // 2 if B == 2 else B                # plain layouts also at B = 1
+            long = 37 * B + 3
+            for pos, active in (([long], [True]), ([long, 3 * B + 1], [True, True]), ([long, 0], [True, False])):
+                nb = long // B + 4
+                buf, K, V = make_kv(g, form, nb, 1, B, d)
+                table = make_tables(g, nb, B, pos, active, extra=0)
+                for window in (0, 8 * B + 1, 100):
+                    check_attention(g, form, K, V, table, pos, active, 4, window)
+
+
+def test_paged_decode_attention_sliding_window_null_blocks():
+    """Blocks wholly before a sliding window may be freed (table entry 0): no error, same result."""
+    g = gen(13)
+    B, d, nb = 4, 64, 40
+    buf, K, V = make_kv(g, "fp8-packed", nb, 2, B, d)
+    pos = [40, 13, 2]
+    table = make_tables(g, nb, B, pos, [True] * 3)
+    window = 6
+    for b, p in enumerate(pos):
+        table[b, : max(0, p - window + 1) // B] = 0
+    assert (table[0] == 0).any()
+    check_attention(g, "fp8-packed", K, V, table, pos, [True] * 3, 8, window)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float64])
+def test_paged_decode_attention_other_out_dtype_is_refused(out_dtype):
+    g = gen(15)
+    B, d, nb = 4, 16, 10
+    buf, K, V = make_kv(g, "fp32", nb, 1, B, d)
+    table = make_tables(g, nb, B, [9], [True], extra=0)
+    args = (torch.randn(1, 2, d, generator=g), K, V, table, torch.tensor([9]), torch.tensor([True]), torch.zeros(2),
+            0, 0.25, 1.0, 1.0, out_dtype)
+    with pytest.raises(RuntimeError, match="out_dtype must be float32 or bfloat16"):
+        OPS.paged_decode_attention(*args)
+
+
+def test_paged_decode_attention_errors():
+    g = gen(14)
+    B, d, nb = 4, 16, 10
+    buf, K, V = make_kv(g, "fp8-packed", nb, 1, B, d)
+    q, sinks = torch.randn(2, 2, d), torch.zeros(2)
+    table = make_tables(g, nb, B, [9, 5], [True, True], extra=0)      # 3 columns: positions < 12
+    act = torch.tensor([True, True])
+
+    def call(table, pos, window=0, active=act, k=K, v=V):
+        return OPS.paged_decode_attention(q, k, v, table, torch.tensor(pos), active, sinks, window, 0.25, 1.0,
+                                          1.0, F32)
+
+    call(table, [9, 5])
+    null = table.clone()
+    null[1, 0] = 0                                     # the null block for visible position 0..3 of slot 1
+    with pytest.raises(RuntimeError, match="slot 1: block id 0 out of range"):
+        call(null, [9, 5])
+    call(null, [9, 5], window=2)                       # ... fine once the window starts past it
+    oob = table.clone()
+    oob[0, 1] = nb                                     # a block id past the buffer
+    with pytest.raises(RuntimeError, match="slot 0: block id 10 out of range"):
+        call(oob, [9, 5])
+    with pytest.raises(RuntimeError, match="slot 0: position 12 past its table"):
+        call(table, [12, 5])
+    with pytest.raises(RuntimeError, match="slot 1: position 16 past its table"):
+        call(table, [9, 16])
+    with pytest.raises(RuntimeError, match="position -1"):
+        call(table, [9, -1])
+    call(table, [9, 99], active=torch.tensor([True, False]))    # inactive slots are not checked
+    with pytest.raises(RuntimeError, match="does not match V"):
+        call(table, [9, 5], k=torch.zeros(nb, 1, B, d + 2))
