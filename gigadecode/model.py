@@ -3,8 +3,9 @@
 It runs a flat batch of sequence chunks (prefill chunks and single-token decodes alike) layer by layer:
 attention writes the chunk's K/V into the paged cache through the layer's group block table, then
 reads back the keys it may see (sliding layers only the window, `q - W < k <= q`) and attends with
-sinks; MoE decodes only the experts the tokens hit. Weights are views `stack[i]` of the stacks that
-`weights.load_weights` filled, so this model and the GK program share one copy.
+sinks (`ops.flash_sink_attention`: tiled online softmax, GQA without repeated K/V, fully masked key
+tiles skipped); MoE decodes only the experts the tokens hit. Weights are views `stack[i]` of the stacks
+that `weights.load_weights` filled, so this model and the GK program share one copy.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from .config import GptOssConfig
 from .kv.cache import KVCache
-from .ops import moe_tokens, rms_norm, sink_attention
+from .ops import flash_sink_attention, moe_tokens, rms_norm
 from .rope import Rope, apply_rope
 from .weights import ModelWeights
 
@@ -102,6 +103,7 @@ class GptOssModel:
         group = kv.config.layer_group[layer]
         window = cfg.sliding_window if cfg.is_sliding(layer) else None
         B = kv.block_size
+        rep = nh // nkv                                                      # local heads (TP shard)
         outs, off = [], 0
         for c in chunks:
             n = len(c.token_ids)
@@ -113,14 +115,9 @@ class GptOssModel:
             b0, b1 = lo // B, (c.start + n - 1) // B
             keys, vals = kv.gather(layer, torch.tensor(table[b0: b1 + 1], dtype=torch.long))  # [S, nkv, d]
             kpos = torch.arange(b0 * B, (b1 + 1) * B)
-            mask = kpos[None, :] <= qpos[:, None]                             # [n, S]
-            if window:
-                mask &= kpos[None, :] > qpos[:, None] - window
-            rep = nh // nkv                                                  # local heads (TP shard)
-            kh = keys.transpose(0, 1).repeat_interleave(rep, 0)              # [nh, S, d]
-            vh = vals.transpose(0, 1).repeat_interleave(rep, 0)
-            o = sink_attention(q[off: off + n].transpose(0, 1), kh, vh, mask, w.sinks[layer], self.scale)
-            outs.append(o.transpose(0, 1).reshape(n, nh * d))                # [n, nh d]
+            o = flash_sink_attention(q[off: off + n], keys, vals, qpos, kpos, w.sinks[layer], self.scale,
+                                     window or None, tile=max(256, 2**16 // (rep * min(n, 128))), q_tile=128)
+            outs.append(o.reshape(n, nh * d))                                # [n, nh d]
             off += n
         a = torch.cat(outs) if outs else h.new_zeros(0, nh * d)
         if self.parallel is not None:

@@ -46,7 +46,6 @@ class KernelSpec:
     v_scale: float = 1.0
     mxfp4: bool = True
     packed_k: bool = False              # K buffers use the packed view (a buffer passed whole is split by it)
-    mxfp4_bf16_scales: bool = True      # every E8M0 scale fits the native bf16 path (see native/csrc/bf16dot.h)
     fused_moe: bool = False             # compiled form: decode-and-dot as one reduction (Inductor fuses it)
 
     @property
@@ -145,6 +144,13 @@ def write_read_kv(kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor], slot: to
 ATTN_KEYS = ("input_norm", "qkv_w", "qkv_b", "sinks")
 MOE_KEYS = ("router_w", "router_b", "gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales", "gate_up",
             "down", "gate_up_bias", "down_bias")
+
+
+def layer_views(W: dict[str, torch.Tensor], num_layers: int) -> list[dict[str, torch.Tensor]]:
+    """Every layer's views of the stacked weights, made once (the eager program then builds no views per
+    step; a compiled one gets the same views it would make itself)."""
+    keys = [k for k in W if W[k].dim() > 0 and k not in ("embed", "norm", "lm_head")]
+    return [{k: W[k][i] for k in keys} for i in range(num_layers)]
 
 
 def layer_weights(W: dict[str, torch.Tensor], i: int, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -279,7 +285,8 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
                                K_cache: torch.Tensor | None = None, V_cache: torch.Tensor | None = None,
                                return_hidden: bool = False, parallel=None,
                                blocks: LayerBlocks | None = None,
-                               kv_bufs: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                               kv_bufs: tuple[torch.Tensor, ...] | None = None,
+                               layers: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
     """One decode step over all layers. input_ids [Bt] -> logits [Bt, V] (or the final hidden [Bt, H]).
 
     `parallel` (a `gigadecode.parallel.ParallelContext`; None = one rank, no collectives): W is this rank's
@@ -287,7 +294,8 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
     experts summed over the EP group (gathering the EP group's DP tokens first when it spans several: every
     DP group must pass the same batch bucket Bt). Returns this rank's vocabulary columns
     [Bt, vocab_stop - vocab_start] (reduce with `parallel.greedy`). `blocks`: the per-layer pieces to run
-    between the collectives (default: eager; the compiled parallel program passes compiled ones)."""
+    between the collectives (default: eager; the compiled parallel program passes compiled ones). `layers`:
+    the per-layer views of W made once (`layer_views`), else each step makes the views it needs."""
     assert (k_bufs is not None) + (K_cache is not None) + (kv_bufs is not None) == 1, \
         "pass exactly one KV form: per-buffer K/V, per-buffer allocations (kv_bufs) or stacked K_cache/V_cache"
     blocks = blocks or LayerBlocks(moe=moe_decode_fused if spec.fused_moe else moe_decode)
@@ -304,15 +312,16 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
         else:
             table, slot, fpos, window = full_table[g], kv_cache_update_idx[g], pos, None
 
-        a = blocks.attention(x, layer_weights(W, i, ATTN_KEYS), kv, cos, sin, table, slot, fpos, active,
+        Wi = layers[i] if layers is not None else None
+        a = blocks.attention(x, Wi or layer_weights(W, i, ATTN_KEYS), kv, cos, sin, table, slot, fpos, active,
                              window=window, spec=spec)
         if parallel is None:
-            x = x + blocks.linear(a, W["o_w"][i], W["o_b"][i])
+            x = x + blocks.linear(a, *((Wi["o_w"], Wi["o_b"]) if Wi else (W["o_w"][i], W["o_b"][i])))
         else:
             x = x + parallel.row_parallel_linear(a, W["o_w"][i], W["o_b"][i])
 
-        h = blocks.norm(x, W["post_norm"][i], spec.eps)
-        Wl = layer_weights(W, i, MOE_KEYS)
+        h = blocks.norm(x, Wi["post_norm"] if Wi else W["post_norm"][i], spec.eps)
+        Wl = Wi or layer_weights(W, i, MOE_KEYS)
         if parallel is None:
             x = x + blocks.moe(h, Wl, spec)
         else:

@@ -27,8 +27,9 @@ from ..kv.spec import KVCacheConfig, KVSpec, get_kv_spec
 from ..mxfp4 import _luts
 from ..weights import ModelWeights
 from .attn_control import AttentionControl
-from .mega_decode import KernelSpec, LayerBlocks, LocalPairsMoE, attention_block, gpt_oss_decode_mega_kernel
-from .native_blocks import BF16_SCALE_RANGE, NATIVE_BLOCKS
+from .mega_decode import (KernelSpec, LayerBlocks, LocalPairsMoE, attention_block, gpt_oss_decode_mega_kernel,
+                          layer_views)
+from .native_blocks import NATIVE_BLOCKS
 
 CACHE_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode"))
 
@@ -50,9 +51,6 @@ def kernel_spec(cfg: GptOssConfig, weights: ModelWeights, kv_config: KVCacheConf
         layer_sliding=tuple(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)),
         layer_kind_group=tuple(kind_group), layer_buffer=tuple(kv_config.layer_buffer),
         k_scale=k_scale, v_scale=v_scale, mxfp4=weights.mxfp4,
-        mxfp4_bf16_scales=not weights.mxfp4 or all(
-            BF16_SCALE_RANGE[0] <= int(lo) and int(hi) <= BF16_SCALE_RANGE[1]
-            for lo, hi in (torch.aminmax(weights.tensors[n]) for n in ("gate_up_scales", "down_scales"))),
     )
 
 
@@ -74,6 +72,7 @@ class GptOssGKDecodeModel(torch.nn.Module):
         self._kv_allocs: tuple[torch.Tensor, ...] | None = None
         self._local_moe = LocalPairsMoE()          # parallel + compiled: shared by every program
         self._programs: dict[tuple, object] = {}
+        self._layer_views: list[dict[str, torch.Tensor]] | None = None
         _luts(weights.embed.dtype)   # fill the MXFP4 tables now: filling them while tracing forces a recompile
 
     # -- KV binding (seed names) -------------------------------------------------------------------
@@ -127,8 +126,10 @@ class GptOssGKDecodeModel(torch.nn.Module):
         attention runs as a compiled graph (one per bucket and table width, shared by every layer: the
         weights come in as per-layer views) and its MoE as `LocalPairsMoE` (only this rank's pairs)."""
         if self.native:
+            if self._layer_views is None:
+                self._layer_views = layer_views(self.weights.tensors, self.spec.num_layers)
             return functools.partial(gpt_oss_decode_mega_kernel, spec=self.spec, parallel=self.parallel,
-                                     blocks=NATIVE_BLOCKS)
+                                     blocks=NATIVE_BLOCKS, layers=self._layer_views)
         if not self.compiled:
             return functools.partial(gpt_oss_decode_mega_kernel, spec=self.spec, parallel=self.parallel)
         key = (ctl.active.shape[0], ctl.full_table.shape[-1], self._stacked)

@@ -36,14 +36,9 @@ def native_moe(h: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec, e
     logits = native.linear(h, Wl["router_w"], Wl["router_b"])                # [Bt, E]
     top, idx = torch.topk(logits, spec.top_k, dim=-1)
     gate_w = torch.softmax(top, dim=-1)
-    x = h if spec.mxfp4_bf16_scales else h.float()    # extreme scales: the fp32 path (bf16 would overflow)
-    return native.moe_mxfp4(x, idx, gate_w, Wl["gate_up_blocks"], Wl["gate_up_scales"], Wl["gate_up_bias"],
+    return native.moe_mxfp4(h, idx, gate_w, Wl["gate_up_blocks"], Wl["gate_up_scales"], Wl["gate_up_bias"],
                             Wl["down_blocks"], Wl["down_scales"], Wl["down_bias"], spec.alpha, spec.limit,
-                            expert_offset).to(h.dtype)
-
-
-# E8M0 scales the kernels' bf16 path holds exactly (2^(s-127) · e2m1 stays a normal bf16)
-BF16_SCALE_RANGE = (3, 250)
+                            expert_offset)
 
 NATIVE_BLOCKS = LayerBlocks(attention=native_attention_block, moe=native_moe, linear=native.linear,
                             norm=native.rms_norm)

@@ -72,6 +72,7 @@ const auto TILES = tile_table(std::make_integer_sequence<int, RT_MAX>{});
 void expert_rows(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1, const float* const* xs,
                  int64_t n, float* out, int64_t ldo) {
   for (int64_t r = r0; r < r1; r += RT_MAX) {
+    prefetch_rows(blk + (r + PREFETCH_TILES * RT_MAX) * G * 16, RT_MAX * G * 16);
     const int rt = int(std::min<int64_t>(RT_MAX, r1 - r));
     for (int64_t t = 0; t < n; t += TT_MAX) {
       const int tt = int(std::min<int64_t>(TT_MAX, n - t));
@@ -98,15 +99,24 @@ void mx_tile_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint1
   __m512 acc[RT][TT];
   for (int r = 0; r < RT; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  __m512 s16[RT];
   for (int64_t c = 0; c < (G + 1) / 2; ++c) {
+    const int j = int(c % 8);
+    if (j == 0)                                       // the next 16 groups' scales
+      for (int r = 0; r < RT; ++r) s16[r] = e8m0_x16(scl + r * G + 2 * c, int(std::min<int64_t>(16, G - 2 * c)));
     const bool half = 2 * c + 1 == G;
     __m512i lo[RT], hi[RT];
-    for (int r = 0; r < RT; ++r)
-      decode_e2m1_bf16(blk + r * G * 16 + c * 32, scl[r * G + 2 * c], half ? 127 : scl[r * G + 2 * c + 1], half,
-                       lo[r], hi[r]);
+    __m512 sc[RT];
+    for (int r = 0; r < RT; ++r) {
+      decode_e2m1_bf16(blk + r * G * 16 + c * 32, half, lo[r], hi[r]);
+      sc[r] = pair_scales(s16[r], j);
+    }
     for (int t = 0; t < TT; ++t) {
       const uint16_t* x = xs[t] + c * 64;
-      for (int r = 0; r < RT; ++r) acc[r][t] = dot_bf16(dot_bf16(acc[r][t], lo[r], x), hi[r], x + 32);
+      for (int r = 0; r < RT; ++r) {
+        const __m512 part = dot_bf16(dot_bf16(_mm512_setzero_ps(), lo[r], x), hi[r], x + 32);
+        acc[r][t] = _mm512_fmadd_ps(part, sc[r], acc[r][t]);
+      }
     }
   }
   for (int r = 0; r < RT; ++r)
@@ -127,6 +137,7 @@ const auto TILES_BF16 = tile_table_bf16(std::make_integer_sequence<int, RT_MAX>{
 void expert_rows_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
                       const uint16_t* const* xs, int64_t n, float* out, int64_t ldo) {
   for (int64_t r = r0; r < r1; r += RT_MAX) {
+    prefetch_rows(blk + (r + PREFETCH_TILES * RT_MAX) * G * 16, RT_MAX * G * 16);
     const int rt = int(std::min<int64_t>(RT_MAX, r1 - r));
     for (int64_t t = 0; t < n; t += TT_MAX) {
       const int tt = int(std::min<int64_t>(TT_MAX, n - t));
