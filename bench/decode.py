@@ -146,7 +146,7 @@ def main() -> int:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the preset's, written once)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--batch", type=int, nargs="*", default=[1, 8, 32])
     ap.add_argument("--context", type=int, nargs="+", default=[256, 4096])
     ap.add_argument("--decoders", nargs="+", default=["gk-native", "per-layer"])
     ap.add_argument("--steps", type=int, default=7)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .config import GptOssConfig
 from .kv.cache import KVCache
 from .ops import flash_sink_attention, moe_tokens, rms_norm
@@ -85,10 +86,11 @@ class GptOssModel:
 
     def moe(self, layer: int, h: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
         cfg, w, par = self.cfg, self.w, self.parallel
+        dq = native.mxfp4_dequant                       # each hit expert decoded once per chunk (exact)
         if par is None:
-            return moe_tokens(h, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit)
+            return moe_tokens(h, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit, decode=dq)
         return par.ep_moe(h, lambda t: moe_tokens(t, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha,
-                                                   cfg.swiglu_limit, par.expert_offset), counts)
+                                                   cfg.swiglu_limit, par.expert_offset, decode=dq), counts)
 
     # ----------------------------------------------------------------------------------------------
     def attention(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

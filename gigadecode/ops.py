@@ -49,12 +49,13 @@ def swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def dense_expert_weights(weights, layer: int, expert: torch.Tensor | int, dtype: torch.dtype
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One expert's (or a batch of experts') weights as dense [.., 2I, H] and [.., H, I] (out-features first)."""
+def dense_expert_weights(weights, layer: int, expert: torch.Tensor | int, dtype: torch.dtype,
+                         decode=decode_mxfp4) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's (or a batch of experts') weights as dense [.., 2I, H] and [.., H, I] (out-features first).
+    `decode(blocks, scales, dtype)`: the exact MXFP4 decode to use (the torch one, or the native kernel's)."""
     if weights.mxfp4:
-        w1 = decode_mxfp4(weights.gate_up_blocks[layer, expert], weights.gate_up_scales[layer, expert], dtype)
-        w2 = decode_mxfp4(weights.down_blocks[layer, expert], weights.down_scales[layer, expert], dtype)
+        w1 = decode(weights.gate_up_blocks[layer, expert], weights.gate_up_scales[layer, expert], dtype)
+        w2 = decode(weights.down_blocks[layer, expert], weights.down_scales[layer, expert], dtype)
         return w1, w2
     return weights.gate_up[layer, expert].transpose(-1, -2), weights.down[layer, expert].transpose(-1, -2)
 
@@ -80,11 +81,11 @@ def moe_routed(x: torch.Tensor, idx: torch.Tensor, gate_w: torch.Tensor, dense_e
 
 
 def moe_tokens(x: torch.Tensor, weights, layer: int, top_k: int, alpha: float, limit: float,
-               expert_offset: int = 0) -> torch.Tensor:
+               expert_offset: int = 0, decode=decode_mxfp4) -> torch.Tensor:
     """The per-layer model's MoE over many tokens (the router sees every expert; this rank's stacks hold the
     experts from global id `expert_offset` on, see `moe_routed`). x [T, H] -> [T, H]."""
     idx, gate_w = route(x, weights.router_w[layer], weights.router_b[layer], top_k)
-    return moe_routed(x, idx, gate_w, lambda le: dense_expert_weights(weights, layer, le, x.dtype),
+    return moe_routed(x, idx, gate_w, lambda le: dense_expert_weights(weights, layer, le, x.dtype, decode),
                       weights.gate_up_bias[layer], weights.down_bias[layer], alpha, limit, expert_offset)
 
 

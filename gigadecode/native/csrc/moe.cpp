@@ -331,23 +331,23 @@ at::Tensor mxfp4_dequant(const at::Tensor& blocks, const at::Tensor& scales, at:
   const uint8_t* bp = b.data_ptr<uint8_t>();
   const uint8_t* sp = s.data_ptr<uint8_t>();
   const float* e8 = e8m0_table();
-  static const float LUT[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
   const bool bf = dtype == at::kBFloat16;
   void* op = out.data_ptr();
-  at::parallel_for(0, groups, 2048, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, groups, 256, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const float sc = e8[sp[g]];
-      float v[32];
-      for (int j = 0; j < 16; ++j) {
-        const uint8_t byte = bp[g * 16 + j];
-        v[2 * j] = LUT[byte & 0xF] * sc;
-        v[2 * j + 1] = LUT[byte >> 4] * sc;
-      }
-      if (bf) {
-        uint16_t* d = static_cast<uint16_t*>(op) + g * 32;
-        for (int j = 0; j < 32; ++j) d[j] = f32_to_bf16(v[j]);
-      } else {
-        std::memcpy(static_cast<float*>(op) + g * 32, v, sizeof v);
+      const VF sc = vset1(e8[sp[g]]);
+      for (int c = 0; c < 16 / W; ++c) {             // W bytes -> 2W values
+        VF even, odd, first, second;
+        vdecode_e2m1(bp + g * 16 + c * W, sc, even, odd);
+        vinterleave(even, odd, first, second);
+        const int64_t o = g * 32 + c * 2 * W;
+        if (bf) {
+          vstore_bf16_exact(static_cast<uint16_t*>(op) + o, first);
+          vstore_bf16_exact(static_cast<uint16_t*>(op) + o + W, second);
+        } else {
+          vstore(static_cast<float*>(op) + o, first);
+          vstore(static_cast<float*>(op) + o + W, second);
+        }
       }
     }
   });

@@ -48,6 +48,17 @@ inline void vdecode_e2m1(const uint8_t* p, VF scale, VF& even, VF& odd) {
   even.v = _mm512_mul_ps(_mm512_permutexvar_ps(b, lut), scale.v);      // permutexvar uses the low 4 bits
   odd.v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), scale.v);
 }
+// (even, odd) lanes -> the 2W values in element order: first = e0 o0 e1 o1 … (W lanes), second = the rest
+inline void vinterleave(VF even, VF odd, VF& first, VF& second) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  first.v = _mm512_permutex2var_ps(even.v, lo, odd.v);
+  second.v = _mm512_permutex2var_ps(even.v, hi, odd.v);
+}
+// W fp32 values that are exact in bf16 -> bf16 (truncation is then exact)
+inline void vstore_bf16_exact(uint16_t* p, VF a) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a.v), 16)));
+}
 // e^x for x <= 88 (x = -inf gives ~1e-38; callers never use masked lanes): 2^n · p(f), Cephes' polynomial
 inline VF vexp(VF x) {
   __m512 v = _mm512_min_ps(_mm512_max_ps(x.v, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
@@ -102,6 +113,15 @@ inline void vdecode_e2m1(const uint8_t* p, VF scale, VF& even, VF& odd) {
   __m256i hi_s = _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(8)), 28);
   even.v = _mm256_mul_ps(_mm256_xor_ps(lo_m, _mm256_castsi256_ps(lo_s)), scale.v);
   odd.v = _mm256_mul_ps(_mm256_xor_ps(hi_m, _mm256_castsi256_ps(hi_s)), scale.v);
+}
+inline void vinterleave(VF even, VF odd, VF& first, VF& second) {
+  const __m256 a = _mm256_unpacklo_ps(even.v, odd.v), b = _mm256_unpackhi_ps(even.v, odd.v);  // in-lane pairs
+  first.v = _mm256_permute2f128_ps(a, b, 0x20);
+  second.v = _mm256_permute2f128_ps(a, b, 0x31);
+}
+inline void vstore_bf16_exact(uint16_t* p, VF a) {
+  const __m256i s = _mm256_srli_epi32(_mm256_castps_si256(a.v), 16);
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
 }
 inline VF vexp(VF x) {
   __m256 v = _mm256_min_ps(_mm256_max_ps(x.v, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
