@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test test-all bench install
+.PHONY: demo test test-all bench install native
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -12,16 +12,23 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test]'
 	rm -f $(VENV)/.installed-*; touch $@
 
-install: $(STAMP)
+install: $(STAMP) native
 
-demo: $(STAMP)
+# the native kernels: built once per machine (cached under ~/.cache/gigadecode/native), loaded after
+native: $(STAMP)
+	$(VENV)/bin/python -m gigadecode.native
+
+demo: $(STAMP) native
 	$(VENV)/bin/gigadecode demo
 
-test: $(STAMP)
+test: $(STAMP) native
 	$(VENV)/bin/pytest -q
 
-test-all: $(STAMP)
+test-all: $(STAMP) native
 	$(VENV)/bin/pytest -q -m ''
 
-bench: $(STAMP)
-	$(VENV)/bin/python bench/decode.py
+# decode (batch 1/8/32, context 256/4096) and prefill against transformers and the measured bandwidth;
+# the 20b-shape checkpoint (~13 GB) is written once under ~/.cache/gigadecode
+bench: $(STAMP) native
+	$(VENV)/bin/python bench/decode.py --preset small
+	$(VENV)/bin/python bench/decode.py --preset 20b-shape --batch 1 8 32 --context 256 4096

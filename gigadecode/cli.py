@@ -41,7 +41,7 @@ def engine_config(args: argparse.Namespace, kv_role: str = "kv_both"):
     from .config import EngineConfig, default_threads
     kv_dtype = args.kv_dtype or ("auto" if args.decoder == "reference" else "fp8")
     return EngineConfig(dtype=args.dtype, kv_dtype=kv_dtype, block_size=args.block_size,
-                        threads=getattr(args, "threads", None) or default_threads(),
+                        threads=default_threads() if getattr(args, "threads", None) is None else args.threads,
                         num_blocks=args.num_blocks, kv_budget_gib=args.kv_budget_gib,
                         decoder=args.decoder, gk_decode=args.decoder != "reference", kv_role=kv_role,
                         max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,

@@ -263,7 +263,10 @@ KV_DTYPES = ("auto", "bf16", "fp8")
 
 
 def default_threads() -> int:
-    """The cores this process may run on, shared among the ranks torchrun started on this node."""
+    """OMP_NUM_THREADS when set, else the cores this process may run on, shared among the ranks torchrun
+    started on this node."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:                     # not Linux

@@ -342,5 +342,6 @@ def test_generate_under_torchrun_prints_what_one_process_prints(tiny_ckpt, tmp_p
     a = [json.loads(line) for line in one.stdout.splitlines()]
     b = [json.loads(line) for line in par.stdout.splitlines()]
     for d in a + b:
-        d.pop("decode_tok_s")
+        for timing in ("decode_tok_s", "ttft_s", "prompt_tok_s"):
+            assert d.pop(timing) is not None
     assert a == b and len(a) == 1
