@@ -44,6 +44,7 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
   const int64_t rep = s.rep, d = s.d, B = s.B;
   float* qs = scratch(0, rep * 2 * d);               // q · scale · k multiplier (packed: each dim twice)
   float* sc = scratch(1, rep * (B + 1));              // scores of one block
+  float* kf = scratch(3, 2 * d);                      // one token pair's (or token's) K in fp32
   for (int64_t r = 0; r < rep; ++r) {
     const float* qr = q + (b * s.nh + h * rep + r) * d;
     for (int64_t j = 0; j < d; ++j) {
@@ -72,17 +73,19 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
     if (nt <= 0) continue;
     const KT* Kb = K + (bid * s.kv + h) * B * d;
     const VT* Vb = V + (bid * s.kv + h) * B * d;
-    // scores sc[r][t - t0]
+    // scores sc[r][t - t0]: each K element converted once, then dotted with every q head of the group
     if (s.packed) {
       const int64_t n2 = 2 * d, n2v = n2 / W * W;
       for (int64_t p = t0 / 2; p <= t1 / 2; ++p) {
         const KT* kp = Kb + p * n2;                       // [d][2]: token 2p, 2p+1 interleaved per dim
+        for (int64_t c = 0; c < n2v; c += W) vstore(kf + c, kvload(kp + c));
+        for (int64_t c = n2v; c < n2; ++c) kf[c] = kvscalar(kp + c);
         for (int64_t r = 0; r < rep; ++r) {
           const float* qr = qs + r * 2 * d;
           VF acc = vzero();
-          for (int64_t c = 0; c < n2v; c += W) acc = vfma(kvload(kp + c), vload(qr + c), acc);
+          for (int64_t c = 0; c < n2v; c += W) acc = vfma(vload(kf + c), vload(qr + c), acc);
           float se = vsum(vmul(acc, even_mask)), so = vsum(vmul(acc, odd_mask));
-          for (int64_t c = n2v; c < n2; ++c) (c % 2 ? so : se) += kvscalar(kp + c) * qr[c];
+          for (int64_t c = n2v; c < n2; ++c) (c % 2 ? so : se) += kf[c] * qr[c];
           if (2 * p >= t0) sc[r * B + 2 * p - t0] = se;
           if (2 * p + 1 <= t1) sc[r * B + 2 * p + 1 - t0] = so;
         }
@@ -90,12 +93,14 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
     } else {
       for (int64_t t = t0; t <= t1; ++t) {
         const KT* kt = Kb + t * d;
+        for (int64_t c = 0; c < dv; c += W) vstore(kf + c, kvload(kt + c));
+        for (int64_t c = dv; c < d; ++c) kf[c] = kvscalar(kt + c);
         for (int64_t r = 0; r < rep; ++r) {
           const float* qr = qs + r * 2 * d;
           VF acc = vzero();
-          for (int64_t c = 0; c < dv; c += W) acc = vfma(kvload(kt + c), vload(qr + c), acc);
+          for (int64_t c = 0; c < dv; c += W) acc = vfma(vload(kf + c), vload(qr + c), acc);
           float sum = vsum(acc);
-          for (int64_t c = dv; c < d; ++c) sum += kvscalar(kt + c) * qr[c];
+          for (int64_t c = dv; c < d; ++c) sum += kf[c] * qr[c];
           sc[r * B + t - t0] = sum;
         }
       }
