@@ -75,8 +75,8 @@ class DecodeBench:
     def __init__(self, cfg, w, model, dtype: str, batch: int, context: int, block: int, decoders: list[str]) -> None:
         self.cfg, self.model, self.batch, self.block, self.pos = cfg, model, batch, block, context
         ecfg = EngineConfig(dtype=dtype, kv_dtype="fp8", block_size=block)
-        per_seq = -(-(context + 1) // block)                 # full group; the sliding group holds a window
-        self.kv = KVCache(cfg, ecfg, batch * (per_seq + -(-cfg.sliding_window // block) + 2) + 2)
+        per_seq = -(-(context + 1) // block)   # full group; the sliding group keeps a window (after a transient)
+        self.kv = KVCache(cfg, ecfg, batch * (per_seq + -(-cfg.sliding_window // block) + 2) + per_seq + 2)
         for buf in self.kv.group_bufs:                       # random KV: values do not change the cost
             buf.copy_((torch.randn(buf.shape) * 0.5).to(buf.dtype))
         self.mgr = KVCacheManager(self.kv.config, block)

@@ -57,3 +57,15 @@ def test_bad_threads_are_refused(tiny_ckpt, flag):
     with pytest.raises(ConfigError, match="--threads"):
         engine_config(build_parser().parse_args(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1",
                                                  *flag]))
+
+
+def test_without_native_kernels_the_twins_give_the_same_tokens(tiny_ckpt):
+    """No kernels (no compiler, or GIGADECODE_NATIVE=0): one warning line, then the torch twins, same tokens."""
+    ids = "3,1,4,1,5,9,2,6"
+    fast = _generate("--model", str(tiny_ckpt), "--prompt-ids", ids, "--max-tokens", "10", "--json", "--ignore-eos")
+    twins = _generate("--model", str(tiny_ckpt), "--prompt-ids", ids, "--max-tokens", "10", "--json",
+                      "--ignore-eos", env={"GIGADECODE_NATIVE": "0"})
+    assert fast.returncode == 0 and twins.returncode == 0, fast.stderr + twins.stderr
+    assert json.loads(fast.stdout)["token_ids"] == json.loads(twins.stdout)["token_ids"]
+    warnings = [line for line in twins.stderr.splitlines() if "native kernels unavailable" in line]
+    assert len(warnings) == 1 and "GIGADECODE_NATIVE=0" in warnings[0]
