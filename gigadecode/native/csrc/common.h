@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <array>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
@@ -92,6 +94,19 @@ inline void prefetch_rows(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
+
+// A table of register-tile kernels Tile<rt, tt>::run for every rt <= RT and tt <= TT, so a tail tile of any
+// size runs a fully unrolled kernel: tiles[rt - 1][tt - 1].
+template <typename Fn, template <int, int> class Tile, int RT, int... TTs>
+constexpr std::array<Fn, sizeof...(TTs)> tile_row(std::integer_sequence<int, TTs...>) {
+  return {&Tile<RT, TTs + 1>::run...};
+}
+template <typename Fn, template <int, int> class Tile, int TT, int... RTs>
+constexpr std::array<std::array<Fn, TT>, sizeof...(RTs)> tile_table(std::integer_sequence<int, RTs...>) {
+  return {tile_row<Fn, Tile, RTs + 1>(std::make_integer_sequence<int, TT>{})...};
+}
+template <typename Fn, template <int, int> class Tile, int RT, int TT>
+constexpr auto make_tiles() { return tile_table<Fn, Tile, TT>(std::make_integer_sequence<int, RT>{}); }
 
 inline void check_float_like(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,

@@ -25,8 +25,11 @@ inline float wscalar(const WT* p) {
   else return bf16_to_f32(*p);
 }
 
-template <typename WT, int RT, int TT>
-void dense_tile(const WT* w, int64_t K, const float* x, int64_t ldx, float* out, int64_t ldo) {
+template <typename WT>
+struct DenseTile {
+template <int RT, int TT>
+struct Tile {
+static void run(const WT* w, int64_t K, const float* x, int64_t ldx, float* out, int64_t ldo) {
   VF acc[RT][TT];
   for (int r = 0; r < RT; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = vzero();
@@ -46,23 +49,16 @@ void dense_tile(const WT* w, int64_t K, const float* x, int64_t ldx, float* out,
       out[t * ldo + r] = s;
     }
 }
+};
+};
 
-template <typename WT>
-using DenseFn = void (*)(const WT*, int64_t, const float*, int64_t, float*, int64_t);
+template <typename WT, typename XT>
+using DenseFn = void (*)(const WT*, int64_t, const XT*, int64_t, float*, int64_t);
 
-template <typename WT, int RT, int... TTs>
-constexpr std::array<DenseFn<WT>, sizeof...(TTs)> dense_row(std::integer_sequence<int, TTs...>) {
-  return {&dense_tile<WT, RT, TTs + 1>...};
-}
-template <typename WT, int... RTs>
-constexpr std::array<std::array<DenseFn<WT>, TT_MAX>, sizeof...(RTs)> dense_table(std::integer_sequence<int, RTs...>) {
-  return {dense_row<WT, RTs + 1>(std::make_integer_sequence<int, TT_MAX>{})...};
-}
-
-template <typename WT>
-void dense_rows(const WT* w, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
-  static const auto TILES = dense_table<WT>(std::make_integer_sequence<int, RT_MAX>{});
-  const int64_t strip = 16, strips = (N + strip - 1) / strip;     // 16 rows per work item
+// y [M, N] = x [M, K] · w [N, K]^T: strips of 16 rows over the threads, register tiles inside
+template <typename WT, typename XT, typename Tiles>
+void dense_rows(const Tiles& tiles, const WT* w, int64_t N, int64_t K, const XT* x, int64_t M, float* y) {
+  const int64_t strip = 16, strips = (N + strip - 1) / strip;
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t r1 = std::min(N, (s + 1) * strip);
@@ -71,17 +67,21 @@ void dense_rows(const WT* w, int64_t N, int64_t K, const float* x, int64_t M, fl
         prefetch_rows(w + std::min(N, r + 6 * RT_MAX) * K, RT_MAX * K * int64_t(sizeof(*w)));
         for (int64_t t = 0; t < M; t += TT_MAX) {
           const int tt = int(std::min<int64_t>(TT_MAX, M - t));
-          TILES[rt - 1][tt - 1](w + r * K, K, x + t * K, K, y + t * N + r, N);
+          tiles[rt - 1][tt - 1](w + r * K, K, x + t * K, K, y + t * N + r, N);
         }
       }
     }
   });
 }
 
+const auto TILES_F32 = make_tiles<DenseFn<float, float>, DenseTile<float>::Tile, RT_MAX, TT_MAX>();
+const auto TILES_BF16W = make_tiles<DenseFn<uint16_t, float>, DenseTile<uint16_t>::Tile, RT_MAX, TT_MAX>();
+
 #ifdef GD_BF16DOT
 // bf16 weights × bf16 inputs: 32 products per instruction, exact, fp32 sums
 template <int RT, int TT>
-void dense_tile_bf16(const uint16_t* w, int64_t K, const uint16_t* x, int64_t ldx, float* out, int64_t ldo) {
+struct DenseTileBf16 {
+static void run(const uint16_t* w, int64_t K, const uint16_t* x, int64_t ldx, float* out, int64_t ldo) {
   __m512 acc[RT][TT];
   for (int r = 0; r < RT; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -101,34 +101,9 @@ void dense_tile_bf16(const uint16_t* w, int64_t K, const uint16_t* x, int64_t ld
       out[t * ldo + r] = s;
     }
 }
+};
 
-using DenseFnBf16 = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t);
-template <int RT, int... TTs>
-constexpr std::array<DenseFnBf16, sizeof...(TTs)> dense_row_bf16(std::integer_sequence<int, TTs...>) {
-  return {&dense_tile_bf16<RT, TTs + 1>...};
-}
-template <int... RTs>
-constexpr std::array<std::array<DenseFnBf16, TT_MAX>, sizeof...(RTs)> dense_table_bf16(std::integer_sequence<int, RTs...>) {
-  return {dense_row_bf16<RTs + 1>(std::make_integer_sequence<int, TT_MAX>{})...};
-}
-
-void dense_rows_bf16(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M, float* y) {
-  static const auto TILES = dense_table_bf16(std::make_integer_sequence<int, RT_MAX>{});
-  const int64_t strip = 16, strips = (N + strip - 1) / strip;
-  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t r1 = std::min(N, (s + 1) * strip);
-      for (int64_t r = s * strip; r < r1; r += RT_MAX) {
-        const int rt = int(std::min<int64_t>(RT_MAX, r1 - r));
-        prefetch_rows(w + std::min(N, r + 6 * RT_MAX) * K, RT_MAX * K * int64_t(sizeof(*w)));
-        for (int64_t t = 0; t < M; t += TT_MAX) {
-          const int tt = int(std::min<int64_t>(TT_MAX, M - t));
-          TILES[rt - 1][tt - 1](w + r * K, K, x + t * K, K, y + t * N + r, N);
-        }
-      }
-    }
-  });
-}
+const auto TILES_BF16 = make_tiles<DenseFn<uint16_t, uint16_t>, DenseTileBf16, RT_MAX, TT_MAX>();
 #endif
 
 }  // namespace
@@ -143,14 +118,14 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w, const c10::opt
   float* y = x.scalar_type() == at::kFloat ? out.data_ptr<float>() : shared_scratch(0, M * N);
 #ifdef GD_BF16DOT
   if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
-    dense_rows_bf16(reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K,
-                    reinterpret_cast<const uint16_t*>(x.data_ptr()), M, y);
+    dense_rows(TILES_BF16, reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K,
+               reinterpret_cast<const uint16_t*>(x.data_ptr()), M, y);
   } else
 #endif
   {
     const float* xf = rows_as_f32(x, 0);
-    if (w.scalar_type() == at::kFloat) dense_rows(w.data_ptr<float>(), N, K, xf, M, y);
-    else dense_rows(reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K, xf, M, y);
+    if (w.scalar_type() == at::kFloat) dense_rows(TILES_F32, w.data_ptr<float>(), N, K, xf, M, y);
+    else dense_rows(TILES_BF16W, reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K, xf, M, y);
   }
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " values for ", N, " rows");

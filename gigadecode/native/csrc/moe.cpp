@@ -32,7 +32,8 @@ inline void deinterleave(const float* x, int64_t K, float* out) {
 
 // out[t * ldo + r] = row r · input t for RT rows (row r at blk + r*G*16, scales at scl + r*G) and TT inputs
 template <int RT, int TT>
-void mx_tile(const uint8_t* blk, const uint8_t* scl, int64_t G, const float* const* xs, float* out, int64_t ldo) {
+struct MxTile {
+static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const float* const* xs, float* out, int64_t ldo) {
   const float* e8 = e8m0_table();
   VF acc[RT][TT];
   for (int r = 0; r < RT; ++r)
@@ -54,32 +55,27 @@ void mx_tile(const uint8_t* blk, const uint8_t* scl, int64_t G, const float* con
   for (int r = 0; r < RT; ++r)
     for (int t = 0; t < TT; ++t) out[t * ldo + r] = vsum(acc[r][t]);
 }
+};
 
-using TileFn = void (*)(const uint8_t*, const uint8_t*, int64_t, const float* const*, float*, int64_t);
-
-template <int RT, int... TTs>
-constexpr std::array<TileFn, sizeof...(TTs)> tile_row(std::integer_sequence<int, TTs...>) {
-  return {&mx_tile<RT, TTs + 1>...};
-}
-template <int... RTs>
-constexpr std::array<std::array<TileFn, TT_MAX>, sizeof...(RTs)> tile_table(std::integer_sequence<int, RTs...>) {
-  return {tile_row<RTs + 1>(std::make_integer_sequence<int, TT_MAX>{})...};
-}
-const auto TILES = tile_table(std::make_integer_sequence<int, RT_MAX>{});
+template <typename XT>
+using MxFn = void (*)(const uint8_t*, const uint8_t*, int64_t, const XT* const*, float*, int64_t);
 
 // rows [r0, r1) of expert matrix (blk, scl: the expert's first row) times `n` deinterleaved inputs
-// -> out[i * ldo + r] for i < n
-void expert_rows(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1, const float* const* xs,
-                 int64_t n, float* out, int64_t ldo) {
+// -> out[i * ldo + r] for i < n, through a table of register tiles (`make_tiles`)
+template <typename XT, typename Tiles>
+void expert_rows(const Tiles& tiles, const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
+                 const XT* const* xs, int64_t n, float* out, int64_t ldo) {
   for (int64_t r = r0; r < r1; r += RT_MAX) {
     prefetch_rows(blk + (r + PREFETCH_TILES * RT_MAX) * G * 16, RT_MAX * G * 16);
     const int rt = int(std::min<int64_t>(RT_MAX, r1 - r));
     for (int64_t t = 0; t < n; t += TT_MAX) {
       const int tt = int(std::min<int64_t>(TT_MAX, n - t));
-      TILES[rt - 1][tt - 1](blk + r * G * 16, scl + r * G, G, xs + t, out + t * ldo + r, ldo);
+      tiles[rt - 1][tt - 1](blk + r * G * 16, scl + r * G, G, xs + t, out + t * ldo + r, ldo);
     }
   }
 }
+
+const auto TILES = make_tiles<MxFn<float>, MxTile, RT_MAX, TT_MAX>();
 
 #ifdef GD_BF16DOT
 // bf16 inputs: x [K] -> chunks of 64 elements [32 even][32 odd] as bf16, zero-padded to whole chunks
@@ -94,8 +90,9 @@ inline void deinterleave_bf16(const float* x, int64_t K, uint16_t* out) {
 }
 
 template <int RT, int TT>
-void mx_tile_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint16_t* const* xs, float* out,
-                  int64_t ldo) {
+struct MxTileBf16 {
+static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint16_t* const* xs, float* out,
+                int64_t ldo) {
   __m512 acc[RT][TT];
   for (int r = 0; r < RT; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -122,29 +119,9 @@ void mx_tile_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint1
   for (int r = 0; r < RT; ++r)
     for (int t = 0; t < TT; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
+};
 
-using TileFnBf16 = void (*)(const uint8_t*, const uint8_t*, int64_t, const uint16_t* const*, float*, int64_t);
-template <int RT, int... TTs>
-constexpr std::array<TileFnBf16, sizeof...(TTs)> tile_row_bf16(std::integer_sequence<int, TTs...>) {
-  return {&mx_tile_bf16<RT, TTs + 1>...};
-}
-template <int... RTs>
-constexpr std::array<std::array<TileFnBf16, TT_MAX>, sizeof...(RTs)> tile_table_bf16(std::integer_sequence<int, RTs...>) {
-  return {tile_row_bf16<RTs + 1>(std::make_integer_sequence<int, TT_MAX>{})...};
-}
-const auto TILES_BF16 = tile_table_bf16(std::make_integer_sequence<int, RT_MAX>{});
-
-void expert_rows_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
-                      const uint16_t* const* xs, int64_t n, float* out, int64_t ldo) {
-  for (int64_t r = r0; r < r1; r += RT_MAX) {
-    prefetch_rows(blk + (r + PREFETCH_TILES * RT_MAX) * G * 16, RT_MAX * G * 16);
-    const int rt = int(std::min<int64_t>(RT_MAX, r1 - r));
-    for (int64_t t = 0; t < n; t += TT_MAX) {
-      const int tt = int(std::min<int64_t>(TT_MAX, n - t));
-      TILES_BF16[rt - 1][tt - 1](blk + r * G * 16, scl + r * G, G, xs + t, out + t * ldo + r, ldo);
-    }
-  }
-}
+const auto TILES_BF16 = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_MAX, TT_MAX>();
 #endif
 
 struct Routing {
@@ -261,11 +238,11 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
         const int64_t p0 = rt.expert_start[e], n = rt.expert_start[e + 1] - p0;
 #ifdef GD_BF16DOT
         if (bf) {
-          expert_rows_bf16(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in16.data() + p0, n, dst + p0 * R, R);
+          expert_rows(TILES_BF16, blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in16.data() + p0, n, dst + p0 * R, R);
           continue;
         }
 #endif
-        expert_rows(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in.data() + p0, n, dst + p0 * R, R);
+        expert_rows(TILES, blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in.data() + p0, n, dst + p0 * R, R);
       }
     });
   };
