@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from . import native
 from .config import EngineConfig, GptOssConfig
 from .gk.attn_control import build_attention_control
 from .gk.model import GptOssGKDecodeModel
@@ -116,6 +117,7 @@ class ModelRunner:
         self.dtype = ecfg.torch_dtype
         if ecfg.threads is not None:
             torch.set_num_threads(ecfg.threads)
+        native.load()                     # build (once per machine) or load the kernels now, not on a request
         self.parallel = parallel          # gigadecode.parallel.ParallelContext or None (one rank)
         shard = parallel.shard if parallel is not None else Shard()
         self.weights = weights or load_weights(self.model_dir, self.cfg, self.dtype, shard, progress=progress)

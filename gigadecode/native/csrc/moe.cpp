@@ -78,15 +78,18 @@ void expert_rows(const Tiles& tiles, const uint8_t* blk, const uint8_t* scl, int
 const auto TILES = make_tiles<MxFn<float>, MxTile, RT_MAX, TT_MAX>();
 
 #ifdef GD_BF16DOT
-// bf16 inputs: x [K] -> chunks of 64 elements [32 even][32 odd] as bf16, zero-padded to whole chunks
+// bf16 inputs: x [K] -> chunks of 128 elements (four groups) in the lane order of decode_e2m1_bf16x4,
+// zero-padded to whole chunks: out[c*128 + q*32 + L*8 + i] = x[c*128 + L*32 + {2i, 16+2i, 2i+1, 17+2i}[q]]
 inline void deinterleave_bf16(const float* x, int64_t K, uint16_t* out) {
-  const int64_t chunks = (K + 63) / 64;
+  static constexpr int OFF[4] = {0, 16, 1, 17};
+  const int64_t chunks = (K + 127) / 128;
   for (int64_t c = 0; c < chunks; ++c)
-    for (int i = 0; i < 32; ++i) {
-      const int64_t e = c * 64 + 2 * i;
-      out[c * 64 + i] = e < K ? f32_to_bf16(x[e]) : 0;
-      out[c * 64 + 32 + i] = e + 1 < K ? f32_to_bf16(x[e + 1]) : 0;
-    }
+    for (int q = 0; q < 4; ++q)
+      for (int L = 0; L < 4; ++L)
+        for (int i = 0; i < 8; ++i) {
+          const int64_t e = c * 128 + L * 32 + OFF[q] + 2 * i;
+          out[c * 128 + q * 32 + L * 8 + i] = e < K ? f32_to_bf16(x[e]) : 0;
+        }
 }
 
 template <int RT, int TT>
@@ -97,21 +100,24 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint16_
   for (int r = 0; r < RT; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
   __m512 s16[RT];
-  for (int64_t c = 0; c < (G + 1) / 2; ++c) {
-    const int j = int(c % 8);
+  for (int64_t c = 0; c < (G + 3) / 4; ++c) {
+    const int j = int(c % 4);
     if (j == 0)                                       // the next 16 groups' scales
-      for (int r = 0; r < RT; ++r) s16[r] = e8m0_x16(scl + r * G + 2 * c, int(std::min<int64_t>(16, G - 2 * c)));
-    const bool half = 2 * c + 1 == G;
-    __m512i lo[RT], hi[RT];
+      for (int r = 0; r < RT; ++r) s16[r] = e8m0_x16(scl + r * G + 4 * c, int(std::min<int64_t>(16, G - 4 * c)));
+    const int nbytes = int(std::min<int64_t>(64, (G - 4 * c) * 16));
+    __m512i w[RT][4];
     __m512 sc[RT];
     for (int r = 0; r < RT; ++r) {
-      decode_e2m1_bf16(blk + r * G * 16 + c * 32, half, lo[r], hi[r]);
-      sc[r] = pair_scales(s16[r], j);
+      decode_e2m1_bf16x4(blk + r * G * 16 + c * 64, nbytes, w[r]);
+      sc[r] = quad_scales(s16[r], j);
     }
     for (int t = 0; t < TT; ++t) {
-      const uint16_t* x = xs[t] + c * 64;
+      const uint16_t* x = xs[t] + c * 128;
       for (int r = 0; r < RT; ++r) {
-        const __m512 part = dot_bf16(dot_bf16(_mm512_setzero_ps(), lo[r], x), hi[r], x + 32);
+        __m512 part = dot_bf16(_mm512_setzero_ps(), w[r][0], x);
+        part = dot_bf16(part, w[r][1], x + 32);
+        part = dot_bf16(part, w[r][2], x + 64);
+        part = dot_bf16(part, w[r][3], x + 96);
         acc[r][t] = _mm512_fmadd_ps(part, sc[r], acc[r][t]);
       }
     }
@@ -199,7 +205,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 #else
   const bool bf = false;
 #endif
-  const int64_t H64 = (H + 63) / 64 * 64, I64 = (I + 63) / 64 * 64;   // bf16 inputs, padded to whole chunks
+  const int64_t H64 = (H + 127) / 128 * 128, I64 = (I + 127) / 128 * 128;   // bf16 inputs: whole chunks
   float* xd = shared_scratch(0, bf ? T * H64 / 2 : T * H);        // [T, H] deinterleaved inputs
   float* gu = shared_scratch(1, P * R1);                           // [P, 2I] gate_up outputs
   float* ad = shared_scratch(2, bf ? P * I64 / 2 : P * I);         // [P, I] activations, deinterleaved
