@@ -174,7 +174,7 @@ class _MaxAlloc(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("decoder", ["gk"])
+@pytest.mark.parametrize("decoder", ["gk", "gk-native"])
 def test_decode_step_allocates_no_weight_sized_tensor(tmp_path, decoder):
     base = preset_config("tiny")
     cfg = base.with_(num_hidden_layers=8, layer_types=(), num_local_experts=32)
@@ -184,7 +184,7 @@ def test_decode_step_allocates_no_weight_sized_tensor(tmp_path, decoder):
     smallest_stack = min(w.tensors[n].numel() * w.tensors[n].element_size()
                          for n in ("qkv_w", "gate_up_blocks", "down_blocks"))
     kv = KVCache(cfg, EngineConfig(kv_dtype="fp8", block_size=4), 64)
-    gk = GptOssGKDecodeModel(cfg, w, kv.config, 4, kv.k_scale, kv.v_scale)
+    gk = GptOssGKDecodeModel(cfg, w, kv.config, 4, kv.k_scale, kv.v_scale, native=decoder == "gk-native")
     gk.bind_kv_cache(kv.bind_map())
     tables = [[[1, 2, 3, 4], [5, 6, 7, 8]], [[9, 10, 11, 12], [13, 14, 15, 16]]]
     ctl = build_attention_control([9, 14], tables, [True, False], Rope(cfg, torch.float32), 4, cfg.sliding_window,
