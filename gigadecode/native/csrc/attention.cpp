@@ -37,6 +37,33 @@ struct AttnShape {
   int64_t window;  // 0 = full attention
 };
 
+// o[r] += Σ_t p[r][t] · V[t] for the rep heads of a group: NV = d / W vectors a row, as many heads at a time
+// as ACC accumulator registers hold
+template <int NV>
+void accumulate_v(const float* vf, int64_t nt, int64_t d, const float* sc, int64_t B, int64_t rep, float* o) {
+  constexpr int ACC = W == 16 ? 16 : 8;
+  constexpr int RG = NV >= ACC ? 1 : ACC / NV;
+  for (int64_t r0 = 0; r0 < rep; r0 += RG) {
+    const int rn = int(std::min<int64_t>(RG, rep - r0));
+    VF acc[RG][NV];
+    for (int i = 0; i < RG; ++i)
+      if (i < rn)
+        for (int c = 0; c < NV; ++c) acc[i][c] = vload(o + (r0 + i) * (d + 2) + c * W);
+    for (int64_t t = 0; t < nt; ++t) {
+      VF v[NV];
+      for (int c = 0; c < NV; ++c) v[c] = vload(vf + t * d + c * W);
+      for (int i = 0; i < RG; ++i)
+        if (i < rn) {
+          const VF p = vset1(sc[(r0 + i) * B + t]);
+          for (int c = 0; c < NV; ++c) acc[i][c] = vfma(p, v[c], acc[i][c]);
+        }
+    }
+    for (int i = 0; i < RG; ++i)
+      if (i < rn)
+        for (int c = 0; c < NV; ++c) vstore(o + (r0 + i) * (d + 2) + c * W, acc[i][c]);
+  }
+}
+
 // One (slot, kv head, block range) item: partial (o [rep, d] unnormalized, m [rep], l [rep]) into `part`.
 template <typename KT, typename VT>
 void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, const int64_t* table, int64_t lo,
@@ -45,6 +72,7 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
   float* qs = scratch(0, rep * 2 * d);               // q · scale · k multiplier (packed: each dim twice)
   float* sc = scratch(1, rep * (B + 1));              // scores of one block
   float* kf = scratch(3, 2 * d);                      // one token pair's (or token's) K in fp32
+  float* vf = scratch(2, B * d);                      // the block's V rows in fp32 (slot 2: free until the merge)
   for (int64_t r = 0; r < rep; ++r) {
     const float* qr = q + (b * s.nh + h * rep + r) * d;
     for (int64_t j = 0; j < d; ++j) {
@@ -58,13 +86,6 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
     o[r * (d + 2) + d] = -INFINITY;
     o[r * (d + 2) + d + 1] = 0.f;
   }
-  VF even_mask = vzero(), odd_mask = vzero();
-  {
-    float em[W], om[W];
-    for (int i = 0; i < W; ++i) { em[i] = i % 2 ? 0.f : 1.f; om[i] = i % 2 ? 1.f : 0.f; }
-    even_mask = vload(em);
-    odd_mask = vload(om);
-  }
   const int64_t dv = d / W * W;
   for (int64_t jb = jb0; jb <= jb1; ++jb) {
     const int64_t bid = table[b * s.n_table + jb];
@@ -73,6 +94,11 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
     if (nt <= 0) continue;
     const KT* Kb = K + (bid * s.kv + h) * B * d;
     const VT* Vb = V + (bid * s.kv + h) * B * d;
+    if (jb + 2 <= jb1) {                              // blocks are scattered: fetch two ahead by hand
+      const int64_t nxt = table[b * s.n_table + jb + 2];
+      prefetch_rows(K + (nxt * s.kv + h) * B * d, B * d * int64_t(sizeof(KT)));
+      prefetch_rows(V + (nxt * s.kv + h) * B * d, B * d * int64_t(sizeof(VT)));
+    }
     // scores sc[r][t - t0]: each K element converted once, then dotted with every q head of the group
     if (s.packed) {
       const int64_t n2 = 2 * d, n2v = n2 / W * W;
@@ -84,7 +110,8 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
           const float* qr = qs + r * 2 * d;
           VF acc = vzero();
           for (int64_t c = 0; c < n2v; c += W) acc = vfma(vload(kf + c), vload(qr + c), acc);
-          float se = vsum(vmul(acc, even_mask)), so = vsum(vmul(acc, odd_mask));
+          float se, so;
+          vsum_even_odd(acc, se, so);
           for (int64_t c = n2v; c < n2; ++c) (c % 2 ? so : se) += kf[c] * qr[c];
           if (2 * p >= t0) sc[r * B + 2 * p - t0] = se;
           if (2 * p + 1 <= t1) sc[r * B + 2 * p + 1 - t0] = so;
@@ -123,19 +150,25 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
       if (corr != 1.f)
         for (int64_t j = 0; j < d; ++j) orow[j] *= corr;
     }
+    // the block's V rows in fp32 once, then o += p · V with the accumulators in registers
     for (int64_t t = 0; t < nt; ++t) {
       const VT* vt = Vb + (t0 + t) * d;
-      for (int64_t c = 0; c < dv; c += W) {
-        const VF vv = kvload(vt + c);
-        for (int64_t r = 0; r < rep; ++r) {
-          float* orow = o + r * (d + 2);
-          vstore(orow + c, vfma(vset1(sc[r * B + t]), vv, vload(orow + c)));
-        }
-      }
-      for (int64_t c = dv; c < d; ++c) {
-        const float vv = kvscalar(vt + c);
-        for (int64_t r = 0; r < rep; ++r) o[r * (d + 2) + c] += sc[r * B + t] * vv;
-      }
+      for (int64_t c = 0; c < dv; c += W) vstore(vf + t * d + c, kvload(vt + c));
+      for (int64_t c = dv; c < d; ++c) vf[t * d + c] = kvscalar(vt + c);
+    }
+    switch (d % W ? 0 : d / W) {
+      case 1: accumulate_v<1>(vf, nt, d, sc, B, rep, o); break;
+      case 2: accumulate_v<2>(vf, nt, d, sc, B, rep, o); break;
+      case 3: accumulate_v<3>(vf, nt, d, sc, B, rep, o); break;
+      case 4: accumulate_v<4>(vf, nt, d, sc, B, rep, o); break;
+      case 5: accumulate_v<5>(vf, nt, d, sc, B, rep, o); break;
+      case 6: accumulate_v<6>(vf, nt, d, sc, B, rep, o); break;
+      case 7: accumulate_v<7>(vf, nt, d, sc, B, rep, o); break;
+      case 8: accumulate_v<8>(vf, nt, d, sc, B, rep, o); break;
+      default:
+        for (int64_t t = 0; t < nt; ++t)
+          for (int64_t r = 0; r < rep; ++r)
+            for (int64_t c = 0; c < d; ++c) o[r * (d + 2) + c] += sc[r * B + t] * vf[t * d + c];
     }
   }
 }
@@ -292,32 +325,36 @@ at::Tensor rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at:
     else if (e == Elem::BF16) static_cast<uint16_t*>(base)[i] = f32_to_bf16(val);
     else static_cast<uint8_t*>(base)[i] = f32_to_fp8(std::min(std::max(val / scale, -448.f), 448.f));
   };
-  float rk[1024];
   TORCH_CHECK(d <= 1024, "head_dim > 1024");
-  for (int64_t b = 0; b < Bt; ++b) {
-    const float* xb = x + b * W3;
-    auto rope = [&](const float* src, float* dst) {
-      for (int64_t j = 0; j < half; ++j) {
-        const float c = cv[b * half + j], s = sv[b * half + j];
-        const float x1 = src[j], x2 = src[j + half];
-        dst[j] = x1 * c - x2 * s;
-        dst[j + half] = x2 * c + x1 * s;
-      }
-    };
-    for (int64_t h = 0; h < nh; ++h) rope(xb + h * d, qo + (b * nh + h) * d);
-    const int64_t blk = sl[b] / B, off = sl[b] % B;
-    TORCH_CHECK(sl[b] >= 0 && blk < nb, "slot ", sl[b], " outside the KV buffer");
-    for (int64_t h = 0; h < kv; ++h) {
-      rope(xb + (nh + h) * d, rk);
-      const float* vsrc = xb + (nh + kv + h) * d;
-      for (int64_t j = 0; j < d; ++j) {
-        const int64_t ki = packed ? (((blk * kv + h) * (B / 2) + off / 2) * d + j) * 2 + off % 2
-                                  : ((blk * kv + h) * B + off) * d + j;
-        store(k_cache.data_ptr(), ke, ki, rk[j], float(k_scale));
-        store(v_cache.data_ptr(), ve, ((blk * kv + h) * B + off) * d + j, vsrc[j], float(v_scale));
+  for (int64_t b = 0; b < Bt; ++b)
+    TORCH_CHECK(sl[b] >= 0 && sl[b] / B < nb, "slot ", sl[b], " outside the KV buffer");
+  // slots in parallel (padding slots all write the null block 0, whose contents are never read)
+  at::parallel_for(0, Bt, 1, [&](int64_t b0, int64_t b1) {
+    float rk[1024];
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* xb = x + b * W3;
+      auto rope = [&](const float* src, float* dst) {
+        for (int64_t j = 0; j < half; ++j) {
+          const float c = cv[b * half + j], s = sv[b * half + j];
+          const float x1 = src[j], x2 = src[j + half];
+          dst[j] = x1 * c - x2 * s;
+          dst[j + half] = x2 * c + x1 * s;
+        }
+      };
+      for (int64_t h = 0; h < nh; ++h) rope(xb + h * d, qo + (b * nh + h) * d);
+      const int64_t blk = sl[b] / B, off = sl[b] % B;
+      for (int64_t h = 0; h < kv; ++h) {
+        rope(xb + (nh + h) * d, rk);
+        const float* vsrc = xb + (nh + kv + h) * d;
+        for (int64_t j = 0; j < d; ++j) {
+          const int64_t ki = packed ? (((blk * kv + h) * (B / 2) + off / 2) * d + j) * 2 + off % 2
+                                    : ((blk * kv + h) * B + off) * d + j;
+          store(k_cache.data_ptr(), ke, ki, rk[j], float(k_scale));
+          store(v_cache.data_ptr(), ve, ((blk * kv + h) * B + off) * d + j, vsrc[j], float(v_scale));
+        }
       }
     }
-  }
+  });
   return q;
 }
 
@@ -329,15 +366,28 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor wc = weight.contiguous();
   const FloatView w(wc);
   at::Tensor out = at::empty_like(x);
-  float* row = scratch(1, H);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = xf + m * H;
-    float ss = 0.f;
-    for (int64_t j = 0; j < H; ++j) ss += xr[j] * xr[j];
-    const float inv = 1.f / std::sqrt(ss / float(H) + float(eps));
-    for (int64_t j = 0; j < H; ++j) row[j] = w[j] * (xr[j] * inv);
-    store_row(row, out, m * H, H);
-  }
+  const bool wf = weight.scalar_type() == at::kFloat;
+  const float* wp = wf ? wc.data_ptr<float>() : nullptr;
+  const int64_t Hv = H / W * W;
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+    float* row = scratch(1, H);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = xf + m * H;
+      VF acc = vzero();
+      for (int64_t j = 0; j < Hv; j += W) acc = vfma(vload(xr + j), vload(xr + j), acc);
+      float ss = vsum(acc);
+      for (int64_t j = Hv; j < H; ++j) ss += xr[j] * xr[j];
+      const float inv = 1.f / std::sqrt(ss / float(H) + float(eps));
+      if (wf) {
+        const VF iv = vset1(inv);
+        for (int64_t j = 0; j < Hv; j += W) vstore(row + j, vmul(vload(wp + j), vmul(vload(xr + j), iv)));
+        for (int64_t j = Hv; j < H; ++j) row[j] = wp[j] * (xr[j] * inv);
+      } else {
+        for (int64_t j = 0; j < H; ++j) row[j] = w[j] * (xr[j] * inv);
+      }
+      store_row(row, out, m * H, H);
+    }
+  });
   return out;
 }
 

@@ -35,9 +35,9 @@ inline VF vload_bf16(const uint16_t* p) {
 // W FP8 e4m3 bytes -> fp32 / 256: the byte's exponent and mantissa bits placed into an fp16 (bias 15 vs 7:
 // a factor 2^-8 for normal and subnormal values alike, which the caller folds into its scale).
 inline VF vload_fp8_div256(const uint8_t* p) {
-  __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
-  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                              _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  // byte << 8, arithmetic >> 1: sign at bit 15, exponent and mantissa at bits 13..7; clear the sign copy at 14
+  __m256i b = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), 8);
+  __m256i h = _mm256_and_si256(_mm256_srai_epi16(b, 1), _mm256_set1_epi16(short(0xBFFF)));
   return {_mm512_cvtph_ps(h)};
 }
 // MXFP4: W bytes (2W e2m1 codes, low nibble first) -> values of the low nibbles (even elements) and of the
@@ -47,6 +47,15 @@ inline void vdecode_e2m1(const uint8_t* p, VF scale, VF& even, VF& odd) {
   __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
   even.v = _mm512_mul_ps(_mm512_permutexvar_ps(b, lut), scale.v);      // permutexvar uses the low 4 bits
   odd.v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), scale.v);
+}
+// sums of the even lanes and of the odd lanes (three shuffle-adds)
+inline void vsum_even_odd(VF a, float& even, float& odd) {
+  __m512 s = _mm512_add_ps(a.v, _mm512_shuffle_f32x4(a.v, a.v, 0x4E));    // lane i + lane i^8
+  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0xB1));                 // + lane i^4
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));                       // + lane i^2
+  const __m128 q = _mm512_castps512_ps128(s);
+  even = _mm_cvtss_f32(q);
+  odd = _mm_cvtss_f32(_mm_movehdup_ps(q));
 }
 // (even, odd) lanes -> the 2W values in element order: first = e0 o0 e1 o1 … (W lanes), second = the rest
 inline void vinterleave(VF even, VF odd, VF& first, VF& second) {
@@ -97,9 +106,8 @@ inline VF vload_bf16(const uint16_t* p) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
 }
 inline VF vload_fp8_div256(const uint8_t* p) {
-  __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
-  __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
-                           _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  __m128i b = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p)), 8);
+  __m128i h = _mm_and_si128(_mm_srai_epi16(b, 1), _mm_set1_epi16(short(0xBFFF)));
   return {_mm256_cvtph_ps(h)};
 }
 inline void vdecode_e2m1(const uint8_t* p, VF scale, VF& even, VF& odd) {
@@ -113,6 +121,13 @@ inline void vdecode_e2m1(const uint8_t* p, VF scale, VF& even, VF& odd) {
   __m256i hi_s = _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(8)), 28);
   even.v = _mm256_mul_ps(_mm256_xor_ps(lo_m, _mm256_castsi256_ps(lo_s)), scale.v);
   odd.v = _mm256_mul_ps(_mm256_xor_ps(hi_m, _mm256_castsi256_ps(hi_s)), scale.v);
+}
+inline void vsum_even_odd(VF a, float& even, float& odd) {
+  __m256 s = _mm256_add_ps(a.v, _mm256_permute2f128_ps(a.v, a.v, 1));     // lane i + lane i^4
+  s = _mm256_add_ps(s, _mm256_permute_ps(s, 0x4E));                       // + lane i^2
+  const __m128 q = _mm256_castps256_ps128(s);
+  even = _mm_cvtss_f32(q);
+  odd = _mm_cvtss_f32(_mm_movehdup_ps(q));
 }
 inline void vinterleave(VF even, VF odd, VF& first, VF& second) {
   const __m256 a = _mm256_unpacklo_ps(even.v, odd.v), b = _mm256_unpackhi_ps(even.v, odd.v);  // in-lane pairs
