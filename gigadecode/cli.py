@@ -1,4 +1,5 @@
-"""The `gigadecode` command line (a contract: see shared/DESIGN.md § "Command line").
+"""The `gigadecode` command line. Its commands and flags are a contract scripts depend on (README § Command
+line): extend them, never break them.
 
 Subcommands: make-checkpoint, generate, plan, serve, proxy, demo. Heavy imports happen inside each
 command so `gigadecode --help` is instant.

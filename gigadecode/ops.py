@@ -61,11 +61,13 @@ def dense_expert_weights(weights, layer: int, expert: torch.Tensor | int, dtype:
 
 
 def moe_routed(x: torch.Tensor, idx: torch.Tensor, gate_w: torch.Tensor, dense_expert, gate_up_bias: torch.Tensor,
-               down_bias: torch.Tensor, alpha: float, limit: float, expert_offset: int = 0) -> torch.Tensor:
+               down_bias: torch.Tensor, alpha: float, limit: float, expert_offset: int = 0,
+               act_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The (token, slot) pairs routed to the experts held here, summed per token: x [T, H], idx / gate_w [T, k]
     -> [T, H]. The stacks hold local experts 0..n_local-1 = global ids [expert_offset, expert_offset + n_local)
     (all experts on one rank); pairs routed elsewhere contribute nothing. Each expert hit is made dense once
-    (`dense_expert(local id)` -> w1 [2I, H], w2 [H, I]) and applied to all of its tokens together."""
+    (`dense_expert(local id)` -> w1 [2I, H], w2 [H, I]) and applied to all of its tokens together.
+    `act_dtype`: round the activations between the two matmuls to it (an fp32 twin of a bf16 kernel)."""
     n_local = gate_up_bias.shape[0]
     e = idx - expert_offset
     out = torch.zeros_like(x)
@@ -75,7 +77,10 @@ def moe_routed(x: torch.Tensor, idx: torch.Tensor, gate_w: torch.Tensor, dense_e
         tok, slot = torch.where(e == le)
         w1, w2 = dense_expert(le)
         h = F.linear(x[tok], w1, gate_up_bias[le])
-        h = F.linear(swiglu(h, alpha, limit), w2, down_bias[le])
+        a = swiglu(h, alpha, limit)
+        if act_dtype is not None:
+            a = a.to(act_dtype).to(x.dtype)
+        h = F.linear(a, w2, down_bias[le])
         out.index_add_(0, tok, h * gate_w[tok, slot, None])
     return out
 

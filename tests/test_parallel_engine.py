@@ -56,7 +56,9 @@ def session(engine, vocab: int) -> dict:
     for _ in range(3):
         engine.step()
     ids += [engine.add_request(prompts[i], _params(i), request_id=f"r{i}") for i in range(4, len(prompts))]
-    engine.add_request(prompts[0], SamplingParams(temperature=1.0, max_tokens=6), request_id="unseeded")
+    # unseeded: rank 0 seeds it for the whole DP group; ignore_eos so its length does not depend on the draw
+    engine.add_request(prompts[0], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True),
+                       request_id="unseeded")
     engine.step()
     engine.step()
     engine.abort("r1")

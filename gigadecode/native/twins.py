@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..kv.cache import dequantize, packed_to_token_major, write_kv
 from ..mxfp4 import decode_mxfp4
-from ..ops import rms_norm as _rms_norm, swiglu
+from ..ops import moe_routed, rms_norm as _rms_norm
 from ..rope import apply_rope
 
 
@@ -20,20 +20,12 @@ def moe_mxfp4(x, idx, gate_w, gate_up_blocks, gate_up_scales, gate_up_bias, down
               alpha: float, limit: float, expert_offset: int) -> torch.Tensor:
     """In fp32; with bf16 x the activations between the two expert matmuls are rounded to bf16 (what a bf16
     model holds there)."""
-    n_local = gate_up_bias.shape[0]
-    xf, gw = x.float(), gate_w.float()
-    e = idx - expert_offset
-    out = torch.zeros_like(xf)
-    for le in torch.unique(e).tolist():
-        if not 0 <= le < n_local:
-            continue
-        tok, slot = torch.where(e == le)
-        w1 = decode_mxfp4(gate_up_blocks[le], gate_up_scales[le], torch.float32)
-        w2 = decode_mxfp4(down_blocks[le], down_scales[le], torch.float32)
-        a = swiglu(F.linear(xf[tok], w1, gate_up_bias[le].float()), alpha, limit)
-        if x.dtype == torch.bfloat16:
-            a = a.bfloat16().float()
-        out.index_add_(0, tok, F.linear(a, w2, down_bias[le].float()) * gw[tok, slot, None])
+    def dense(le: int):
+        return (decode_mxfp4(gate_up_blocks[le], gate_up_scales[le], torch.float32),
+                decode_mxfp4(down_blocks[le], down_scales[le], torch.float32))
+    act = torch.bfloat16 if x.dtype == torch.bfloat16 else None
+    out = moe_routed(x.float(), idx, gate_w.float(), dense, gate_up_bias.float(), down_bias.float(), alpha, limit,
+                     expert_offset, act_dtype=act)
     return out.to(x.dtype)
 
 
