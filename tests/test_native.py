@@ -540,3 +540,31 @@ def test_paged_decode_attention_errors():
     call(table, [9, 99], active=torch.tensor([True, False]))    # inactive slots are not checked
     with pytest.raises(RuntimeError, match="does not match V"):
         call(table, [9, 5], k=torch.zeros(nb, 1, B, d + 2))
+
+
+def test_fake_implementations_match_the_kernels_shapes():
+    """Every op has a fake (meta) implementation with the kernel's output shape and dtype, so a traced or
+    compiled program sees it as one opaque node."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = gen(21)
+    B, d, nb, kv, nh = 4, 16, 6, 2, 4
+    buf, K, V = make_kv(g, "fp8-packed", nb, kv, B, d)
+    weights = _moe_weights(g, 3, 64, 32, F32)
+    x, idx, gw = torch.randn(5, 64, generator=g), torch.tensor([[0, 1]] * 5), torch.full((5, 2), 0.5)
+    table, pos, act = torch.tensor([[1, 2]]), torch.tensor([5]), torch.tensor([True])
+    calls = [
+        lambda: OPS.moe_mxfp4(x, idx, gw, *weights, 1.702, 7.0, 0),
+        lambda: OPS.mxfp4_dequant(weights[0], weights[1], BF16),
+        lambda: OPS.linear(x, torch.randn(7, 64, generator=g), None),
+        lambda: OPS.paged_decode_attention(torch.randn(1, nh, d, generator=g), K, V, table, pos, act,
+                                           torch.zeros(nh), 0, 0.25, 1.0, 1.0, BF16),
+        lambda: OPS.rope_kv_write(torch.randn(1, (nh + 2 * kv) * d, generator=g), torch.ones(1, d // 2),
+                                  torch.zeros(1, d // 2), K.clone(), V.clone(), torch.tensor([5]), nh, 1.0, 1.0),
+        lambda: OPS.rms_norm(x, torch.ones(64), 1e-5),
+    ]
+    real = [c() for c in calls]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = [c() for c in calls]
+    for r, f in zip(real, fake):
+        assert (f.shape, f.dtype) == (r.shape, r.dtype)

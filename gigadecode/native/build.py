@@ -109,6 +109,8 @@ def _build(isa: str, verbose: bool):
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
     ops = torch.ops.gigadecode_native
     _state["isa"] = ops.isa()
+    from .fakes import register_fakes
+    register_fakes()
     return ops
 
 

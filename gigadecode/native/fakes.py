@@ -1,0 +1,35 @@
+"""Shape-only (fake / meta tensor) implementations of the native ops, so a compiled or traced program
+treats each op as one opaque node."""
+
+from __future__ import annotations
+
+import torch
+
+
+def register_fakes() -> None:
+    """Called once, right after the library loaded (its ops must exist)."""
+    lib = "gigadecode_native::"
+
+    @torch.library.register_fake(lib + "moe_mxfp4")
+    def _(x, idx, gate_w, gub, gus, gubias, dnb, dns, dnbias, alpha, limit, offset):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(lib + "mxfp4_dequant")
+    def _(blocks, scales, dtype):
+        return blocks.new_empty((*scales.shape[:-1], scales.shape[-1] * 32), dtype=dtype)
+
+    @torch.library.register_fake(lib + "linear")
+    def _(x, weight, bias):
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @torch.library.register_fake(lib + "paged_decode_attention")
+    def _(q, k, v, table, pos, active, sinks, window, scale, ks, vs, out_dtype):
+        return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=out_dtype)
+
+    @torch.library.register_fake(lib + "rope_kv_write")
+    def _(qkv, cos, sin, k, v, slot, nh, ks, vs):
+        return qkv.new_empty((qkv.shape[0], nh, v.shape[-1]), dtype=torch.float32)
+
+    @torch.library.register_fake(lib + "rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
