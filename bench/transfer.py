@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import secrets
 import statistics
 import sys
 import time
@@ -42,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
 from gigadecode.config import EngineConfig  # noqa: E402
 from gigadecode.connector.nixl_agent import NixlKVAgent  # noqa: E402
-from gigadecode.connector.nixl_connector import build_engine, kv_crc32  # noqa: E402
+from gigadecode.connector import nixl_connector  # noqa: E402
+from gigadecode.connector.nixl_connector import kv_crc32  # noqa: E402
+from gigadecode.engine import build_engine  # noqa: E402
 from gigadecode.kv.cache import KVCache  # noqa: E402
 from gigadecode.runner import ModelRunner  # noqa: E402
 from gigadecode.sampling import SamplingParams  # noqa: E402
@@ -109,32 +112,33 @@ class ConsumerProbe:
         self.handshake_s: list[float] = []
         self.decode_s: list[float] = []
         self.last: dict = {}
-        start_load, ensure_remote, decode = self.conn.start_load, self.conn._ensure_remote, eng.runner.decode
+        start_load, decode = self.conn.start_load, eng.runner.decode
+        fetch = nixl_connector.fetch_handshake
 
-        def _ensure_remote(params):
+        def _fetch(*a, **kw):                # runs on the connector's handshake thread
             t0 = time.perf_counter()
             try:
-                return ensure_remote(params)
+                return fetch(*a, **kw)
             finally:
                 self.handshake_s.append(time.perf_counter() - t0)
 
         def _start_load(rid, params, tables):
             start_load(rid, params, tables)
-            load = self.conn.loads.get(rid)
-            self.last = {"pairs": list(load.pairs), "local_ids": [list(x) for x in load.local_ids],
-                         "handle": load.handle}
+            self.last = {"load": self.conn.loads.get(rid)}
 
+        nixl_connector.fetch_handshake = _fetch
         def _decode(seqs):
             t0 = time.perf_counter()
             out = decode(seqs)
             self.decode_s.append(time.perf_counter() - t0)
             return out
 
-        self.conn._ensure_remote, self.conn.start_load, eng.runner.decode = _ensure_remote, _start_load, _decode
+        self.conn.start_load, eng.runner.decode = _start_load, _decode
 
     def run(self, prompt: list[int], params: dict) -> dict:
         """One consumer request (max_tokens=1) -> its transfer / READ / decode seconds and first token."""
         st = self.conn.stats
+        self.conn.used.clear()               # replays of one prefill's params are the point here (see above)
         b0, s0, nd = st["kv_bytes_transferred"], st["transfer_seconds"], len(self.decode_s)
         rid = self.eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
                                    kv_transfer_params=params)
@@ -143,7 +147,9 @@ class ConsumerProbe:
         req = self.eng.requests[rid]
         if req.error:
             raise RuntimeError(f"DI request failed: {req.error}")
-        h = self.last["handle"]
+        load = self.last["load"]
+        h = load.reads[0].handle
+        self.last.update(pairs=list(load.pairs), local_ids=[list(x) for x in load.local_ids])
         return {"bytes": st["kv_bytes_transferred"] - b0, "transfer_s": st["transfer_seconds"] - s0,
                 "read_s": h.seconds, "decode_s": sum(self.decode_s[nd:]), "token": req.output_ids[0],
                 "first_token_time": req.first_token_time, "pairs": self.last["pairs"],
@@ -254,7 +260,8 @@ def main() -> int:
 
     B = args.block_size
     per_req = 2 * (-(-(max(args.lengths) + 2 * B) // B)) + 4
-    kw = dict(kv_dtype=args.kv_dtype, block_size=B, num_blocks=3 * per_req + 8, decoder=args.decoder)
+    kw = dict(kv_dtype=args.kv_dtype, block_size=B, num_blocks=3 * per_req + 8, decoder=args.decoder,
+              kv_secret=secrets.token_hex(16))
     t_setup = time.perf_counter()
     producer = Producer(model_dir, {**kw, "kv_lease_s": 600.0}, args.threads)
     try:

@@ -49,7 +49,8 @@ def engine_config(args: argparse.Namespace, kv_role: str = "kv_both"):
                         tp=args.tp, dp=args.dp, ep=args.ep,
                         kv_lease_s=getattr(args, "kv_lease_s", 30.0),
                         kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout_s", 10.0),
-                        kv_failure_policy=getattr(args, "kv_failure_policy", "fail"))
+                        kv_failure_policy=getattr(args, "kv_failure_policy", "fail"),
+                        kv_secret=getattr(args, "kv_secret", None) or None)
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -270,7 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the model dir's name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="request bodies larger than this get 413 before they are parsed (default 4 MiB)")
     di = p.add_argument_group("disaggregated inference")
+    di.add_argument("--kv-secret", default=os.environ.get("GIGADECODE_KV_SECRET"), metavar="KEY",
+                    help="prefill and decode: the key both sign and check kv_transfer_params with (required for "
+                         "those roles; default $GIGADECODE_KV_SECRET, which keeps it out of the process list)")
+    di.add_argument("--kv-advertise-host", default=None, metavar="HOST",
+                    help="prefill: the address decode engines use to reach this server's KV side channel "
+                         "(default: the address each request reached the API on)")
     di.add_argument("--kv-port", type=int, default=0, help="prefill: side-channel port for the KV handshake (0 = any)")
     di.add_argument("--kv-lease-s", type=float, default=30.0, help="prefill: how long leased KV waits for the decode read")
     di.add_argument("--kv-transfer-timeout-s", type=float, default=10.0, help="decode: handshake + read time limit")

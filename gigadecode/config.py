@@ -88,14 +88,31 @@ class GptOssConfig:
 
     # ----------------------------------------------------------------------------------------------
     def validate(self) -> None:
+        """Every invariant the model code relies on; a ConfigError names the field and its value."""
+        from numbers import Integral, Real
+
+        from .mxfp4 import GROUP
+
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ConfigError(f"invalid GPT-OSS config: {msg}")
 
+        def is_int(v: Any) -> bool:
+            return isinstance(v, Integral) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, Real) and not isinstance(v, bool)
+
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
-                     "num_experts_per_tok", "max_position_embeddings"):
-            need(int(getattr(self, name)) > 0, f"{name} must be > 0 (got {getattr(self, name)})")
+                     "num_experts_per_tok", "max_position_embeddings", "sliding_window"):
+            v = getattr(self, name)
+            need(is_int(v), f"{name} must be an integer (got {v!r})")
+            if name != "sliding_window":
+                need(v > 0, f"{name} must be > 0 (got {v})")
+        for name in ("rms_norm_eps", "swiglu_limit", "swiglu_alpha"):
+            v = getattr(self, name)
+            need(is_num(v), f"{name} must be a number (got {v!r})")
         need(self.num_attention_heads % self.num_key_value_heads == 0,
              f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -104,15 +121,55 @@ class GptOssConfig:
              f"num_experts_per_tok ({self.num_experts_per_tok}) > num_local_experts ({self.num_local_experts})")
         need(len(self.layer_types) == self.num_hidden_layers,
              f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        bad = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
+        bad = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)}, key=repr)
         need(not bad, f"unknown layer_types {bad} (expected {SLIDING!r} or {FULL!r})")
         if SLIDING in self.layer_types:
             need(self.sliding_window > 0, f"sliding_window must be > 0 (got {self.sliding_window})")
-        need(self.rope.rope_type in ("yarn", "default"),
-             f"rope_type {self.rope.rope_type!r} is not supported (yarn or default)")
+            need(self.sliding_window <= self.max_position_embeddings,
+                 f"sliding_window ({self.sliding_window}) > max_position_embeddings "
+                 f"({self.max_position_embeddings})")
+        # Token ids index the embedding / lm_head rows.
+        for e in self.eos_token_ids:
+            need(is_int(e) and 0 <= e < self.vocab_size,
+                 f"eos_token_id {e!r} is outside the vocabulary [0, {self.vocab_size})")
+        for name in ("pad_token_id", "bos_token_id"):
+            v = getattr(self, name)
+            need(v is None or (is_int(v) and 0 <= v < self.vocab_size),
+                 f"{name} {v!r} is outside the vocabulary [0, {self.vocab_size})")
+        need(math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0,
+             f"rms_norm_eps must be > 0 and finite (got {self.rms_norm_eps})")
+        need(self.swiglu_limit > 0, f"swiglu_limit must be > 0 (got {self.swiglu_limit})")
+        need(math.isfinite(self.swiglu_alpha), f"swiglu_alpha must be finite (got {self.swiglu_alpha})")
+        # RoPE.
+        r = self.rope
+        need(r.rope_type in ("yarn", "default"),
+             f"rope_type {r.rope_type!r} is not supported (yarn or default)")
+        need(is_num(r.theta) and math.isfinite(r.theta) and r.theta > 0,
+             f"rope_theta must be > 0 and finite (got {r.theta!r})")
+        if r.rope_type == "yarn":
+            # YaRN's correction range divides by ln(theta) and takes ln(original_max / (beta * 2 pi)).
+            need(r.theta > 1, f"rope_theta must be > 1 for YaRN (got {r.theta})")
+            need(is_num(r.factor) and math.isfinite(r.factor) and r.factor > 0,
+                 f"rope factor must be > 0 and finite for YaRN (got {r.factor!r})")
+            need(is_int(r.original_max_position_embeddings) and r.original_max_position_embeddings > 0,
+                 f"rope original_max_position_embeddings must be > 0 (got {r.original_max_position_embeddings!r})")
+            for name in ("beta_fast", "beta_slow"):
+                v = getattr(r, name)
+                need(is_num(v) and math.isfinite(v) and v > 0, f"rope {name} must be > 0 and finite (got {v!r})")
+            need(r.attention_factor is None or (is_num(r.attention_factor) and math.isfinite(r.attention_factor)
+                                                and r.attention_factor > 0),
+                 f"rope attention_factor must be > 0 and finite (got {r.attention_factor!r})")
         if self.quantization is not None:
             need(self.quantization.quant_method == "mxfp4",
                  f"unsupported quantization {self.quantization.quant_method!r} (only mxfp4)")
+        if self.experts_mxfp4:
+            # MXFP4 blocks the input (last) dim of each expert matrix in groups of 32: gate_up_proj
+            # [E, 2I, H] is blocked along hidden_size, down_proj [E, H, I] along intermediate_size.
+            for name, role in (("hidden_size", "the input dim of gate_up_proj"),
+                               ("intermediate_size", "the input dim of down_proj")):
+                v = getattr(self, name)
+                need(v % GROUP == 0, f"MXFP4 experts need hidden_size and intermediate_size to be multiples "
+                                     f"of {GROUP}, the MXFP4 block size: {name} ({role}) is {v}")
 
     # ----------------------------------------------------------------------------------------------
     @property
@@ -182,7 +239,10 @@ class GptOssConfig:
 
     @classmethod
     def from_hf(cls, source: dict[str, Any] | str | Path) -> GptOssConfig:
-        """Build from a config.json path, a model directory, or its parsed dict."""
+        """Build from a config.json path, a model directory, or its parsed dict.
+
+        A value of the wrong JSON type (a string or a list where a number belongs, ...) is a ConfigError
+        naming the key; ranges and cross-field invariants are checked by `validate`."""
         if not isinstance(source, dict):
             path = Path(source)
             if path.is_dir():
@@ -193,63 +253,121 @@ class GptOssConfig:
                 raise ConfigError(f"no config.json at {path}") from None
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path} is not valid JSON: {e}") from None
+            if not isinstance(source, dict):
+                raise ConfigError(f"{path} must hold a JSON object (got a {type(source).__name__})")
         d = dict(source)
+
+        def bad(key: str, v: Any, want: str) -> ConfigError:
+            return ConfigError(f"config.json {key!r} must be {want} (got {v!r})")
+
+        def as_int(key: str, v: Any) -> int:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+                raise bad(key, v, "an integer")
+            return int(v)
+
+        def as_float(key: str, v: Any) -> float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise bad(key, v, "a number")
+            return float(v)
+
+        def as_bool(key: str, v: Any) -> bool:
+            if not isinstance(v, bool):
+                raise bad(key, v, "true or false")
+            return v
+
+        def as_str(key: str, v: Any) -> str:
+            if not isinstance(v, str):
+                raise bad(key, v, "a string")
+            return v
+
+        def as_strs(key: str, v: Any) -> tuple[str, ...]:
+            if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+                raise bad(key, v, "a list of strings")
+            return tuple(v)
+
         mt = d.get("model_type")
         if mt is not None and mt != "gpt_oss":
             raise ConfigError(f"model_type is {mt!r}, expected 'gpt_oss'")
 
         # RoPE: new form `rope_parameters` (theta inside), old form `rope_scaling` + `rope_theta`.
+        rp_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
         rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        theta = rp.get("rope_theta", d.get("rope_theta", RopeConfig.theta))
-        rope_type = rp.get("rope_type", rp.get("type", "yarn" if rp else "default"))
+        if not isinstance(rp, dict):
+            raise bad(rp_key, rp, "an object")
+
+        def rk(k: str) -> str:
+            return f"{rp_key}.{k}"
+
+        if rp.get("rope_theta") is not None:
+            theta = as_float(rk("rope_theta"), rp["rope_theta"])
+        elif d.get("rope_theta") is not None:
+            theta = as_float("rope_theta", d["rope_theta"])
+        else:
+            theta = RopeConfig.theta
+        rope_type = as_str(rk("rope_type"), rp.get("rope_type", rp.get("type", "yarn" if rp else "default")))
+        if rp.get("original_max_position_embeddings") is not None:
+            orig = as_int(rk("original_max_position_embeddings"), rp["original_max_position_embeddings"])
+        elif d.get("initial_context_length") is not None:
+            orig = as_int("initial_context_length", d["initial_context_length"])
+        else:
+            orig = 4096
+        truncate = rp.get("truncate", True)
+        af = rp.get("attention_factor")
         rope = RopeConfig(
             rope_type=rope_type,
-            theta=float(theta),
-            factor=float(rp.get("factor") or RopeConfig.factor),
-            original_max_position_embeddings=int(
-                rp.get("original_max_position_embeddings", d.get("initial_context_length", 4096))),
-            beta_fast=float(rp.get("beta_fast") or 32.0),
-            beta_slow=float(rp.get("beta_slow") or 1.0),
+            theta=theta,
+            factor=RopeConfig.factor if rp.get("factor") is None else as_float(rk("factor"), rp["factor"]),
+            original_max_position_embeddings=orig,
+            # transformers reads the betas as `get(...) or default`.
+            beta_fast=as_float(rk("beta_fast"), rp.get("beta_fast") or 32.0),
+            beta_slow=as_float(rk("beta_slow"), rp.get("beta_slow") or 1.0),
             # transformers treats a missing `truncate` as True.
-            truncate=bool(rp.get("truncate", True)),
-            attention_factor=rp.get("attention_factor"),
+            truncate=False if truncate is None else as_bool(rk("truncate"), truncate),
+            attention_factor=None if af is None else as_float(rk("attention_factor"), af),
         )
 
         qc = d.get("quantization_config")
         quant = None
         if qc:
+            if not isinstance(qc, dict):
+                raise bad("quantization_config", qc, "an object")
             quant = QuantConfig(
                 quant_method=str(qc.get("quant_method")),
-                modules_to_not_convert=tuple(qc.get("modules_to_not_convert") or ()),
+                modules_to_not_convert=as_strs("quantization_config.modules_to_not_convert",
+                                               qc.get("modules_to_not_convert") or ()),
             )
 
         eos = d.get("eos_token_id")
-        eos_ids: tuple[int, ...] = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
+        eos_ids: tuple[int, ...] = () if eos is None else (
+            tuple(as_int("eos_token_id", e) for e in eos) if isinstance(eos, list) else (as_int("eos_token_id", eos),))
 
+        convert = {"int": as_int, "float": as_float, "bool": as_bool, "str": as_str, "int | None": as_int}
         kw: dict[str, Any] = {}
-        known = {f.name for f in fields(cls)}
-        for k in known - {"rope", "quantization", "layer_types", "eos_token_ids"}:
-            if k in d and d[k] is not None:
-                kw[k] = d[k]
+        types = {f.name: f.type for f in fields(cls)}
+        for k, t in types.items():                          # field order: the first bad key is reported
+            if k not in ("rope", "quantization", "layer_types", "eos_token_ids") and d.get(k) is not None:
+                conv = convert.get(str(t))
+                kw[k] = conv(k, d[k]) if conv else d[k]
         if "num_local_experts" not in d and "num_experts" in d:
-            kw["num_local_experts"] = d["num_experts"]
+            kw["num_local_experts"] = as_int("num_experts", d["num_experts"])
         if "num_experts_per_tok" not in d and "experts_per_token" in d:
-            kw["num_experts_per_tok"] = d["experts_per_token"]
-        if d.get("head_dim") is None and "hidden_size" in d and "num_attention_heads" in d:
-            kw["head_dim"] = int(d["hidden_size"]) // int(d["num_attention_heads"])
+            kw["num_experts_per_tok"] = as_int("experts_per_token", d["experts_per_token"])
+        if d.get("head_dim") is None and kw.get("hidden_size") and kw.get("num_attention_heads", 0) > 0:
+            kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
         if d.get("sliding_window") is None:
             kw["sliding_window"] = 0
         if d.get("dtype") and "torch_dtype" not in d:
-            kw["torch_dtype"] = d["dtype"]
-        if "num_key_value_heads" not in d and "num_attention_heads" in d:
-            kw["num_key_value_heads"] = d["num_attention_heads"]
+            kw["torch_dtype"] = as_str("dtype", d["dtype"])
+        if "num_key_value_heads" not in d and "num_attention_heads" in kw:
+            kw["num_key_value_heads"] = kw["num_attention_heads"]
         kw.pop("pad_token_id", None)
+        pad = d.get("pad_token_id")
         return cls(
             rope=rope,
             quantization=quant,
-            layer_types=tuple(d.get("layer_types") or ()),
+            layer_types=as_strs("layer_types", d.get("layer_types") or ()),
             eos_token_ids=eos_ids,
-            pad_token_id=d.get("pad_token_id"),
+            pad_token_id=None if pad is None else as_int("pad_token_id", pad),
             **kw,
         )
 
@@ -302,18 +420,48 @@ class EngineConfig:
     kv_lease_s: float = 30.0            # DI producer: how long leased blocks wait for the consumer's read
     kv_transfer_timeout_s: float = 10.0  # DI consumer: handshake + read time limit
     kv_failure_policy: str = "fail"     # DI consumer: fail | recompute (prefill locally) on a failed transfer
+    kv_secret: str | None = field(default=None, repr=False)   # DI: the key P and D sign/verify KV params with
 
     def __post_init__(self) -> None:
+        from numbers import Integral, Real
+
+        def at_least(flag: str, v: Any, lo: int, why: str = "") -> None:
+            if not isinstance(v, Integral) or isinstance(v, bool):
+                raise ConfigError(f"{flag} must be an integer >= {lo} (got {v!r}{why})")
+            if v < lo:
+                raise ConfigError(f"{flag} must be >= {lo} (got {v}{why})")
+
+        def positive(flag: str, v: Any) -> None:
+            if not isinstance(v, Real) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"{flag} must be > 0 and finite (got {v!r})")
+
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {sorted(DTYPES)} (got {self.dtype!r})")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"--kv-dtype must be one of {KV_DTYPES} (got {self.kv_dtype!r})")
-        if self.block_size <= 0 or (self.kv_dtype == "fp8" and self.block_size % 2):
+        if (not isinstance(self.block_size, Integral) or self.block_size <= 0
+                or (self.kv_dtype == "fp8" and self.block_size % 2)):
             raise ConfigError(f"--block-size must be positive (and even for packed fp8); got {self.block_size}")
+        if self.num_blocks is not None:
+            at_least("--num-blocks", self.num_blocks, 2, "; block 0 is the reserved null block")
+        if self.kv_budget_gib is not None:
+            positive("--kv-budget-gib", self.kv_budget_gib)
+        at_least("--max-num-seqs", self.max_num_seqs, 1)
+        at_least("--max-prefill-tokens", self.max_prefill_tokens, 1)
+        b = self.batch_buckets
+        if (not isinstance(b, (tuple, list)) or not b
+                or not all(isinstance(x, Integral) and not isinstance(x, bool) and x >= 1 for x in b)
+                or any(x >= y for x, y in zip(b, b[1:]))):
+            raise ConfigError(f"batch_buckets must be a non-empty, strictly increasing sequence of positive "
+                              f"integers (got {b!r})")
         if self.decoder not in DECODERS:
             raise ConfigError(f"--decoder must be {'|'.join(DECODERS)} (got {self.decoder!r})")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"--threads must be >= 1 (got {self.threads})")
+        if self.threads is not None:
+            at_least("--threads", self.threads, 1)
+        for flag, v in (("--tp", self.tp), ("--dp", self.dp), ("--ep", self.ep)):
+            at_least(flag, v, 1)
+        positive("--kv-lease-s", self.kv_lease_s)
+        positive("--kv-transfer-timeout-s", self.kv_transfer_timeout_s)
         if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ConfigError(f"kv_role must be kv_producer|kv_consumer|kv_both (got {self.kv_role!r})")
         if self.kv_failure_policy not in ("fail", "recompute"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -54,7 +55,10 @@ def run_demo(model_dir: Path, prompt: str, max_tokens: int) -> int:
     py = [sys.executable, "-m", "gigadecode"]
     p_port, d_port, x_port = free_port(), free_port(), free_port()
     common = ["--model", str(model_dir), "--kv-dtype", "fp8", "--log-level", "warning"]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # the prefill and decode servers share a KV secret (they sign / check kv_transfer_params with it); the
+    # demo makes a fresh one unless one is set
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "GIGADECODE_KV_SECRET": os.environ.get("GIGADECODE_KV_SECRET") or secrets.token_hex(32)}
     with ExitStack() as stack:
         procs = []
 

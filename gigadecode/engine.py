@@ -17,6 +17,7 @@ the last prompt token (`num_computed = N-1`), so its first step is a decode.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,14 +26,25 @@ from enum import Enum
 import torch
 
 from .config import EngineConfig
+from .connector.params import KVParamsError, KVTransferParams, parse_kv_params
 from .kv.manager import KVCacheManager
 from .model import SeqChunk
 from .runner import DecodeSeq, ModelRunner
 from .sampling import Sampler, SamplingParams, make_generator
 
+log = logging.getLogger("gigadecode.engine")
+
 
 class RequestError(ValueError):
-    """A request the engine refuses (bad prompt, too long, invalid parameters)."""
+    """A request the engine refuses (bad prompt, too long, invalid parameters); `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# DI: params whose lease ends sooner than this are refused at the door (the READ would race the lease)
+LEASE_MARGIN_S = 0.5
 
 
 class Status(Enum):
@@ -59,8 +71,8 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     kv_ready: bool = True              # False while a DI consumer waits for its KV to arrive
-    kv_transfer_params: dict | None = None      # DI: what the router sent
-    kv_transfer_params_out: dict | None = None  # DI: what a producer answers (for the decode engine)
+    kv_transfer_params: KVTransferParams | None = None      # DI: what the router sent (parsed)
+    kv_transfer_params_out: dict | None = None  # DI: what a producer answers (signed, for the decode engine)
     compute_limit: int | None = None            # DI producer: compute only the first N-1 prompt tokens
     remote_tokens: int = 0                      # DI consumer: prompt tokens whose KV comes from the prefill
 
@@ -105,41 +117,63 @@ class LLMEngine:
         self._ids = itertools.count()
         self.connector = connector     # DI (connector.nixl_connector.NixlConnector) or None
         self.stats = {"preemptions": 0, "steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
-                      "kv_bytes_transferred": 0, "transfer_failures": 0, "recomputed_after_failure": 0}
+                      "kv_bytes_transferred": 0, "transfer_failures": 0, "recomputed_after_failure": 0,
+                      "step_failures": 0}
         self.max_model_len = min(runner.max_model_len, (runner.kv.num_blocks - 1) * runner.block_size)
 
     # -- public API ------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, kv_transfer_params: dict | None = None) -> str:
+                    request_id: str | None = None,
+                    kv_transfer_params: KVTransferParams | dict | None = None) -> str:
+        """Queue a request; RequestError / SamplingError (nothing queued) if the engine refuses it. DI:
+        `kv_transfer_params` (parsed here when a dict) say where its KV comes from or goes to."""
         params = params or SamplingParams()
         rid = request_id or f"req-{next(self._ids)}"
+        if not isinstance(rid, str) or not rid:
+            raise RequestError(f"request id must be a non-empty string (got {rid!r})")
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         self.check_request(prompt_ids, params)
         req = Request(rid, list(prompt_ids), params, generator=make_generator(params.seed))
         if kv_transfer_params:
-            self._admit_di(req, dict(kv_transfer_params))
+            self._admit_di(req, self._parse_kv(kv_transfer_params))
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams,
-                      kv_transfer_params: dict | None = None) -> None:
+                      kv_transfer_params: KVTransferParams | dict | None = None) -> None:
         """Raise SamplingError / RequestError if this engine would refuse the request (changes nothing)."""
         params.validate(self.cfg.vocab_size)
-        if not prompt_ids:
-            raise RequestError("prompt is empty")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.cfg.vocab_size for t in prompt_ids):
-            bad = next(t for t in prompt_ids if not isinstance(t, int) or t < 0 or t >= self.cfg.vocab_size)
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise RequestError("prompt is empty" if not prompt_ids else "prompt must be a list of token ids")
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= self.cfg.vocab_size
+               for t in prompt_ids):
+            bad = next(t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0
+                       or t >= self.cfg.vocab_size)
             raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestError(f"prompt has {len(prompt_ids)} tokens; this engine's context is "
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise RequestError(f"prompt has {n} tokens; this engine's context is "
                                f"{self.max_model_len} tokens (prompt + at least one generated token)")
-        if not self._fits_pool(len(prompt_ids) + 1):
-            raise RequestError(f"prompt of {len(prompt_ids)} tokens can never fit the KV pool "
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                               f"requested {n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} "
+                               f"in the completion). Please reduce the length of the prompt or completion.",
+                               param="max_tokens")
+        if not self._fits_pool(n + 1):
+            raise RequestError(f"prompt of {n} tokens can never fit the KV pool "
                                f"({self.runner.kv.num_blocks - 1} blocks of {self.runner.block_size})")
         if kv_transfer_params:
-            self._admit_di(Request("check", list(prompt_ids), params), dict(kv_transfer_params))
+            self._admit_di(Request("check", list(prompt_ids), params), self._parse_kv(kv_transfer_params),
+                           lease_margin_s=LEASE_MARGIN_S)
+
+    @staticmethod
+    def _parse_kv(raw: KVTransferParams | dict) -> KVTransferParams:
+        try:
+            return parse_kv_params(raw)
+        except KVParamsError as e:
+            raise RequestError(str(e), param=e.param) from None
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -160,18 +194,30 @@ class LLMEngine:
         """Run one scheduling step; returns what each request produced (and which finished)."""
         self.stats["steps"] += 1
         outputs: dict[str, RequestOutput] = {}
+        # A failure inside a phase fails the requests that phase worked for, never the others.
         if self.connector is not None:
-            self._poll_connector(outputs)
+            self._guarded(self._poll_connector, [r for r in self.running if not r.kv_ready], outputs)
         decodes, prefills = self._schedule(outputs)
         run_prefill, decode_rows = self.runner.agree_step(len(prefills), len(decodes))
         if run_prefill:
-            self._run_prefill(prefills, outputs)
+            self._guarded(lambda o: self._run_prefill(prefills, o), [r for r, _ in prefills], outputs)
         if decode_rows:
-            self._run_decode(decodes, outputs, decode_rows)
+            self._guarded(lambda o: self._run_decode(decodes, o, decode_rows), decodes, outputs)
         for req in list(self.running):
             if not req.finished:
                 self.kv_manager.remove_skipped_blocks(req.request_id, req.num_computed)
         return list(outputs.values())
+
+    def _guarded(self, phase, reqs: list[Request], outputs: dict[str, RequestOutput]) -> None:
+        """Run `phase(outputs)`; if it raises, fail `reqs` (what it was working for) with the error."""
+        try:
+            phase(outputs)
+        except Exception as e:  # noqa: BLE001 - isolate the failure to the requests of this phase
+            log.exception("engine step phase failed for %d request(s)", len(reqs))
+            self.stats["step_failures"] += 1
+            for req in reqs:
+                if not req.finished:
+                    self._fail(req, f"engine step failed: {type(e).__name__}: {e}", outputs)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams | None = None
                  ) -> list[Request]:
@@ -339,29 +385,44 @@ class LLMEngine:
             self.waiting.remove(req)
 
     # -- disaggregated inference ---------------------------------------------------------------------------
-    def _admit_di(self, req: Request, params: dict) -> None:
+    def _admit_di(self, req: Request, params: KVTransferParams, lease_margin_s: float = 0.0) -> None:
         if self.connector is None:
-            if params.get("do_remote_decode") or params.get("do_remote_prefill"):
-                raise RequestError("kv_transfer_params given, but this engine has no KV connector (--role both)")
+            if params.is_remote:
+                raise RequestError("kv_transfer_params given, but this engine has no KV connector (--role both)",
+                                   param="kv_transfer_params")
             return
+        if params.do_remote_decode and params.do_remote_prefill:
+            raise RequestError("kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other",
+                               param="kv_transfer_params")
         req.kv_transfer_params = params
-        if params.get("do_remote_decode"):
+        if params.do_remote_decode:
             if not self.connector.role == "kv_producer":
-                raise RequestError("do_remote_decode needs a prefill engine (--role prefill)")
+                raise RequestError("do_remote_decode needs a prefill engine (--role prefill)",
+                                   param="kv_transfer_params.do_remote_decode")
             req.compute_limit = self.connector.prefill_target(len(req.prompt_ids))
-        elif params.get("do_remote_prefill"):
+        elif params.do_remote_prefill:
             if not self.connector.role == "kv_consumer":
-                raise RequestError("do_remote_prefill needs a decode engine (--role decode)")
-            try:
-                req.remote_tokens = self.connector.validate_remote(params, len(req.prompt_ids),
-                                                                   len(self.runner.kv.config.groups))
-            except ValueError as e:
-                raise RequestError(str(e)) from None
-            if req.remote_tokens == 0:         # 1-token prompt: nothing was prefilled remotely
+                raise RequestError("do_remote_prefill needs a decode engine (--role decode)",
+                                   param="kv_transfer_params.do_remote_prefill")
+            if len(req.prompt_ids) == 1:       # 1-token prompt: nothing was prefilled remotely
                 req.kv_transfer_params = None
+                return
+            try:
+                req.remote_tokens = self.connector.validate_remote(params, req.prompt_ids,
+                                                                   len(self.runner.kv.config.groups), lease_margin_s)
+            except KVParamsError as e:
+                if self.ecfg.kv_failure_policy != "recompute":
+                    raise RequestError(str(e), param=e.param) from None
+                # Never use KV we cannot vouch for: prefill the prompt actually sent, here.
+                req.kv_transfer_params, req.remote_tokens = None, 0
+                if req.request_id != "check":
+                    self.stats["recomputed_after_failure"] += 1
+        else:
+            req.kv_transfer_params = None
 
     def _admit_remote(self, req: Request) -> bool:
-        """Consumer: allocate blocks as if N-1 tokens were computed, then post the READ."""
+        """Consumer: allocate blocks as if N-1 tokens were computed, then start the load (a failure there
+        is that request's: `get_finished` reports it)."""
         n = req.remote_tokens
         if not self.kv_manager.allocate(req.request_id, n + 1, n):
             return False
@@ -374,10 +435,17 @@ class LLMEngine:
         return True
 
     def _producer_done(self, req: Request, outputs: dict[str, RequestOutput]) -> None:
-        """Producer: the first N-1 tokens are computed; lease the blocks and answer the params."""
+        """Producer: the first N-1 tokens are computed; lease the blocks and answer the signed params."""
         tables = self.kv_manager.block_tables(req.request_id) if self.kv_manager.has_request(req.request_id) else \
             [[] for _ in self.runner.kv.config.groups]
-        req.kv_transfer_params_out = self.connector.request_finished(req.request_id, tables, req.num_computed)
+        host = req.kv_transfer_params.remote_host if req.kv_transfer_params is not None else None
+        try:
+            out = self.connector.request_finished(req.request_id, tables, req.num_computed, advertise_host=host)
+            req.kv_transfer_params_out = self.connector.seal(out, req.prompt_ids).to_dict()
+        except Exception as e:  # noqa: BLE001 - this request's failure only
+            log.exception("answering the KV params of %s failed", req.request_id)
+            self._fail(req, f"KV handoff failed: {type(e).__name__}: {e}", outputs)
+            return
         if req in self.running:
             self.running.remove(req)
         self._finish(req, "length", keep_blocks=True)
@@ -404,7 +472,25 @@ class LLMEngine:
                 self.waiting.appendleft(req)
                 self.stats["recomputed_after_failure"] += 1
             else:
-                self._finish(req, "error", error=f"KV transfer failed: {err}")
-                outputs[rid] = RequestOutput(rid, [], True, "error", error=req.error)
+                self._fail(req, f"KV transfer failed: {err}", outputs)
         for k in ("kv_bytes_transferred", "transfer_failures"):
             self.stats[k] = self.connector.stats[k]
+
+    def _fail(self, req: Request, error: str, outputs: dict[str, RequestOutput]) -> None:
+        self._finish(req, "error", error=error)
+        outputs[req.request_id] = RequestOutput(req.request_id, [], True, "error", error=error)
+
+
+def build_engine(model_dir, ecfg: EngineConfig, *, host: str = "127.0.0.1", advertise_host: str | None = None,
+                 side_port: int = 0, runner: ModelRunner | None = None, progress: bool = False) -> LLMEngine:
+    """An engine for `ecfg.kv_role`: a runner, and for a prefill (kv_producer) or decode (kv_consumer) role a
+    NIXL connector over the runner's KV, keyed with `ecfg.kv_secret` (a producer serves its handshake on
+    `host:side_port`, 0 = any free port, and tells decode engines to connect to `advertise_host`)."""
+    runner = runner or ModelRunner(model_dir, ecfg, progress=progress)
+    connector = None
+    if ecfg.kv_role != "kv_both":
+        from .connector.nixl_connector import NixlConnector
+        connector = NixlConnector(ecfg.kv_role, runner.kv, runner.cfg, secret=ecfg.kv_secret, host=host,
+                                  advertise_host=advertise_host, side_port=side_port, lease_s=ecfg.kv_lease_s,
+                                  timeout_s=ecfg.kv_transfer_timeout_s)
+    return LLMEngine(runner, ecfg, connector)

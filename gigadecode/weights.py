@@ -16,6 +16,7 @@ safetensors tensors (`_fill_shard`, `shard_ranges`): no rank ever holds the full
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,13 +231,60 @@ def read_safetensors_index(model_dir: Path) -> dict[str, TensorEntry]:
     return index
 
 
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
+_SHOW = 5          # unexplained tensor names listed in a message
+
+
+def _name_key(name: str) -> tuple:
+    """Sort key: layer numbers numerically (model.layers.2 before model.layers.10)."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
+
+
+def _held_layers(index: dict[str, TensorEntry]) -> set[int]:
+    return {int(m.group(1)) for n in index if (m := _LAYER_RE.match(n))}
+
+
+def _layers_text(layers: set[int]) -> str:
+    n = len(layers)
+    if not n:
+        return "the checkpoint holds no model.layers.* tensors"
+    return (f"the checkpoint holds {n} layer{'s' if n != 1 else ''} "
+            f"(model.layers.{min(layers)} to model.layers.{max(layers)})")
+
+
+def _unexplained_text(cfg: GptOssConfig, names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_SHOW])
+    more = f" and {len(names) - _SHOW} more" if len(names) > _SHOW else ""
+    hints = []
+    if "lm_head.weight" in names and cfg.tie_word_embeddings:
+        hints.append("config.json has tie_word_embeddings=true, so no lm_head.weight is expected")
+    if not cfg.attention_bias and any(n.endswith("_proj.bias") and ".self_attn." in n for n in names):
+        hints.append("config.json has attention_bias=false")
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    return (f"{len(names)} tensor{'s' if len(names) != 1 else ''} the config does not explain: "
+            f"{shown}{more}{hint}")
+
+
 def validate_checkpoint(cfg: GptOssConfig, index: dict[str, TensorEntry], layout: str) -> dict[str, Source]:
-    """Check every expected tensor against the config; returns the name map."""
+    """Check the tensors against the config both ways (names, shapes and dtypes from the headers only):
+    every tensor the config implies is present with the right shape and dtype, and every tensor present is
+    one the config implies (no layers beyond num_hidden_layers, no unknown names). Returns the name map."""
     expected = checkpoint_tensors(cfg, layout)
+    L = cfg.num_hidden_layers
+    held = _held_layers(index)
+    if held and max(held) >= L:
+        raise CheckpointError(f"{_layers_text(held)} but config.json has num_hidden_layers={L}: the tensors of "
+                              f"model.layers.{L} and above are not part of the model the config describes")
+    unexplained = sorted((n for n in index if n not in expected), key=_name_key)
     for name, src in expected.items():
         entry = index.get(name)
         if entry is None:
-            raise CheckpointError(f"missing tensor {name!r} (expected shape {list(src.shape)})")
+            msg = f"missing tensor {name!r} (expected shape {list(src.shape)})"
+            if src.layer is not None and src.layer not in held:
+                msg += f": {_layers_text(held)} but config.json has num_hidden_layers={L}"
+            elif unexplained:
+                msg += f"; the checkpoint has {_unexplained_text(cfg, unexplained)}"
+            raise CheckpointError(msg)
         if entry.shape != src.shape:
             raise CheckpointError(f"tensor {name!r} has shape {list(entry.shape)}, config expects {list(src.shape)}")
         if src.quantized and entry.dtype != torch.uint8:
@@ -244,6 +292,8 @@ def validate_checkpoint(cfg: GptOssConfig, index: dict[str, TensorEntry], layout
         if not src.quantized and entry.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"tensor {name!r} has dtype {entry.dtype}, expected a float dtype "
                                   f"(unsupported quantization?)")
+    if unexplained:
+        raise CheckpointError(f"the checkpoint has {_unexplained_text(cfg, unexplained)}")
     return expected
 
 

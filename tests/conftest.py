@@ -3,6 +3,7 @@ model over each is loaded once. Helpers live in tests/helpers.py."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
 
 import helpers  # noqa: E402
+
+os.environ["GIGADECODE_KV_SECRET"] = helpers.KV_SECRET     # servers the tests start inherit it
 
 # The tiny models are far faster single-threaded (op overhead dominates; OpenMP threads spin when the 2
 # cores are shared with other jobs: 8x slower measured with 2 threads under load).

@@ -14,6 +14,10 @@ from gigadecode.kv.cache import KVCache
 from gigadecode.model import GptOssModel, SeqChunk
 from gigadecode.weights import ModelWeights, load_weights
 
+# The DI deployment key of every prefill / decode engine the tests start (in-process via EngineConfig, and in
+# subprocesses through $GIGADECODE_KV_SECRET, which conftest sets).
+KV_SECRET = "gigadecode-tests-kv-secret-0123456789"
+
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 

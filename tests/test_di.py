@@ -6,22 +6,25 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import pytest
 
 from gigadecode.config import EngineConfig
-from gigadecode.connector.nixl_connector import build_engine
+from gigadecode.engine import build_engine
 from gigadecode.kv.manager import KVCacheManager
 from gigadecode.kv.spec import get_kv_spec, make_kv_cache_config
 from gigadecode.checkpoint import preset_config
 from gigadecode.sampling import SamplingParams
 
-from .di_peer import Producer
-from .helpers import random_prompt
+from .di_peer import Consumer, Producer
+from gigadecode.connector.params import parse_kv_params, sign
+
+from .helpers import KV_SECRET, random_prompt
 
 BLOCK, NUM_BLOCKS = 4, 400
-BASE = dict(kv_dtype="fp8", block_size=BLOCK, num_blocks=NUM_BLOCKS)
+BASE = dict(kv_dtype="fp8", block_size=BLOCK, num_blocks=NUM_BLOCKS, kv_secret=KV_SECRET)
 # tiny: window W = 16. 1, 2, block-1, block, block+1, W-1, W, W+1, N % block == block-1 with N > W, > 3 windows.
 LENGTHS = [1, 2, 3, 4, 5, 15, 16, 17, 19, 23, 55, 70]
 
@@ -108,54 +111,124 @@ def _pools_back(consumer, producer):
     assert producer.wait_free(NUM_BLOCKS - 1) == NUM_BLOCKS - 1
 
 
-def test_transfer_error_bad_block_id(producer, consumer):
+def resign(params: dict, **changes) -> dict:
+    """`params` changed and signed again with the deployment key: what a producer holding the key (buggy or
+    compromised) could send; a client without the key cannot."""
+    return sign(parse_kv_params({**params, **changes}), KV_SECRET.encode()).to_dict()
+
+
+def test_forged_params_are_refused_before_any_read(producer, consumer):
+    from gigadecode.engine import RequestError
     prompt = random_prompt(30, 1024, seed=2)
     params = producer.prefill(prompt)
-    bad = dict(params, remote_block_ids=[ids[:-1] + [NUM_BLOCKS + 5] for ids in params["remote_block_ids"]])
-    r = run(consumer, prompt, kv=bad)
-    assert r.finish_reason == "error" and "out of range" in r.error and not r.output_ids
-    # the untouched lease still expires or is read: read it properly so the producer frees
+    forged = dict(params, remote_block_ids=[ids[:-1] + [1] for ids in params["remote_block_ids"]])
+    for bad, what in ((forged, "signature"), (dict(params, kv_crc32=params["kv_crc32"] ^ 1), "signature"),
+                      ({k: v for k, v in params.items() if k != "signature"}, "not signed"),
+                      (dict(params, remote_host="10.0.0.1"), "signature")):
+        with pytest.raises(RequestError, match=what) as e:
+            consumer.add_request(prompt, greedy(), kv_transfer_params=bad)
+        assert e.value.param.startswith("kv_transfer_params")
+    assert not consumer.connector.agent.remotes and consumer.stats["kv_bytes_transferred"] == 0   # read nothing
     ok = run(consumer, prompt, kv=params)
     assert ok.error is None
+    _pools_back(consumer, producer)
+
+
+def test_prompt_swap_and_replay_are_refused(producer, consumer, single):
+    from gigadecode.engine import RequestError
+    a, b = random_prompt(26, 1024, seed=21), random_prompt(26, 1024, seed=22)
+    params = producer.prefill(a)
+    with pytest.raises(RequestError, match="another prompt"):
+        consumer.add_request(b, greedy(), kv_transfer_params=params)      # B with A's KV: never decoded
+    assert run(consumer, a, kv=params).output_ids == run(single, a).output_ids
+    with pytest.raises(RequestError, match="used already"):
+        consumer.add_request(a, greedy(), kv_transfer_params=params)      # the same KV read twice
+    _pools_back(consumer, producer)
+
+
+def test_signed_bad_block_id_fails_only_that_request(producer, consumer):
+    prompt = random_prompt(30, 1024, seed=2)
+    params = producer.prefill(prompt)
+    bad = resign(params, remote_block_ids=[ids[:-1] + [NUM_BLOCKS + 5] for ids in params["remote_block_ids"]],
+                 remote_request_id=params["remote_request_id"] + "-x")
+    r = run(consumer, prompt, kv=bad)
+    assert r.finish_reason == "error" and "out of range" in r.error and not r.output_ids
+    assert run(consumer, prompt, kv=params).error is None                # the untouched lease is read properly
     _pools_back(consumer, producer)
     assert consumer.stats["transfer_failures"] >= 1
 
 
-def test_corrupted_kv_is_refused(producer, consumer):
+def test_bytes_flipped_in_producer_memory_are_caught(producer, consumer):
     prompt = random_prompt(30, 1024, seed=3)
     params = producer.prefill(prompt)
-    r = run(consumer, prompt, kv=dict(params, kv_crc32=params["kv_crc32"] ^ 1))
+    producer.call("corrupt", params["remote_request_id"])               # after the prefill, before the READ
+    r = run(consumer, prompt, kv=params)
     assert r.finish_reason == "error" and "CRC32" in r.error and not r.output_ids
     _pools_back(consumer, producer)                   # the READ did complete: the producer was notified
 
 
-def test_handshake_refused_names_the_field(tiny_ckpt, consumer):
-    other = Producer(tiny_ckpt, kv_dtype="fp8", block_size=8, num_blocks=NUM_BLOCKS)
+def test_blocks_reused_after_lease_before_read_are_refused(tiny_ckpt, consumer, single):
+    small = Producer(tiny_ckpt, **{**BASE, "num_blocks": 20})     # a small pool: freed blocks are reused soon
+    try:
+        a, b = random_prompt(29, 1024, seed=31), random_prompt(29, 1024, seed=32)
+        pa = small.prefill(a)
+        small.call("expire", pa["remote_request_id"])   # the lease ends (producer clock), A's blocks are free
+        pb = small.prefill(b)                           # ... and B's prefill takes some of them
+        assert set(sum(pa["remote_block_ids"], [])) & set(sum(pb["remote_block_ids"], []))
+        r = run(consumer, a, kv=pa)                      # A's params still look live to the decode side
+        assert r.finish_reason == "error" and "CRC32" in r.error and not r.output_ids
+        assert run(consumer, b, kv=pb).output_ids == run(single, b).output_ids   # B's own KV is intact
+        assert consumer.kv_manager.num_free_blocks == NUM_BLOCKS - 1
+        assert small.wait_free(19) == 19
+    finally:
+        small.close()
+
+
+def test_other_layout_is_refused_at_the_door(tiny_ckpt, consumer):
+    from gigadecode.engine import RequestError
+    other = Producer(tiny_ckpt, kv_dtype="fp8", block_size=8, num_blocks=NUM_BLOCKS, kv_secret=KV_SECRET)
     try:
         prompt = random_prompt(20, 1024, seed=4)
         params = other.prefill(prompt)
-        r = run(consumer, prompt, kv=params)
-        assert r.finish_reason == "error" and "block_size: local 4, remote 8" in r.error
+        with pytest.raises(RequestError, match="KV layout"):
+            consumer.add_request(prompt, greedy(), kv_transfer_params=params)
         assert consumer.kv_manager.num_free_blocks == NUM_BLOCKS - 1
     finally:
         other.close()
 
 
 def test_lease_expired_before_read(tiny_ckpt, consumer):
-    short = Producer(tiny_ckpt, kv_lease_s=0.3, **BASE)
+    from gigadecode.engine import RequestError
+    short = Producer(tiny_ckpt, **{**BASE, "kv_lease_s": 0.3})
     try:
         prompt = random_prompt(25, 1024, seed=5)
         params = short.prefill(prompt)
         assert short.wait_free(NUM_BLOCKS - 1) == NUM_BLOCKS - 1      # lease expired: producer freed
-        r = run(consumer, prompt, kv=params)
-        assert r.finish_reason == "error" and "lease" in r.error
+        with pytest.raises(RequestError, match="lease"):
+            consumer.add_request(prompt, greedy(), kv_transfer_params=params)
         assert consumer.kv_manager.num_free_blocks == NUM_BLOCKS - 1
     finally:
         short.close()
 
 
+def test_handshake_needs_the_key(producer):
+    import urllib.error
+    import urllib.request
+
+    from gigadecode.connector.params import AUTH_HEADER, handshake_token
+    from gigadecode.connector.side_channel import fetch_handshake
+    url = f"http://127.0.0.1:{producer.side_port}/kv/handshake"
+    for headers in ({}, {AUTH_HEADER: handshake_token(b"another-key-0123456789")},
+                    {AUTH_HEADER: handshake_token(KV_SECRET.encode(), now=time.time() - 3600)}):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5)
+        assert e.value.code == 403
+    info = fetch_handshake("127.0.0.1", producer.side_port, KV_SECRET.encode())
+    assert info["layout"]["block_size"] == BLOCK
+
+
 def test_stalled_prefill_times_out(tiny_ckpt, consumer, single):
-    stalled = Producer(tiny_ckpt, kv_lease_s=4.0, **BASE)
+    stalled = Producer(tiny_ckpt, **{**BASE, "kv_lease_s": 4.0})
     try:
         prompt = random_prompt(40, 1024, seed=6)
         params = stalled.prefill(prompt)
@@ -164,13 +237,101 @@ def test_stalled_prefill_times_out(tiny_ckpt, consumer, single):
             r = run(consumer, prompt, kv=params)
         finally:
             os.kill(stalled.proc.pid, signal.SIGCONT)
-        assert r.finish_reason == "error" and ("timed out" in r.error or "failed" in r.error)
+        assert r.finish_reason == "error" and "timed out" in r.error
         assert consumer.kv_manager.num_free_blocks == NUM_BLOCKS - 1
         assert stalled.wait_free(NUM_BLOCKS - 1, timeout=10) == NUM_BLOCKS - 1   # via lease expiry
         # the consumer keeps serving
         assert run(consumer, prompt).output_ids == run(single, prompt).output_ids
     finally:
         stalled.close()
+
+
+def test_hanging_handshake_stalls_only_its_request(producer, consumer, single):
+    """A prefill side channel that accepts the connection and never answers: the handshake runs off the step
+    loop (the engine keeps stepping at its normal pace), the request fails after the time-out, and for the
+    back-off the next request to that producer fails at once instead of waiting again."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)                                       # the kernel accepts; nobody ever answers
+    try:
+        prompt = random_prompt(30, 1024, seed=41)
+        params = producer.prefill(prompt)
+        stuck = resign(params, remote_engine_id="hung-prefill", remote_port=hung.getsockname()[1])
+        rid = consumer.add_request(prompt, greedy(), kv_transfer_params=stuck)
+        local = random_prompt(10, 1024, seed=42)
+        lid = consumer.add_request(local, greedy(24))
+        worst, t_start = 0.0, time.monotonic()
+        while not (consumer.requests[rid].finished and consumer.requests[lid].finished):
+            t = time.monotonic()
+            consumer.step()
+            worst = max(worst, time.monotonic() - t)
+            assert t - t_start < 30
+        assert consumer.requests[lid].output_ids == run(single, local, greedy(24)).output_ids
+        assert worst < 1.0, worst                         # the 3 s handshake never ran on the step loop
+        r = consumer.requests[rid]
+        assert r.finish_reason == "error" and "timed out" in r.error and not r.output_ids
+        again = resign(params, remote_engine_id="hung-prefill", remote_port=hung.getsockname()[1],
+                       remote_request_id=params["remote_request_id"] + "-again")
+        t = time.monotonic()
+        r2 = run(consumer, prompt, kv=again)
+        assert r2.finish_reason == "error" and "not retried" in r2.error and time.monotonic() - t < 1.0
+        assert run(consumer, prompt, kv=params).error is None      # the real producer is unaffected
+        _pools_back(consumer, producer)
+    finally:
+        hung.close()
+
+
+def test_producer_killed_mid_read(tiny_ckpt, consumer, single):
+    doomed = Producer(tiny_ckpt, **BASE)
+    try:
+        warm = random_prompt(12, 1024, seed=51)
+        assert run(consumer, warm, kv=doomed.prefill(warm)).error is None       # paired (handshake done)
+        prompts = [random_prompt(40, 1024, seed=52 + i) for i in range(3)]
+        params = [doomed.prefill(p) for p in prompts]
+        rids = [consumer.add_request(p, greedy(), kv_transfer_params=kv) for p, kv in zip(prompts, params)]
+        consumer.step()                                      # posts the READs (polled from the next step on)
+        in_flight = [rid for rid in rids if rid in consumer.connector.loads]
+        os.kill(doomed.proc.pid, signal.SIGKILL)             # before any of them is known to have landed
+        assert in_flight == rids
+        t0 = time.monotonic()
+        while any(not consumer.requests[rid].finished for rid in rids):
+            consumer.step()
+            assert time.monotonic() - t0 < 30
+        for rid, p in zip(rids, prompts):
+            r = consumer.requests[rid]
+            if r.error is not None:                          # the READ died with the producer
+                assert r.finish_reason == "error" and not r.output_ids, rid
+            else:                                            # the bytes landed before the kill (CRC checked)
+                assert r.output_ids == run(single, p).output_ids
+        assert consumer.kv_manager.num_free_blocks == NUM_BLOCKS - 1
+        assert run(consumer, prompts[0]).output_ids == run(single, prompts[0]).output_ids    # still serving
+    finally:
+        doomed.close()
+
+
+def test_decode_killed_with_reads_in_flight(tiny_ckpt):
+    """The producer frees the blocks on lease expiry when the decode engine dies before its READ lands."""
+    prod = Producer(tiny_ckpt, **{**BASE, "kv_lease_s": 2.0})
+    cons = Consumer(tiny_ckpt, **BASE)
+    try:
+        warm = random_prompt(12, 1024, seed=61)
+        assert cons.load(warm, prod.prefill(warm))[1] is None                  # paired
+        assert prod.wait_free(NUM_BLOCKS - 1) == NUM_BLOCKS - 1
+        prompt = random_prompt(40, 1024, seed=62)
+        params = prod.prefill(prompt)
+        assert prod.call("free_blocks") < NUM_BLOCKS - 1                       # leased
+        os.kill(prod.proc.pid, signal.SIGSTOP)
+        finished, _, _ = cons.load(prompt, params, steps=2)                    # the READ is posted ...
+        assert not finished
+        cons.proc.kill()                                                       # ... and the decode engine dies
+        cons.proc.join(5)
+        os.kill(prod.proc.pid, signal.SIGCONT)
+        assert prod.wait_free(NUM_BLOCKS - 1, timeout=15) == NUM_BLOCKS - 1    # lease expiry frees them
+        again = random_prompt(20, 1024, seed=63)
+        assert prod.prefill(again)["num_computed_tokens"] == 19                # and the producer keeps serving
+    finally:
+        cons.close()
+        prod.close()
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
@@ -197,12 +358,14 @@ def test_prefill_killed(tiny_ckpt, single, policy):
 
 def test_bad_params_are_refused(consumer):
     from gigadecode.engine import RequestError
-    with pytest.raises(RequestError, match="missing"):
-        consumer.add_request([5, 6, 7], greedy(), kv_transfer_params={"do_remote_prefill": True})
-    with pytest.raises(RequestError, match="num_computed_tokens"):
-        consumer.add_request([5, 6, 7], greedy(), kv_transfer_params={
-            "do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "127.0.0.1", "remote_port": 1,
-            "remote_request_id": "r", "remote_block_ids": [[], []], "remote_first_block": [0, 0],
-            "num_computed_tokens": 5, "kv_crc32": 0})
-    with pytest.raises(RequestError, match="prefill engine"):
-        consumer.add_request([5, 6, 7], greedy(), kv_transfer_params={"do_remote_decode": True})
+    for kv, what in (({"do_remote_prefill": True}, "not signed"),
+                     ({"do_remote_prefill": True, "remote_first_block": ["a", "b"]}, r"remote_first_block\.0"),
+                     ({"do_remote_prefill": True, "remote_ranks": "x"}, "remote_ranks"),
+                     ({"do_remote_prefill": True, "kv_crc32": "x"}, "kv_crc32"),
+                     ({"do_remote_prefill": True, "remote_block_ids": [[-1]]}, r"remote_block_ids\.0\.0"),
+                     ({"do_remote_prefill": "yes"}, "do_remote_prefill"),
+                     ({"do_remote_prefill": True, "bogus": 1}, "bogus"),
+                     ({"do_remote_decode": True}, "prefill engine")):
+        with pytest.raises(RequestError, match=what):
+            consumer.add_request([5, 6, 7], greedy(), kv_transfer_params=kv)
+    assert not consumer.requests and not consumer.waiting

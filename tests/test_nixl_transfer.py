@@ -14,7 +14,8 @@ import torch
 
 from gigadecode.checkpoint import preset_config
 from gigadecode.config import EngineConfig
-from gigadecode.connector.base import (COMPAT_FIELDS, HandshakeError, KVLayout, KVTransferParams, TransferError,
+from gigadecode.connector.params import KVParamsError, KVTransferParams, parse_kv_params
+from gigadecode.connector.base import (COMPAT_FIELDS, HandshakeError, KVLayout, TransferError,
                                        TransferTimeout, check_compatible, model_identity, pair_blocks)
 from gigadecode.connector.nixl_agent import NixlKVAgent, block_descs
 from gigadecode.kv.cache import KVCache
@@ -377,6 +378,8 @@ def test_pair_blocks_and_params():
         pair_blocks([[0]], [[5]])
     p = KVTransferParams(do_remote_prefill=True, remote_engine_id="p0", remote_block_ids=[[1], [2, 3]],
                          num_computed_tokens=7)
-    assert KVTransferParams.from_dict(p.to_dict() | {"unknown": 1}) == p
+    assert parse_kv_params(p.to_dict()) == p
+    with pytest.raises(KVParamsError, match="kv_transfer_params.unknown: Extra inputs"):
+        parse_kv_params(p.to_dict() | {"unknown": 1})
     assert model_identity(preset_config("tiny")) == model_identity(preset_config("tiny"))
     assert model_identity(preset_config("tiny")) != model_identity(preset_config("small"))

@@ -16,13 +16,14 @@ import pytest
 
 from gigadecode.cli import build_parser
 from gigadecode.sampling import SamplingParams
-from gigadecode.server.api import build_engine
+from gigadecode.server.api import engine_from_args
 
 from .helpers import random_prompt, stop_process_tree
 from .test_server import assert_completion_ids, free_port, metrics, stream_and_cancel, wait_health, wait_idle
 
 MODEL = "tiny"
-FLAGS = ["--served-model-name", MODEL, "--num-blocks", "512", "--block-size", "16", "--kv-dtype", "fp8", "--max-num-seqs", "64"]
+FLAGS = ["--served-model-name", MODEL, "--num-blocks", "512", "--block-size", "16", "--kv-dtype", "fp8", "--max-num-seqs", "64",
+         "--kv-lease-s", "10"]
 
 
 def start_gigadecode(args: list[str], ranks: int = 1) -> subprocess.Popen:
@@ -64,7 +65,7 @@ def di(tiny_ckpt):
 def single(tiny_ckpt):
     args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *FLAGS])
     assert args.served_model_name == MODEL
-    return build_engine(args, "both")
+    return engine_from_args(args, "both")
 
 
 def _greedy(engine, prompt, n):
@@ -100,3 +101,111 @@ def test_64_concurrent_streams_and_cancellation(di, single):
         assert got[i] == want[i], i
     for k in ("prefill", "decode"):
         wait_idle(di[k], timeout=30)
+
+
+def _prefill_params(di, prompt):
+    import httpx
+    r = httpx.post(di["prefill"] + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
+def test_bad_kv_params_while_others_stream(di, single):
+    """Malformed, forged, unsigned and prompt-swapped kv_transfer_params sent straight to the decode server
+    while 200-token completions stream through the proxy: each gets a 400 naming the field, the streams end
+    with exactly the tokens they get alone, and no KV block is left in use on either server."""
+    import asyncio
+
+    import httpx
+    streams = [random_prompt(10 + 3 * i, 1024, seed=800 + i) for i in range(3)]
+    want = [_greedy(single, p, 200) for p in streams]
+    a, b = random_prompt(21, 1024, seed=850), random_prompt(21, 1024, seed=851)
+    params = _prefill_params(di, a)
+    unsigned = {k: v for k, v in params.items() if k != "signature"}
+    bad = [({"do_remote_prefill": True, "remote_first_block": ["a", "b"]}, a, "kv_transfer_params.remote_first_block.0"),
+           ({"do_remote_prefill": True, "remote_ranks": "x"}, a, "kv_transfer_params.remote_ranks"),
+           ({"do_remote_prefill": True, "kv_crc32": "x"}, a, "kv_transfer_params.kv_crc32"),
+           ({**params, "remote_block_ids": [[1, 2], [3]]}, a, "kv_transfer_params.signature"),    # forged block ids
+           (unsigned, a, "kv_transfer_params.signature"),
+           (params, b, "kv_transfer_params.prompt_digest")]                                      # prompt swap
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as hc, \
+                openai.AsyncOpenAI(base_url=di["proxy"] + "/v1", api_key="x", max_retries=0, timeout=120) as oc:
+            async def stream(p):
+                got = []
+                async for ch in await oc.completions.create(model=MODEL, prompt=p, max_tokens=200, temperature=0.0,
+                                                            stream=True, extra_body=EXTRA):
+                    got += (ch.choices[0].model_extra or {}).get("token_ids") or []
+                return got
+
+            async def refused(kv, prompt):
+                await asyncio.sleep(0.3)                 # while the streams run
+                return await hc.post(di["decode"] + "/v1/completions", json={
+                    "model": MODEL, "prompt": prompt, "max_tokens": 8, "kv_transfer_params": kv})
+            return await asyncio.gather(*(stream(p) for p in streams), *(refused(kv, p) for kv, p, _ in bad))
+
+    EXTRA = {"ignore_eos": True, "return_token_ids": True}
+    out = asyncio.run(main())
+    assert out[:len(streams)] == want
+    for r, (_, _, field) in zip(out[len(streams):], bad):
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    ok = httpx.post(di["decode"] + "/v1/completions", timeout=60, json={      # A's own params still work
+        "model": MODEL, "prompt": a, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+        "return_token_ids": True, "kv_transfer_params": params})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == _greedy(single, a, 6)
+    again = httpx.post(di["decode"] + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": a,
+                                                                           "kv_transfer_params": params})
+    assert again.status_code == 400 and "used already" in again.json()["error"]["message"]   # no replay
+    for k in ("prefill", "decode"):
+        wait_idle(di[k], timeout=30)
+
+
+def test_request_limits(di):
+    import httpx
+    r = httpx.post(di["decode"] + "/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1_000_000_000})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("This model's maximum context length is")
+    assert r.json()["error"]["param"] == "max_tokens"
+    big = b'{"model": "tiny", "prompt": "' + b"x" * (5 << 20) + b'"}'
+    r = httpx.post(di["decode"] + "/v1/completions", content=big, timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(di["prefill"] + "/kv/handshake", timeout=10).status_code == 403   # needs the KV secret
+    assert httpx.get(di["decode"] + "/health", timeout=10).status_code == 200
+
+
+def test_proxy_with_decode_down(di):
+    """The decode server is unreachable: the proxy answers 502 and the prefill's leased blocks are freed
+    when the lease ends."""
+    import httpx
+    port = free_port()
+    proxy = start_gigadecode(["proxy", "--prefill", di["prefill"], "--decode", f"http://127.0.0.1:{free_port()}",
+                              "--port", str(port)])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_up(url, proxy)
+        r = httpx.post(url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": [5, 6, 7, 8, 9],
+                                                                   "max_tokens": 4})
+        assert r.status_code == 502 and "decode" in r.json()["error"]["message"]
+        assert metrics(di["prefill"])["gigadecode_kv_blocks_used"] > 0        # leased for a decode that never came
+        wait_idle(di["prefill"], timeout=30)                                  # ... until the lease ends
+    finally:
+        stop_process_tree(proxy)
+
+
+def _wait_up(url, proc):
+    """The proxy's /health is 503 while an upstream is down: wait for it to answer at all."""
+    import time
+
+    import httpx
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 60:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            httpx.get(url + "/health", timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise TimeoutError(url)

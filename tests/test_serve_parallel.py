@@ -15,10 +15,11 @@ import openai
 import pytest
 
 from gigadecode.cli import build_parser
+from gigadecode.connector.params import parse_kv_params, sign
 from gigadecode.sampling import SamplingParams
-from gigadecode.server.api import build_engine
+from gigadecode.server.api import engine_from_args
 
-from .helpers import random_prompt, stop_process_tree
+from .helpers import KV_SECRET, random_prompt, stop_process_tree
 from .test_serve_di import di_servers, start_gigadecode
 from .test_server import assert_completion_ids, free_port, stream_and_cancel, wait_health, wait_idle
 
@@ -41,7 +42,7 @@ def server(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def single(tiny_ckpt):
-    return build_engine(build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *FLAGS]), "both")
+    return engine_from_args(build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *FLAGS]), "both")
 
 
 def _want(engine, prompt, **kw):
@@ -137,6 +138,8 @@ def test_di_across_tp_sizes_refuses_one_corrupted_head(di_stack, single):
     last = ranks[-1]
     last["kv_crc32_heads"] = last["kv_crc32_heads"][:-1] + [last["kv_crc32_heads"][-1] ^ 1]
     last["kv_crc32"] = last["kv_crc32"] ^ 1
+    # signed again with the deployment key: bytes that changed after the CRC was taken look like this
+    params = sign(parse_kv_params(params), KV_SECRET.encode()).to_dict()
     r = httpx.post(di_stack["decode"] + "/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
         "kv_transfer_params": params})

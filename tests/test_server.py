@@ -31,12 +31,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gigadecode.cli import build_parser
 from gigadecode.sampling import SamplingParams
 from gigadecode.engine import RequestOutput
-from gigadecode.server.api import build_app, build_engine
+from gigadecode.connector.params import AUTH_HEADER, KVTransferParams, handshake_token
+from gigadecode.server.api import build_app, engine_from_args
 from gigadecode.server.async_engine import AsyncEngine
 from gigadecode.server.proxy import build_proxy_app
 from gigadecode.tokenizer import TextCodec
 
-from .helpers import random_prompt
+from .helpers import KV_SECRET, random_prompt
 
 KEY = "sk-test-key"
 ENGINE_FLAGS = ["--num-blocks", "256", "--block-size", "16", "--kv-dtype", "fp8", "--max-num-seqs", "32"]
@@ -96,7 +97,7 @@ def client(server):
 def engine(tiny_ckpt):
     """The in-process engine `serve` builds for the same flags."""
     args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *ENGINE_FLAGS])
-    return build_engine(args, "both")
+    return engine_from_args(args, "both")
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +367,7 @@ def sse_lines(hc: httpx.Client, path: str, body: dict) -> tuple[int, list]:
 
 def test_engine_failures_become_errors_and_serving_goes_on(tiny_ckpt, codec):
     args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *ENGINE_FLAGS])
-    eng = build_engine(args, "both")
+    eng = engine_from_args(args, "both")
     inject = {"decode": 0, "finish_error": False, "kv_out": None}
     real_decode, real_step = eng.runner.decode, eng.step
 
@@ -422,7 +423,7 @@ def test_engine_failures_become_errors_and_serving_goes_on(tiny_ckpt, codec):
 
 def test_token_id_only_model(tiny_ckpt, engine):
     args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *ENGINE_FLAGS])
-    app = build_app(AsyncEngine(build_engine(args, "both"), codec=None), "ids-only")
+    app = build_app(AsyncEngine(engine_from_args(args, "both"), codec=None), "ids-only")
     want = greedy(engine, [[9, 10, 11]], 5)[0]
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as hc:
         r = hc.post("/v1/completions", json={"prompt": [9, 10, 11], "max_tokens": 5, "temperature": 0,
@@ -447,7 +448,8 @@ class FakeEngine:
     def __init__(self) -> None:
         self.running, self.waiting, self.requests, self.stats = [], [], {}, {"kv_bytes_transferred": 1234}
         self.runner = SimpleNamespace(kv=SimpleNamespace(num_blocks=9))
-        self.connector = SimpleNamespace(handshake_info=lambda: {"layout": {"engine_id": "p0"}, "agent_metadata": "AA=="})
+        self.connector = SimpleNamespace(handshake_info=lambda: {"layout": {"engine_id": "p0"}, "agent_metadata": "AA=="},
+                                         key=KV_SECRET.encode())
         self.calls: list[dict] = []
         self.steps = 0
 
@@ -482,11 +484,17 @@ def test_di_hooks_handshake_and_idle_steps():
     fake = FakeEngine()
     app = build_app(AsyncEngine(fake), "fake", role="prefill")
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as hc:
-        assert hc.get("/kv/handshake").json() == {"layout": {"engine_id": "p0"}, "agent_metadata": "AA=="}
+        assert hc.get("/kv/handshake").status_code == 403                 # no proof of the KV secret
+        bad = handshake_token(b"not-the-deployment-key-0123")
+        assert hc.get("/kv/handshake", headers={AUTH_HEADER: bad}).status_code == 403
+        ok = {AUTH_HEADER: handshake_token(KV_SECRET.encode())}
+        assert hc.get("/kv/handshake", headers=ok).json() == {"layout": {"engine_id": "p0"}, "agent_metadata": "AA=="}
         r = hc.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1,
-                                             "kv_transfer_params": {"do_remote_decode": True}})
+                                             "kv_transfer_params": {"do_remote_decode": True,
+                                                                    "remote_host": "evil.example"}})
         assert r.status_code == 200
-        assert fake.calls[-1] == {"kv_transfer_params": {"do_remote_decode": True}}
+        # typed; the side-channel host is where the client reached this server, never one it names
+        assert fake.calls[-1] == {"kv_transfer_params": KVTransferParams(do_remote_decode=True, remote_host="127.0.0.1")}
         assert r.json()["kv_transfer_params"] == {"remote_request_id": r.json()["id"]}
         assert r.json()["choices"][0]["text"] == "" and r.json()["usage"]["completion_tokens"] == 0
         r = hc.post("/v1/completions", json={"prompt": [1, 2, 3]})

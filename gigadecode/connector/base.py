@@ -44,6 +44,8 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Sequence
 
+from .params import KVTransferParams
+
 
 class HandshakeError(ValueError):
     """Two engines whose KV layouts (or agent metadata) cannot be paired."""
@@ -228,31 +230,6 @@ def pair_blocks(remote_block_ids: Sequence[Sequence[int]], local_block_ids: Sequ
     return pairs
 
 
-@dataclass
-class KVTransferParams:
-    """The `kv_transfer_params` a request carries (vLLM's keys)."""
-
-    do_remote_decode: bool = False         # router -> producer: keep the KV for a remote decode
-    do_remote_prefill: bool = False        # router -> consumer: the KV comes from a remote prefill
-    remote_engine_id: str | None = None
-    remote_host: str | None = None
-    remote_port: int | None = None
-    remote_request_id: str | None = None
-    remote_block_ids: list[list[int]] | None = None   # per KV group (sliding list clipped to the window)
-    remote_first_block: list[int] | None = None       # per KV group: logical index of remote_block_ids[g][0]
-    num_computed_tokens: int | None = None            # tokens whose KV the remote blocks hold (N-1)
-    lease_expires: float | None = None                # producer wall clock: blocks are freed after this
-    kv_crc32: int | None = None                       # CRC32 of the KV bytes (group, block, buffer, K then V)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> KVTransferParams:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in (d or {}).items() if k in names})
-
-
 class KVConnectorBase(ABC):
     """The connector interface the engine drives (see the module docstring for who calls what)."""
 
@@ -276,21 +253,26 @@ class KVConnectorBase(ABC):
         return num_prompt_tokens - 1
 
     @abstractmethod
-    def request_finished(self, request_id: str, block_tables: list[list[int]], num_computed: int) -> dict[str, Any]:
-        """Producer: the first N-1 tokens are computed -> lease the blocks, return the kv_transfer_params."""
+    def request_finished(self, request_id: str, block_tables: list[list[int]], num_computed: int,
+                         advertise_host: str | None = None) -> KVTransferParams:
+        """Producer: the first N-1 tokens are computed -> lease the blocks, return the (unsigned) params."""
+
+    @abstractmethod
+    def seal(self, params: KVTransferParams, prompt_ids: list[int]) -> KVTransferParams:
+        """Producer: the params bound to the prompt (`prompt_digest`) and signed with the deployment key."""
 
     @abstractmethod
     def handshake_info(self) -> dict[str, Any]:
         """Producer: the layout and agent metadata a consumer needs to read from this engine."""
 
     # -- consumer ------------------------------------------------------------------------------------
-    @staticmethod
     @abstractmethod
-    def validate_remote(params: dict[str, Any], num_prompt_tokens: int, num_groups: int) -> int:
-        """Consumer: check a request's params (ValueError names what is wrong) -> remote tokens (N-1)."""
+    def validate_remote(self, params: KVTransferParams, prompt_ids: list[int], num_groups: int,
+                        lease_margin_s: float = 0.0) -> int:
+        """Consumer: check a request's params (`params.KVParamsError` names what is wrong) -> remote tokens (N-1)."""
 
     @abstractmethod
-    def start_load(self, request_id: str, params: dict[str, Any], local_tables: list[list[int]]) -> None:
+    def start_load(self, request_id: str, params: KVTransferParams, local_tables: list[list[int]]) -> None:
         """Consumer: post the READ of the remote blocks into `local_tables` (non-blocking)."""
 
     @abstractmethod

@@ -24,10 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ..connector.base import KVConnectorBase
+from ..connector.params import KVTransferParams, RemoteRank
 from .context import ParallelContext
-
-RANK_KEYS = ("remote_engine_id", "remote_host", "remote_port", "kv_head_start", "kv_crc32_heads", "kv_crc32",
-             "remote_request_id")
 
 
 class TPGroupConnector(KVConnectorBase):
@@ -55,23 +53,29 @@ class TPGroupConnector(KVConnectorBase):
     def prefill_target(self, num_prompt_tokens: int) -> int:
         return self.inner.prefill_target(num_prompt_tokens)
 
-    def validate_remote(self, params: dict[str, Any], num_prompt_tokens: int, num_groups: int) -> int:
-        return self.inner.validate_remote(params, num_prompt_tokens, num_groups)
+    def validate_remote(self, params: KVTransferParams, prompt_ids: list[int], num_groups: int,
+                        lease_margin_s: float = 0.0) -> int:
+        return self.inner.validate_remote(params, prompt_ids, num_groups, lease_margin_s)
 
     # -- producer ------------------------------------------------------------------------------------
-    def request_finished(self, request_id: str, block_tables: list[list[int]], num_computed: int) -> dict[str, Any]:
-        mine = self.inner.request_finished(request_id, block_tables, num_computed)
-        if any(mine["remote_block_ids"]):
+    def request_finished(self, request_id: str, block_tables: list[list[int]], num_computed: int,
+                         advertise_host: str | None = None) -> KVTransferParams:
+        mine = self.inner.request_finished(request_id, block_tables, num_computed, advertise_host)
+        if any(mine.remote_block_ids):
             self._leased.append(request_id)
-        ranks = [None] * self.ctx.tp_size
+        rank = mine.ranks()[0].model_dump()
+        ranks: list[Any] = [None] * self.ctx.tp_size
         if self.ctx.tp_size > 1:
-            dist.all_gather_object(ranks, {k: mine.get(k) for k in RANK_KEYS}, group=self.ctx.tp_group)
+            dist.all_gather_object(ranks, rank, group=self.ctx.tp_group)
         else:
-            ranks = [{k: mine.get(k) for k in RANK_KEYS}]
-        return {**mine, "remote_ranks": ranks}
+            ranks = [rank]
+        return mine.model_copy(update={"remote_ranks": [RemoteRank(**r) for r in ranks]})
+
+    def seal(self, params: KVTransferParams, prompt_ids: list[int]) -> KVTransferParams:
+        return self.inner.seal(params, prompt_ids)
 
     # -- consumer ------------------------------------------------------------------------------------
-    def start_load(self, request_id: str, params: dict[str, Any], local_tables: list[list[int]]) -> None:
+    def start_load(self, request_id: str, params: KVTransferParams, local_tables: list[list[int]]) -> None:
         self._loading.append(request_id)
         self.inner.start_load(request_id, params, local_tables)
 

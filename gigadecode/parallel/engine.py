@@ -38,6 +38,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..config import EngineConfig, GptOssConfig
+from ..connector.params import KVTransferParams
 from ..engine import LLMEngine, Request, RequestError, RequestOutput, Status
 from ..runner import ModelRunner
 from ..sampling import SamplingParams
@@ -48,7 +49,7 @@ from .mesh import LayoutError
 @dataclass
 class StepInbox:
     """What world rank 0 tells every rank before a step."""
-    adds: list[tuple[int, str, list[int], SamplingParams, dict | None]] = field(default_factory=list)
+    adds: list[tuple[int, str, list[int], SamplingParams, KVTransferParams | None]] = field(default_factory=list)
     #     (dp group, request id, prompt, params, kv_transfer_params)
     aborts: list[tuple[int, str]] = field(default_factory=list)                            # (dp group, id)
     stop: bool = False
@@ -78,7 +79,8 @@ class StepTrace:
 
 
 def build_parallel_engine(model_dir: str | Path, ecfg: EngineConfig, progress: bool = False, *,
-                          host: str = "127.0.0.1", side_port: int = 0) -> tuple[LLMEngine, ParallelContext]:
+                          host: str = "127.0.0.1", advertise_host: str | None = None, side_port: int = 0
+                          ) -> tuple[LLMEngine, ParallelContext]:
     """This rank's engine replica over its shard, and its context. Every rank calls it (collectively); the
     default process group is initialized from torchrun's environment if it is not already.
 
@@ -96,7 +98,8 @@ def build_parallel_engine(model_dir: str | Path, ecfg: EngineConfig, progress: b
         from ..connector.nixl_connector import NixlConnector
         from ..weights import shard_ranges
         from .connector import TPGroupConnector
-        inner = NixlConnector(ecfg.kv_role, runner.kv, cfg, host=host, side_port=side_port + ctx.rank if side_port
+        inner = NixlConnector(ecfg.kv_role, runner.kv, cfg, secret=ecfg.kv_secret, host=host,
+                              advertise_host=advertise_host, side_port=side_port + ctx.rank if side_port
                               else 0, lease_s=ecfg.kv_lease_s, timeout_s=ecfg.kv_transfer_timeout_s,
                               engine_id=f"{ecfg.kv_role}-{uuid.uuid4().hex[:8]}-r{ctx.rank}",
                               kv_head_start=shard_ranges(cfg, ctx.shard)["kv_heads"][0], notify_on_read=False)
@@ -197,13 +200,14 @@ class DistributedEngine:
 
     # -- LLMEngine's interface ---------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, kv_transfer_params: dict | None = None) -> str:
+                    request_id: str | None = None, kv_transfer_params: KVTransferParams | dict | None = None) -> str:
         params = params or SamplingParams()
         if request_id is None:
             request_id, self._ids = f"req-{self._ids}", self._ids + 1
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        self.replica.check_request(prompt_ids, params, kv_transfer_params)   # every group's replica would agree
+        kv = LLMEngine._parse_kv(kv_transfer_params) if kv_transfer_params else None
+        self.replica.check_request(prompt_ids, params, kv)   # every group's replica would agree
         if not params.is_greedy and params.seed is None:    # every TP rank must draw the same tokens
             params = replace(params, seed=self._seed.randrange(2**63))
         load = [0] * self.ctx.dp_size
@@ -213,8 +217,7 @@ class DistributedEngine:
         g = min(range(self.ctx.dp_size), key=lambda i: (load[i], i))
         self.requests[request_id] = Request(request_id, list(prompt_ids), params)
         self._group[request_id] = g
-        self._inbox.adds.append((g, request_id, list(prompt_ids), params,
-                                 dict(kv_transfer_params) if kv_transfer_params else None))
+        self._inbox.adds.append((g, request_id, list(prompt_ids), params, kv))
         return request_id
 
     def abort(self, request_id: str) -> bool:

@@ -42,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..connector.params import AUTH_HEADER, KVTransferParams, check_handshake_token
 from ..sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, RequestStream
 
@@ -55,6 +56,7 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens",
 DEFAULT_COMPLETION_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
 LOGPROB_FLOOR = -9999.0                     # JSON has no -inf
 DISCONNECT_POLL_S = 0.2
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20         # --max-request-bytes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -90,6 +92,55 @@ def _validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
     return APIError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param=param)
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` (by Content-Length, or counted as it streams in)
+    is answered 413 before any route parses it."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._too_large(send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge()
+            return msg
+
+        started = False
+
+        async def tracked_send(msg: dict) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, counted, tracked_send)
+        except _TooLarge:
+            if not started:
+                await self._too_large(send)
+
+    async def _too_large(self, send: Callable) -> None:
+        body = json.dumps(error_body(f"request body larger than {self.max_bytes} bytes (--max-request-bytes)",
+                                     code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
 def _engine_error(e: BaseException, prompt_param: str) -> APIError:
     """`AsyncEngine.submit`'s exception -> the HTTP error."""
     if isinstance(e, APIError):
@@ -100,9 +151,11 @@ def _engine_error(e: BaseException, prompt_param: str) -> APIError:
         return APIError(503, str(e), type="server_error", code="engine_unavailable")
     if isinstance(e, ValueError):          # RequestError and other refusals of add_request
         msg = str(e)
-        param = prompt_param if msg.startswith("prompt") else ("kv_transfer_params" if "kv_transfer" in msg
-                                                               else None)
+        param = getattr(e, "param", None) or (prompt_param if msg.startswith("prompt") else
+                                              ("kv_transfer_params" if "kv_transfer" in msg else None))
         code = "context_length_exceeded" if "context" in msg else None
+        if param is not None and param.startswith("kv_transfer_params"):
+            code = "invalid_kv_transfer_params"
         return APIError(400, msg, param=param, code=code)
     return APIError(500, f"the engine refused the request: {type(e).__name__}: {e}", type="server_error")
 
@@ -125,7 +178,7 @@ class _Body(_Model):
     n: StrictInt | None = 1
     stop: StrictStr | list[StrictStr] | None = None
     return_token_ids: StrictBool | None = False
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class CompletionBody(_Body):
@@ -324,9 +377,12 @@ class _ClientGone(Exception):
 # The app
 # --------------------------------------------------------------------------------------------------
 def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], served_model_name: str,
-              api_key: str | None = None, role: str = "both") -> FastAPI:
+              api_key: str | None = None, role: str = "both", kv_advertise_host: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app. `engine` is an AsyncEngine or a zero-argument factory called at startup; the
-    app's lifespan starts its thread and stops it at shutdown."""
+    app's lifespan starts its thread and stops it at shutdown. A prefill server's answers tell decode
+    engines to reach its KV side channel at `kv_advertise_host` (default: the address each request
+    reached this server on). Bodies over `max_request_bytes` get 413 before they are parsed."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {sorted(ROLES)} (got {role!r})")
 
@@ -341,6 +397,7 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], served_model_name
             aeng.stop()
 
     app = FastAPI(title="gigadecode", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.state.engine = engine if hasattr(engine, "submit") else None
     created = int(time.time())
 
@@ -406,24 +463,28 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], served_model_name
             "root": aeng.model_dir, "parent": None, "max_model_len": aeng.max_model_len}]})
 
     @app.get("/kv/handshake")
-    async def kv_handshake() -> JSONResponse:
+    async def kv_handshake(request: Request) -> JSONResponse:
         aeng = eng()
         conn = getattr(aeng.engine, "connector", None)
         if conn is None or not hasattr(conn, "handshake_info"):
             raise APIError(404, "this engine has no KV connector (no handshake to serve)", code="no_connector")
+        key = getattr(getattr(conn, "inner", conn), "key", None)
+        if key is None or not check_handshake_token(key, request.headers.get(AUTH_HEADER)):
+            raise APIError(403, f"the KV handshake answers only a peer with this deployment's KV secret "
+                                f"(a fresh token in {AUTH_HEADER})", type="permission_error", code="kv_auth")
         info = await aeng.call(lambda e: _jsonable(e.connector.handshake_info()))
         return JSONResponse(info)
 
     # -- generation -------------------------------------------------------------------------------
-    async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                    kv: dict | None, prompt_param: str) -> tuple[str, list[_Choice]]:
+    async def start(request: Request, aeng: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
+                    prefix: str, kv: KVTransferParams | None, prompt_param: str) -> tuple[str, list[_Choice]]:
         if kv is not None and len(prompts) != 1:
             raise APIError(400, "kv_transfer_params needs exactly one prompt", param="kv_transfer_params")
-        for ids in prompts:
-            if len(ids) >= aeng.max_model_len:
-                raise APIError(400, f"this model's context is {aeng.max_model_len} tokens; the prompt has "
-                                    f"{len(ids)} tokens (and at least one must be generated)",
-                               param=prompt_param, code="context_length_exceeded")
+        if kv is not None and kv.do_remote_decode:
+            # where decode engines reach this prefill's side channel: the flag, else the address the client
+            # reached this server on (never a host the client names)
+            server = request.scope.get("server") or (None, None)
+            kv = kv.model_copy(update={"remote_host": kv_advertise_host or server[0] or None})
         base = f"{prefix}-{uuid.uuid4().hex}"
         choices: list[_Choice] = []
         try:
@@ -508,7 +569,7 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], served_model_name
         aeng = eng()
         prompts = _completion_prompts(req.prompt, aeng.codec)
         params = _sampling(raw, raw.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS), raw.get("logprobs"))
-        rid, choices = await start(aeng, prompts, params, "cmpl", req.kv_transfer_params, "prompt")
+        rid, choices = await start(request, aeng, prompts, params, "cmpl", req.kv_transfer_params, "prompt")
         now, codec = int(time.time()), aeng.codec
         head = {"id": rid, "object": "text_completion", "created": now, "model": served_model_name}
 
@@ -569,7 +630,7 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], served_model_name
         if max_tokens is None:
             max_tokens = max(1, aeng.max_model_len - len(prompt))
         params = _sampling(raw, max_tokens, logprobs)
-        rid, choices = await start(aeng, [prompt], params, "chatcmpl", req.kv_transfer_params, "messages")
+        rid, choices = await start(request, aeng, [prompt], params, "chatcmpl", req.kv_transfer_params, "messages")
         now = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
                 "created": now, "model": served_model_name}
@@ -656,14 +717,14 @@ def _jsonable(info: Any) -> Any:
 # --------------------------------------------------------------------------------------------------
 # `gigadecode serve`
 # --------------------------------------------------------------------------------------------------
-def build_engine(args: Any, role: str) -> Any:
-    """The engine behind `serve`: kv_both alone; prefill/decode with a NIXL KV connector (the producer serves
-    its handshake on `--kv-port`, 0 = any free port, advertised in the `kv_transfer_params` it answers)."""
+def engine_from_args(args: Any, role: str) -> Any:
+    """The engine behind `serve`: kv_both alone; prefill/decode with a NIXL KV connector keyed with
+    --kv-secret (a producer serves its handshake on `--host`:`--kv-port`, 0 = any free port)."""
     from ..cli import engine_config
-    from ..connector.nixl_connector import build_engine as build_di_engine
+    from ..engine import build_engine
     ecfg = engine_config(args, kv_role=ROLES[role])
-    host = args.host if args.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
-    return build_di_engine(args.model, ecfg, host=host, side_port=getattr(args, "kv_port", 0) or 0, progress=False)
+    return build_engine(args.model, ecfg, host=args.host, advertise_host=getattr(args, "kv_advertise_host", None),
+                        side_port=getattr(args, "kv_port", 0) or 0, progress=False)
 
 
 def serve(args: Any) -> int:
@@ -674,7 +735,7 @@ def serve(args: Any) -> int:
     if is_parallel(engine_config(args)):
         return _serve_parallel(args)
     t0 = time.perf_counter()
-    return _serve_engine(args, build_engine(args, args.role), t0)
+    return _serve_engine(args, engine_from_args(args, args.role), t0)
 
 
 def _serve_engine(args: Any, engine: Any, t0: float) -> int:
@@ -685,7 +746,9 @@ def _serve_engine(args: Any, engine: Any, t0: float) -> int:
     prometheus_client.disable_created_metrics()
     name = args.served_model_name or Path(args.model).resolve().name
     aeng = AsyncEngine(engine, codec=TextCodec.from_dir(args.model), model_dir=str(args.model))
-    app = build_app(aeng, name, api_key=args.api_key, role=args.role)
+    app = build_app(aeng, name, api_key=args.api_key, role=args.role,
+                    kv_advertise_host=getattr(args, "kv_advertise_host", None),
+                    max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
     used, total = engine.kv_usage()
     layout = f"TP{args.tp} × DP{args.dp} × EP{args.ep}, " if getattr(engine, "ctx", None) is not None else ""
     print(f"gigadecode serve: model {name!r} ({layout}{args.role}, {total} KV blocks, context "
@@ -712,8 +775,9 @@ def _serve_parallel(args: Any) -> int:
         raise SystemExit(f"gigadecode serve: --tp {ecfg.tp} × --dp {ecfg.dp} needs {n} ranks: start it with "
                          f"torchrun --nproc-per-node {n} -m gigadecode serve …")
     t0 = time.perf_counter()
-    host = args.host if args.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
-    replica, ctx = build_parallel_engine(args.model, ecfg, host=host, side_port=getattr(args, "kv_port", 0) or 0)
+    replica, ctx = build_parallel_engine(args.model, ecfg, host=args.host,
+                                         advertise_host=getattr(args, "kv_advertise_host", None),
+                                         side_port=getattr(args, "kv_port", 0) or 0)
     try:
         # torchrun signals every rank at once on SIGTERM/SIGINT. The other ranks stay until rank 0 has shut the
         # server down and says stop (or leave when rank 0 is gone and their collective fails); rank 0 lets

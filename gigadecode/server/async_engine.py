@@ -10,8 +10,9 @@ and the thread answers through `loop.call_soon_threadsafe`. The thread loop:
       else wait ≤ IDLE_WAIT_S for a command
 
 Idle steps (at least every `IDLE_STEP_S`) let a KV connector expire leases while no request runs.
-An exception inside `engine.step()` does not stop the loop: the requests that were running (or, if none
-were, the waiting ones) are aborted, which frees their KV, and finish with an error.
+The engine isolates a failing step phase itself (only that phase's requests fail; counted in
+`stats["step_failures"]`). Should `engine.step()` still raise, the loop goes on: the requests that were
+running (or, if none were, the waiting ones) are aborted, which frees their KV, and finish with an error.
 
 Each request has its own `asyncio.Queue` of `RequestOutput`s. The last one (`finished=True`) carries
 `error` (a finished request's `Request.error`) and, as an extra attribute, `kv_transfer_params`
@@ -97,7 +98,8 @@ class EngineMetrics:
                                 ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("gigadecode_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("gigadecode_generation_tokens", "Generated tokens.", registry=r)
-        self.step_failures = Counter("gigadecode_engine_step_failures", "engine.step() calls that raised.",
+        self.step_failures = Counter("gigadecode_engine_step_failures",
+                                     "Engine step phases that raised (each failed only its own requests).",
                                      registry=r)
         self.snapshot: dict[str, float] = {}
         r.register(_SnapshotCollector(self.snapshot))
@@ -184,6 +186,7 @@ class AsyncEngine:
         self._tracks: dict[str, _Track] = {}          # engine thread only
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._step_failures_seen = 0
         self.metrics.refresh(engine)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -333,6 +336,10 @@ class AsyncEngine:
             self._fail_after_step_error(f"engine step failed: {type(e).__name__}: {e}")
             self.metrics.refresh(eng)
             return
+        failures = eng.stats.get("step_failures", 0)      # phases the engine isolated (their requests failed)
+        if failures > self._step_failures_seen:
+            self.metrics.step_failures.inc(failures - self._step_failures_seen)
+        self._step_failures_seen = failures
         for out in outputs:
             try:
                 self._deliver(out)

@@ -1,0 +1,81 @@
+"""The KV side channel: a producer's `GET /kv/handshake` (its KV layout and NIXL agent metadata), for peers
+that prove the deployment key only.
+
+The answer holds memory addresses, so the server answers only a request whose `X-Gigadecode-KV-Auth`
+header carries a fresh `params.handshake_token` (403 otherwise), and signs its body with the same key
+(`params.answer_signature`, in the same header) so the consumer knows it paired with a real producer.
+`fetch_handshake` is the consumer's side; it blocks on the network, so the connector runs it on a worker
+thread, never on the engine's step loop.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+from .base import HandshakeError
+from .params import AUTH_HEADER, answer_signature, check_handshake_token, handshake_token
+
+
+class SideChannel:
+    """A tiny threaded HTTP server on the producer: `GET /kv/handshake` -> `info()` as JSON."""
+
+    def __init__(self, host: str, port: int, info: Callable[[], dict[str, Any]], key: bytes) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:          # noqa: N802
+                if self.path.rstrip("/") != "/kv/handshake":
+                    self.send_error(404)
+                    return
+                if not check_handshake_token(key, self.headers.get(AUTH_HEADER)):
+                    self.send_error(403, "the KV handshake needs a peer with this deployment's KV secret")
+                    return
+                body = json.dumps(info()).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header(AUTH_HEADER, answer_signature(key, body))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True, name="kv-side-channel")
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def fetch_handshake(host: str, port: int, key: bytes, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The producer's handshake answer (blocking); HandshakeError on any failure or an unsigned answer."""
+    url = f"http://{host}:{port}/kv/handshake"
+    req = urllib.request.Request(url, headers={AUTH_HEADER: handshake_token(key)})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            body = r.read()
+            proof = r.headers.get(AUTH_HEADER, "")
+    except urllib.error.HTTPError as e:
+        hint = " (the two engines were started with different KV secrets?)" if e.code == 403 else ""
+        raise HandshakeError(f"KV handshake with {url} failed: HTTP {e.code} {e.reason}{hint}") from None
+    except Exception as e:  # noqa: BLE001 - any failure to reach the producer is a handshake failure
+        raise HandshakeError(f"KV handshake with {url} failed: {type(e).__name__}: {e}") from None
+    if not hmac.compare_digest(proof, answer_signature(key, body)):
+        raise HandshakeError(f"KV handshake with {url}: the answer is not signed with this deployment's KV secret")
+    try:
+        info = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise HandshakeError(f"KV handshake with {url}: the answer is not JSON ({e})") from None
+    if not isinstance(info, dict) or not isinstance(info.get("layout"), dict) \
+            or not isinstance(info.get("agent_metadata"), str):
+        raise HandshakeError(f"KV handshake with {url}: the answer lacks layout / agent_metadata")
+    return info
