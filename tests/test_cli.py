@@ -69,3 +69,14 @@ def test_without_native_kernels_the_twins_give_the_same_tokens(tiny_ckpt):
     assert json.loads(fast.stdout)["token_ids"] == json.loads(twins.stdout)["token_ids"]
     warnings = [line for line in twins.stderr.splitlines() if "native kernels unavailable" in line]
     assert len(warnings) == 1 and "GIGADECODE_NATIVE=0" in warnings[0]
+
+
+def test_serve_prefill_or_decode_needs_a_kv_secret(tiny_ckpt):
+    env = {k: v for k, v in os.environ.items() if k != "GIGADECODE_KV_SECRET"}
+    for role in ("prefill", "decode"):
+        r = subprocess.run([sys.executable, "-m", "gigadecode", "serve", "--model", str(tiny_ckpt), "--role", role,
+                            "--port", "0"], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 2 and "GIGADECODE_KV_SECRET" in r.stderr and "--kv-secret" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "gigadecode", "serve", "--model", str(tiny_ckpt), "--role", "decode",
+                        "--kv-secret", "short"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "at least 16" in r.stderr

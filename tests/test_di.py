@@ -369,3 +369,34 @@ def test_bad_params_are_refused(consumer):
         with pytest.raises(RequestError, match=what):
             consumer.add_request([5, 6, 7], greedy(), kv_transfer_params=kv)
     assert not consumer.requests and not consumer.waiting
+
+
+def test_wildcard_host_binds_the_side_channel_everywhere(tiny_ckpt):
+    """`--host 0.0.0.0`: the side channel listens on every interface too, and answers advertise a reachable
+    name (the machine's by default, `advertise_host` when given, or the per-request host the API layer sets
+    from the address the client reached it on) instead of 127.0.0.1."""
+    from gigadecode.engine import build_engine as build
+    eng = build(tiny_ckpt, EngineConfig(kv_role="kv_producer", **BASE), host="0.0.0.0")
+    try:
+        assert eng.connector.side.httpd.server_address[0] == "0.0.0.0"
+        prompt = random_prompt(9, 1024, seed=71)
+        assert run(eng, prompt, greedy(1), kv={"do_remote_decode": True}).kv_transfer_params_out[
+            "remote_host"] == socket.gethostname()
+        reached = run(eng, prompt, greedy(1), kv={"do_remote_decode": True, "remote_host": "10.9.8.7"})
+        assert reached.kv_transfer_params_out["remote_host"] == "10.9.8.7"
+    finally:
+        eng.connector.close()
+    eng = build(tiny_ckpt, EngineConfig(kv_role="kv_producer", **BASE), host="0.0.0.0",
+                advertise_host="prefill-0.internal")
+    try:
+        assert run(eng, random_prompt(9, 1024, seed=72), greedy(1),
+                   kv={"do_remote_decode": True}).kv_transfer_params_out["remote_host"] == "prefill-0.internal"
+    finally:
+        eng.connector.close()
+
+
+def test_roles_refuse_to_start_without_a_secret(tiny_ckpt):
+    from gigadecode.engine import build_engine as build
+    for role in ("kv_producer", "kv_consumer"):
+        with pytest.raises(ValueError, match="GIGADECODE_KV_SECRET"):
+            build(tiny_ckpt, EngineConfig(kv_role=role, **{**BASE, "kv_secret": None}))

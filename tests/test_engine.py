@@ -155,3 +155,45 @@ def test_logprobs(tiny_ckpt, prompts):
     for tok, lp in zip(r.output_ids, r.output_logprobs):
         assert lp.token_id == tok and lp.rank == 1 and len(lp.top) == 3 and lp.top[0][0] == tok
         assert lp.logprob <= 0.0 and torch.isfinite(torch.tensor(lp.logprob))
+
+
+def test_a_failing_phase_fails_only_its_own_requests(tiny_ckpt):
+    """A decode batch that raises fails the requests in that batch, never the one prefilling beside it (and
+    vice versa); the engine keeps serving and frees every block."""
+    eng = make_engine(tiny_ckpt, max_prefill_tokens=8)
+    decoding, prefilling = random_prompt(6, 1024, seed=91), random_prompt(60, 1024, seed=92)
+    d = eng.add_request(decoding, greedy(30))
+    for _ in range(3):                              # d is decoding now
+        eng.step()
+    p = eng.add_request(prefilling, greedy(10))      # 60 tokens in chunks of 8: prefills for 8 steps
+    real_decode = eng.runner.decode
+    calls = {"n": 0}
+
+    def flaky(seqs, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected decode failure")
+        return real_decode(seqs, *a, **kw)
+
+    eng.runner.decode = flaky
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.requests[d].finish_reason == "error" and "injected decode failure" in eng.requests[d].error
+    assert eng.requests[p].error is None
+    assert eng.requests[p].output_ids == run_alone(tiny_ckpt, prefilling, greedy(10), max_prefill_tokens=8)
+    assert eng.stats["step_failures"] == 1 and eng.kv_manager.num_free_blocks == 599
+
+    real_prefill = eng.runner.prefill
+    eng.runner.decode = real_decode
+    d = eng.add_request(decoding, greedy(30))
+    for _ in range(3):
+        eng.step()
+    eng.runner.prefill = lambda chunks: (_ for _ in ()).throw(RuntimeError("injected prefill failure"))
+    p = eng.add_request(prefilling, greedy(10))
+    eng.step()
+    eng.runner.prefill = real_prefill
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.requests[p].finish_reason == "error" and "injected prefill failure" in eng.requests[p].error
+    assert eng.requests[d].output_ids == run_alone(tiny_ckpt, decoding, greedy(30), max_prefill_tokens=8)
+    assert eng.kv_manager.num_free_blocks == 599

@@ -732,6 +732,11 @@ def serve(args: Any) -> int:
     serves HTTP in front of the parallel engine and the other ranks follow its steps."""
     from ..parallel.engine import is_parallel
     from ..cli import engine_config
+    from ..connector.params import check_secret
+    if args.role != "both":
+        check_secret(getattr(args, "kv_secret", None), ROLES[args.role])     # before loading anything
+    if getattr(args, "max_request_bytes", 1) < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
     if is_parallel(engine_config(args)):
         return _serve_parallel(args)
     t0 = time.perf_counter()
