@@ -295,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="request bodies larger than this get 413 before they are parsed (default 4 MiB)")
     p.set_defaults(func=cmd_proxy)
 
     p = sub.add_parser("demo", help="the main job: DI (prefill -> decode over NIXL) on the built-in tiny model")

@@ -119,7 +119,22 @@ class LLMEngine:
         self.stats = {"preemptions": 0, "steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
                       "kv_bytes_transferred": 0, "transfer_failures": 0, "recomputed_after_failure": 0,
                       "step_failures": 0}
-        self.max_model_len = min(runner.max_model_len, (runner.kv.num_blocks - 1) * runner.block_size)
+        self.max_model_len = self._context_limit()
+
+    def _context_limit(self) -> int:
+        """The longest sequence one request can hold alone: at every moment of its life (prefill chunks of
+        `max_prefill_tokens`, a sliding group's window on top of them) its blocks fit the pool, so a request
+        the engine admits can always finish."""
+        usable, chunk = self.runner.kv.num_blocks - 1, self.ecfg.max_prefill_tokens
+        specs = [g.spec for g in self.runner.kv.config.groups]
+
+        def fits(n: int) -> bool:
+            return sum(s.peak_blocks(n, min(chunk, n)) for s in specs) <= usable
+        lo, hi = 0, self.runner.max_model_len            # fits(lo); find the largest such n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
 
     # -- public API ------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,

@@ -34,6 +34,10 @@ class FullAttentionSpec:
     def max_blocks(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """Most blocks a request of `num_tokens` tokens holds at once, prefilled `chunk` tokens a step."""
+        return cdiv(num_tokens, self.block_size)
+
 
 @dataclass(frozen=True)
 class SlidingWindowSpec(FullAttentionSpec):
@@ -42,6 +46,10 @@ class SlidingWindowSpec(FullAttentionSpec):
     def max_blocks(self, num_tokens: int) -> int:
         # Blocks that can hold a live token: the window's W-1 earlier tokens plus the current one.
         return min(cdiv(num_tokens, self.block_size), cdiv(self.sliding_window - 1, self.block_size) + 1)
+
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        # a chunk's tokens plus the window's W-1 before it, at any block alignment
+        return min(cdiv(num_tokens, self.block_size), cdiv(self.sliding_window - 1 + chunk, self.block_size) + 1)
 
 
 KVSpec = FullAttentionSpec | SlidingWindowSpec

@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..connector.params import AUTH_HEADER, KVTransferParams, check_handshake_token
 from ..sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, RequestStream
+from .body import BodyError, BodyLimit, load_object
 
 log = logging.getLogger("gigadecode.server")
 
@@ -90,55 +91,6 @@ def _validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
         return APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json")
     param = ".".join(loc) or None
     return APIError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param=param)
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` (by Content-Length, or counted as it streams in)
-    is answered 413 before any route parses it."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or ()).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await self._too_large(send)
-        seen = 0
-
-        async def counted() -> dict:
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge()
-            return msg
-
-        started = False
-
-        async def tracked_send(msg: dict) -> None:
-            nonlocal started
-            started = started or msg["type"] == "http.response.start"
-            await send(msg)
-
-        try:
-            await self.app(scope, counted, tracked_send)
-        except _TooLarge:
-            if not started:
-                await self._too_large(send)
-
-    async def _too_large(self, send: Callable) -> None:
-        body = json.dumps(error_body(f"request body larger than {self.max_bytes} bytes (--max-request-bytes)",
-                                     code="request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def _engine_error(e: BaseException, prompt_param: str) -> APIError:
@@ -206,14 +158,10 @@ class ChatBody(_Body):
 
 
 async def _read_json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, f"the body must be a JSON object (got {type(body).__name__})", code="invalid_json")
-    return body
+        return load_object(await request.body())
+    except BodyError as e:
+        raise APIError(400, str(e), code="invalid_json") from None
 
 
 def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
@@ -674,7 +622,10 @@ def _completion_prompts(prompt: Any, codec: Any) -> list[list[int]]:
     def encode(text: str) -> list[int]:
         if codec is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
-        return codec.encode(text)
+        try:
+            return codec.encode(text)
+        except Exception as e:  # noqa: BLE001 - text the tokenizer cannot take is the client's input
+            raise APIError(400, f"the prompt cannot be tokenized: {type(e).__name__}: {e}", param="prompt") from None
     if isinstance(prompt, str):
         return [encode(prompt)]
     if not prompt or isinstance(prompt[0], int):

@@ -28,6 +28,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from .body import BodyError, BodyLimit, load_object
+
 log = logging.getLogger("gigadecode.proxy")
 
 FORWARD_HEADERS = ("authorization", "x-request-id")
@@ -69,8 +71,8 @@ def _headers(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
 
 
-def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx.AsyncClient | None = None
-                    ) -> FastAPI:
+def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx.AsyncClient | None = None,
+                    max_request_bytes: int = 4 << 20) -> FastAPI:
     prefills, decodes = Pool("prefill", prefill), Pool("decode", decode)
 
     @asynccontextmanager
@@ -86,6 +88,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                 await app.state.client.aclose()
 
     app = FastAPI(title="gigadecode proxy", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.state.prefills, app.state.decodes = prefills, decodes
 
     async def do_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str]
@@ -115,13 +118,10 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         return _error(502, f"every prefill server failed; last: {last}", code="prefill_failed")
 
     async def handle(request: Request, path: str) -> Response:
-        raw = await request.body()
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(400, f"malformed JSON body: {e}", "invalid_request_error", "invalid_json")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object", "invalid_request_error", "invalid_json")
+            body = load_object(await request.body())
+        except BodyError as e:
+            return _error(400, str(e), "invalid_request_error", "invalid_json")
         http: httpx.AsyncClient = app.state.client
         headers = _headers(request)
 
@@ -278,7 +278,7 @@ async def _relay(r: httpx.Response, up: Upstream) -> AsyncIterator[bytes]:
 
 def run_proxy(args: Any) -> int:
     import uvicorn
-    app = build_proxy_app(args.prefill, args.decode)
+    app = build_proxy_app(args.prefill, args.decode, max_request_bytes=getattr(args, "max_request_bytes", 4 << 20))
     print(f"gigadecode proxy: prefill {args.prefill} -> decode {args.decode}; listening on "
           f"http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
