@@ -19,7 +19,8 @@ DEFAULT_TINY_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype (default auto: the checkpoint's torch_dtype, bfloat16 for GPT-OSS)")
     g.add_argument("--kv-dtype", default=None, choices=["auto", "bf16", "fp8"],
                    help="KV storage: auto = the model dtype, fp8 = packed FP8 (default for GK decode engines)")
     g.add_argument("--block-size", type=int, default=16)
@@ -38,19 +39,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ep", type=int, default=1)
 
 
-def engine_config(args: argparse.Namespace, kv_role: str = "kv_both"):
-    from .config import EngineConfig, default_threads
-    kv_dtype = args.kv_dtype or ("auto" if args.decoder == "reference" else "fp8")
-    return EngineConfig(dtype=args.dtype, kv_dtype=kv_dtype, block_size=args.block_size,
-                        threads=default_threads() if getattr(args, "threads", None) is None else args.threads,
-                        num_blocks=args.num_blocks, kv_budget_gib=args.kv_budget_gib,
-                        decoder=args.decoder, gk_decode=args.decoder != "reference", kv_role=kv_role,
-                        max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
-                        tp=args.tp, dp=args.dp, ep=args.ep,
-                        kv_lease_s=getattr(args, "kv_lease_s", 30.0),
-                        kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout_s", 10.0),
-                        kv_failure_policy=getattr(args, "kv_failure_policy", "fail"),
-                        kv_secret=getattr(args, "kv_secret", None) or None)
+from .config import engine_config_from_args as engine_config  # noqa: E402  (re-exported for callers)
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -311,8 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .config import ConfigError
+    from .hub import resolve_model
     from .weights import CheckpointError
     try:
+        if getattr(args, "model", None) and args.command not in ("demo",):
+            args.model = str(resolve_model(args.model))
         return int(args.func(args) or 0)
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"gigadecode {args.command}: error: {e}", file=sys.stderr)

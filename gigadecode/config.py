@@ -479,3 +479,57 @@ class EngineConfig:
         if self.kv_dtype == "bf16":
             return torch.bfloat16
         return self.torch_dtype
+
+
+def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig:
+    """The `EngineConfig` of a command line (`gigadecode generate` / `serve` flags). `--dtype auto` is the
+    checkpoint's `torch_dtype` (float32 unless it says bfloat16 or float16)."""
+    dtype = getattr(args, "dtype", "auto") or "auto"
+    if dtype == "auto":
+        dtype = GptOssConfig.from_hf(args.model).torch_dtype
+        dtype = dtype if dtype in DTYPES else "float32"
+    kv_dtype = args.kv_dtype or ("auto" if args.decoder == "reference" else "fp8")
+    return EngineConfig(dtype=dtype, kv_dtype=kv_dtype, block_size=args.block_size,
+                        threads=default_threads() if getattr(args, "threads", None) is None else args.threads,
+                        num_blocks=args.num_blocks, kv_budget_gib=args.kv_budget_gib,
+                        decoder=args.decoder, gk_decode=args.decoder != "reference", kv_role=kv_role,
+                        max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
+                        tp=args.tp, dp=args.dp, ep=args.ep,
+                        kv_lease_s=getattr(args, "kv_lease_s", 30.0),
+                        kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout_s", 10.0),
+                        kv_failure_policy=getattr(args, "kv_failure_policy", "fail"),
+                        kv_secret=getattr(args, "kv_secret", None) or None)
+
+
+# --------------------------------------------------------------------------------------------------
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a checkpoint's `generation_config.json` says: stop tokens that join config.json's
+    `eos_token_id`, and sampling defaults for requests that set none (vLLM's `--generation-config auto`)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    sampling: tuple[tuple[str, Any], ...] = ()       # (SamplingParams field, value), e.g. ("temperature", 1.0)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> GenerationDefaults:
+        path = Path(model_dir) / "generation_config.json"
+        if not path.exists():
+            return cls()
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path} must hold a JSON object")
+        eos = d.get("eos_token_id")
+        eos = [] if eos is None else (eos if isinstance(eos, list) else [eos])
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in eos):
+            raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them (got {d.get('eos_token_id')!r})")
+        sampling = []
+        for k in SAMPLING_DEFAULT_KEYS:
+            if d.get(k) is not None:
+                sampling.append(("max_tokens" if k == "max_new_tokens" else k, d[k]))
+        return cls(tuple(int(t) for t in eos), tuple(sampling))

@@ -25,7 +25,7 @@ from enum import Enum
 
 import torch
 
-from .config import EngineConfig
+from .config import EngineConfig, GenerationDefaults
 from .connector.params import KVParamsError, KVTransferParams, parse_kv_params
 from .kv.manager import KVCacheManager
 from .model import SeqChunk
@@ -110,7 +110,13 @@ class LLMEngine:
         self.cfg = runner.cfg
         self.ecfg = ecfg or runner.ecfg
         self.kv_manager = KVCacheManager(runner.kv.config, runner.block_size)
-        self.sampler = Sampler(eos_token_ids=self.cfg.eos_token_ids)
+        # stop tokens: config.json's eos_token_id and generation_config.json's (the real GPT-OSS checkpoints
+        # list <|return|> and <|call|> only there); its sampling defaults are the server's to apply
+        self.generation_defaults = GenerationDefaults.from_dir(runner.model_dir)
+        self.eos_token_ids = tuple(dict.fromkeys(t for t in (*self.cfg.eos_token_ids,
+                                                             *self.generation_defaults.eos_token_ids)
+                                                 if 0 <= t < self.cfg.vocab_size))
+        self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -376,7 +382,7 @@ class LLMEngine:
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
         if len(req.output_ids) >= p.min_tokens:
-            if not p.ignore_eos and tok in self.cfg.eos_token_ids:
+            if not p.ignore_eos and tok in self.eos_token_ids:
                 return "stop"
             if tok in p.stop_token_ids:
                 return "stop"

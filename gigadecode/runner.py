@@ -105,7 +105,7 @@ def default_num_blocks(cfg: GptOssConfig, ecfg: EngineConfig, num_kv_heads: int,
 def _plain_greedy(p: SamplingParams, num_output: int) -> bool:
     """True when the token is the argmax of the raw logits (nothing masks, penalizes or reports them)."""
     return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and num_output >= p.min_tokens)
+            and p.frequency_penalty == 0.0 and not p.logit_bias and num_output >= p.min_tokens)
 
 
 class ModelRunner:

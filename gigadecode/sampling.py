@@ -31,6 +31,7 @@ import torch
 #: overflows float32 and the distribution is a one-hot anyway.
 GREEDY_EPS = 1e-5
 #: Most top logprobs a request may ask for per token (vLLM's default `max_logprobs`).
+MAX_LOGIT_BIAS = 1024                      # tokens one request may bias
 MAX_LOGPROBS = 20
 #: `torch.Generator.manual_seed` accepts exactly this range.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -89,6 +90,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) added to the logits
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -116,6 +118,19 @@ class SamplingParams:
             raise SamplingError("stop_token_ids", f"must be a list of token ids (got {type(stop).__name__} "
                                                   f"{stop!r})")
         put("stop_token_ids", tuple(_int("stop_token_ids", t) for t in stop))
+        bias = self.logit_bias if self.logit_bias is not None else ()
+        if isinstance(bias, Mapping):                # OpenAI: {"token id": bias}
+            items = []
+            for k, v in bias.items():
+                if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+                    k = int(k)
+                items.append((_int("logit_bias", k), _real("logit_bias", v)))
+            bias = tuple(items)
+        elif isinstance(bias, (str, bytes)) or not isinstance(bias, Sequence):
+            raise SamplingError("logit_bias", f"must map token ids to biases (got {type(bias).__name__})")
+        else:
+            bias = tuple((_int("logit_bias", t), _real("logit_bias", b)) for t, b in bias)
+        put("logit_bias", bias)
 
         need(self.temperature >= 0.0, "temperature", "must be >= 0 (0 = greedy)")
         need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
@@ -134,6 +149,9 @@ class SamplingParams:
         need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         if self.logprobs is not None:
             need(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        need(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"may bias at most {MAX_LOGIT_BIAS} tokens")
+        need(all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias), "logit_bias",
+             "token ids must be >= 0 and biases in [-100, 100]")
 
     # ----------------------------------------------------------------------------------------------
     def validate(self, vocab_size: int) -> None:
@@ -141,6 +159,9 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise SamplingError("stop_token_ids", f"token ids must be in [0, {vocab_size}) (got {bad})")
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise SamplingError("logit_bias", f"token ids must be in [0, {vocab_size}) (got {bad})")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
@@ -318,6 +339,10 @@ class Sampler:
             rows = bad_rows.nonzero().flatten().tolist()
             raise SamplingError("logits", f"rows {rows} contain NaN or +inf")
 
+        for i, p in enumerate(params):                                     # OpenAI's logit_bias, first
+            if p.logit_bias:
+                ids = torch.tensor([t for t, _ in p.logit_bias], device=dev)
+                x[i].index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=dev, dtype=x.dtype))
         self._mask_min_tokens(x, params, output_ids)
         self._apply_penalties(x, params, prompt_and_output_ids, output_ids)
 

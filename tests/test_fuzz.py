@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
 # 63 usable blocks of 16 (a context of ~500 tokens once the sliding window and a prefill chunk are counted),
 # so prompts and max_tokens can reach its limit
-FLAGS = ["--served-model-name", MODEL, "--num-blocks", "64", "--block-size", "16", "--kv-dtype", "fp8",
+FLAGS = ["--served-model-name", MODEL, "--dtype", "float32", "--num-blocks", "64", "--block-size", "16", "--kv-dtype", "fp8",
          "--max-num-seqs", "16", "--log-level", "warning"]
 ROLE_FLAGS = {"both": [], "prefill": ["--kv-lease-s", "2"], "decode": ["--kv-transfer-timeout-s", "3"]}
 KV_SECRET = secrets.token_hex(16)        # the DI pair's shared key (GIGADECODE_KV_SECRET)
@@ -176,24 +176,25 @@ def kv_seed(servers) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 def body_schema(url: str, path: str) -> tuple[dict[str, Any], str]:
     """(JSON schema of the route's body, where it came from): the OpenAPI document's requestBody when the
-    route declares one, else the pydantic model in gigadecode.server.api."""
+    route declares one, else the pydantic model in gigadecode.server.protocol."""
     doc = httpx.get(url + "/openapi.json", timeout=10).json()
     rb = doc.get("paths", {}).get(path, {}).get("post", {}).get("requestBody")
     schema = (rb or {}).get("content", {}).get("application/json", {}).get("schema")
     if schema:
         return {**schema, "components": doc.get("components", {})}, "openapi"
-    from gigadecode.server import api
-    model = getattr(api, "CompletionBody" if path.endswith("/completions") and "chat" not in path else "ChatBody")
+    from gigadecode.server import protocol
+    model = getattr(protocol, "CompletionBody" if path.endswith("/completions") and "chat" not in path else "ChatBody")
     return model.model_json_schema(), f"pydantic {model.__name__}"
 
 
 COMMON_FIELDS = ["model", "stream", "stream_options", "n", "stop", "return_token_ids", "kv_transfer_params",
                  "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ignore_eos",
                  "stop_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
-                 "user"]
+                 "user", "logit_bias"]
 FIELDS = {"/v1/completions": COMMON_FIELDS + ["prompt", "echo", "suffix", "best_of"],
           "/v1/chat/completions": COMMON_FIELDS + ["messages", "top_logprobs", "add_generation_prompt",
-                                                   "max_completion_tokens"]}
+                                                   "max_completion_tokens", "tools", "tool_choice",
+                                                   "reasoning_effort", "include_reasoning"]}
 NUMERIC_FIELDS = ["temperature", "top_p", "min_p", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
                   "repetition_penalty", "presence_penalty", "frequency_penalty", "n", "best_of", "top_logprobs",
                   "max_completion_tokens"]

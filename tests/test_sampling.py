@@ -370,3 +370,20 @@ def test_bad_inputs():
     with pytest.raises(SamplingError, match="no token left"):   # the only finite token is a stop id
         Sampler().sample(x, [SamplingParams(min_tokens=1, stop_token_ids=[0])], [None], [[]], [[]])
     assert Sampler().sample(x, [SamplingParams()]).token_ids.tolist() == [0]
+
+
+def test_logit_bias():
+    """OpenAI's logit_bias ({"token id": bias}) is added to the logits before anything else; bad values are
+    refused by name."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    s = Sampler()
+    forced = SamplingParams(temperature=0.0, logit_bias={"0": 100})
+    assert s.sample(logits, [forced]).token_ids.tolist() == [0]
+    banned = SamplingParams(temperature=0.0, logit_bias={"3": -100, "2": -100.0})
+    assert s.sample(logits, [banned]).token_ids.tolist() == [1]
+    assert SamplingParams(logit_bias=[(1, 2.5)]).logit_bias == ((1, 2.5),)
+    for bad in ({"x": 1}, {"1": 101}, {"-1": 1}, {"1": "a"}, "no", {"1": float("nan")}):
+        with pytest.raises(SamplingError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(SamplingError, match="logit_bias"):
+        SamplingParams(logit_bias={"9": 1}).validate(4)

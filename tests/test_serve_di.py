@@ -22,7 +22,8 @@ from .helpers import random_prompt, stop_process_tree
 from .test_server import assert_completion_ids, free_port, metrics, stream_and_cancel, wait_health, wait_idle
 
 MODEL = "tiny"
-FLAGS = ["--served-model-name", MODEL, "--num-blocks", "512", "--block-size", "16", "--kv-dtype", "fp8", "--max-num-seqs", "64",
+# fp32: DI must give exactly the single node's tokens (bf16 rounds the split point differently)
+FLAGS = ["--served-model-name", MODEL, "--dtype", "float32", "--num-blocks", "512", "--block-size", "16", "--kv-dtype", "fp8", "--max-num-seqs", "64",
          "--kv-lease-s", "10"]
 
 

@@ -24,7 +24,7 @@ from .test_serve_di import di_servers, start_gigadecode
 from .test_server import assert_completion_ids, free_port, stream_and_cancel, wait_health, wait_idle
 
 MODEL = "tiny"
-FLAGS = ["--served-model-name", MODEL, "--num-blocks", "256", "--block-size", "4", "--kv-dtype", "fp8"]
+FLAGS = ["--served-model-name", MODEL, "--dtype", "float32", "--num-blocks", "256", "--block-size", "4", "--kv-dtype", "fp8"]
 
 
 @pytest.fixture(scope="module")

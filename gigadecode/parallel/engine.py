@@ -189,6 +189,7 @@ class DistributedEngine:
         self.cfg = replica.cfg
         self.runner = replica.runner            # rank 0's (its KV pool has the size of every DP group's)
         self.max_model_len = replica.max_model_len
+        self.eos_token_ids, self.generation_defaults = replica.eos_token_ids, replica.generation_defaults
         self.connector = replica.connector      # rank 0's (its handshake; every rank's is in a producer's answer)
         self.requests: dict[str, Request] = {}  # mirrors of every request, updated from the groups' outputs
         self._group: dict[str, int] = {}        # request id -> DP group

@@ -93,7 +93,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
 
     async def do_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str]
                          ) -> httpx.Response | JSONResponse:
-        pbody = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        pbody = {**body, "max_tokens": 1, "n": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         if "max_completion_tokens" in body or path.endswith("/chat/completions"):
             pbody["max_completion_tokens"] = 1
         pbody.pop("stream_options", None)

@@ -1,0 +1,66 @@
+"""The server's info routes: `/health`, `/metrics` (Prometheus), `/v1/models`, and `/kv/handshake` (a DI
+producer's layout and NIXL agent metadata, for peers that prove the deployment's KV secret only)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import asdict, is_dataclass
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..connector.params import AUTH_HEADER, check_handshake_token
+from . import deps
+from .protocol import APIError, error_body
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    aeng = request.app.state.engine
+    if aeng is None or not aeng.is_running:
+        return JSONResponse(error_body("the engine is not running", "server_error", code="engine_unavailable"),
+                            status_code=503)
+    s = deps.settings(request)
+    return JSONResponse({"status": "ok", "role": s.role, "model": s.served_model_name})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(deps.engine(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models", dependencies=[Depends(deps.check_key)])
+async def models(request: Request) -> JSONResponse:
+    aeng, s = deps.engine(request), deps.settings(request)
+    return JSONResponse({"object": "list", "data": [{
+        "id": s.served_model_name, "object": "model", "created": s.created, "owned_by": "gigadecode",
+        "root": aeng.model_dir, "parent": None, "max_model_len": aeng.max_model_len}]})
+
+
+@router.get("/kv/handshake")
+async def kv_handshake(request: Request) -> JSONResponse:
+    aeng = deps.engine(request)
+    conn = getattr(aeng.engine, "connector", None)
+    if conn is None or not hasattr(conn, "handshake_info"):
+        raise APIError(404, "this engine has no KV connector (no handshake to serve)", code="no_connector")
+    key = getattr(getattr(conn, "inner", conn), "key", None)
+    if key is None or not check_handshake_token(key, request.headers.get(AUTH_HEADER)):
+        raise APIError(403, f"the KV handshake answers only a peer with this deployment's KV secret "
+                            f"(a fresh token in {AUTH_HEADER})", type="permission_error", code="kv_auth")
+    return JSONResponse(await aeng.call(lambda e: _jsonable(e.connector.handshake_info())))
+
+
+def _jsonable(info: Any) -> Any:
+    if isinstance(info, dict):
+        return info
+    if hasattr(info, "to_dict"):
+        return info.to_dict()
+    if is_dataclass(info):
+        return json.loads(json.dumps(asdict(info), default=lambda b: base64.b64encode(b).decode()
+                                     if isinstance(b, (bytes, bytearray)) else str(b)))
+    return info

@@ -1,0 +1,156 @@
+"""`POST /v1/chat/completions`: messages through the checkpoint's chat template, the reply through harmony.
+
+The prompt is rendered by the checkpoint's own template (`chat_template.jinja` / `tokenizer_config.json`)
+with what GPT-OSS's template takes: system / developer / user messages, earlier assistant turns (with
+`tool_calls` and `reasoning_content`, passed to the template as `thinking`), `role: "tool"` results,
+`tools` (OpenAI function tools; `tool_choice: "none"` leaves them out) and `reasoning_effort`
+(low | medium | high). On a tokenizer with harmony's special tokens the output is parsed by channel
+(`harmony.HarmonyStreamParser`): analysis -> `reasoning_content`, final -> `content`, calls on commentary
+-> `tool_calls` with `finish_reason: "tool_calls"` — whole, and as stream deltas with vLLM's field names.
+Without those tokens the output is plain content.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..sampling import MAX_LOGPROBS
+from . import deps
+from .outputs import (Choice, HarmonyRenderer, TextRenderer, chat_logprobs, run_to_end, sse_response, start,
+                      stream_events, usage)
+from .protocol import APIError, ChatBody, parse, read_json, refuse_unsupported, sampling_params, stop_strings
+
+router = APIRouter()
+
+
+def chat_prompt(codec: Any, req: ChatBody) -> list[int]:
+    """The rendered prompt's token ids; 400 when the template cannot render these messages."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        content: Any = m.content if m.content is not None else ""
+        if isinstance(content, list):
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{i}]: only text content parts are supported (got "
+                                        f"type {part.type!r})", param="messages")
+            content = "".join(p.text for p in content)
+        d = {**m.model_dump(exclude_none=True), "role": m.role, "content": content}
+        if m.reasoning_content is not None:
+            d["thinking"] = m.reasoning_content          # the GPT-OSS template's name for it
+        messages.append(d)
+    extra: dict[str, Any] = {}
+    if req.tools and req.tool_choice != "none":
+        extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+    if req.reasoning_effort is not None:
+        extra["reasoning_effort"] = req.reasoning_effort
+    try:
+        return codec.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False,
+                                         **extra)
+    except Exception as e:  # noqa: BLE001 - a template that cannot render these messages
+        raise APIError(400, f"cannot apply the chat template to these messages: {type(e).__name__}: {e}",
+                       param="messages") from None
+
+
+def _message(c: Choice, include_reasoning: bool) -> dict[str, Any]:
+    calls = c.tool_calls()
+    msg: dict[str, Any] = {"role": "assistant", "content": c.text() or (None if calls else "")}
+    reasoning = c.text("reasoning")
+    if reasoning and include_reasoning:
+        msg["reasoning_content"] = reasoning
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _delta(pieces: list, include_reasoning: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    for p in pieces:
+        if p.kind == "content":
+            d["content"] = d.get("content", "") + p.text
+        elif p.kind == "reasoning" and include_reasoning:
+            d["reasoning_content"] = d.get("reasoning_content", "") + p.text
+        elif p.kind == "tool_call":
+            call: dict[str, Any] = {"index": p.index or 0, "function": {"arguments": p.arguments or ""}}
+            if p.id is not None:
+                call.update(id=p.id, type="function")
+                call["function"]["name"] = p.name
+            d.setdefault("tool_calls", []).append(call)
+    return d
+
+
+@router.post("/v1/chat/completions", dependencies=[Depends(deps.check_key)])
+async def chat_completions(request: Request) -> Response:
+    raw = await read_json(request)
+    req: ChatBody = parse(ChatBody, raw)
+    deps.check_model(request, req.model)
+    refuse_unsupported(raw, chat=True)
+    aeng = deps.engine(request)
+    codec, name = aeng.codec, deps.settings(request).served_model_name
+    if codec is None:
+        raise APIError(400, "this model has no tokenizer, so it cannot take chat messages; use "
+                            "/v1/completions with token ids", param="messages")
+    prompt = chat_prompt(codec, req)
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}] (got {req.top_logprobs})",
+                       param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = raw.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = raw.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = max(1, aeng.max_model_len - len(prompt))
+    gen = getattr(aeng.engine, "generation_defaults", None)
+    params = sampling_params(raw, max_tokens, logprobs, gen.sampling if gen is not None else ())
+    from ..harmony import HarmonyTokens
+    tokens = HarmonyTokens.from_codec(codec)
+
+    def renderer() -> Any:
+        return HarmonyRenderer(codec, tokens) if tokens is not None else TextRenderer(codec)
+
+    kv = deps.advertised(request, req.kv_transfer_params)
+    rid, choices = await start(aeng, [prompt], params, "chatcmpl", req.n or 1, kv, "messages", renderer,
+                               stop_strings(req))
+    head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
+            "created": int(time.time()), "model": name}
+    reasoning = req.include_reasoning is not False
+
+    if req.stream:
+        def chunk(c: Choice, out: Any, pieces: list) -> dict[str, Any] | None:
+            delta = _delta(pieces, reasoning)
+            if not delta and not c.done and not (req.return_token_ids and out.new_token_ids):
+                return None
+            d: dict[str, Any] = {"index": c.index, "delta": delta,
+                                 "logprobs": chat_logprobs(codec, out.new_logprobs or ())
+                                 if params.logprobs is not None else None,
+                                 "finish_reason": c.finish_reason if c.done else None}
+            if req.return_token_ids:
+                d["token_ids"] = list(out.new_token_ids)
+            body = {**head, "choices": [d]}
+            if c.done:
+                body["kv_transfer_params"] = c.kv_transfer_params
+            return body
+        first = [{**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]} for c in choices]
+        include = req.stream_options and req.stream_options.include_usage
+        return sse_response(stream_events(choices, chunk, first, {**head, "choices": []} if include else None))
+
+    gone = await run_to_end(request, choices)
+    if gone is not None:
+        return gone
+    out = []
+    for c in choices:
+        d: dict[str, Any] = {"index": c.index, "message": _message(c, reasoning),
+                             "logprobs": chat_logprobs(codec, c.logprobs) if params.logprobs is not None else None,
+                             "finish_reason": c.finish_reason}
+        if req.return_token_ids:
+            d["token_ids"] = c.token_ids
+        out.append(d)
+    body: dict[str, Any] = {**head, "choices": out, "usage": usage(choices),
+                            "kv_transfer_params": choices[0].kv_transfer_params if len(choices) == 1 else None}
+    if req.return_token_ids:
+        body["prompt_token_ids"] = choices[0].prompt_ids
+    return JSONResponse(body)

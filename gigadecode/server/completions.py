@@ -1,0 +1,91 @@
+"""`POST /v1/completions`: raw text (or token ids) in, raw text out — no chat template, no harmony parsing.
+
+`prompt` is a string, a list of token ids, or a list of either (one set of `n` choices per prompt). Stop
+strings, `n`, `logit_bias` and logprobs (OpenAI's legacy shape) are supported; vLLM's extras
+(`return_token_ids`, `kv_transfer_params`, ...) as the module `api` lists.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from . import deps
+from .outputs import Choice, TextRenderer, completion_logprobs, run_to_end, sse_response, start, stream_events, usage
+from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, APIError, CompletionBody, parse, read_json, refuse_unsupported,
+                       sampling_params, stop_strings)
+
+router = APIRouter()
+
+
+def completion_prompts(prompt: Any, codec: Any) -> list[list[int]]:
+    """A completions `prompt` -> one token-id list per prompt."""
+    def encode(text: str) -> list[int]:
+        if codec is None:
+            raise APIError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
+        try:
+            return codec.encode(text)
+        except Exception as e:  # noqa: BLE001 - text the tokenizer cannot take is the client's input
+            raise APIError(400, f"the prompt cannot be tokenized: {type(e).__name__}: {e}", param="prompt") from None
+    if isinstance(prompt, str):
+        return [encode(prompt)]
+    if not prompt or isinstance(prompt[0], int):
+        return [list(prompt)]
+    if isinstance(prompt[0], str):
+        return [encode(p) for p in prompt]
+    return [list(p) for p in prompt]
+
+
+@router.post("/v1/completions", dependencies=[Depends(deps.check_key)])
+async def completions(request: Request) -> Response:
+    raw = await read_json(request)
+    req: CompletionBody = parse(CompletionBody, raw)
+    deps.check_model(request, req.model)
+    refuse_unsupported(raw, chat=False)
+    aeng = deps.engine(request)
+    codec, name = aeng.codec, deps.settings(request).served_model_name
+    prompts = completion_prompts(req.prompt, codec)
+    params = sampling_params(raw, raw.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS), raw.get("logprobs"),
+                             getattr(aeng.engine, "generation_defaults", None) and
+                             aeng.engine.generation_defaults.sampling or ())
+    kv = deps.advertised(request, req.kv_transfer_params)
+    rid, choices = await start(aeng, prompts, params, "cmpl", req.n or 1, kv, "prompt",
+                               lambda: TextRenderer(codec), stop_strings(req))
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name}
+
+    def choice_body(c: Choice, text: str, lps: Sequence[Any], offset: int) -> dict[str, Any]:
+        return {"index": c.index, "text": text,
+                "logprobs": completion_logprobs(codec, lps, offset) if params.logprobs is not None else None,
+                "finish_reason": c.finish_reason if c.done else None}
+
+    if req.stream:
+        def chunk(c: Choice, out: Any, pieces: list) -> dict[str, Any] | None:
+            text = "".join(p.text for p in pieces)
+            if not text and not out.new_token_ids and not c.done:
+                return None
+            d = choice_body(c, text, out.new_logprobs or (), c.text_offset)
+            c.text_offset += len(text)
+            if req.return_token_ids:
+                d["token_ids"] = list(out.new_token_ids)
+            body = {**head, "choices": [d]}
+            if c.done:
+                body["kv_transfer_params"] = c.kv_transfer_params
+            return body
+        include = req.stream_options and req.stream_options.include_usage
+        return sse_response(stream_events(choices, chunk, [], {**head, "choices": []} if include else None))
+
+    gone = await run_to_end(request, choices)
+    if gone is not None:
+        return gone
+    out_choices = []
+    for c in choices:
+        d = choice_body(c, c.text() if codec is not None else "", c.logprobs, 0)
+        if req.return_token_ids:
+            d["token_ids"] = c.token_ids
+            d["prompt_token_ids"] = c.prompt_ids
+        out_choices.append(d)
+    return JSONResponse({**head, "choices": out_choices, "usage": usage(choices),
+                         "kv_transfer_params": choices[0].kv_transfer_params if len(choices) == 1 else None})

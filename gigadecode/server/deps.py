@@ -1,0 +1,61 @@
+"""What every route of the API server needs from the app: its settings (`ServerSettings`, on
+`app.state.settings`), the engine (`engine`), the API-key check (`check_key`) and the model-name check."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from ..connector.params import KVTransferParams
+from .async_engine import AsyncEngine
+from .protocol import APIError
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    role: str = "both"
+    kv_advertise_host: str | None = None      # prefill: what decode engines are told (None: the reached address)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def settings(request: Request) -> ServerSettings:
+    return request.app.state.settings
+
+
+def engine(request: Request) -> AsyncEngine:
+    aeng = request.app.state.engine
+    if aeng is None:
+        raise APIError(503, "the engine is starting", type="server_error", code="engine_unavailable")
+    return aeng
+
+
+def check_key(request: Request) -> None:
+    """Dependency: 401 unless the request carries the server's API key (when it has one)."""
+    key = settings(request).api_key
+    if not key:
+        return
+    auth = request.headers.get("authorization", "")
+    if not secrets.compare_digest(auth.encode(), f"Bearer {key}".encode()):
+        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+
+
+def check_model(request: Request, model: str | None) -> None:
+    name = settings(request).served_model_name
+    if model is not None and model != name:
+        raise APIError(404, f"the model `{model}` does not exist (this server serves `{name}`)", param="model",
+                       code="model_not_found")
+
+
+def advertised(request: Request, kv: KVTransferParams | None) -> KVTransferParams | None:
+    """A prefill request's params with `remote_host` set to where decode engines reach this server's KV side
+    channel: `--kv-advertise-host`, else the address the client reached this server on (never a host the
+    client names)."""
+    if kv is None or not kv.do_remote_decode:
+        return kv
+    server = request.scope.get("server") or (None, None)
+    return kv.model_copy(update={"remote_host": settings(request).kv_advertise_host or server[0] or None})

@@ -1,0 +1,374 @@
+"""From engine outputs to what a client sees: one `Choice` per generated sequence, the text it renders
+(stop strings applied), logprobs in OpenAI's shapes, and the submit / collect / stream loop the completion
+and chat routes share.
+
+A `Choice` turns each `RequestOutput`'s new token ids into `Piece`s through its renderer: `TextRenderer`
+(detokenized text, all of it content) or, for chat on a harmony tokenizer, `HarmonyRenderer` (reasoning,
+content and tool-call pieces from `harmony.HarmonyStreamParser`). Content passes a `StopMatcher`: OpenAI
+`stop` strings are matched on the decoded text across token boundaries (text that could still become a
+stop string is held back), the match and what follows are cut, the choice finishes with `stop` and its
+engine request is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from ..sampling import SamplingParams
+from .async_engine import AsyncEngine, RequestStream
+from .protocol import APIError, engine_error, error_body
+
+log = logging.getLogger("gigadecode.server")
+
+LOGPROB_FLOOR = -9999.0                     # JSON has no -inf
+DISCONNECT_POLL_S = 0.2
+
+
+# --------------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Piece:
+    """A rendered fragment: kind "content" | "reasoning" | "tool_call" (then index/id/name/arguments)."""
+    kind: str
+    text: str = ""
+    index: int | None = None
+    id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
+class StopMatcher:
+    """Cuts content at the first OpenAI stop string, across pushes."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.hit = False
+
+    def push(self, text: str) -> str:
+        if not self.stops or self.hit:
+            return "" if self.hit else text
+        buf = self.held + text
+        at = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if at:
+            self.hit, self.held = True, ""
+            return buf[:min(at)]
+        keep = 0                                  # longest tail of buf that starts some stop string
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if s.startswith(buf[-k:]):
+                    keep = k
+                    break
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep]
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.hit else self.held), ""
+        return out
+
+
+class TextRenderer:
+    """Detokenized text (multi-byte characters never split), all of it content."""
+
+    def __init__(self, codec: Any) -> None:
+        from ..tokenizer import StreamDecoder
+        self.decoder = StreamDecoder(codec) if codec is not None else None
+
+    def push(self, token_ids: Sequence[int], finished: bool) -> list[Piece]:
+        if self.decoder is None:
+            return []
+        text = "".join(self.decoder.push(t) for t in token_ids) + (self.decoder.flush() if finished else "")
+        return [Piece("content", text)] if text else []
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        return engine_reason
+
+
+class HarmonyRenderer:
+    """GPT-OSS's harmony channels: analysis -> reasoning, final (and preambles) -> content, calls -> tool_call."""
+
+    def __init__(self, codec: Any, tokens: Any) -> None:
+        from ..harmony import HarmonyStreamParser
+        self.parser = HarmonyStreamParser(codec, tokens)
+
+    def push(self, token_ids: Sequence[int], finished: bool) -> list[Piece]:
+        deltas = [d for t in token_ids for d in self.parser.push(t)]
+        if finished:
+            deltas += self.parser.finish()
+        return [Piece(d.kind, d.text, d.index, d.id, d.name, d.arguments) for d in deltas]
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        return self.parser.finish_reason(engine_reason)
+
+
+# --------------------------------------------------------------------------------------------------
+# One generated sequence
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class Choice:
+    """One sequence's request and what it produced so far."""
+
+    index: int
+    prompt_index: int
+    stream: RequestStream
+    prompt_ids: list[int]
+    renderer: Any
+    stop: StopMatcher
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)     # TokenLogprobs
+    pieces: list[Piece] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    kv_transfer_params: dict | None = None
+    text_offset: int = 0
+    done: bool = False
+
+    def absorb(self, out: Any) -> list[Piece]:
+        """Take one RequestOutput -> the new pieces (stop strings applied). A stop string finishes the choice
+        and aborts its engine request; outputs after that (its abort) are ignored."""
+        if self.done:
+            return []
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.new_logprobs or ())
+        new: list[Piece] = []
+        for p in self.renderer.push(out.new_token_ids, out.finished):
+            if p.kind == "content":
+                p = replace(p, text=self.stop.push(p.text))
+            if p.text or p.kind == "tool_call":
+                new.append(p)
+        if self.stop.hit:
+            self.done, self.finish_reason = True, "stop"
+            self.stream.close()                  # abort the engine request: nothing after the stop is wanted
+        elif out.finished:
+            tail = self.stop.flush()
+            if tail:
+                new.append(Piece("content", tail))
+            self.done = True
+            self.finish_reason = self.renderer.finish_reason(out.finish_reason)
+            self.error = out.error
+            self.kv_transfer_params = getattr(out, "kv_transfer_params", None)
+        self.pieces.extend(new)
+        return new
+
+    def text(self, kind: str = "content") -> str:
+        return "".join(p.text for p in self.pieces if p.kind == kind)
+
+    def tool_calls(self) -> list[dict[str, Any]]:
+        calls: dict[int, dict[str, Any]] = {}
+        for p in self.pieces:
+            if p.kind == "tool_call":
+                c = calls.setdefault(p.index or 0, {"id": p.id, "type": "function",
+                                                    "function": {"name": p.name, "arguments": ""}})
+                c["function"]["arguments"] += p.arguments or ""
+        return [calls[i] for i in sorted(calls)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Logprobs and usage
+# --------------------------------------------------------------------------------------------------
+def _tok_text(codec: Any, token_id: int) -> str:
+    return codec.decode([token_id], skip_special_tokens=False) if codec is not None else f"token_id:{token_id}"
+
+
+def _lp(v: float) -> float:
+    return max(float(v), LOGPROB_FLOOR)
+
+
+def completion_logprobs(codec: Any, lps: Sequence[Any], offset: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy completions logprobs object."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in lps:
+        s = _tok_text(codec, lp.token_id)
+        top = {_tok_text(codec, t): _lp(v) for t, v in lp.top}
+        top.setdefault(s, _lp(lp.logprob))
+        tokens.append(s)
+        token_lps.append(_lp(lp.logprob))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(codec: Any, lps: Sequence[Any]) -> dict[str, Any]:
+    """OpenAI's chat logprobs object."""
+    def entry(t: int, v: float) -> dict[str, Any]:
+        s = _tok_text(codec, t)
+        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8"))}
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps]}
+
+
+def usage(choices: Sequence[Choice]) -> dict[str, int]:
+    """Prompt tokens counted once per prompt (n choices of one prompt share it), as OpenAI does."""
+    p = sum(len(c.prompt_ids) for c in {c.prompt_index: c for c in choices}.values())
+    g = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# Submit, collect, stream
+# --------------------------------------------------------------------------------------------------
+async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingParams, prefix: str, n: int,
+                kv: Any, prompt_param: str, make_renderer: Callable[[], Any],
+                stops: Sequence[str]) -> tuple[str, list[Choice]]:
+    """Submit `n` sequences per prompt (choice index = prompt index · n + j). A seeded request's j-th
+    sequence draws with seed + j. DI params go with the first sequence of the (single) prompt only: a
+    prefill's KV is read once; the other sequences prefill here."""
+    if kv is not None and len(prompts) != 1:
+        raise APIError(400, "kv_transfer_params needs exactly one prompt", param="kv_transfer_params")
+    if kv is not None and kv.do_remote_decode and n != 1:
+        raise APIError(400, "a prefill request (do_remote_decode) takes n=1", param="n")
+    base = f"{prefix}-{uuid.uuid4().hex}"
+    choices: list[Choice] = []
+    try:
+        for pi, ids in enumerate(prompts):
+            for j in range(n):
+                index = pi * n + j
+                rid = base if len(prompts) * n == 1 else f"{base}-{index}"
+                p = params if j == 0 or params.seed is None else replace(params, seed=params.seed + j)
+                try:
+                    stream = await aeng.submit(ids, p, rid, kv if index == 0 else None)
+                except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
+                    raise engine_error(e, prompt_param) from None
+                choices.append(Choice(index, pi, stream, ids, make_renderer(), StopMatcher(stops)))
+    except BaseException:
+        for c in choices:
+            c.stream.close()
+        raise
+    return base, choices
+
+
+async def merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, RequestOutput) from several streams as they come; closing it aborts them all."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+            q.put_nowait((i, e))
+        finally:
+            q.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for s in streams:
+            s.close()
+        for t in tasks:
+            t.cancel()
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, coro: Any) -> Any:
+    """Await coro; cancel it (aborting its requests) when the client goes away first."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _collect(choices: list[Choice]) -> None:
+    async for i, out in merge([c.stream for c in choices]):
+        choices[i].absorb(out)
+        if all(c.done for c in choices):
+            break
+
+
+def _final_error(choices: list[Choice]) -> None:
+    for c in choices:
+        if c.error is not None:
+            raise APIError(500, f"request failed: {c.error}", type="server_error", code="request_failed")
+        if c.finish_reason == "abort":
+            raise APIError(500, "request was aborted", type="server_error", code="request_aborted")
+
+
+async def run_to_end(request: Request, choices: list[Choice]) -> Response | None:
+    """Non-streaming: every choice to its end (None), or 499 when the client left; failures raise."""
+    try:
+        await _unless_disconnected(request, _collect(choices))
+    except ClientGone:
+        return Response(status_code=499)
+    _final_error(choices)
+    return None
+
+
+async def stream_events(choices: list[Choice], make_chunk: Callable[[Choice, Any, list[Piece]], dict | None],
+                        first: list[dict[str, Any]], usage_chunk: dict[str, Any] | None) -> AsyncIterator[str]:
+    """SSE: `first` chunks, then one chunk per output (`make_chunk`, None = nothing to send), the usage chunk
+    when asked, `[DONE]`. A failed request ends the stream with an error event."""
+    try:
+        for chunk in first:
+            yield sse(chunk)
+        async for i, out in merge([c.stream for c in choices]):
+            c = choices[i]
+            if c.done:
+                continue
+            pieces = c.absorb(out)
+            if c.done and c.error is not None:
+                yield sse(error_body(f"request failed: {c.error}", "server_error", code="request_failed"))
+                break
+            chunk = make_chunk(c, out, pieces)
+            if chunk is not None:
+                yield sse(chunk)
+            if all(c.done for c in choices):
+                break
+        if all(c.done and c.error is None for c in choices) and usage_chunk is not None:
+            yield sse({**usage_chunk, "usage": usage(choices)})
+        yield "data: [DONE]\n\n"
+    except (asyncio.CancelledError, GeneratorExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - the stream already started: report in-band
+        log.exception("stream failed")
+        yield sse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"))
+        yield "data: [DONE]\n\n"
+    finally:
+        for c in choices:
+            c.stream.close()
+
+
+def sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

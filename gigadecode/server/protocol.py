@@ -1,0 +1,222 @@
+"""The OpenAI protocol of the server: request bodies, errors in OpenAI's shape, and the sampling parameters a
+body asks for.
+
+Bodies are parsed in two steps: `read_json` (strict JSON, `body.load_object`) and `parse` into the pydantic
+models below (structure and types; a bad field is a 400 whose `param` names it). Sampling values are checked
+by `SamplingParams`. What a body asks for that this server does not do is a 400 naming the field
+(`refuse_unsupported`), never silently ignored; fields OpenAI clients send that change nothing here
+(`user`, `metadata`, `store`, ...) are accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from ..connector.params import KVTransferParams
+from ..sampling import SamplingError, SamplingParams
+from .async_engine import EngineDeadError
+from .body import BodyError, load_object
+
+#: sampling fields read from the body as they are (SamplingParams checks types and ranges)
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ignore_eos",
+                 "stop_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
+DEFAULT_COMPLETION_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
+MAX_N = 16                                  # choices per request
+MAX_STOP_STRINGS = 16
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
+    err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json")
+    param = ".".join(loc) or None
+    return APIError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param=param)
+
+
+def engine_error(e: BaseException, prompt_param: str) -> APIError:
+    """`AsyncEngine.submit`'s exception -> the HTTP error."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, SamplingError):
+        return APIError(400, str(e), param=e.param)
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), type="server_error", code="engine_unavailable")
+    if isinstance(e, ValueError):          # RequestError and other refusals of add_request
+        msg = str(e)
+        param = getattr(e, "param", None) or (prompt_param if msg.startswith("prompt") else
+                                              ("kv_transfer_params" if "kv_transfer" in msg else None))
+        code = "context_length_exceeded" if "context" in msg else None
+        if param is not None and param.startswith("kv_transfer_params"):
+            code = "invalid_kv_transfer_params"
+        return APIError(400, msg, param=param, code=code)
+    return APIError(500, f"the engine refused the request: {type(e).__name__}: {e}", type="server_error")
+
+
+# --------------------------------------------------------------------------------------------------
+# Request bodies (structure only: sampling values are checked by SamplingParams)
+# --------------------------------------------------------------------------------------------------
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Model):
+    include_usage: StrictBool | None = False
+
+
+class _Body(_Model):
+    model: StrictStr | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt | None = Field(default=1, ge=1, le=MAX_N)
+    stop: StrictStr | list[StrictStr] | None = Field(default=None)
+    logit_bias: dict[StrictStr, StrictInt | StrictFloat] | None = None
+    return_token_ids: StrictBool | None = False
+    kv_transfer_params: KVTransferParams | None = None
+
+
+class CompletionBody(_Body):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    echo: StrictBool | None = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+
+
+class ContentPart(_Model):
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class FunctionCall(_Model):
+    name: StrictStr
+    arguments: StrictStr = "{}"
+
+
+class ToolCall(_Model):
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
+
+
+class FunctionDef(_Model):
+    name: StrictStr = Field(min_length=1, max_length=128)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool | None = True
+    tools: list[Tool] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    include_reasoning: StrictBool | None = True
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    try:
+        return load_object(await request.body())
+    except BodyError as e:
+        raise APIError(400, str(e), code="invalid_json") from None
+
+
+def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def stop_strings(req: _Body) -> list[str]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", param="stop")
+    return [s for s in stop if s]
+
+
+UNSUPPORTED_CHAT = {"response_format": "structured output (response_format) is not supported",
+                    "functions": "the legacy `functions` field is not supported; use `tools`",
+                    "function_call": "the legacy `function_call` field is not supported; use `tool_choice`",
+                    "audio": "audio output is not supported", "modalities": "only text output is supported",
+                    "prediction": "predicted outputs are not supported"}
+
+
+def refuse_unsupported(raw: Mapping[str, Any], chat: bool) -> None:
+    """400 naming the first field this server would otherwise have to ignore."""
+    if chat:
+        for k, why in UNSUPPORTED_CHAT.items():
+            v = raw.get(k)
+            if v is None or (k == "response_format" and isinstance(v, dict) and v.get("type") == "text") \
+                    or (k == "modalities" and v == ["text"]):
+                continue
+            raise APIError(400, why, param=k)
+        choice = raw.get("tool_choice")
+        if choice not in (None, "auto", "none"):
+            raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported (a forced tool call needs "
+                                "guided decoding)", param="tool_choice")
+    else:
+        if raw.get("echo"):
+            raise APIError(400, "echo is not supported", param="echo")
+        if raw.get("suffix"):
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if raw.get("best_of") not in (None, 1):
+            raise APIError(400, "only best_of=1 is supported", param="best_of")
+
+
+def sampling_params(raw: Mapping[str, Any], max_tokens: Any, logprobs: int | None,
+                    defaults: Sequence[tuple[str, Any]] = ()) -> SamplingParams:
+    """The body's sampling fields; `defaults` (the checkpoint's generation_config.json) fill what it leaves
+    unset (an explicit null counts as unset, as in vLLM)."""
+    d = {k: v for k, v in defaults if k != "max_tokens"}
+    d.update({k: raw[k] for k in SAMPLING_KEYS if raw.get(k) is not None})
+    d["max_tokens"] = max_tokens
+    d["logprobs"] = logprobs
+    try:
+        return SamplingParams.from_dict(d)
+    except SamplingError as e:
+        raise APIError(400, str(e), param=e.param) from None

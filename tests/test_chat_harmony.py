@@ -1,0 +1,150 @@
+"""The chat endpoint's harmony output, end to end through the real app and the official `openai` client,
+with an engine that replies a scripted harmony token sequence (encoded with the tiny checkpoint's
+tokenizer, which carries harmony's special tokens): reasoning_content apart from content, tool calls whole
+and streamed (`finish_reason: "tool_calls"`), stop strings applied to content only, malformed output as
+text, and `/v1/completions` left raw."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import openai
+import pytest
+
+from gigadecode.engine import RequestOutput
+from gigadecode.server.api import build_app
+from gigadecode.server.async_engine import AsyncEngine
+from gigadecode.tokenizer import TextCodec
+
+from .test_server import ServerThread
+
+REPLY_ANSWER = ("<|channel|>analysis<|message|>ones: 7 + 5 = 12, carry 1. tens: 3 + 4 + 1 = 8.<|end|>"
+                "<|start|>assistant<|channel|>final<|message|>37 + 45 = 82<|return|>")
+REPLY_CALL = ("<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary "
+              "to=functions.add <|constrain|>json<|message|>{\"a\": 37, \"b\": 45}<|call|>")
+REPLY_BAD = "<|channel|>commentary to=functions.add <|constrain|>json<|message|>{\"a\": 37,<|call|>"
+
+
+class ScriptedEngine:
+    """Replies `script(prompt)`'s token ids, one per step (the AsyncEngine contract, no model)."""
+
+    max_model_len = 4096
+
+    def __init__(self, codec: TextCodec, reply: str, stop_ids: set[int]) -> None:
+        self.codec, self.reply, self.stop_ids = codec, reply, stop_ids
+        self.running, self.waiting, self.requests, self.stats = [], [], {}, {}
+        self.runner = SimpleNamespace(kv=SimpleNamespace(num_blocks=9))
+
+    def add_request(self, prompt_ids, params, request_id=None, **kw):
+        req = SimpleNamespace(request_id=request_id, finished=False, finish_reason=None, error=None,
+                              kv_transfer_params_out=None, todo=self.codec.encode(self.reply)[:params.max_tokens])
+        self.requests[request_id] = req
+        self.running.append(req)
+        return request_id
+
+    def has_unfinished(self):
+        return bool(self.running)
+
+    def kv_usage(self):
+        return 0, 8
+
+    def step(self):
+        outs = []
+        for r in list(self.running):
+            tok = r.todo.pop(0)
+            done = not r.todo or tok in self.stop_ids
+            if done:
+                r.finished, r.finish_reason = True, "stop" if tok in self.stop_ids else "length"
+                self.running.remove(r)
+            outs.append(RequestOutput(r.request_id, [tok], done, r.finish_reason))
+        return outs
+
+    def abort(self, rid):
+        r = self.requests.get(rid)
+        if r is not None and not r.finished:
+            r.finished, r.finish_reason = True, "abort"
+            self.running.remove(r)
+            return True
+        return False
+
+
+@pytest.fixture(scope="module")
+def codec(tiny_ckpt):
+    return TextCodec.from_dir(tiny_ckpt)
+
+
+def client_for(codec, reply):
+    stop = {codec.token_id("<|return|>"), codec.token_id("<|call|>")}
+    app = build_app(AsyncEngine(ScriptedEngine(codec, reply, stop), codec=codec), "demo")
+    srv = ServerThread(app)
+    srv.__enter__()
+    return srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+
+MSGS = [{"role": "user", "content": "What is 37 + 45?"}]
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+
+
+def test_reasoning_apart_from_content(codec):
+    srv, c = client_for(codec, REPLY_ANSWER)
+    try:
+        r = c.chat.completions.create(model="demo", messages=MSGS, max_tokens=200)
+        m = r.choices[0].message
+        assert m.content == "37 + 45 = 82" and r.choices[0].finish_reason == "stop"
+        assert m.model_extra["reasoning_content"] == "ones: 7 + 5 = 12, carry 1. tens: 3 + 4 + 1 = 8."
+        content = reasoning = ""
+        for ch in c.chat.completions.create(model="demo", messages=MSGS, max_tokens=200, stream=True):
+            d = ch.choices[0].delta
+            content += d.content or ""
+            reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+        assert content == m.content and reasoning == m.model_extra["reasoning_content"]
+        r = c.chat.completions.create(model="demo", messages=MSGS, max_tokens=200, stop=[" = "])
+        assert r.choices[0].message.content == "37 + 45" and r.choices[0].finish_reason == "stop"
+        assert "=" in r.choices[0].message.model_extra["reasoning_content"]    # stop strings cut content only
+        raw = c.completions.create(model="demo", prompt="x", max_tokens=200)      # completions stay raw
+        assert "ones: 7 + 5" in raw.choices[0].text and "37 + 45 = 82" in raw.choices[0].text
+    finally:
+        srv.__exit__()
+
+
+def test_tool_call_whole_and_streamed(codec):
+    srv, c = client_for(codec, REPLY_CALL)
+    try:
+        r = c.chat.completions.create(model="demo", messages=MSGS, tools=TOOLS, max_tokens=200)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and not ch.message.content
+        (call,) = ch.message.tool_calls
+        assert call.type == "function" and call.function.name == "add" and call.id.startswith("call_")
+        assert json.loads(call.function.arguments) == {"a": 37, "b": 45}
+        calls: dict[int, dict] = {}
+        reasons = []
+        for chunk in c.chat.completions.create(model="demo", messages=MSGS, tools=TOOLS, max_tokens=200,
+                                               stream=True):
+            d = chunk.choices[0].delta
+            reasons.append(chunk.choices[0].finish_reason)
+            for tc in d.tool_calls or []:
+                e = calls.setdefault(tc.index, {"id": tc.id, "name": None, "arguments": ""})
+                e["name"] = e["name"] or (tc.function.name if tc.function else None)
+                e["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        assert list(calls) == [0] and calls[0]["name"] == "add" and calls[0]["id"].startswith("call_")
+        assert json.loads(calls[0]["arguments"]) == {"a": 37, "b": 45} and reasons[-1] == "tool_calls"
+        # the tool result goes back as role "tool" after the assistant's call: the template renders it
+        follow = MSGS + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": "82"}]
+        assert c.chat.completions.create(model="demo", messages=follow, tools=TOOLS, max_tokens=5).choices
+    finally:
+        srv.__exit__()
+
+
+def test_malformed_output_is_text_not_500(codec):
+    srv, c = client_for(codec, REPLY_BAD)
+    try:
+        r = c.chat.completions.create(model="demo", messages=MSGS, tools=TOOLS, max_tokens=200)
+        assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+        assert "functions.add" in r.choices[0].message.content and "37" in r.choices[0].message.content
+        r = c.chat.completions.create(model="demo", messages=MSGS, max_tokens=6)      # cut mid-channel
+        assert r.choices[0].finish_reason == "length"
+    finally:
+        srv.__exit__()
