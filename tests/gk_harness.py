@@ -20,10 +20,14 @@ from gigadecode.weights import ModelWeights
 def run_lockstep(cfg: GptOssConfig, weights: ModelWeights, prompts: list[list[int]], steps: int, *,
                  decoder: str = "reference", kv_dtype: str = "fp8", block_size: int = 4, bucket: int | None = None,
                  stacked: bool = False, num_blocks: int = 600, full_width: int | None = None,
-                 gk_model: GptOssGKDecodeModel | None = None) -> list[list[int]]:
+                 gk_model: GptOssGKDecodeModel | None = None,
+                 expect_kv_dtype: torch.dtype | None = None) -> list[list[int]]:
     ecfg = EngineConfig(kv_dtype=kv_dtype, block_size=block_size)
     model = GptOssModel(cfg, weights, torch.float32)
     kv = KVCache(cfg, ecfg, num_blocks)
+    if expect_kv_dtype is not None:       # what the run really stores its K and V in
+        got = {t.dtype for b in range(kv.config.group_size) for t in (kv.k_buf(b), kv.v_buf(b))}
+        assert got == {expect_kv_dtype}, f"KV stored as {got}, expected {expect_kv_dtype}"
     mgr = KVCacheManager(kv.config, block_size)
     rids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(rids, prompts):

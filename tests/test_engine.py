@@ -137,9 +137,35 @@ def test_stop_tokens_and_eos(tiny_ckpt, prompts, alone):
     eng = make_engine(tiny_ckpt)
     r = eng.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_at]))[0]
     assert r.output_ids == ref[: first + 1] and r.finish_reason == "stop"
-    r = eng.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_at],
-                                                  min_tokens=first + 2))[0]
-    assert len(r.output_ids) > first + 1
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 5])
+def test_min_tokens_suppresses_eos_then_honours_it(tiny_ckpt, prompts, alone, min_tokens):
+    """EOS is made the argmax at every step (logit_bias +100). While fewer than `min_tokens` tokens were
+    generated it is masked, so the greedy tokens without it come out (the unbiased greedy run's, which holds
+    no EOS there); the very next token is EOS, and it ends the request ("stop", EOS included). With
+    ignore_eos, EOS is an ordinary token (vLLM's rule: min_tokens then masks only the stop ids): it comes out
+    at every step, min_tokens or not, and ends nothing."""
+    eng = make_engine(tiny_ckpt)
+    ref = alone[0]                                         # greedy, ignore_eos, 20 tokens
+    eos = eng.eos_token_ids[0]
+    assert not set(ref[:5]) & set(eng.eos_token_ids)
+    sp = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=min_tokens, logit_bias={eos: 100.0})
+    r = eng.generate([prompts[0]], sp)[0]
+    assert r.output_ids == ref[:min_tokens] + [eos] and r.finish_reason == "stop"
+    r = eng.generate([prompts[0]], SamplingParams(**{**sp.__dict__, "ignore_eos": True, "max_tokens": 8}))[0]
+    assert r.output_ids == [eos] * 8 and r.finish_reason == "length"
+
+
+@pytest.mark.parametrize("min_tokens", [0, 3])
+def test_min_tokens_suppresses_stop_token_ids(tiny_ckpt, prompts, alone, min_tokens):
+    """The same for a stop token id: masked below `min_tokens`, then it stops the request."""
+    eng = make_engine(tiny_ckpt)
+    ref = alone[0]
+    stop_at = next(t for t in range(3, 1024) if t not in ref)
+    r = eng.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=20, min_tokens=min_tokens,
+                                                  stop_token_ids=[stop_at], logit_bias={stop_at: 100.0}))[0]
+    assert r.output_ids == ref[:min_tokens] + [stop_at] and r.finish_reason == "stop"
 
 
 def test_reference_decoder_gives_same_tokens(tiny_ckpt, prompts, alone):

@@ -4,15 +4,20 @@ parsing of the real gpt-oss layout."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import struct
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
 from gigadecode.config import FULL, SLIDING, ConfigError, GptOssConfig
+from gigadecode.rope import Rope, rope_inv_freq
 from gigadecode.weights import CheckpointError, load_weights, read_safetensors_index
 from helpers import GPT_OSS_20B
 
@@ -295,7 +300,6 @@ def test_from_hf_eos_list_and_missing_layer_types():
 
 def test_from_hf_agrees_with_transformers_config():
     """transformers parses the same dict to the same numbers (rope included)."""
-    transformers = pytest.importorskip("transformers")
     hf = transformers.GptOssConfig(**json.loads(json.dumps(GPT_OSS_20B)))
     c = GptOssConfig.from_hf(GPT_OSS_20B)
     assert (hf.num_local_experts, hf.num_experts_per_tok, hf.sliding_window) == (
@@ -304,3 +308,48 @@ def test_from_hf_agrees_with_transformers_config():
     rp = getattr(hf, "rope_parameters", None) or hf.rope_scaling
     assert float(rp["rope_theta"] if "rope_theta" in rp else hf.rope_theta) == c.rope.theta
     assert rp["factor"] == c.rope.factor and rp.get("truncate", True) == c.rope.truncate
+
+
+def _yarn_case(max_pos: int, theta: float = 150000, **rope) -> dict:
+    d = json.loads(json.dumps(GPT_OSS_20B))
+    d["max_position_embeddings"], d["rope_theta"] = max_pos, theta
+    d["rope_scaling"].update(rope)
+    return d
+
+
+# max_position_embeddings != original_max_position_embeddings in each; factor != their ratio in the last
+# three (so using the ratio for the factor, or the wrong one of the two lengths, shows)
+ROPE_CASES = {
+    "gpt-oss-20b": GPT_OSS_20B,                                          # 131072 / 4096, factor 32, no truncate
+    "truncate": _yarn_case(65536, factor=8.0, truncate=True),
+    "betas-theta": _yarn_case(16384, theta=50000, factor=4.0, beta_fast=16.0, beta_slow=2.0,
+                              original_max_position_embeddings=2048),
+    "attention-factor": _yarn_case(32768, factor=16.0, attention_factor=1.25),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_rope_matches_transformers(case):
+    """Our YaRN inverse frequencies and attention factor equal transformers' own (`ROPE_INIT_FUNCTIONS["yarn"]`),
+    and the cos/sin tables equal what GptOssRotaryEmbedding computes, at positions up to past the original
+    context length."""
+    d = ROPE_CASES[case]
+    hf_cfg = transformers.GptOssConfig(**json.loads(json.dumps(d)))
+    ours_cfg = GptOssConfig.from_hf(d)
+    assert ours_cfg.max_position_embeddings != ours_cfg.rope.original_max_position_embeddings
+    ref_inv, ref_attn = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    inv, attn = rope_inv_freq(ours_cfg)
+    assert inv.dtype == ref_inv.dtype == torch.float32 and inv.shape == ref_inv.shape == (ours_cfg.head_dim // 2,)
+    torch.testing.assert_close(inv, ref_inv, rtol=1e-6, atol=0)
+    assert attn == pytest.approx(ref_attn, rel=1e-12)
+    if case == "attention-factor":
+        assert attn == 1.25
+    else:
+        assert attn == pytest.approx(0.1 * math.log(ours_cfg.rope.factor) + 1.0)
+
+    positions = torch.tensor([0, 1, 7, 100, 4095, 4096, 20000, ours_cfg.max_position_embeddings - 1])
+    rot = GptOssRotaryEmbedding(hf_cfg)
+    ref_cos, ref_sin = rot(torch.zeros(1, dtype=torch.float32), positions[None])
+    cos, sin = Rope(ours_cfg, torch.float32).cos_sin(positions)
+    torch.testing.assert_close(cos, ref_cos[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sin, ref_sin[0], rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from gigadecode.mxfp4 import decode_mxfp4, encode_mxfp4
 
@@ -91,11 +92,10 @@ def test_groups_rows_and_leading_dims():
 
 def test_matches_transformers_dequantizer():
     """Same bytes -> same values as transformers' MXFP4 dequantization (which returns [E, K, rows])."""
-    convert = pytest.importorskip("transformers.integrations.mxfp4").convert_moe_packed_tensors
     g = torch.Generator().manual_seed(1)
     blocks = torch.randint(0, 256, (4, 64, 2, 16), generator=g, dtype=torch.uint8)
     scales = torch.randint(110, 140, (4, 64, 2), generator=g, dtype=torch.uint8)
-    ref = convert(blocks, scales, dtype=torch.float32)
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
     assert torch.equal(decode_mxfp4(blocks, scales).transpose(-1, -2), ref)
 
 

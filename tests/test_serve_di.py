@@ -1,7 +1,8 @@
 """Disaggregated serving end to end: `gigadecode serve --role prefill` and `--role decode` as separate
 processes behind `gigadecode proxy`, driven with the official `openai` client. Outputs equal the
 single-node engine; 64 concurrent streams complete; streams cancelled mid-way leave no KV blocks in use
-on either engine (read from /metrics)."""
+on either engine (read from /metrics). A second, small pair with fp32 KV serves transformers' own greedy
+tokens."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from gigadecode.cli import build_parser
 from gigadecode.sampling import SamplingParams
 from gigadecode.server.api import engine_from_args
 
-from .helpers import random_prompt, stop_process_tree
+from .helpers import hf_greedy, random_prompt, stop_process_tree
 from .test_server import assert_completion_ids, free_port, metrics, stream_and_cancel, wait_health, wait_idle
 
 MODEL = "tiny"
@@ -69,6 +70,17 @@ def single(tiny_ckpt):
     return engine_from_args(args, "both")
 
 
+# fp32 compute and fp32 KV: transformers' numbers (FP8 KV rounds what it stores: not token-identical to it)
+ORACLE_FLAGS = ["--served-model-name", MODEL, "--dtype", "float32", "--num-blocks", "64", "--block-size", "16",
+                "--kv-dtype", "auto", "--max-num-seqs", "8", "--kv-lease-s", "10"]
+
+
+@pytest.fixture
+def di_fp32_kv(tiny_ckpt):
+    with di_servers(tiny_ckpt, ORACLE_FLAGS, ORACLE_FLAGS) as urls:
+        yield urls
+
+
 def _greedy(engine, prompt, n):
     return engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].output_ids
 
@@ -79,6 +91,23 @@ def test_di_completions_equal_single_node(di, single):
         prompt = random_prompt(n, 1024, seed=700 + n)
         assert_completion_ids(client, MODEL, prompt, _greedy(single, prompt, 12))
     m = metrics(di["decode"])
+    assert m["gigadecode_kv_bytes_transferred_total"] > 0 and m["gigadecode_kv_transfer_failures_total"] == 0
+
+
+def test_di_equals_transformers(di_fp32_kv, hf_model, tiny_ckpt):
+    """Prefill on one server, the KV sent to the other, decode there: transformers' own greedy tokens (its
+    `generate`, fp32, same checkpoint), for prompts across the block and window edges, and chat."""
+    from gigadecode.tokenizer import TextCodec
+    client = openai.OpenAI(base_url=di_fp32_kv["proxy"] + "/v1", api_key="x", max_retries=0, timeout=60)
+    for n in (1, 15, 16, 17, 47):
+        prompt = random_prompt(n, 1024, seed=750 + n)
+        assert_completion_ids(client, MODEL, prompt, hf_greedy(hf_model, prompt, 12))
+    msgs = [{"role": "user", "content": "How fast is the decode engine?"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0.0,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    want = hf_greedy(hf_model, TextCodec.from_dir(tiny_ckpt).apply_chat_template(msgs), 10)
+    assert r.choices[0].model_extra["token_ids"] == want
+    m = metrics(di_fp32_kv["decode"])
     assert m["gigadecode_kv_bytes_transferred_total"] > 0 and m["gigadecode_kv_transfer_failures_total"] == 0
 
 

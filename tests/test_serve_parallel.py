@@ -5,11 +5,15 @@ leave the server serving and no KV block in use; SIGTERM stops every rank.
 
 Disaggregated serving across TP sizes (prefill tp=1 -> decode tp=2 and the reverse, behind the proxy):
 token-identical to the single node for prompt lengths across block and window edges, both pools back to
-empty; one corrupted kv head is refused by its decode group with the CRC error and serving goes on."""
+empty; one corrupted kv head is refused by its decode group with the CRC error and serving goes on.
+
+The 4-rank server keeps fp32 KV, so its greedy tokens are also checked against transformers' own; the DI
+stacks keep FP8 KV (the decode default) and are checked against the single rank with the same flags."""
 
 from __future__ import annotations
 
 import signal
+import time
 
 import openai
 import pytest
@@ -19,12 +23,15 @@ from gigadecode.connector.params import parse_kv_params, sign
 from gigadecode.sampling import SamplingParams
 from gigadecode.server.api import engine_from_args
 
-from .helpers import KV_SECRET, random_prompt, stop_process_tree
+from .helpers import KV_SECRET, descendants, hf_greedy, random_prompt, stop_process_tree
 from .test_serve_di import di_servers, start_gigadecode
 from .test_server import assert_completion_ids, free_port, stream_and_cancel, wait_health, wait_idle
 
 MODEL = "tiny"
-FLAGS = ["--served-model-name", MODEL, "--dtype", "float32", "--num-blocks", "256", "--block-size", "4", "--kv-dtype", "fp8"]
+BASE_FLAGS = ["--served-model-name", MODEL, "--dtype", "float32", "--num-blocks", "256", "--block-size", "4"]
+# fp32 compute and fp32 KV: transformers' numbers (FP8 KV rounds what it stores, so it is not token-identical)
+FLAGS = BASE_FLAGS + ["--kv-dtype", "auto"]
+DI_FLAGS = BASE_FLAGS + ["--kv-dtype", "fp8", "--kv-lease-s", "5"]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +50,12 @@ def server(tiny_ckpt):
 @pytest.fixture(scope="module")
 def single(tiny_ckpt):
     return engine_from_args(build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *FLAGS]), "both")
+
+
+@pytest.fixture(scope="module")
+def single_fp8(tiny_ckpt):
+    """The single-rank engine with the DI stacks' flags (FP8 KV)."""
+    return engine_from_args(build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *DI_FLAGS]), "both")
 
 
 def _want(engine, prompt, **kw):
@@ -74,6 +87,22 @@ def test_parallel_server_equals_single_rank(server, single, tiny_ckpt):
         client.completions.create(model=MODEL, prompt=[1] * 5000, max_tokens=2)
 
 
+def test_parallel_server_equals_transformers(server, hf_model, tiny_ckpt):
+    """tp 2 × dp 2 × ep 4 serves transformers' own greedy tokens (its `generate`, fp32, same checkpoint), for
+    completions across block and window edges (whole and streamed, through both DP groups) and chat."""
+    url, _ = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    for n in (1, 4, 17, 40):
+        prompt = random_prompt(n, 1024, seed=950 + n)
+        assert_completion_ids(client, MODEL, prompt, hf_greedy(hf_model, prompt, 10))
+    from gigadecode.tokenizer import TextCodec
+    msgs = [{"role": "user", "content": "Which ranks hold the experts?"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0.0,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    want = hf_greedy(hf_model, TextCodec.from_dir(tiny_ckpt).apply_chat_template(msgs), 8)
+    assert r.choices[0].model_extra["token_ids"] == want
+
+
 def test_parallel_server_concurrent_streams_and_cancellation(server, single):
     url, _ = server
     prompts = [random_prompt(3 + (i * 5) % 25, 1024, seed=50 + i) for i in range(12)]
@@ -87,10 +116,39 @@ def test_parallel_server_concurrent_streams_and_cancellation(server, single):
     assert m["gigadecode_kv_blocks_total"] == 2 * 255              # two DP groups, a pool each
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"       # a zombie has exited
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
 def test_parallel_server_stops_every_rank_on_sigterm(server):
-    _, proc = server
+    url, proc = server
+    port = url.rsplit(":", 1)[1]
+    tree = descendants(proc.pid)
+    ranks = [p for p in tree if "gigadecode serve" in _cmdline(p) and f"--port {port}" in _cmdline(p)]
+    assert len(ranks) == 4, [(p, _cmdline(p)) for p in tree]
+    t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) is not None
+    rc = proc.wait(60)
+    took = time.monotonic() - t0
+    # torchrun's agent turns the SIGTERM it got into a SignalException, forwards it to the ranks, waits for
+    # them and exits 1 (not killed, not a crash code) ...
+    assert rc == 1, rc
+    # ... soon: within its 30 s grace, after which it would SIGKILL a rank that did not leave by itself
+    assert took < 20, f"torchrun took {took:.1f} s to stop"
+    left = [p for p in tree if _alive(p)]
+    assert not left, [(p, _cmdline(p)) for p in left]           # no rank (nor anything a rank started) is left
     out = proc.stdout.read()
     # every rank left cleanly (torchrun's own agent still reports the signal it got, with a traceback)
     assert "[rank" not in out and "engine.step() failed" not in out, out[-3000:]
@@ -99,9 +157,6 @@ def test_parallel_server_stops_every_rank_on_sigterm(server):
 # --------------------------------------------------------------------------------------------------
 # disaggregated serving across TP sizes (head_ratio != 1) behind the proxy
 # --------------------------------------------------------------------------------------------------
-DI_FLAGS = FLAGS + ["--kv-lease-s", "5"]
-
-
 @pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["prefill-tp1-decode-tp2", "prefill-tp2-decode-tp1"])
 def di_stack(request, tiny_ckpt):
     p_tp, d_tp = request.param
@@ -115,17 +170,17 @@ def _pools_back(stack) -> dict:
     return wait_idle(stack["decode"], timeout=20)
 
 
-def test_di_across_tp_sizes_equals_single_node(di_stack, single):
+def test_di_across_tp_sizes_equals_single_node(di_stack, single_fp8):
     client = openai.OpenAI(base_url=di_stack["proxy"] + "/v1", api_key="x", max_retries=0, timeout=120)
     for n in (1, 5, 15, 19, 38):                 # nothing to send; N % block == block-1 (the N-1 rule); > 2 windows
         prompt = random_prompt(n, 1024, seed=800 + n)
-        assert_completion_ids(client, MODEL, prompt, _want(single, prompt, temperature=0.0, max_tokens=8,
+        assert_completion_ids(client, MODEL, prompt, _want(single_fp8, prompt, temperature=0.0, max_tokens=8,
                                                            ignore_eos=True))
     m = _pools_back(di_stack)
     assert m["gigadecode_kv_bytes_transferred_total"] > 0 and m["gigadecode_kv_transfer_failures_total"] == 0
 
 
-def test_di_across_tp_sizes_refuses_one_corrupted_head(di_stack, single):
+def test_di_across_tp_sizes_refuses_one_corrupted_head(di_stack, single_fp8):
     """One kv head's CRC is wrong: the decode rank (or the one engine) holding it refuses, its TP group
     agrees, the request fails with a clear error, nothing is decoded from it, and serving goes on."""
     import httpx
@@ -145,7 +200,7 @@ def test_di_across_tp_sizes_refuses_one_corrupted_head(di_stack, single):
         "kv_transfer_params": params})
     assert r.status_code == 500 and "CRC32 mismatch" in r.json()["error"]["message"], r.text
     client = openai.OpenAI(base_url=di_stack["proxy"] + "/v1", api_key="x", max_retries=0, timeout=120)
-    want = _want(single, prompt, temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = _want(single_fp8, prompt, temperature=0.0, max_tokens=4, ignore_eos=True)
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0.0,
                                   extra_body={"ignore_eos": True, "return_token_ids": True})
     assert r.choices[0].model_extra["token_ids"] == want

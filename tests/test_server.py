@@ -1,7 +1,8 @@
 """The OpenAI-compatible server and the DI proxy, over real sockets on loopback.
 
 `gigadecode serve` runs as a subprocess on the tiny checkpoint; the official `openai` client talks to it.
-Greedy outputs equal the in-process engine's (same engine flags, built by the same `build_engine`);
+Greedy outputs equal the in-process engine's (same engine flags, built by the same `build_engine`), and,
+on a server in fp32 with fp32 KV, transformers' own greedy tokens;
 16 concurrent streams complete; clients that go away leave no KV behind; bad requests get their 4xx in
 OpenAI's shape and the server keeps serving. The proxy is checked against fake upstreams (what it sends
 to prefill and decode, retry on a failing prefill, 4xx pass-through, disconnects) and, for pass-through,
@@ -68,12 +69,12 @@ def wait_health(url: str, proc: subprocess.Popen | None = None, timeout: float =
     raise TimeoutError(f"{url} did not become healthy in {timeout}s")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_ckpt):
+def _serve(model_dir, flags: list[str]):
+    """`gigadecode serve --role both FLAGS` in a subprocess -> its URL (a generator for a fixture)."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GIGADECODE_API_KEY": ""}
-    cmd = [sys.executable, "-m", "gigadecode", "serve", "--model", str(tiny_ckpt), "--role", "both",
-           "--port", str(port), "--api-key", KEY, "--log-level", "warning", *ENGINE_FLAGS]
+    cmd = [sys.executable, "-m", "gigadecode", "serve", "--model", str(model_dir), "--role", "both",
+           "--port", str(port), "--api-key", KEY, "--log-level", "warning", *flags]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -86,6 +87,21 @@ def server(tiny_ckpt):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt):
+    yield from _serve(tiny_ckpt, ENGINE_FLAGS)
+
+
+# fp32 compute and fp32 KV: what transformers' GptOssForCausalLM computes in fp32, so the greedy tokens are
+# transformers' own (the default --dtype auto is the checkpoint's bf16, and FP8 KV rounds what it stores)
+ORACLE_FLAGS = ["--dtype", "float32", "--kv-dtype", "auto", "--num-blocks", "64", "--block-size", "16"]
+
+
+@pytest.fixture(scope="module")
+def oracle_server(tiny_ckpt):
+    yield from _serve(tiny_ckpt, ORACLE_FLAGS)
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +221,23 @@ def test_completions_equal_engine(client, engine, codec):
                                   extra_body=EXTRA)
     assert [c.index for c in r.choices] == [0, 1]
     assert r.choices[0].token_ids == want_ids[:4]
+
+
+def test_server_equals_transformers(oracle_server, hf_model, codec):
+    """The served greedy tokens are transformers' own (its `generate`, fp32, same checkpoint): completions
+    by token ids (whole and streamed) across block edges, a text prompt, and chat."""
+    from .helpers import hf_greedy
+    client = openai.OpenAI(base_url=oracle_server + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    for n in (1, 15, 16, 17, 40):
+        prompt = random_prompt(n, 1024, seed=600 + n)
+        assert_completion_ids(client, "tiny_mxfp4", prompt, hf_greedy(hf_model, prompt, 10))
+    text = "The weather this morning was"
+    r = client.completions.create(model="tiny_mxfp4", prompt=text, max_tokens=8, temperature=0, extra_body=EXTRA)
+    assert r.choices[0].token_ids == hf_greedy(hf_model, codec.encode(text), 8)
+    messages = [{"role": "user", "content": "What does a GPU do?"}]
+    r = client.chat.completions.create(model="tiny_mxfp4", messages=messages, max_tokens=8, temperature=0,
+                                       extra_body=EXTRA)
+    assert r.choices[0].token_ids == hf_greedy(hf_model, codec.apply_chat_template(messages), 8)
 
 
 def test_chat_equals_engine(client, engine, codec):
@@ -663,9 +696,9 @@ def test_proxy_least_loaded():
 
 
 def test_proxy_passthrough_with_real_server(server):
-    """One `--role both` server as prefill and decode: /v1/models and /health pass through; a completion
-    gets what the prefill leg gets from the server when that is an error (a both-role engine has no KV
-    connector), else the decode answer."""
+    """One `--role both` server as prefill and decode: /v1/models and /health pass through. A both-role
+    engine has no KV connector, so it refuses the prefill leg (`kv_transfer_params`) with a 400 naming the
+    field, and the proxy answers the client that 400 as it is, without asking the decode leg."""
     headers = {"Authorization": f"Bearer {KEY}"}
     proxy = build_proxy_app([server], [server])
     body = {"model": "tiny_mxfp4", "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0}
@@ -674,12 +707,12 @@ def test_proxy_passthrough_with_real_server(server):
     with ServerThread(proxy) as px, httpx.Client(base_url=px.url, headers=headers, timeout=30) as hc:
         assert hc.get("/v1/models").json()["data"][0]["id"] == "tiny_mxfp4"
         assert hc.get("/health").status_code == 200
+        assert direct.status_code == 400, direct.text
+        err = direct.json()["error"]
+        assert err["param"] == "kv_transfer_params" and "no KV connector" in err["message"], err
+        before = metrics(server).get('gigadecode_requests_total{finish_reason="length"}', 0.0)
         r = hc.post("/v1/completions", json=body)
-        if 400 <= direct.status_code < 500:
-            assert r.status_code == direct.status_code and r.json() == direct.json()
-        elif direct.status_code == 200:
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        else:
-            assert r.status_code == 502
+        assert r.status_code == 400 and r.json() == direct.json()
+        assert metrics(server).get('gigadecode_requests_total{finish_reason="length"}', 0.0) == before  # no decode
         assert hc.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
     wait_idle(server)

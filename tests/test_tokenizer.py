@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+import transformers
 
 from gigadecode import tokenizer as tk
 from gigadecode.checkpoint import preset_config
@@ -134,7 +135,6 @@ def test_chat_template(codec):
 
 
 def test_transformers_autotokenizer_agrees(tiny_dir, codec):
-    transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(str(tiny_dir))
     assert len(hf) == codec.vocab_size
     assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (0, 1, 2)
