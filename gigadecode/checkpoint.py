@@ -39,10 +39,21 @@ PRESETS: dict[str, dict] = {
 }
 SHARD_BYTES = 2 * 1024**3
 
+# Trained presets: checkpoints shipped with the package (written by a training script, copied as they are).
+#   demo: a tiny GPT-OSS that answers `What is A + B?` (0..99) in harmony, with the working on the analysis
+#         channel, or calls a function tool `add` when the request offers one (tools/train_demo_model.py).
+ASSETS = Path(__file__).resolve().parent / "assets"
+TRAINED = {"demo": ASSETS / "demo"}
+DEMO_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+              "generation_config.json", "training_report.json")
+
 
 def preset_config(name: str, experts: str = "mxfp4") -> GptOssConfig:
+    if name in TRAINED:
+        cfg = GptOssConfig.from_hf(_trained_dir(name))
+        return cfg if experts == "mxfp4" else cfg.with_(quantization=None)
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
+        raise ValueError(f"unknown preset {name!r} (choose from {', '.join([*PRESETS, *TRAINED])})")
     kw = dict(PRESETS[name])
     n = kw.get("num_hidden_layers", 36)
     kw["layer_types"] = tuple(SLIDING if i % 2 == 0 else FULL for i in range(n))
@@ -102,11 +113,53 @@ def layer_tensors(cfg: GptOssConfig, layer: int, init: _Init, experts: str) -> d
     return t
 
 
+def _trained_dir(name: str) -> Path:
+    d = TRAINED[name]
+    missing = [f for f in DEMO_FILES if not (d / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"the {name!r} preset's files are missing from {d}: {', '.join(missing)} "
+                                f"(an install without the package data? tools/train_demo_model.py writes them)")
+    return d
+
+
+def copy_trained(out: str | Path, name: str = "demo", experts: str = "mxfp4") -> Path:
+    """Copy a trained preset's files to `out`. experts="bf16" writes its MXFP4 experts as dense bf16
+    instead (exact: every e2m1 value times a power of two is a bf16 number) and drops quantization_config."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from .mxfp4 import decode_mxfp4
+
+    src = _trained_dir(name)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        old.unlink()
+    for f in DEMO_FILES:
+        shutil.copyfile(src / f, out / f)
+    if experts == "bf16":
+        tensors = load_file(str(src / "model.safetensors"))
+        for name_ in [k for k in tensors if k.endswith("_blocks")]:
+            base = name_.removesuffix("_blocks")
+            w = decode_mxfp4(tensors.pop(name_), tensors.pop(base + "_scales"), torch.float32)
+            tensors[base] = w.transpose(-1, -2).contiguous().to(torch.bfloat16)   # [E, in, out]
+        save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
+        hf = json.loads((src / "config.json").read_text())
+        hf.pop("quantization_config", None)
+        (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return out
+
+
 def make_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, experts: str = "mxfp4",
                     cfg: GptOssConfig | None = None, shard_bytes: int = SHARD_BYTES) -> Path:
-    """Write config.json + safetensors for a preset (or an explicit config). Returns the directory."""
+    """Write config.json + safetensors for a preset (or an explicit config). Returns the directory.
+
+    A trained preset ("demo") is copied from the package's files (`copy_trained`; `seed` does not apply)."""
     if experts not in ("mxfp4", "bf16"):
         raise ValueError(f"--experts must be mxfp4 or bf16 (got {experts!r})")
+    if cfg is None and preset in TRAINED:
+        return copy_trained(out, preset, experts)
     cfg = cfg or preset_config(preset, experts)
     if experts == "mxfp4" and (cfg.hidden_size % GROUP or cfg.intermediate_size % GROUP):
         raise ValueError(f"MXFP4 experts need hidden and intermediate sizes that are multiples of {GROUP}")

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_TINY_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode")) / "tiny"
+DEFAULT_DEMO_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode")) / "demo"
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -202,22 +202,24 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job: DI on the built-in tiny model (prefill server -> decode server via the proxy).
+    """The main job: DI on the built-in demo model (prefill server -> decode server via the proxy).
     `--local` runs the single-process generate demo instead."""
     from .checkpoint import make_checkpoint
-    d = Path(args.model) if args.model else DEFAULT_TINY_DIR
+    d = Path(args.model) if args.model else DEFAULT_DEMO_DIR
     if not (d / "config.json").exists():
-        print(f"writing the built-in tiny model to {d} ...", flush=True)
-        make_checkpoint(d, "tiny", seed=0)
+        print(f"writing the built-in demo model to {d} ...", flush=True)
+        make_checkpoint(d, "demo")
     if not args.local:
         from .demo import run_demo
         return run_demo(d, args.prompt, args.max_tokens)
-    ns = argparse.Namespace(model=str(d), prompt=args.prompt, prompt_ids=None, requests=None, json=False,
-                            max_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
-                            ignore_eos=True, dtype="float32", kv_dtype="fp8", block_size=16, num_blocks=None,
-                            kv_budget_gib=None, decoder="gk-native", max_num_seqs=64, max_prefill_tokens=512,
-                            tp=1, dp=1, ep=1)
-    print(f"generate on the tiny model ({d}): GK decode program, packed-FP8 KV cache")
+    from .tokenizer import TextCodec
+    ids = TextCodec.from_dir(d).apply_chat_template([{"role": "user", "content": args.prompt}])
+    ns = argparse.Namespace(model=str(d), prompt=None, prompt_ids=",".join(map(str, ids)), requests=None,
+                            json=False, max_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                            seed=None, ignore_eos=False, dtype="auto", kv_dtype="fp8", block_size=16,
+                            num_blocks=None, kv_budget_gib=None, decoder="gk-native", max_num_seqs=64,
+                            max_prefill_tokens=512, tp=1, dp=1, ep=1)
+    print(f"generate on the demo model ({d}): GK decode program, packed-FP8 KV cache")
     return cmd_generate(ns)
 
 
@@ -227,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-checkpoint", help="write a GPT-OSS checkpoint (HF layout) from a decisive random init")
-    p.add_argument("--preset", required=True, choices=["tiny", "small", "20b-shape", "120b-shape"])
+    p.add_argument("--preset", required=True, choices=["tiny", "small", "20b-shape", "120b-shape", "demo"],
+                   help="demo: the trained demo model (it adds; --seed and --experts do not apply)")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--experts", default="mxfp4", choices=["mxfp4", "bf16"])
@@ -288,10 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request bodies larger than this get 413 before they are parsed (default 4 MiB)")
     p.set_defaults(func=cmd_proxy)
 
-    p = sub.add_parser("demo", help="the main job: DI (prefill -> decode over NIXL) on the built-in tiny model")
-    p.add_argument("--model", default=None, help=f"where the tiny model lives (default {DEFAULT_TINY_DIR})")
-    p.add_argument("--prompt", default="The decode engine runs the whole stack")
-    p.add_argument("--max-tokens", type=int, default=24)
+    p = sub.add_parser("demo", help="the main job: DI (prefill -> decode over NIXL) on the built-in demo model")
+    p.add_argument("--model", default=None, help=f"where the demo model lives (default {DEFAULT_DEMO_DIR})")
+    p.add_argument("--prompt", default="What is 37 + 45?",
+                   help="the demo model answers `What is A + B?` (0 <= A, B <= 99)")
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--local", action="store_true", help="one process (generate) instead of the DI servers")
     p.set_defaults(func=cmd_demo)
     return ap

@@ -1,12 +1,15 @@
-"""The one-command demo: disaggregated inference on the built-in tiny model, end to end on loopback.
+"""The one-command demo: disaggregated inference on the built-in demo model, end to end on loopback.
 
 Starts a prefill server (per-layer model, kv_producer), a decode server (GK program, packed-FP8 KV,
-kv_consumer) and the proxy as separate processes, sends a chat request through the official `openai`
-client (streamed, then whole), prints the answer and the timings, and shuts everything down.
+kv_consumer) and the proxy as separate processes; asks the demo model (a small GPT-OSS trained to add,
+`make-checkpoint --preset demo`) through the official `openai` client: streamed, its reasoning and its
+answer apart; then with the `add` tool offered, a tool call, its result sent back, and the answer. Prints
+the timings and the KV moved, and shuts everything down.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -80,31 +83,8 @@ def run_demo(model_dir: Path, prompt: str, max_tokens: int) -> int:
 
         client = OpenAI(base_url=px_url + "/v1", api_key="unused")
         model = client.models.list().data[0].id
-        messages = [{"role": "user", "content": prompt}]
-        print(f"\nuser: {prompt}\nassistant (streamed): ", end="", flush=True)
-        t_start = time.perf_counter()
-        t_first, n = None, 0
-        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                temperature=0.0, stream=True, extra_body={"ignore_eos": True})
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                if t_first is None:
-                    t_first = time.perf_counter()
-                n += 1
-                print(chunk.choices[0].delta.content, end="", flush=True)
-        t_end = time.perf_counter()
-        print()
-        whole = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                               temperature=0.0, extra_body={"ignore_eos": True,
-                                                                            "return_token_ids": True})
-        choice = whole.choices[0]
-        ids = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids")
-        print(f"assistant (whole):    {choice.message.content}")
-        print(f"token ids: {ids}")
-        ttft = (t_first or t_end) - t_start
-        print(f"\ntime to first token {ttft * 1e3:.0f} ms (prefill + KV transfer + first GK step), "
-              f"{max(n - 1, 0) / max(t_end - (t_first or t_end), 1e-9):.1f} chunks/s after it, total {t_end - t_start:.2f}s")
-        print(f"KV moved prefill -> decode over NIXL: {metric(dec_url, 'gigadecode_kv_bytes_transferred_total'):.0f} "
+        _chat_round_trips(client, model, prompt, max_tokens)
+        print(f"\nKV moved prefill -> decode over NIXL: {metric(dec_url, 'gigadecode_kv_bytes_transferred_total'):.0f} "
               f"bytes; transfer failures: {metric(dec_url, 'gigadecode_kv_transfer_failures_total'):.0f}")
     print("servers stopped")
     return 0
@@ -118,3 +98,54 @@ def _stop(p: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(5)
+
+
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+
+
+def _chat_round_trips(client, model: str, prompt: str, max_tokens: int) -> None:
+    """Streamed chat (reasoning and answer as they come), then a tool-call round trip: the model calls `add`,
+    the demo runs it, sends the result back, and the model answers."""
+    messages = [{"role": "user", "content": prompt}]
+    print(f"\nuser: {prompt}")
+    t_start = time.perf_counter()
+    t_first, n, kind = None, 0, None
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                temperature=0.0, stream=True):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        for k, text in (("reasoning", (d.model_extra or {}).get("reasoning_content")), ("answer", d.content)):
+            if text:
+                if t_first is None:
+                    t_first = time.perf_counter()
+                if k != kind:
+                    print(f"\n  {k} (streamed): ", end="")
+                    kind = k
+                n += 1
+                print(text, end="", flush=True)
+    t_end = time.perf_counter()
+    print(f"\n  time to first token {((t_first or t_end) - t_start) * 1e3:.0f} ms (prefill + KV transfer + first "
+          f"GK step), {max(n - 1, 0) / max(t_end - (t_first or t_end), 1e-9):.0f} chunks/s after it")
+
+    print(f"\nuser (offering the add tool): {prompt}")
+    r = client.chat.completions.create(model=model, messages=messages, tools=[ADD_TOOL], max_tokens=max_tokens,
+                                       temperature=0.0)
+    choice = r.choices[0]
+    calls = choice.message.tool_calls or []
+    print(f"  finish_reason: {choice.finish_reason}")
+    if not calls:
+        print(f"  answer: {choice.message.content}")
+        return
+    call = calls[0]
+    args = json.loads(call.function.arguments)
+    result = int(args.get("a", 0)) + int(args.get("b", 0))
+    print(f"  tool call: {call.function.name}({call.function.arguments})  -> the demo runs it: {result}")
+    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": str(result)}]
+    r = client.chat.completions.create(model=model, messages=follow, tools=[ADD_TOOL], max_tokens=max_tokens,
+                                       temperature=0.0)
+    print(f"  answer after the tool result: {r.choices[0].message.content}")

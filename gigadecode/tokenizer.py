@@ -12,6 +12,11 @@ This module owns three things:
   and a harmony-like Jinja chat template) next to a checkpoint, loadable by transformers' AutoTokenizer.
 * `TextCodec` (encode, decode, chat template) and `StreamDecoder` (token-by-token detokenization that
   never splits a multi-byte UTF-8 character) over any model directory that has a `tokenizer.json`.
+* For the trained demo model (tools/train_demo_model.py): `build_harmony_tokenizer` (BPE learned on a
+  given corpus, one token per digit, o200k_harmony's special tokens in their o200k order at the top of
+  the vocabulary), `harmony_tokenizer_config`, and `HARMONY_CHAT_TEMPLATE`, GPT-OSS' harmony chat format
+  as the gpt-oss chat template renders it (system message with `Reasoning: ...`, tools as a TypeScript
+  `namespace functions`, tool calls on the commentary channel, tool results from `functions.NAME`).
 
 Prompts given as token ids never need any of this: a model directory without a tokenizer still serves.
 """
@@ -294,6 +299,210 @@ def write_tokenizer_files(model_dir: str | Path, cfg: GptOssConfig) -> None:
         json.dumps(tokenizer_config(cfg), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+# --- the demo model's tokenizer: o200k_harmony's special tokens, digits one by one ------------------
+
+# o200k's split pattern with single digits (`\p{N}` instead of `\p{N}{1,3}`): every digit is its own
+# pre-token, so "1234" is four tokens "1" "2" "3" "4" and a model can add numbers digit by digit.
+DIGIT_PATTERN = O200K_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+
+# o200k_harmony's special tokens from <|startoftext|> (199998) to <|call|> (200012), in id order; None is a
+# reserved id there (<|reserved_200000|>, ...). `build_harmony_tokenizer` puts this block at the top of
+# its vocabulary in the same order, so the tokens keep their relative positions.
+HARMONY_BLOCK = ("<|startoftext|>", "<|endoftext|>", None, None, "<|return|>", "<|constrain|>", None,
+                 "<|channel|>", "<|start|>", "<|end|>", "<|message|>", None, None, None, "<|call|>")
+
+# GPT-OSS' harmony chat format, rendered the way the gpt-oss chat template does (openai/gpt-oss-20b's
+# chat_template.jinja), written for the demo model; the same prompt for the same chat (no current date).
+#   <|start|>system<|message|>{model_identity}\nKnowledge cutoff: 2024-06\n\nReasoning: {effort}\n\n
+#     # Valid channels: analysis, commentary, final. Channel must be included for every message.
+#     [\nCalls to these tools must go to the commentary channel: 'functions'.]<|end|>
+#   [<|start|>developer<|message|>[# Instructions\n\n{first system/developer message}][\n\n]
+#     [# Tools\n\n## functions\n\nnamespace functions {\n\n// {description}\ntype add = (_: {\n
+#      a: number,\nb: number,\n}) => any;\n\n} // namespace functions]<|end|>]
+#   <|start|>user<|message|>{content}<|end|>
+#   <|start|>assistant<|channel|>final<|message|>{content}<|end|>            (earlier answers; no CoT)
+#   <|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{args}<|call|>
+#   <|start|>functions.{name} to=assistant<|channel|>commentary<|message|>{tool content}<|end|>
+#   <|start|>assistant                                                       (the generation prompt)
+# Variables: messages, tools (OpenAI function tools), reasoning_effort (low|medium|high; default medium),
+# model_identity, add_generation_prompt. A tool call's arguments may be a JSON string (OpenAI) or a dict
+# (transformers; rendered with tojson: {"a": 1, "b": 2}).
+HARMONY_CHAT_TEMPLATE = r"""{#- GPT-OSS harmony chat format (after openai/gpt-oss' chat_template.jinja; no current date).
+  Variables: messages, tools (OpenAI function tools), reasoning_effort (low | medium | high, default medium),
+  model_identity, add_generation_prompt. -#}
+{%- macro text_of(content) -%}
+    {%- if content is none -%}
+    {%- elif content is string -%}{{- content -}}
+    {%- elif content is mapping -%}{{- content | tojson -}}
+    {%- elif content is sequence -%}
+        {%- for part in content -%}
+            {%- if part is string -%}{{- part -}}{%- else -%}{{- part['text'] -}}{%- endif -%}
+        {%- endfor -%}
+    {%- else -%}{{- content | tojson -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- macro ts_type(spec) -%}
+    {%- if spec['type'] == "integer" or spec['type'] == "number" -%}{{- "number" -}}
+    {%- elif spec['type'] == "string" and spec['enum'] -%}{{- '"' + spec['enum'] | join('" | "') + '"' -}}
+    {%- elif spec['type'] == "string" -%}{{- "string" -}}
+    {%- elif spec['type'] == "boolean" -%}{{- "boolean" -}}
+    {%- elif spec['type'] == "array" and spec['items'] -%}{{- ts_type(spec['items']) + "[]" -}}
+    {%- elif spec['type'] == "array" -%}{{- "any[]" -}}
+    {%- elif spec['type'] == "object" -%}{{- "object" -}}
+    {%- else -%}{{- "any" -}}
+    {%- endif -%}
+    {%- if spec['nullable'] -%}{{- " | null" -}}{%- endif -%}
+{%- endmacro -%}
+{%- macro render_functions(tools) -%}
+    {{- "## functions\n\nnamespace functions {\n\n" -}}
+    {%- for tool in tools -%}
+        {%- set fn = tool['function'] if tool['function'] is defined else tool -%}
+        {%- if fn['description'] -%}{{- "// " + fn['description'] + "\n" -}}{%- endif -%}
+        {{- "type " + fn['name'] + " = (" -}}
+        {%- set params = fn['parameters'] or {} -%}
+        {%- if params['properties'] -%}
+            {{- "_: {\n" -}}
+            {%- for pname, pspec in params['properties'].items() -%}
+                {%- if pspec['description'] -%}{{- "// " + pspec['description'] + "\n" -}}{%- endif -%}
+                {{- pname -}}
+                {%- if pname not in (params['required'] or []) -%}{{- "?" -}}{%- endif -%}
+                {{- ": " + ts_type(pspec) -}}
+                {%- if pspec['default'] is defined -%}{{- ", // default: " + pspec['default'] | tojson -}}{%- endif -%}
+                {{- ",\n" -}}
+            {%- endfor -%}
+            {{- "}) => any;\n\n" -}}
+        {%- else -%}
+            {{- ") => any;\n\n" -}}
+        {%- endif -%}
+    {%- endfor -%}
+    {{- "} // namespace functions" -}}
+{%- endmacro -%}
+{%- if model_identity is not defined or not model_identity -%}
+    {%- set model_identity = "You are a tiny GPT-OSS trained by gigadecode to add two numbers." -%}
+{%- endif -%}
+{%- if reasoning_effort is not defined or not reasoning_effort -%}
+    {%- set reasoning_effort = "medium" -%}
+{%- endif -%}
+{{- "<|start|>system<|message|>" + model_identity + "\nKnowledge cutoff: 2024-06\n\nReasoning: " + reasoning_effort -}}
+{{- "\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message." -}}
+{%- if tools -%}{{- "\nCalls to these tools must go to the commentary channel: 'functions'." -}}{%- endif -%}
+{{- "<|end|>" -}}
+{%- if messages and (messages[0]['role'] == "developer" or messages[0]['role'] == "system") -%}
+    {%- set instructions = text_of(messages[0]['content']) -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set instructions = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- if instructions or tools -%}
+    {{- "<|start|>developer<|message|>" -}}
+    {%- if instructions -%}
+        {{- "# Instructions\n\n" + instructions -}}
+        {%- if tools -%}{{- "\n\n" -}}{%- endif -%}
+    {%- endif -%}
+    {%- if tools -%}{{- "# Tools\n\n" + render_functions(tools) -}}{%- endif -%}
+    {{- "<|end|>" -}}
+{%- endif -%}
+{%- set state = namespace(fn=none) -%}
+{%- for message in loop_messages -%}
+    {%- if message['role'] == "user" -%}
+        {{- "<|start|>user<|message|>" + text_of(message['content']) + "<|end|>" -}}
+    {%- elif message['role'] == "assistant" -%}
+        {%- set thinking = message['thinking'] or message['reasoning_content'] or message['reasoning'] or "" -%}
+        {%- if message['tool_calls'] -%}
+            {%- set preamble = thinking or text_of(message['content']) -%}
+            {%- if preamble -%}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + preamble + "<|end|>" -}}
+            {%- endif -%}
+            {%- for call in message['tool_calls'] -%}
+                {%- set fn = call['function'] if call['function'] is defined else call -%}
+                {{- "<|start|>assistant<|channel|>commentary to=functions." + fn['name'] + " <|constrain|>json<|message|>" -}}
+                {%- if fn['arguments'] is string -%}{{- fn['arguments'] -}}{%- else -%}{{- fn['arguments'] | tojson -}}{%- endif -%}
+                {{- "<|call|>" -}}
+                {%- set state.fn = fn['name'] -%}
+            {%- endfor -%}
+        {%- elif loop.last and not add_generation_prompt -%}
+            {%- if thinking -%}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + thinking + "<|end|>" -}}
+            {%- endif -%}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + text_of(message['content']) + "<|return|>" -}}
+        {%- else -%}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + text_of(message['content']) + "<|end|>" -}}
+        {%- endif -%}
+    {%- elif message['role'] == "tool" -%}
+        {%- set name = message['name'] or state.fn -%}
+        {%- if not name -%}
+            {{- raise_exception("a tool message needs an earlier assistant message with a tool call") -}}
+        {%- endif -%}
+        {{- "<|start|>functions." + name + " to=assistant<|channel|>commentary<|message|>" + text_of(message['content']) + "<|end|>" -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- "<|start|>assistant" -}}{%- endif -%}
+"""
+
+_SPECIAL_RE = r"<\|[^|<>]*\|>"
+
+
+def build_harmony_tokenizer(vocab_size: int, corpus: Iterable[str]) -> Tokenizer:
+    """A byte-level BPE tokenizer of exactly `vocab_size` ids for small models that speak harmony.
+
+    ids [0, 256): the bytes in byte order; then the merges BpeTrainer learns on `corpus` (its lines with
+    any `<|...|>` special-token strings cut out) under `DIGIT_PATTERN` (single digits), then
+    `<|reserved_{id}|>` fillers if the merges run out; the top `len(HARMONY_BLOCK)` ids hold
+    o200k_harmony's special tokens in their o200k order (`harmony_special_ids`), its reserved ids named
+    `<|reserved_{id}|>`, all added as special tokens. Same arguments -> the same `to_str()`."""
+    import re
+
+    n_regular = vocab_size - len(HARMONY_BLOCK)
+    if n_regular < 256:
+        raise ValueError(f"vocab_size {vocab_size} leaves no room for the 256 byte tokens and "
+                         f"{len(HARMONY_BLOCK)} harmony tokens")
+    pre = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(DIGIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    pieces = [p for line in corpus for p in re.split(_SPECIAL_RE, line) if p]
+    trainer_tok = Tokenizer(models.BPE())
+    trainer_tok.pre_tokenizer = pre
+    trainer = trainers.BpeTrainer(vocab_size=n_regular, min_frequency=2, show_progress=False,
+                                  initial_alphabet=list(_byte_chars()), special_tokens=[])
+    trainer_tok.train_from_iterator(pieces, trainer)
+    raw = json.loads(trainer_tok.to_str())["model"]["merges"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in raw]
+    regular = list(_byte_chars())
+    for a, b in merges:
+        if len(regular) >= n_regular:
+            break
+        if a + b not in regular:
+            regular.append(a + b)
+    vocab = {tok: i for i, tok in enumerate(regular)}
+    for i in range(len(regular), n_regular):
+        vocab[f"<|reserved_{i}|>"] = i
+    specials = [name or f"<|reserved_{n_regular + k}|>" for k, name in enumerate(HARMONY_BLOCK)]
+    vocab.update((name, n_regular + k) for k, name in enumerate(specials))
+    merges = [m for m in merges if m[0] + m[1] in vocab and m[0] in vocab and m[1] in vocab]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in specials])
+    assert tokenizer.get_vocab_size(with_added_tokens=True) == vocab_size
+    return tokenizer
+
+
+def harmony_special_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """The harmony special tokens' ids in `tokenizer` (name -> id), for those it has."""
+    names = [n for n in HARMONY_BLOCK if n]
+    return {n: i for n in names if (i := tokenizer.token_to_id(n)) is not None}
+
+
+def harmony_tokenizer_config(model_max_length: int, chat_template: str = HARMONY_CHAT_TEMPLATE) -> dict[str, Any]:
+    """`tokenizer_config.json` for a `build_harmony_tokenizer` tokenizer: GPT-OSS' bos/eos/pad names."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|startoftext|>",
+            "eos_token": "<|return|>", "pad_token": "<|endoftext|>", "model_max_length": model_max_length,
+            "clean_up_tokenization_spaces": False, "model_input_names": ["input_ids", "attention_mask"],
+            "chat_template": chat_template}
+
+
 # --- using ------------------------------------------------------------------------------------------
 
 
@@ -375,9 +584,14 @@ class TextCodec:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> str:
         """The chat as text: tokenizer_config's Jinja template (rendered like transformers does), or the
-        harmony-like `<|start|>{role}<|message|>{content}<|end|>` format when there is none."""
+        harmony-like `<|start|>{role}<|message|>{content}<|end|>` format when there is none.
+
+        `tools` (OpenAI function-tool dicts) and any other keyword (e.g. `reasoning_effort="low"`) become
+        template variables, as in transformers' `apply_chat_template(..., tools=..., **kwargs)`; templates
+        that do not use them ignore them, and so does the template-less format."""
         if self.chat_template is None:
             text = "".join(f"<|start|>{m['role']}<|message|>{_text_of(m['content'])}<|end|>" for m in messages)
             return text + ("<|start|>assistant<|message|>" if add_generation_prompt else "")
@@ -391,13 +605,17 @@ class TextCodec:
             self._compiled = env.from_string(self.chat_template)
         names = {k: v.get("content") if isinstance(v, dict) else v
                  for k, v in self.config.items() if k.endswith("_token")}
+        context = {**names, **template_kwargs}
+        if tools is not None:
+            context["tools"] = [dict(t) for t in tools]
         return self._compiled.render(messages=[dict(m) for m in messages],
-                                     add_generation_prompt=add_generation_prompt, **names)
+                                     add_generation_prompt=add_generation_prompt, **context)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat (the prompt for the assistant's reply)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> list[int]:
+        """Token ids of the rendered chat (the prompt for the assistant's reply); `tools` and the other
+        keywords go to the template (see `render_chat`)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools=tools, **template_kwargs))
 
     def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes | None:
         """The raw bytes token_id stands for in a byte-level vocabulary (b"" for a skipped special token),

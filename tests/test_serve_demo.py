@@ -1,0 +1,92 @@
+"""The demo model served as GPT-OSS users use it, through the official `openai` client, against `serve
+--role both` and against the DI proxy (prefill -> NIXL -> GK decode): reasoning_content apart from content
+(whole and streamed), a tool call parsed into `tool_calls` and the follow-up with the tool's result
+answered, stop strings, n=2, and the stop tokens generation_config.json lists (<|return|>, <|call|>)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import openai
+import pytest
+
+from gigadecode.checkpoint import make_checkpoint
+
+from .helpers import stop_process_tree
+from .test_serve_di import di_servers, start_gigadecode
+from .test_server import free_port, wait_health
+
+FLAGS = ["--served-model-name", "demo", "--num-blocks", "256", "--block-size", "16", "--max-num-seqs", "16"]
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+ASK = [{"role": "user", "content": "What is 37 + 45?"}]
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("demo") / "demo", "demo")
+
+
+@contextlib.contextmanager
+def single(model_dir):
+    port = free_port()
+    proc = start_gigadecode(["serve", "--model", str(model_dir), "--port", str(port), *FLAGS])
+    try:
+        wait_health(f"http://127.0.0.1:{port}", proc, timeout=120)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process_tree(proc)
+
+
+@pytest.fixture(scope="module", params=["both", "di"])
+def url(request, demo_dir):
+    if request.param == "both":
+        with single(demo_dir) as u:
+            yield u
+    else:
+        with di_servers(demo_dir, FLAGS, FLAGS) as urls:
+            yield urls["proxy"]
+
+
+def test_reasoning_and_content(url):
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    r = c.chat.completions.create(model="demo", messages=ASK, temperature=0, max_tokens=128)
+    m = r.choices[0].message
+    assert m.content == "37 + 45 = 82" and r.choices[0].finish_reason == "stop"
+    assert "ones: 7 + 5 = 12" in m.model_extra["reasoning_content"]
+    content = reasoning = ""
+    for ch in c.chat.completions.create(model="demo", messages=ASK, temperature=0, max_tokens=128, stream=True):
+        if ch.choices:
+            content += ch.choices[0].delta.content or ""
+            reasoning += (ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+    assert content == m.content and reasoning == m.model_extra["reasoning_content"]
+
+
+def test_tool_call_round_trip(url):
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    r = c.chat.completions.create(model="demo", messages=ASK, tools=[ADD], temperature=0, max_tokens=128)
+    assert r.choices[0].finish_reason == "tool_calls"          # stopped on <|call|> (generation_config)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 37, "b": 45}
+    names, args = [], ""
+    for ch in c.chat.completions.create(model="demo", messages=ASK, tools=[ADD], temperature=0, max_tokens=128,
+                                        stream=True):
+        for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            names += [tc.function.name] if tc.function and tc.function.name else []
+            args += tc.function.arguments or "" if tc.function else ""
+    assert names == ["add"] and json.loads(args) == {"a": 37, "b": 45}
+    follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "82"}]
+    r = c.chat.completions.create(model="demo", messages=follow, tools=[ADD], temperature=0, max_tokens=128)
+    assert r.choices[0].message.content == "37 + 45 = 82" and r.choices[0].finish_reason == "stop"
+
+
+def test_stop_strings_and_n(url):
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    r = c.chat.completions.create(model="demo", messages=ASK, temperature=0, max_tokens=128, stop=[" = "], n=2)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    for ch in r.choices:
+        assert ch.message.content == "37 + 45" and ch.finish_reason == "stop"
