@@ -22,7 +22,7 @@ from ..sampling import MAX_LOGPROBS
 from . import deps
 from .outputs import (Choice, HarmonyRenderer, TextRenderer, chat_logprobs, run_to_end, sse_response, start,
                       stream_events, usage)
-from .protocol import APIError, ChatBody, parse, read_json, refuse_unsupported, sampling_params, stop_strings
+from .protocol import APIError, ChatBody, read_body, sampling_params, stop_strings
 
 router = APIRouter()
 
@@ -84,10 +84,8 @@ def _delta(pieces: list, include_reasoning: bool) -> dict[str, Any]:
 
 @router.post("/v1/chat/completions", dependencies=[Depends(deps.check_key)])
 async def chat_completions(request: Request) -> Response:
-    raw = await read_json(request)
-    req: ChatBody = parse(ChatBody, raw)
+    raw, req = await read_body(request, ChatBody, chat=True)
     deps.check_model(request, req.model)
-    refuse_unsupported(raw, chat=True)
     aeng = deps.engine(request)
     codec, name = aeng.codec, deps.settings(request).served_model_name
     if codec is None:
@@ -103,8 +101,7 @@ async def chat_completions(request: Request) -> Response:
         max_tokens = raw.get("max_tokens")
     if max_tokens is None:
         max_tokens = max(1, aeng.max_model_len - len(prompt))
-    gen = getattr(aeng.engine, "generation_defaults", None)
-    params = sampling_params(raw, max_tokens, logprobs, gen.sampling if gen is not None else ())
+    params = sampling_params(raw, max_tokens, logprobs, deps.sampling_defaults(aeng))
     from ..harmony import HarmonyTokens
     tokens = HarmonyTokens.from_codec(codec)
 

@@ -15,8 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from . import deps
 from .outputs import Choice, TextRenderer, completion_logprobs, run_to_end, sse_response, start, stream_events, usage
-from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, APIError, CompletionBody, parse, read_json, refuse_unsupported,
-                       sampling_params, stop_strings)
+from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, APIError, CompletionBody, read_body, sampling_params, stop_strings
 
 router = APIRouter()
 
@@ -41,16 +40,13 @@ def completion_prompts(prompt: Any, codec: Any) -> list[list[int]]:
 
 @router.post("/v1/completions", dependencies=[Depends(deps.check_key)])
 async def completions(request: Request) -> Response:
-    raw = await read_json(request)
-    req: CompletionBody = parse(CompletionBody, raw)
+    raw, req = await read_body(request, CompletionBody, chat=False)
     deps.check_model(request, req.model)
-    refuse_unsupported(raw, chat=False)
     aeng = deps.engine(request)
     codec, name = aeng.codec, deps.settings(request).served_model_name
     prompts = completion_prompts(req.prompt, codec)
     params = sampling_params(raw, raw.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS), raw.get("logprobs"),
-                             getattr(aeng.engine, "generation_defaults", None) and
-                             aeng.engine.generation_defaults.sampling or ())
+                             deps.sampling_defaults(aeng))
     kv = deps.advertised(request, req.kv_transfer_params)
     rid, choices = await start(aeng, prompts, params, "cmpl", req.n or 1, kv, "prompt",
                                lambda: TextRenderer(codec), stop_strings(req))

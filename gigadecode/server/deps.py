@@ -59,3 +59,9 @@ def advertised(request: Request, kv: KVTransferParams | None) -> KVTransferParam
         return kv
     server = request.scope.get("server") or (None, None)
     return kv.model_copy(update={"remote_host": settings(request).kv_advertise_host or server[0] or None})
+
+
+def sampling_defaults(aeng: AsyncEngine) -> tuple:
+    """The checkpoint's generation_config.json sampling fields (what a request leaves unset gets)."""
+    gen = getattr(aeng.engine, "generation_defaults", None)
+    return gen.sampling if gen is not None else ()

@@ -220,3 +220,12 @@ def sampling_params(raw: Mapping[str, Any], max_tokens: Any, logprobs: int | Non
         return SamplingParams.from_dict(d)
     except SamplingError as e:
         raise APIError(400, str(e), param=e.param) from None
+
+
+async def read_body(request: Request, model: type[BaseModel], chat: bool) -> tuple[dict[str, Any], Any]:
+    """A generation route's body: strict JSON, parsed into `model`, unsupported fields refused ->
+    (the raw dict, the parsed body)."""
+    raw = await read_json(request)
+    req = parse(model, raw)
+    refuse_unsupported(raw, chat=chat)
+    return raw, req
