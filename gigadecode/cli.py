@@ -37,6 +37,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1)
     g.add_argument("--dp", type=int, default=1)
     g.add_argument("--ep", type=int, default=1)
+    g.add_argument("--dcp", type=int, default=1,
+                   help="decode context parallel: ranks of a TP group that share kv heads and split every "
+                        "sequence's tokens (divides --tp; tp/dcp must divide the kv heads)")
+    g.add_argument("--dcp-interleave", type=int, default=None,
+                   help="DCP: tokens per round-robin chunk (default: --block-size; a multiple of it)")
 
 
 from .config import engine_config_from_args as engine_config  # noqa: E402  (re-exported for callers)

@@ -417,6 +417,8 @@ class EngineConfig:
     tp: int = 1
     dp: int = 1
     ep: int = 1
+    dcp: int = 1                       # decode context parallel: ranks of a TP group sharing kv heads, split tokens
+    dcp_interleave: int | None = None  # DCP: tokens per round-robin chunk (None = block_size; a multiple of it)
     kv_lease_s: float = 30.0            # DI producer: how long leased blocks wait for the consumer's read
     kv_transfer_timeout_s: float = 10.0  # DI consumer: handshake + read time limit
     kv_failure_policy: str = "fail"     # DI consumer: fail | recompute (prefill locally) on a failed transfer
@@ -458,8 +460,18 @@ class EngineConfig:
             raise ConfigError(f"--decoder must be {'|'.join(DECODERS)} (got {self.decoder!r})")
         if self.threads is not None:
             at_least("--threads", self.threads, 1)
-        for flag, v in (("--tp", self.tp), ("--dp", self.dp), ("--ep", self.ep)):
+        for flag, v in (("--tp", self.tp), ("--dp", self.dp), ("--ep", self.ep), ("--dcp", self.dcp)):
             at_least(flag, v, 1)
+        if self.tp % self.dcp:
+            raise ConfigError(f"--dcp {self.dcp} must divide --tp {self.tp} (a DCP group is dcp ranks of one TP group)")
+        if self.dcp_interleave is not None:
+            at_least("--dcp-interleave", self.dcp_interleave, 1)
+            if self.dcp_interleave % self.block_size:
+                raise ConfigError(f"--dcp-interleave {self.dcp_interleave} must be a multiple of --block-size "
+                                  f"{self.block_size} (a KV block holds the tokens of one DCP rank)")
+        if self.dcp > 1 and self.kv_role == "kv_producer":
+            raise ConfigError("--dcp is for decode engines: a prefill engine keeps every token (its decode "
+                              "engines read their DCP share of it)")
         positive("--kv-lease-s", self.kv_lease_s)
         positive("--kv-transfer-timeout-s", self.kv_transfer_timeout_s)
         if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
@@ -472,6 +484,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def dcp_chunk(self) -> int:
+        """Tokens per DCP round-robin chunk."""
+        return self.dcp_interleave or self.block_size
 
     def kv_storage_dtype(self) -> torch.dtype:
         if self.kv_dtype == "fp8":
@@ -494,7 +511,8 @@ def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig
                         num_blocks=args.num_blocks, kv_budget_gib=args.kv_budget_gib,
                         decoder=args.decoder, gk_decode=args.decoder != "reference", kv_role=kv_role,
                         max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
-                        tp=args.tp, dp=args.dp, ep=args.ep,
+                        tp=args.tp, dp=args.dp, ep=args.ep, dcp=getattr(args, "dcp", 1) or 1,
+                        dcp_interleave=getattr(args, "dcp_interleave", None),
                         kv_lease_s=getattr(args, "kv_lease_s", 30.0),
                         kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout_s", 10.0),
                         kv_failure_policy=getattr(args, "kv_failure_policy", "fail"),

@@ -109,7 +109,7 @@ class LLMEngine:
         self.runner = runner
         self.cfg = runner.cfg
         self.ecfg = ecfg or runner.ecfg
-        self.kv_manager = KVCacheManager(runner.kv.config, runner.block_size)
+        self.kv_manager = KVCacheManager(runner.kv.config, runner.block_size, runner.tokens)
         # stop tokens: config.json's eos_token_id and generation_config.json's (the real GPT-OSS checkpoints
         # list <|return|> and <|call|> only there); its sampling defaults are the server's to apply
         self.generation_defaults = GenerationDefaults.from_dir(runner.model_dir)
@@ -135,7 +135,7 @@ class LLMEngine:
         specs = [g.spec for g in self.runner.kv.config.groups]
 
         def fits(n: int) -> bool:
-            return sum(s.peak_blocks(n, min(chunk, n)) for s in specs) <= usable
+            return sum(s.peak_blocks(n, min(chunk, n), self.runner.tokens) for s in specs) <= usable
         lo, hi = 0, self.runner.max_model_len            # fits(lo); find the largest such n
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -210,6 +210,10 @@ class LLMEngine:
         """-> (KV blocks in use, usable KV blocks); the null block is not counted."""
         total = self.runner.kv.num_blocks - 1
         return total - self.kv_manager.num_free_blocks, total
+
+    def kv_usage_per_rank(self) -> dict[int, tuple[int, int]]:
+        """Rank -> (KV blocks used, usable): one rank here (a parallel engine lists each of its ranks)."""
+        return {0: self.kv_usage()}
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns what each request produced (and which finished)."""

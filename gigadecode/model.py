@@ -105,6 +105,9 @@ class GptOssModel:
         group = kv.config.layer_group[layer]
         window = cfg.sliding_window if cfg.is_sliding(layer) else None
         B = kv.block_size
+        if self.parallel is not None and self.parallel.dcp_size > 1:
+            a = self._dcp_attention(layer, q, k, v, chunks, kv, group, window)
+            return self.parallel.row_parallel_linear(a, w.o_w[layer], w.o_b[layer])
         rep = nh // nkv                                                      # local heads (TP shard)
         outs, off = [], 0
         for c in chunks:
@@ -125,3 +128,42 @@ class GptOssModel:
         if self.parallel is not None:
             return self.parallel.row_parallel_linear(a, w.o_w[layer], w.o_b[layer])
         return F.linear(a, w.o_w[layer], w.o_b[layer])
+
+    def _dcp_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       chunks: list[SeqChunk], kv: KVCache, group: int, window: int | None) -> torch.Tensor:
+        """Attention on a DCP rank (`parallel.dcp_size > 1`): q [N, nh, d] this rank's heads, k, v [N, nkv, d]
+        every token's K/V -> [N, nh*d]. Writes only the tokens this rank holds (local slots), attends with
+        every q head of its DCP group over its own tokens (no sink: partial output and LSE, key positions
+        from the local indices) and merges the group's partials (`ParallelContext.dcp_merge`)."""
+        par, B, d = self.parallel, kv.block_size, self.cfg.head_dim
+        tokens = par.tokens
+        qg = par.dcp_gather_heads(q)                                         # [N, dcp·nh, d]
+        hg = qg.shape[1]
+        outs, lses, off = [], [], 0
+        for c in chunks:
+            n = len(c.token_ids)
+            table = c.block_tables[group]
+            mine = [i for i in range(n) if tokens.owns(c.start + i)]
+            if mine:
+                li = [tokens.local_index(c.start + i) for i in mine]
+                slots = torch.tensor([table[x // B] * B + x % B for x in li], dtype=torch.long)
+                sel = torch.tensor(mine, dtype=torch.long) + off
+                kv.write(layer, slots, k[sel], v[sel])
+            first = tokens.count(max(0, c.start - window + 1)) if window else 0
+            last = tokens.count(c.start + n) - 1                             # local range any query sees
+            if last < first:
+                outs.append(qg.new_zeros(n, hg, d, dtype=torch.float32))
+                lses.append(torch.full((n, hg), float("-inf")))
+            else:
+                b0, b1 = first // B, last // B
+                keys, vals = kv.gather(layer, torch.tensor(table[b0: b1 + 1], dtype=torch.long))
+                kpos = tokens.positions(torch.arange(b0 * B, (b1 + 1) * B))
+                o, lse = flash_sink_attention(qg[off: off + n], keys, vals, torch.arange(c.start, c.start + n), kpos,
+                                              None, self.scale, window, q_tile=128)
+                outs.append(o)
+                lses.append(lse)
+            off += n
+        o = torch.cat(outs) if outs else qg.new_zeros(0, hg, d, dtype=torch.float32)
+        lse = torch.cat(lses) if lses else torch.zeros(0, hg)
+        a = par.dcp_merge(o, lse, self.w.sinks[layer])                      # [N, nh, d] fp32 (collective)
+        return a.reshape(a.shape[0], -1).to(q.dtype)

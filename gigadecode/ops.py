@@ -107,8 +107,9 @@ def _tile_bounds(pos: torch.Tensor, tile: int) -> tuple[list[int], list[int]]:
 
 
 def flash_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                         k_pos: torch.Tensor, sinks: torch.Tensor, scale: float, window: int | None = None,
-                         tile: int = 256, q_tile: int = 128, fp32_scores: bool = False) -> torch.Tensor:
+                         k_pos: torch.Tensor, sinks: torch.Tensor | None, scale: float, window: int | None = None,
+                         tile: int = 256, q_tile: int = 128, fp32_scores: bool = False
+                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal (optionally sliding-window) GQA attention with sinks, flash style: `sink_attention`'s result
     without the dense [heads, T, S] scores or repeated K/V.
 
@@ -124,20 +125,25 @@ def flash_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
     log-sum-exp of the real scores (the sink is a softmax column with no value). Scores: bmm in the input
     dtype (oneDNN for bf16; ~1.5-2x faster than `fp32_scores`, whose fp32 bmm is ~3x more accurate in bf16),
     then fp32, softmax in base 2 (exp2 is ~2x cheaper than exp on CPU). -> [T, nh, d] in q's dtype.
+
+    `sinks=None` (a DCP rank's partial attention over its own keys): no sink; -> (out [T, nh, d] fp32,
+    normalized over the keys seen, 0 where none; lse [T, nh] fp32, -inf where none).
     """
     T, nh, d = q.shape
     S, nkv = k.shape[0], k.shape[1]
     rep = nh // nkv
     dt = q.dtype
-    out = q.new_zeros(T, nh, d)
+    partial = sinks is None
+    out = q.new_zeros(T, nh, d, dtype=torch.float32 if partial else dt)
+    lse_out = torch.full((T, nh), float("-inf")) if partial else None
     if T == 0 or S == 0:
-        return out
+        return (out, lse_out) if partial else out
     sdt = torch.float32 if fp32_scores else dt
     kh = k.transpose(0, 1).to(sdt)                                         # [nkv, S, d] (views when no cast)
     vh = v.transpose(0, 1)
     qh = q.view(T, nkv, rep, d).permute(1, 2, 0, 3).to(sdt)                # [nkv, rep, T, d]
     c = scale * _LOG2E                                                     # scores in log2 units
-    sink = sinks.float().view(nkv, rep, 1, 1)
+    sink = None if partial else sinks.float().view(nkv, rep, 1, 1)
     kmins, kmaxs = _tile_bounds(k_pos, tile)
     qmins, qmaxs = _tile_bounds(q_pos, q_tile)
     neg = float("-inf")
@@ -170,6 +176,9 @@ def flash_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
             m = m_new
         lse = (m + l.log2()).mul_(_LN2)                                    # natural log; -inf: no key seen
         o = acc.div_(l.clamp_min(1e-30)).view(nkv, rep, tq, d)
-        o = o.mul_(torch.sigmoid(lse.view(nkv, rep, tq, 1) - sink))
-        out[q0:q1] = o.permute(2, 0, 1, 3).reshape(tq, nh, d).to(dt)
-    return out
+        if partial:
+            lse_out[q0:q1] = lse.view(nkv, rep, tq).permute(2, 0, 1).reshape(tq, nh)
+        else:
+            o = o.mul_(torch.sigmoid(lse.view(nkv, rep, tq, 1) - sink))
+        out[q0:q1] = o.permute(2, 0, 1, 3).reshape(tq, nh, d).to(out.dtype)
+    return (out, lse_out) if partial else out

@@ -35,6 +35,28 @@ blocks (9.96 GiB), +0.2% from the seed. The seed's "~2.54M KV tokens" matches ne
 36,175 × 128 = 4.63M tokens of full-attention context (our `kv_tokens`), and vLLM's per-group log
 convention gives 36,175 // 2 × 128 = 2.32M; we report both. The seed's "about 2x the stacked cap"
 fits the all-layers stack (14,563 blocks, 2.48× for 36,175) rather than the group_size stack (29,127, 1.24×).
+
+DCP (decode context parallel, `--dcp N`, N dividing tp): the N consecutive ranks of a DCP group hold the same
+kv heads and split every sequence's tokens round-robin in chunks of `--dcp-interleave` tokens (I, a multiple
+of the block size; `kv.dcp.TokenShard`). The kv heads are split over tp/N shards instead of tp, so a rank holds
+`kv // (tp/N)` heads (`local_heads` with `Shard(dcp_size=N)`; tp/N must divide the kv heads, so N ≥ tp/kv).
+Where tp/N < kv heads a rank holds more heads than without DCP: `bytes_per_block` grows (×N when tp ≤ kv,
+×N·kv/tp when tp > kv) and `num_blocks` shrinks by as much, while each block holds 1/N of a sequence's
+tokens: no more sequences fit than with N = tp/kv. Where tp > kv heads, every kv head was held tp/kv times
+without DCP; at N = tp/kv a rank still holds one head (same `bytes_per_block`, same `num_blocks`) but only
+its 1/N of every sequence's tokens, so the group holds N× the context and N× the sequences at a long context
+(120B, 8 kv heads, TP16 --dcp 2). The DCP numbers, all per rank:
+- `kv_tokens_per_rank = num_blocks × B`: the tokens this rank's pool holds (its share of the group's context).
+- `kv_context_tokens`: the longest single sequence whose full-attention blocks fit the usable pool
+  (`num_blocks − 1`) on every rank of the group. Every rank allocates what the fullest rank (0) needs, so it is
+  the largest T with `cdiv(most(T), B) ≤ num_blocks − 1`: the position of rank 0's local index
+  `(num_blocks − 1) × B`, i.e. `(num_blocks − 1) × B × N` when I = B (`(num_blocks − 1) × B` without DCP).
+- at `--context T` (default `max_position_embeddings`): `blocks_per_seq` = the sum over the KV groups of
+  `spec.peak_blocks(T, min(T, 512), TokenShard(N, 0, I))`, the blocks one request of T tokens (prefilled 512
+  tokens a step) holds at once on every rank, and `max_concurrent_seqs = (num_blocks − 1) // blocks_per_seq`.
+- `baseline_dcp1`: the same layout without DCP (its own weights, budget and blocks), and `dcp_seqs_ratio`,
+  `max_concurrent_seqs` over the baseline's. With `--dcp 1` the baseline is the plan itself.
+`max_sliding_blocks_per_request` stays the bound without DCP; `blocks_per_seq` counts the DCP sliding blocks.
 """
 
 from __future__ import annotations
@@ -48,7 +70,9 @@ from typing import Any
 import torch
 
 from .config import GptOssConfig
+from .kv.dcp import TokenShard
 from .kv.spec import cdiv, get_kv_spec, group_kv_specs
+from .parallel.mesh import build_layout
 from .weights import Shard, build_stacked_weight_specs, local_heads
 
 GIB = 1024**3
@@ -56,15 +80,19 @@ UINT32_OFFSET_LIMIT = 2**32
 KV_ITEMSIZE = {"fp8": 1, "bf16": 2}
 ACT_BYTES = 4                 # activations counted in fp32
 DEFAULT_MAX_NUM_SEQS = 64     # EngineConfig.max_num_seqs
+DEFAULT_PREFILL_CHUNK = 512   # EngineConfig.max_prefill_tokens: prefill tokens a step, for `blocks_per_seq`
 
 REQUIRED_KEYS = ("num_blocks", "kv_bytes", "kv_tokens", "bytes_per_block", "weight_bytes_per_rank",
                  "max_buffer_offset")
 
 
-def check_layout(cfg: GptOssConfig, tp: int, dp: int, ep: int) -> tuple[int, int]:
-    """Validate the parallel layout -> (q heads, kv heads) per rank. Raises ValueError with the reason."""
-    for name, v in (("tp", tp), ("dp", dp), ("ep", ep)):
-        if not isinstance(v, int) or v < 1:
+def check_layout(cfg: GptOssConfig, tp: int, dp: int, ep: int, dcp: int = 1) -> tuple[int, int]:
+    """Validate the parallel layout -> (q heads, kv heads) per rank. Raises ValueError with the reason.
+
+    The plan's own checks first (their messages), then the engine's (`build_layout`: EP groups line up with
+    TP groups; `dcp` divides tp and tp/dcp divides the kv heads)."""
+    for name, v in (("tp", tp), ("dp", dp), ("ep", ep), ("dcp", dcp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"--{name} must be a positive integer (got {v!r})")
     nh, kv = local_heads(cfg, Shard(0, tp, 0, ep))          # ConfigError (a ValueError) on bad TP
     if cfg.num_local_experts % ep:
@@ -72,26 +100,28 @@ def check_layout(cfg: GptOssConfig, tp: int, dp: int, ep: int) -> tuple[int, int
     if (tp * dp) % ep:
         raise ValueError(f"ep={ep} must divide the world size tp*dp={tp * dp} (experts are spread over the "
                          f"EP ranks, which are TP×DP ranks)")
-    return nh, kv
+    build_layout(tp, dp, ep, None, cfg, dcp)                 # LayoutError (a ValueError) says why
+    return local_heads(cfg, Shard(0, tp, 0, ep, dcp)) if dcp > 1 else (nh, kv)
 
 
-def weight_breakdown(cfg: GptOssConfig, *, tp: int = 1, ep: int = 1,
-                     dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
-    """Bytes of each weight stack one rank holds (MXFP4 experts as blocks + scales)."""
+def weight_breakdown(cfg: GptOssConfig, *, tp: int = 1, ep: int = 1, dtype: torch.dtype = torch.bfloat16,
+                     dcp: int = 1) -> dict[str, int]:
+    """Bytes of each weight stack one rank holds (MXFP4 experts as blocks + scales; with DCP the k/v rows of
+    this rank's tp/dcp kv shard)."""
     layout = "mxfp4" if cfg.experts_mxfp4 else "bf16"
-    specs = build_stacked_weight_specs(cfg, dtype, layout, Shard(0, tp, 0, ep))
+    specs = build_stacked_weight_specs(cfg, dtype, layout, Shard(0, tp, 0, ep, dcp))
     return {s.name: math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in specs}
 
 
 def estimate_activation_bytes(cfg: GptOssConfig, *, tp: int = 1, ep: int = 1,
-                              max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> int:
+                              max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, dcp: int = 1) -> int:
     """A floor for one decode step's live activations, fp32, `max_num_seqs` tokens.
 
     Per token: 8 hidden-size vectors (residual, norm outputs, attention and MoE outputs, collective
     buffers), this rank's fused qkv row, top_k expert `gate_up` rows (2·I each) and this rank's
     vocabulary shard of logits. Attention scores are not counted (the decode program streams them).
     """
-    nh, kv = local_heads(cfg, Shard(0, tp, 0, ep))
+    nh, kv = local_heads(cfg, Shard(0, tp, 0, ep, dcp))
     per_token = (8 * cfg.hidden_size + (nh + 2 * kv) * cfg.head_dim
                  + cfg.num_experts_per_tok * 2 * cfg.intermediate_size + cdiv(cfg.vocab_size, tp))
     return max_num_seqs * per_token * ACT_BYTES
@@ -100,8 +130,13 @@ def estimate_activation_bytes(cfg: GptOssConfig, *, tp: int = 1, ep: int = 1,
 def plan_memory(cfg: GptOssConfig, *, tp: int = 1, dp: int = 1, ep: int = 1, block_size: int = 16,
                 kv_dtype: str = "fp8", device_memory_gib: float | None = None, memory_utilization: float = 0.9,
                 kv_budget_gib: float | None = None, activation_gib: float | None = None,
-                max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> dict[str, Any]:
-    """The KV plan of one rank (see the module docstring). Raises ValueError on an impossible layout/budget."""
+                max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, dcp: int = 1, dcp_interleave: int | None = None,
+                context: int | None = None) -> dict[str, Any]:
+    """The KV plan of one rank (see the module docstring). Raises ValueError on an impossible layout/budget.
+
+    `dcp`: decode context parallel size; `dcp_interleave`: tokens per round-robin chunk (None: block_size);
+    `context`: the sequence length of `blocks_per_seq` / `max_concurrent_seqs` (None: max_position_embeddings).
+    """
     if kv_dtype not in KV_ITEMSIZE:
         raise ValueError(f"--kv-dtype must be one of {sorted(KV_ITEMSIZE)} (got {kv_dtype!r})")
     if not isinstance(block_size, int) or block_size <= 0 or (kv_dtype == "fp8" and block_size % 2):
@@ -111,7 +146,14 @@ def plan_memory(cfg: GptOssConfig, *, tp: int = 1, dp: int = 1, ep: int = 1, blo
                          "kv_budget_gib (--kv-budget-gib)")
     if not 0.0 < memory_utilization <= 1.0:
         raise ValueError(f"--memory-utilization must be in (0, 1] (got {memory_utilization})")
-    nh, kv = check_layout(cfg, tp, dp, ep)
+    interleave = block_size if dcp_interleave is None else dcp_interleave
+    if isinstance(interleave, bool) or not isinstance(interleave, int) or interleave < 1 or interleave % block_size:
+        raise ValueError(f"--dcp-interleave {interleave!r} must be a positive multiple of --block-size {block_size} "
+                         f"(a KV block holds the tokens of one DCP rank)")
+    context = cfg.max_position_embeddings if context is None else context
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ValueError(f"--context must be a positive integer (got {context!r})")
+    nh, kv = check_layout(cfg, tp, dp, ep, dcp)
     itemsize = KV_ITEMSIZE[kv_dtype]
     d, L = cfg.head_dim, cfg.num_hidden_layers
 
@@ -119,10 +161,10 @@ def plan_memory(cfg: GptOssConfig, *, tp: int = 1, dp: int = 1, ep: int = 1, blo
     groups, buffers = group_kv_specs(get_kv_spec(cfg, block_size, itemsize, kv))
     group_size, num_groups = len(buffers), len(groups)
 
-    breakdown = weight_breakdown(cfg, tp=tp, ep=ep)
+    breakdown = weight_breakdown(cfg, tp=tp, ep=ep, dcp=dcp)
     weight_bytes = sum(breakdown.values())
     act_bytes = (round(activation_gib * GIB) if activation_gib is not None
-                 else estimate_activation_bytes(cfg, tp=tp, ep=ep, max_num_seqs=max_num_seqs))
+                 else estimate_activation_bytes(cfg, tp=tp, ep=ep, max_num_seqs=max_num_seqs, dcp=dcp))
     if act_bytes < 0:
         raise ValueError(f"--activation-gib must be >= 0 (got {activation_gib})")
 
@@ -159,6 +201,22 @@ def plan_memory(cfg: GptOssConfig, *, tp: int = 1, dp: int = 1, ep: int = 1, blo
     stacked_cap = (UINT32_OFFSET_LIMIT - 1) // (group_size * per_buffer_half_elems)
     stacked_all_cap = (UINT32_OFFSET_LIMIT - 1) // (L * per_buffer_half_elems)
     window = cfg.sliding_window if any(cfg.is_sliding(i) for i in range(L)) else 0
+
+    # DCP: this rank's share of every sequence; the blocks one sequence of `context` tokens holds at once.
+    tokens = TokenShard(dcp, 0, interleave) if dcp > 1 else None
+    shard0 = tokens or TokenShard()
+    kv_context = shard0.position((num_blocks - 1) * block_size)   # largest T: cdiv(most(T), B) <= num_blocks - 1
+    blocks_per_seq = sum(g.spec.peak_blocks(context, min(context, DEFAULT_PREFILL_CHUNK), tokens) for g in groups)
+    max_seqs = (num_blocks - 1) // blocks_per_seq
+    dcp_numbers = {"kv_heads_per_rank": kv, "num_blocks": num_blocks, "kv_tokens_per_rank": num_blocks * block_size,
+                   "blocks_per_seq": blocks_per_seq, "max_concurrent_seqs": max_seqs}
+    if dcp > 1:
+        base = plan_memory(cfg, tp=tp, dp=dp, ep=ep, block_size=block_size, kv_dtype=kv_dtype,
+                           device_memory_gib=device_memory_gib, memory_utilization=memory_utilization,
+                           kv_budget_gib=kv_budget_gib, activation_gib=activation_gib, max_num_seqs=max_num_seqs,
+                           context=context)["baseline_dcp1"]
+    else:
+        base = dict(dcp_numbers)
 
     return {
         "num_layers": L,
@@ -197,6 +255,15 @@ def plan_memory(cfg: GptOssConfig, *, tp: int = 1, dp: int = 1, ep: int = 1, blo
         "stacked_cap_ratio": num_blocks / stacked_cap if stacked_cap else None,
         "stacked_all_layers_cap_blocks": stacked_all_cap,
         "stacked_all_layers_cap_ratio": num_blocks / stacked_all_cap if stacked_all_cap else None,
+        "dcp": dcp,
+        "dcp_interleave": interleave,
+        "kv_tokens_per_rank": num_blocks * block_size,
+        "kv_context_tokens": kv_context,
+        "context": context,
+        "blocks_per_seq": blocks_per_seq,
+        "max_concurrent_seqs": max_seqs,
+        "baseline_dcp1": base,
+        "dcp_seqs_ratio": max_seqs / base["max_concurrent_seqs"] if base["max_concurrent_seqs"] else None,
     }
 
 
@@ -226,6 +293,13 @@ def format_plan(d: dict[str, Any]) -> str:
         ("KV tokens", f"{d['kv_tokens']:,} of full-attention context "
                       f"(vLLM log convention: {d['kv_tokens_vllm_log']:,})"),
         ("sliding blocks", f"≤ {d['max_sliding_blocks_per_request']} per decoding request"),
+        ("DCP", "1 (off: every rank holds every token)" if d["dcp"] == 1 else
+                f"{d['dcp']} ranks per group, interleave {d['dcp_interleave']} tokens "
+                f"(each rank holds 1/{d['dcp']} of every sequence)"),
+        ("KV tokens / rank", f"{d['kv_tokens_per_rank']:,} (this rank's share); "
+                             f"{d['kv_context_tokens']:,} tokens of one sequence's context per DCP group"),
+        (f"at context {d['context']:,}", f"{d['blocks_per_seq']:,} blocks per sequence -> "
+                                         f"{d['max_concurrent_seqs']:,} concurrent sequences"),
         ("max buffer offset", f"{d['max_buffer_offset']:,} elements "
                               f"({'ok' if d['offset_ok'] else 'VIOLATION'}: < 2**32; "
                               f"{d['max_blocks_uint32']:,} blocks fit)"),
@@ -233,6 +307,14 @@ def format_plan(d: dict[str, Any]) -> str:
                             f"({d['stacked_cap_ratio']:.2f}×); {d['stacked_all_layers_cap_blocks']:,} over "
                             f"{d['num_layers']} layers ({d['stacked_all_layers_cap_ratio']:.2f}×)"),
     ]
+    if d["dcp"] > 1:                     # after "at context T": the same layout and context without DCP
+        b = d["baseline_dcp1"]
+        ratio = "-" if d["dcp_seqs_ratio"] is None else f"{d['dcp_seqs_ratio']:.2f}×"
+        at = next(i for i, (k, _) in enumerate(rows) if k.startswith("at context")) + 1
+        rows.insert(at, (f"DCP {d['dcp']} vs 1", f"{ratio} seqs ({d['max_concurrent_seqs']:,} vs "
+                                                 f"{b['max_concurrent_seqs']:,}; without DCP: {b['kv_heads_per_rank']} "
+                                                 f"kv heads, {b['num_blocks']:,} blocks, {b['blocks_per_seq']:,} per "
+                                                 f"sequence)"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines += [f"violation: {v}" for v in d["violations"]]
@@ -241,14 +323,23 @@ def format_plan(d: dict[str, Any]) -> str:
 
 # --------------------------------------------------------------------------------------------------
 def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """`plan (--model DIR | --preset NAME) [--tp N --dp N --ep N] [--block-size B] [--kv-dtype fp8|bf16]
-    (--device-memory-gib G [--memory-utilization U] | --kv-budget-gib G) [--json]`."""
+    """`plan (--model DIR | --preset NAME) [--tp N --dp N --ep N] [--dcp N [--dcp-interleave I]] [--context T]
+    [--block-size B] [--kv-dtype fp8|bf16] (--device-memory-gib G [--memory-utilization U] | --kv-budget-gib G)
+    [--json]`."""
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="DIR", help="model directory (its config.json)")
     src.add_argument("--preset", metavar="NAME", help="tiny | small | 20b-shape | 120b-shape")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--dcp", type=int, default=1, metavar="N",
+                        help="decode context parallel: ranks of a TP group that share kv heads and split every "
+                             "sequence's tokens (divides --tp; tp/dcp must divide the kv heads)")
+    parser.add_argument("--dcp-interleave", type=int, default=None, metavar="I",
+                        help="DCP: tokens per round-robin chunk (default: --block-size; a multiple of it)")
+    parser.add_argument("--context", type=int, default=None, metavar="T",
+                        help="sequence length for blocks per sequence and concurrent sequences "
+                             "(default: the model's max_position_embeddings)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--kv-dtype", choices=sorted(KV_ITEMSIZE), default="fp8", help="KV storage dtype")
     mem = parser.add_mutually_exclusive_group(required=True)
@@ -273,7 +364,8 @@ def run_plan(args: argparse.Namespace) -> int:
         plan = plan_memory(cfg, tp=args.tp, dp=args.dp, ep=args.ep, block_size=args.block_size,
                            kv_dtype=args.kv_dtype, device_memory_gib=args.device_memory_gib,
                            memory_utilization=0.9 if args.memory_utilization is None else args.memory_utilization,
-                           kv_budget_gib=args.kv_budget_gib, activation_gib=args.activation_gib)
+                           kv_budget_gib=args.kv_budget_gib, activation_gib=args.activation_gib,
+                           dcp=args.dcp, dcp_interleave=args.dcp_interleave, context=args.context)
     except ValueError as e:
         print(f"gigadecode plan: error: {e}", file=sys.stderr)
         return 2

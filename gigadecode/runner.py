@@ -24,6 +24,7 @@ from .config import EngineConfig, GptOssConfig
 from .gk.attn_control import build_attention_control
 from .gk.model import GptOssGKDecodeModel
 from .kv.cache import KVCache
+from .kv.dcp import TokenShard
 from .kv.spec import SlidingWindowSpec, get_kv_spec, make_kv_cache_config
 from .model import GptOssModel, SeqChunk
 from .sampling import Sampler, SampleResult, SamplingParams
@@ -56,6 +57,7 @@ class GKDecoder:
 
     def __init__(self, gk: GptOssGKDecodeModel, model: GptOssModel, ecfg: EngineConfig, window: int) -> None:
         self.gk, self.rope, self.ecfg, self.window = gk, model.rope, ecfg, window
+        self.tokens = gk.parallel.tokens if gk.parallel is not None else None    # DCP: local frames
         self.group_sliding = [isinstance(g.spec, SlidingWindowSpec) for g in gk.kv_config.groups]
 
     def decode_batch(self, seqs: list[DecodeSeq], kv: KVCache, pad_to: int = 0) -> torch.Tensor:
@@ -70,7 +72,7 @@ class GKDecoder:
             bucket = next(b for b in self.ecfg.batch_buckets if b >= min(biggest, rows - s0))
             ctl = build_attention_control([s.position for s in part], [s.block_tables for s in part],
                                           self.group_sliding, self.rope, self.ecfg.block_size, self.window,
-                                          batch_bucket=bucket)
+                                          batch_bucket=bucket, tokens=self.tokens)
             ids = torch.zeros(bucket, dtype=torch.long)
             ids[: len(part)] = torch.tensor([s.token_id for s in part])
             outs.append(self.gk.decode(ids, ctl)[: len(part)])
@@ -134,6 +136,11 @@ class ModelRunner:
     @property
     def block_size(self) -> int:
         return self.ecfg.block_size
+
+    @property
+    def tokens(self) -> TokenShard:
+        """Which tokens of each sequence this rank's KV holds (decode context parallel; all without it)."""
+        return self.parallel.tokens if self.parallel is not None else TokenShard()
 
     def agree_step(self, num_prefill_chunks: int, num_decodes: int) -> tuple[bool, int]:
         """-> (run a prefill forward this step, decode rows to pad to). One rank: what it has. An EP group

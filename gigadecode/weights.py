@@ -48,6 +48,16 @@ class Shard:
     tp_size: int = 1
     ep_rank: int = 0
     ep_size: int = 1
+    dcp_size: int = 1            # decode context parallel: this many consecutive TP ranks share kv heads
+
+    @property
+    def kv_shards(self) -> int:
+        """How many ways the kv heads are split (tp without DCP; tp / dcp with it)."""
+        return self.tp_size // self.dcp_size
+
+    @property
+    def kv_rank(self) -> int:
+        return self.tp_rank // self.dcp_size
 
 
 @dataclass(frozen=True)
@@ -128,13 +138,17 @@ def cdiv(a: int, b: int) -> int:
 
 
 def local_heads(cfg: GptOssConfig, shard: Shard) -> tuple[int, int]:
-    """(q heads, kv heads) held by one TP rank; kv heads are replicated when tp > kv heads."""
+    """(q heads, kv heads) held by one TP rank; kv heads are replicated when tp > kv heads. With DCP the kv
+    heads are split over tp / dcp shards (the ranks of a DCP group hold the same kv heads, other tokens)."""
     nh, kv, tp = cfg.num_attention_heads, cfg.num_key_value_heads, shard.tp_size
     if nh % tp:
         raise ConfigError(f"tp={tp} does not divide num_attention_heads={nh}")
-    if kv % tp and tp % kv:
+    if tp % shard.dcp_size:
+        raise ConfigError(f"dcp={shard.dcp_size} does not divide tp={tp}")
+    ks = shard.kv_shards
+    if kv % ks and ks % kv:
         raise ConfigError(f"tp={tp} and num_key_value_heads={kv}: one must divide the other")
-    return nh // tp, max(kv // tp, 1)
+    return nh // tp, max(kv // ks, 1)
 
 
 def checkpoint_tensors(cfg: GptOssConfig, layout: str) -> dict[str, Source]:
@@ -387,10 +401,11 @@ EXPERT_STACKS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales
 
 def shard_ranges(cfg: GptOssConfig, shard: Shard) -> dict[str, tuple[int, int]]:
     """This rank's index ranges into the checkpoint's (unsharded) tensors:
-    q heads, kv heads (rank r holds kv head r // (tp // kv) when tp > kv), vocabulary rows, experts."""
+    q heads, kv heads (rank r holds kv head r // (tp // kv) when tp > kv; with DCP, kv shard r // dcp of
+    tp / dcp), vocabulary rows, experts."""
     nh_l, kv_l = local_heads(cfg, shard)
     r, tp = shard.tp_rank, shard.tp_size
-    kv0 = r * cfg.num_key_value_heads // tp
+    kv0 = shard.kv_rank * cfg.num_key_value_heads // shard.kv_shards
     v_size = cdiv(cfg.vocab_size, tp)
     v0 = min(r * v_size, cfg.vocab_size)
     e_l = cfg.num_local_experts // shard.ep_size

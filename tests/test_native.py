@@ -542,6 +542,191 @@ def test_paged_decode_attention_errors():
         call(table, [9, 5], k=torch.zeros(nb, 1, B, d + 2))
 
 
+# ---- paged_decode_attention_partial (decode context parallelism) -------------------------------------
+
+def visible_nothing(first, pos, active) -> torch.Tensor:
+    """[Bt] bool: slots that see no key (inactive, pos < 0 or first > pos), from the lists themselves."""
+    return torch.tensor([not a or max(f, 0) > p for f, p, a in zip(first, pos, active)])
+
+
+def check_partial(g, K, V, table, first, pos, active, nh):
+    """Kernel against twin: out and lse close, -inf lse and zero out exactly on the slots that see nothing."""
+    Bt, d = table.shape[0], V.shape[-1]
+    q = randn(g, Bt, nh, d, scale=2.0)
+    args = (q, K, V, table, torch.tensor(pos, dtype=torch.long), torch.tensor(first, dtype=torch.long),
+            torch.tensor(active), 1.0 / math.sqrt(d), KS, VS)
+    out, lse = OPS.paged_decode_attention_partial(*args)
+    ref, ref_lse = twins.paged_decode_attention_partial(*args)
+    assert out.shape == ref.shape == (Bt, nh, d) and lse.shape == ref_lse.shape == (Bt, nh)
+    assert out.dtype == lse.dtype == ref.dtype == ref_lse.dtype == F32
+    empty = visible_nothing(first, pos, active)
+    for o, l in ((out, lse), (ref, ref_lse)):
+        assert torch.equal(torch.isneginf(l), empty[:, None].expand(Bt, nh))
+        assert torch.isfinite(l[~empty]).all() and torch.isfinite(o).all()
+        assert torch.equal(o[empty], torch.zeros(int(empty.sum()), nh, d))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5 * max(1.0, ref.abs().max().item()))
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    return out, lse
+
+
+def _partial_slots(g, B: int, long: int, Bt: int):
+    """(first, pos, active) for Bt slots: the long contexts first (so one or two slots split their block
+    range), then the awkward ones (nothing visible: first > pos or pos < 0; first == pos; first < 0; one whole
+    block; first at a block edge; padded inactive slots), then random ranges (some empty), shuffled past 2."""
+    fixed = [(long // 3 + 1, long, True), (0, long, True), (5, 5, True), (B + 1, B, True), (0, 0, True),
+             (B, 2 * B - 1, True), (-3, B, True), (0, -1, True), (2 * B, 3 * B + 1, True), (0, 7, False),
+             (3, long, False)]
+    slots = fixed[:Bt]
+    while len(slots) < Bt:
+        p = int(torch.randint(0, long + 1, (1,), generator=g))
+        f = int(torch.randint(-2, p + 3, (1,), generator=g))
+        slots.append((f, p, bool(torch.rand(1, generator=g) < 0.9)))
+    if Bt > 2:
+        head, rest = slots[:2], slots[2:]
+        slots = head + [rest[i] for i in torch.randperm(len(rest), generator=g).tolist()]
+    return [s[0] for s in slots], [s[1] for s in slots], [s[2] for s in slots]
+
+
+def partial_tables(g, nb, B, first, pos, active):
+    """make_tables, then the blocks before each slot's range are freed (0) and a slot that sees nothing gets a
+    row of junk ids (both never read)."""
+    table = make_tables(g, nb, B, [max(p, 0) for p in pos], active)
+    for b, (f, p, a) in enumerate(zip(first, pos, active)):
+        if a and max(f, 0) > p:
+            table[b] = torch.randint(-5, 2 * nb, (table.shape[1],), generator=g)
+        elif a:
+            table[b, : max(f, 0) // B] = 0
+    return table
+
+
+@pytest.mark.parametrize("form,B,d", _kv_cases())
+def test_paged_decode_attention_partial(form, B, d):
+    g = gen("partial", form, B, d)
+    long = max(300, 12 * B) + int(torch.randint(0, B, (1,), generator=g))
+    nb = long // B + 4
+    # (kv heads, GQA rep, slots, threads): one or two long slots split over block ranges (4 threads: more
+    # ranges), then batches with padded slots and empty / single-key ranges
+    for kv, rep, Bt, threads in ((1, 1, 1, 4), (1, 3, 2, 2), (3, 1, 5, 2), (1, 8, 17, 2), (2, 3, 33, 4)):
+        buf, K, V = make_kv(g, form, nb, kv, B, d)
+        first, pos, active = _partial_slots(g, B, long, Bt)
+        table = partial_tables(g, nb, B, first, pos, active)
+        with num_threads(threads):
+            check_partial(g, K, V, table, first, pos, active, kv * rep)
+
+
+def _pieces(g, lo: int, p: int, n: int):
+    """n disjoint (first, pos) pieces covering [lo, p] in order; any piece may be empty (first = pos + 1)."""
+    cuts = sorted(int(c) for c in torch.randint(lo, p + 2, (n - 1,), generator=g))
+    edges = [lo, *cuts, p + 1]
+    return [(edges[i], edges[i + 1] - 1) for i in range(n)]
+
+
+def merge_with_sink(parts, sinks):
+    """Exact merge of partials (out_i [Bt, nh, d], lse_i [Bt, nh]) with the sink, in float64:
+    M = max(lse_i, sink); out = Σ e^{lse_i-M} out_i / (Σ e^{lse_i-M} + e^{sink-M})."""
+    outs = torch.stack([o.double() for o, _ in parts])            # [P, Bt, nh, d]
+    lses = torch.stack([l.double() for _, l in parts])            # [P, Bt, nh]
+    sink = sinks.double()[None, :]
+    M = torch.maximum(lses.amax(0), sink)
+    w = torch.exp(lses - M)                                       # e^{-inf} = 0 for empty pieces
+    return (w[..., None] * outs).sum(0) / (w.sum(0) + torch.exp(sink - M))[..., None]
+
+
+@pytest.mark.parametrize("form", KV_FORMS)
+@pytest.mark.parametrize("threads", [1, 4])
+def test_paged_decode_attention_partial_merges_to_the_full_op(form, threads):
+    """Each slot's visible range [lo, p] split into 2-3 disjoint pieces (first / pos differ per call, some
+    pieces empty), their partials merged with the sink, must give paged_decode_attention over the whole range
+    with that sink (sliding: window = p - lo + 1 for every slot; full: lo = 0): for the kernels and the twins."""
+    g = gen("partial-merge", form, threads)
+    for B, d, kv, rep in ((2, 18, 1, 3), (4, 64, 2, 4), (16, 16, 1, 8)):
+        if form != "fp8-packed" and B == 2:
+            B = 1
+        long = 37 * B + 3
+        nb = long // B + 4
+        pos = [long, 3 * B + 1, 0, B - 1, 9 * B, 11]
+        active = [True, True, True, True, True, False]
+        nh = kv * rep
+        buf, K, V = make_kv(g, form, nb, kv, B, d)
+        q = randn(g, len(pos), nh, d, scale=2.0)
+        sinks = randn(g, nh)
+        scale = 1.0 / math.sqrt(d)
+        pos_t, act_t = torch.tensor(pos), torch.tensor(active)
+        for window in (0, 8 * B + 1, 5):
+            lo = [max(0, p - window + 1) if window else 0 for p in pos]
+            table = make_tables(g, nb, B, pos, active, extra=0)
+            for b, l in enumerate(lo):
+                table[b, : l // B] = 0                                # freed blocks before the window
+            n = 3 if window != 5 else 2
+            pieces = [_pieces(g, l, p, n) for l, p in zip(lo, pos)]  # [slot][piece] -> (first, pos)
+            with num_threads(threads):
+                for impl in (OPS, twins):
+                    parts = [impl.paged_decode_attention_partial(
+                        q, K, V, table, torch.tensor([pieces[b][i][1] for b in range(len(pos))]),
+                        torch.tensor([pieces[b][i][0] for b in range(len(pos))]), act_t, scale, KS, VS)
+                        for i in range(n)]
+                    merged = merge_with_sink(parts, sinks).float().reshape(len(pos), nh * d)
+                    full = impl.paged_decode_attention(q, K, V, table, pos_t, act_t, sinks, window, scale, KS, VS,
+                                                       F32)
+                    torch.testing.assert_close(merged, full, rtol=1e-5,
+                                               atol=2e-5 * max(1.0, full.abs().max().item()))
+                    assert torch.equal(merged[~act_t], torch.zeros(int((~act_t).sum()), nh * d))
+        # the wrapper calls the kernel
+        first_t = torch.tensor([pieces[b][0][0] for b in range(len(pos))])
+        got = native.paged_decode_attention_partial(q, K, V, table, pos_t, first_t, act_t, scale, KS, VS)
+        want = OPS.paged_decode_attention_partial(q, K, V, table, pos_t, first_t, act_t, scale, KS, VS)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_paged_decode_attention_partial_errors():
+    g = gen("partial-errors")
+    B, d, nb = 4, 16, 10
+    buf, K, V = make_kv(g, "fp8-packed", nb, 1, B, d)
+    q = torch.randn(2, 2, d, generator=g)
+    table = make_tables(g, nb, B, [9, 5], [True, True], extra=0)      # 3 columns: positions < 12
+    act = torch.tensor([True, True])
+
+    def call(table, first, pos, active=act, k=K, v=V, q=q):
+        first = first if isinstance(first, torch.Tensor) else torch.tensor(first)
+        return OPS.paged_decode_attention_partial(q, k, v, table, torch.tensor(pos), first, active, 0.25, 1.0, 1.0)
+
+    call(table, [0, 0], [9, 5])
+    null = table.clone()
+    null[1, 0] = 0                                     # the null block for positions 0..3 of slot 1
+    with pytest.raises(RuntimeError, match="slot 1: block id 0 out of range"):
+        call(null, [0, 3], [9, 5])
+    call(null, [0, 4], [9, 5])                         # ... fine once the range starts past it
+    oob = table.clone()
+    oob[0, 1] = nb                                     # a block id past the buffer (positions 4..7)
+    with pytest.raises(RuntimeError, match="slot 0: block id 10 out of range"):
+        call(oob, [7, 0], [9, 5])
+    with pytest.raises(RuntimeError, match="slot 0: block id -1 out of range"):
+        call(torch.full_like(table, -1), [3, 9], [3, 5])
+    call(oob, [8, 0], [9, 5])
+    with pytest.raises(RuntimeError, match="slot 0: position 12 past its table"):
+        call(table, [11, 0], [12, 5])
+    # nothing visible is not checked: first > pos, pos < 0, inactive
+    junk = torch.full_like(table, nb + 7)
+    out, lse = call(junk, [13, 0], [12, -1])
+    assert torch.isneginf(lse).all() and not out.any()
+    call(table, [0, 0], [9, 99], active=torch.tensor([True, False]))
+    # shapes and dtypes
+    with pytest.raises(RuntimeError, match="first must be int64"):
+        call(table, torch.tensor([0, 0], dtype=torch.int32), [9, 5])
+    with pytest.raises(RuntimeError, match="first must be int64"):
+        call(table, [0, 0, 0], [9, 5])
+    with pytest.raises(RuntimeError, match="pos \\(int64\\) and active"):
+        call(table, [0, 0], [9, 5, 1])
+    with pytest.raises(RuntimeError, match="table must be int64"):
+        call(table[:1], [0, 0], [9, 5])
+    with pytest.raises(RuntimeError, match="q must be float32"):
+        call(table, [0, 0], [9, 5], q=q.to(BF16))
+    with pytest.raises(RuntimeError, match="does not fit KV heads"):
+        call(table, [0, 0], [9, 5], q=torch.zeros(2, 2, d + 2))
+    with pytest.raises(RuntimeError, match="does not match V"):
+        call(table, [0, 0], [9, 5], k=torch.zeros(nb, 1, B, d + 2))
+
+
 def test_fake_implementations_match_the_kernels_shapes():
     """Every op has a fake (meta) implementation with the kernel's output shape and dtype, so a traced or
     compiled program sees it as one opaque node."""
@@ -559,6 +744,8 @@ def test_fake_implementations_match_the_kernels_shapes():
         lambda: OPS.linear(x, torch.randn(7, 64, generator=g), None),
         lambda: OPS.paged_decode_attention(torch.randn(1, nh, d, generator=g), K, V, table, pos, act,
                                            torch.zeros(nh), 0, 0.25, 1.0, 1.0, BF16),
+        lambda: OPS.paged_decode_attention_partial(torch.randn(1, nh, d, generator=g), K, V, table, pos,
+                                                   torch.tensor([2]), act, 0.25, 1.0, 1.0),
         lambda: OPS.rope_kv_write(torch.randn(1, (nh + 2 * kv) * d, generator=g), torch.ones(1, d // 2),
                                   torch.zeros(1, d // 2), K.clone(), V.clone(), torch.tensor([5]), nh, 1.0, 1.0),
         lambda: OPS.rms_norm(x, torch.ones(64), 1e-5),
@@ -566,5 +753,8 @@ def test_fake_implementations_match_the_kernels_shapes():
     real = [c() for c in calls]
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake = [c() for c in calls]
+    flat = lambda outs: [t for o in outs for t in (o if isinstance(o, (tuple, list)) else (o,))]  # noqa: E731
+    real, fake = flat(real), flat(fake)
+    assert len(real) == len(fake) == len(calls) + 1               # the partial op returns (out, lse)
     for r, f in zip(real, fake):
         assert (f.shape, f.dtype) == (r.shape, r.dtype)

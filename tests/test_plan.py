@@ -144,3 +144,121 @@ def test_run_plan_errors(capsys):
         parse(["--preset", "tiny", "--device-memory-gib", "1", "--kv-budget-gib", "1"])
     with pytest.raises(SystemExit):
         parse(["--model", "x", "--preset", "tiny", "--kv-budget-gib", "1"])
+
+
+# ---- decode context parallel (DCP) ---------------------------------------------------------------------------
+# 120B at TP16 x DP8 x EP128, block 128, fp8, a 10 GiB KV budget, 128K context. 8 kv heads over 16 ranks: without
+# DCP every kv head is held by 2 ranks; with --dcp 2 the kv heads split over 16/2 = 8 shards (still 1 per rank)
+# and each rank of a DCP pair holds half of every sequence's tokens.
+TP16 = dict(tp=16, dp=8, ep=128, block_size=128, kv_dtype="fp8", kv_budget_gib=10, context=131072)
+
+
+def test_dcp1_baseline_is_the_plan_itself():
+    p = plan_memory(preset_config("120b-shape"), **SEED_120B)
+    assert p["dcp"] == 1 and p["dcp_interleave"] == 128 and p["context"] == 131072   # max_position_embeddings
+    assert p["kv_tokens_per_rank"] == p["kv_tokens"] == p["num_blocks"] * 128
+    assert p["kv_context_tokens"] == (p["num_blocks"] - 1) * 128
+    # full group: cdiv(131072, 128) = 1024; sliding group (W 128, 512-token chunks): cdiv(127 + 512, 128) + 1 = 6
+    assert p["blocks_per_seq"] == 1024 + 6
+    assert p["max_concurrent_seqs"] == (p["num_blocks"] - 1) // 1030
+    assert p["baseline_dcp1"] == {"kv_heads_per_rank": 1, "num_blocks": p["num_blocks"],
+                                  "kv_tokens_per_rank": p["kv_tokens"], "blocks_per_seq": 1030,
+                                  "max_concurrent_seqs": p["max_concurrent_seqs"]}
+    assert p["dcp_seqs_ratio"] == 1.0
+    assert "DCP 1 vs 1" not in format_plan(p)
+
+
+def test_dcp2_tp16_doubles_the_sequences():
+    cfg = preset_config("120b-shape")
+    p = plan_memory(cfg, **TP16, dcp=2)
+    assert p["dcp"] == 2 and p["dcp_interleave"] == 128
+    assert p["kv_heads_per_rank"] == 1 and p["q_heads_per_rank"] == 4
+    assert p["bytes_per_block"] == 18 * 2 * 1 * 128 * 64 * 1 == 294_912        # same as without DCP
+    assert p["num_blocks"] == 10 * 2**30 // 294_912 == 36_408
+    assert p["kv_tokens_per_rank"] == 36_408 * 128
+    # rank 0 (the fullest) may fill the 36,407 usable blocks: its local index 36,407*128 is position 36,407*128*2
+    assert p["kv_context_tokens"] == 36_407 * 128 * 2
+    # full group: rank 0 holds 65,536 of 131,072 tokens -> 512 blocks. Sliding group, a step c -> c + 512 holds
+    # cdiv(most(c + 512), 128) - least(c - 127) // 128; with c = 256k + r: most(c + 512) = 128k + 256 + min(r, 128)
+    # -> k + 2 + [r > 0] blocks; least(c - 127) // 128 = k for r >= 127, k - 1 for r < 127 -> at most 4 (0 < r < 127)
+    assert p["blocks_per_seq"] == 512 + 4
+    assert p["max_concurrent_seqs"] == 36_407 // 516 == 70
+    b = p["baseline_dcp1"]
+    assert b == {"kv_heads_per_rank": 1, "num_blocks": 36_408, "kv_tokens_per_rank": 36_408 * 128,
+                 "blocks_per_seq": 1024 + 6, "max_concurrent_seqs": 36_407 // 1030}
+    assert b["max_concurrent_seqs"] == 35 and p["dcp_seqs_ratio"] == 2.0
+    assert p["weight_bytes_per_rank"] == plan_memory(cfg, **TP16)["weight_bytes_per_rank"]   # same k/v rows
+    text = format_plan(p)
+    assert "DCP 2 vs 1" in text and "2.00× seqs (70 vs 35" in text and "516 blocks per sequence" in text
+
+
+def test_dcp2_tp8_splits_blocks_not_sequences():
+    # TP8 holds each of the 8 kv heads once: with --dcp 2 a rank holds 2 heads (8/(8/2)) of half the tokens
+    cfg = preset_config("120b-shape")
+    p = plan_memory(cfg, tp=8, block_size=128, kv_budget_gib=10, dcp=2)
+    assert p["kv_heads_per_rank"] == 2
+    assert p["bytes_per_block"] == 18 * 2 * 2 * 128 * 64 == 589_824
+    assert p["num_blocks"] == 10 * 2**30 // 589_824 == 18_204
+    assert p["weight_breakdown"]["qkv_w"] == 36 * (8 + 2 * 2) * 64 * 2880 * 2
+    assert weight_breakdown(cfg, tp=8, dcp=2)["qkv_w"] == p["weight_breakdown"]["qkv_w"]
+    assert p["baseline_dcp1"]["kv_heads_per_rank"] == 1 and p["baseline_dcp1"]["num_blocks"] == 36_408
+    assert p["max_concurrent_seqs"] == 18_203 // 516 == p["baseline_dcp1"]["max_concurrent_seqs"] == 35
+
+
+def test_dcp_interleave_and_context():
+    cfg = preset_config("120b-shape")
+    p = plan_memory(cfg, **TP16, dcp=2, dcp_interleave=256)
+    assert p["dcp_interleave"] == 256
+    # rank 0's 36,407*128 tokens: 18,203 whole periods of 512 (256 its own) and 128 more
+    assert p["kv_context_tokens"] == 18_203 * 512 + 128
+    # the definition, by search: the largest T with cdiv(most(T), B) <= usable blocks
+    for dcp, inter in ((1, 16), (2, 16), (2, 32), (4, 48)):
+        q = plan_memory(preset_config("tiny"), block_size=16, kv_budget_gib=1 / 1024, dcp=dcp,
+                        dcp_interleave=inter, tp=dcp)
+        T, U = q["kv_context_tokens"], q["usable_blocks"]
+
+        def most(n):     # rank 0's tokens among [0, n), counted one by one
+            return sum(1 for pos in range(n) if (pos // inter) % dcp == 0)
+        assert -(-most(T) // 16) <= U < -(-most(T + 1) // 16), (dcp, inter)
+    short = plan_memory(cfg, **{**TP16, "context": 1000}, dcp=2)
+    # 1000 tokens: rank 0 holds [0,128) [256,384) [512,640) [768,896) = 512 -> 4 full-group blocks. Sliding, one
+    # 512-token chunk from c = 257: most(769) = 385 -> 4 blocks, least(130) = 2 -> none freed: 4 (all rank 0 has).
+    # Without DCP: cdiv(1000, 128) = 8 full, min(8, cdiv(127 + 512, 128) + 1) = 6 sliding.
+    assert short["context"] == 1000 and short["blocks_per_seq"] == 4 + 4
+    assert short["max_concurrent_seqs"] == 36_407 // 8
+    assert short["baseline_dcp1"]["blocks_per_seq"] == 8 + 6
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(tp=16, dcp=2, dcp_interleave=100), "--dcp-interleave 100 must be a positive multiple of --block-size 128"),
+    (dict(tp=16, dcp=2, dcp_interleave=0), "--dcp-interleave"),
+    (dict(tp=4, dcp=3), "--dcp 3 does not divide --tp 4"),
+    (dict(tp=32, dcp=2), "tp/dcp = 16 ranks, which must divide num_key_value_heads=8"),
+    (dict(tp=16, dcp=0), "--dcp must be a positive integer"),
+    (dict(tp=16, dcp=2, context=0), "--context must be a positive integer"),
+])
+def test_dcp_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        plan_memory(preset_config("120b-shape"), block_size=128, kv_budget_gib=10, **kw)
+
+
+def test_run_plan_dcp_json_and_errors(capsys):
+    args = parse(["--preset", "120b-shape", "--tp", "16", "--dp", "8", "--ep", "128", "--dcp", "2",
+                  "--block-size", "128", "--kv-budget-gib", "10", "--context", "131072", "--json"])
+    assert args.dcp == 2 and args.dcp_interleave is None and args.context == 131072
+    assert run_plan(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in (*REQUIRED_KEYS, "dcp", "dcp_interleave", "kv_tokens_per_rank", "kv_context_tokens",
+                "blocks_per_seq", "max_concurrent_seqs", "baseline_dcp1", "dcp_seqs_ratio"):
+        assert key in out, key
+    assert out["dcp"] == 2 and out["dcp_interleave"] == 128 and out["max_concurrent_seqs"] == 70
+    assert out["baseline_dcp1"]["max_concurrent_seqs"] == 35
+    defaults = parse(["--preset", "tiny", "--kv-budget-gib", "1"])
+    assert defaults.dcp == 1 and defaults.dcp_interleave is None and defaults.context is None
+    assert run_plan(parse(["--preset", "120b-shape", "--tp", "4", "--dcp", "3", "--kv-budget-gib", "1"])) == 2
+    assert "--dcp 3 does not divide --tp 4" in capsys.readouterr().err
+    assert run_plan(parse(["--preset", "120b-shape", "--tp", "16", "--dcp", "2", "--block-size", "128",
+                           "--dcp-interleave", "64", "--kv-budget-gib", "1"])) == 2
+    assert "--dcp-interleave 64" in capsys.readouterr().err
+    assert run_plan(parse(["--preset", "120b-shape", "--tp", "32", "--dcp", "2", "--kv-budget-gib", "1"])) == 2
+    assert "num_key_value_heads=8" in capsys.readouterr().err

@@ -3,7 +3,8 @@ parallel engine, driven with the official `openai` client. Greedy and seeded out
 chat, streamed and not, concurrent) equal the single-rank engine's; a cancelled stream and a bad request
 leave the server serving and no KV block in use; SIGTERM stops every rank.
 
-Disaggregated serving across TP sizes (prefill tp=1 -> decode tp=2 and the reverse, behind the proxy):
+Disaggregated serving across TP sizes (prefill tp=1 -> decode tp=2 and the reverse, and prefill tp 1 / 2 ->
+decode tp 4 with decode context parallel 2, behind the proxy):
 token-identical to the single node for prompt lengths across block and window edges, both pools back to
 empty; one corrupted kv head is refused by its decode group with the CRC error and serving goes on.
 
@@ -157,12 +158,17 @@ def test_parallel_server_stops_every_rank_on_sigterm(server):
 # --------------------------------------------------------------------------------------------------
 # disaggregated serving across TP sizes (head_ratio != 1) behind the proxy
 # --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["prefill-tp1-decode-tp2", "prefill-tp2-decode-tp1"])
+@pytest.fixture(scope="module", params=[(1, 2, 1), (2, 1, 1), (1, 4, 2), (2, 4, 2)],
+                ids=["prefill-tp1-decode-tp2", "prefill-tp2-decode-tp1", "prefill-tp1-decode-tp4-dcp2",
+                     "prefill-tp2-decode-tp4-dcp2"])
 def di_stack(request, tiny_ckpt):
-    p_tp, d_tp = request.param
+    """Prefill and decode of other TP sizes; with dcp 2 each decode rank reads only the blocks of its tokens
+    (tp 4 over 2 kv heads: without DCP every kv head would be held twice)."""
+    p_tp, d_tp, dcp = request.param
     tp = lambda n: ["--tp", str(n), "--ep", str(n)] if n > 1 else []      # noqa: E731
-    with di_servers(tiny_ckpt, tp(p_tp) + DI_FLAGS, tp(d_tp) + DI_FLAGS, p_tp, d_tp) as urls:
-        yield urls
+    d_flags = tp(d_tp) + (["--dcp", str(dcp)] if dcp > 1 else []) + DI_FLAGS
+    with di_servers(tiny_ckpt, tp(p_tp) + DI_FLAGS, d_flags, p_tp, d_tp) as urls:
+        yield {**urls, "decode_ranks": d_tp, "dcp": dcp}
 
 
 def _pools_back(stack) -> dict:
@@ -172,12 +178,16 @@ def _pools_back(stack) -> dict:
 
 def test_di_across_tp_sizes_equals_single_node(di_stack, single_fp8):
     client = openai.OpenAI(base_url=di_stack["proxy"] + "/v1", api_key="x", max_retries=0, timeout=120)
-    for n in (1, 5, 15, 19, 38):                 # nothing to send; N % block == block-1 (the N-1 rule); > 2 windows
+    for n in (1, 5, 15, 19, 38, 55):             # nothing to send; N % block == block-1 (the N-1 rule); > 3 windows
         prompt = random_prompt(n, 1024, seed=800 + n)
         assert_completion_ids(client, MODEL, prompt, _want(single_fp8, prompt, temperature=0.0, max_tokens=8,
                                                            ignore_eos=True))
     m = _pools_back(di_stack)
     assert m["gigadecode_kv_bytes_transferred_total"] > 0 and m["gigadecode_kv_transfer_failures_total"] == 0
+    import httpx
+    text = httpx.get(di_stack["decode"] + "/metrics", timeout=10).text    # every decode rank's own pool
+    ranks = [ln for ln in text.splitlines() if ln.startswith("gigadecode_kv_rank_blocks_used{")]
+    assert len(ranks) == di_stack["decode_ranks"] and all(ln.endswith(" 0.0") for ln in ranks), ranks
 
 
 def test_di_across_tp_sizes_refuses_one_corrupted_head(di_stack, single_fp8):

@@ -30,6 +30,9 @@ own, moving only the shared heads' bytes of each block, and checks those heads' 
 a TP group does not notify the producer itself (`notify_on_read=False`): its group does, once every rank
 holds intact KV.
 
+Decode context parallel on the consumer (`tokens`): each rank reads only the remote blocks it owns, and its
+TP group checks the CRCs together (`dcp_reads`).
+
 The N-1 rule: the decode node recomputes the last prompt token, so it holds N-1 computed tokens and its
 sliding group keeps blocks from token N-1-W+1 = N-W on. A prefill that computed all N tokens would apply
 the sliding skip at N and free the block starting at N-W+1 whenever N-W+1 is a block boundary (with W a
@@ -50,7 +53,9 @@ from typing import Any
 
 import torch
 
+from ..kv.dcp import TokenShard
 from .base import HandshakeError, KVConnectorBase, KVLayout, TransferError, model_identity
+from .dcp_reads import dcp_pairs, partial_head_crcs, stream_length
 from .nixl_agent import NixlKVAgent, ReadHandle
 from .params import (KVParamsError, KVTransferParams, RemoteRank, check_secret, kv_layout_id, prompt_digest, sign,
                      verify)
@@ -158,6 +163,7 @@ class _Load:
     pairs: list[tuple[int, int]] = field(default_factory=list)
     local_ids: list[list[int]] = field(default_factory=list)
     t_start: float = 0.0
+    dcp_slots: list[list[tuple[int, int]]] | None = None   # DCP: per group (remote index, local id) read here
     posted: bool = False                # False while a handshake it needs is in flight
     error: str | None = None
 
@@ -172,14 +178,16 @@ class NixlConnector(KVConnectorBase):
     def __init__(self, role: str, kv, cfg, *, secret: str | None, host: str = "127.0.0.1",
                  advertise_host: str | None = None, side_port: int = 0, lease_s: float = 30.0,
                  timeout_s: float = 10.0, engine_id: str | None = None, kv_head_start: int = 0,
-                 notify_on_read: bool = True) -> None:
+                 notify_on_read: bool = True, tokens: TokenShard = TokenShard()) -> None:
         """`secret`: the deployment key shared by prefill and decode engines (required). `host`: where a
         producer's side channel listens (0.0.0.0 = every interface); `advertise_host`: what its answers
         tell decode engines to connect to (default `host`, or this machine's name when `host` is a wildcard).
         `kv_head_start`: the first global kv head this cache holds (a TP rank's shard; 0 = all heads).
         `notify_on_read` False: a consumer does not tell the producer when its READs land; `notify` does
-        it later (a TP group's ranks notify once all of them hold intact KV)."""
+        it later (a TP group's ranks notify once all of them hold intact KV). `tokens`: a consumer rank's DCP
+        share (it reads the blocks it owns; its group checks the CRCs, `dcp_partial_crcs`)."""
         super().__init__(role)
+        self.tokens = tokens
         self.key = check_secret(secret, role)
         self.kv, self.cfg = kv, cfg
         self.engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:8]}"
@@ -288,12 +296,19 @@ class NixlConnector(KVConnectorBase):
 
     def _advance(self, load: _Load) -> None:
         """Post the load's READs once every producer rank it needs is paired (handshakes done)."""
-        ranks = load.params.ranks()
+        l0, l1 = self.agent.layout().head_range
+        ranks = [r for r in load.params.ranks() if r.kv_crc32_heads is None      # only the ranks with our heads
+                 or r.kv_head_start < l1 and l0 < r.kv_head_start + len(r.kv_crc32_heads)] or load.params.ranks()
         remotes = [self.handshakes.ready(self.agent, r) for r in ranks]   # starts missing handshakes
         if any(name is None for name in remotes):
             return
-        load.pairs, load.local_ids = pair_remote_blocks(load.params, load.local_tables, self.kv.block_size)
-        l0, l1 = self.agent.layout().head_range
+        if self.tokens.trivial:
+            load.pairs, load.local_ids = pair_remote_blocks(load.params, load.local_tables, self.kv.block_size)
+        else:
+            windows = [getattr(g.spec, "sliding_window", None) for g in self.kv.config.groups]
+            load.pairs, load.dcp_slots = dcp_pairs(load.params, load.local_tables, self.kv.block_size, self.tokens,
+                                                   windows)
+            load.local_ids = [[lb for _, lb in m] for m in load.dcp_slots]
         covered: set[int] = set()
         for remote, src in zip(remotes, ranks):
             r0, r1 = self.agent.remote_layout(remote).head_range
@@ -374,6 +389,8 @@ class NixlConnector(KVConnectorBase):
                             f"{self.timeout_s:.3g} s (no answer)")
                 late = [r.remote for r in load.reads if not r.done]
                 return f"KV transfer from {', '.join(late)} timed out after {self.timeout_s:.3g} s"
+            if load.dcp_slots is not None:
+                return None                       # DCP: no rank can check alone; its TP group does
             heads = self.agent.layout().head_range
             bad = [r for r in load.reads
                    if not crc_matches(self.kv, load.local_ids, r.source, heads, None if len(load.reads) == 1 else r.heads)]
@@ -385,6 +402,15 @@ class NixlConnector(KVConnectorBase):
         except Exception as e:  # noqa: BLE001 - one load's failure never breaks the step
             self._fail_load(load, e)
             return load.error
+
+    def dcp_partial_crcs(self, request_id: str) -> tuple[dict[int, int], int]:
+        """(DCP, a landed load) -> ({global kv head: crc32 of its stream with the blocks not read here as
+        zeros}, the stream's length in bytes): what the TP group combines (`dcp_reads.combine`)."""
+        load = self.landed[request_id]
+        lens = [len(ids) for ids in load.params.remote_block_ids]
+        l0, l1 = self.agent.layout().head_range
+        crcs = partial_head_crcs(self.kv, load.dcp_slots, lens, (0, l1 - l0))
+        return {l0 + i: c for i, c in enumerate(crcs)}, stream_length(self.kv, lens)
 
     def notify(self, request_id: str) -> None:
         """(`notify_on_read` False) tell every producer rank a landed load read from that it may free."""

@@ -7,6 +7,12 @@ For batch slot b decoding the token at position p (0-based) with KV block size B
   window-frame position `pos_swa = p - s·B`; `kv_cache_update_idx_swa = swa[p//B - s]·B + p%B`.
 - inactive (padding) slots write only into the null block 0 and attend to nothing real.
 The sliding table of a request may hold null entries before s (freed blocks); trimming drops them.
+
+Decode context parallel (`tokens`, a rank's `kv.dcp.TokenShard`): tables index this rank's *local* tokens,
+so the frames are local too. A query at position p sees the local keys [f, l] = `tokens.visible(p, W)`:
+the full frame position is l with `first = 0`; the sliding table starts at block s = f // B with frame
+position l - s·B and `first_swa = f - s·B` (the kernel sees columns [first, pos]; f > l: nothing). RoPE
+stays at the global position p. A token another rank holds is written to the null block.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv.dcp import TokenShard
 from ..kv.spec import cdiv
 from ..rope import Rope
 
@@ -33,6 +40,13 @@ class AttentionControl:
     pos_swa: torch.Tensor                  # [Bt] int64 window-frame positions (sliding-layer frame)
     kv_cache_update_idx: torch.Tensor      # [Gf, Bt] int64 slot written by full layers
     kv_cache_update_idx_swa: torch.Tensor  # [Gs, Bt] int64 slot written by sliding layers
+    first: torch.Tensor | None = None      # DCP: [Bt] int64 first visible full-frame column (else None)
+    first_swa: torch.Tensor | None = None  # DCP: [Bt] int64 first visible sliding-frame column
+
+    @property
+    def kv_first(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(first, first_swa) under DCP, else None (the kernel's `kv_first`)."""
+        return None if self.first is None else (self.first, self.first_swa)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.cos, self.sin, self.full_table, self.swa_table, self.active, self.pos, self.pos_swa,
@@ -49,11 +63,15 @@ def next_pow2(n: int) -> int:
 
 def build_attention_control(positions: list[int], tables: list[list[list[int]]], group_sliding: list[bool],
                             rope: Rope, block_size: int, window: int, batch_bucket: int | None = None,
-                            full_width: int | None = None) -> AttentionControl:
+                            full_width: int | None = None, tokens: TokenShard | None = None) -> AttentionControl:
     """positions[b]: position of the token slot b decodes; tables[b][g]: that request's block table for
     KV group g (logical block index -> id; 0 = null); group_sliding[g]: is group g a sliding group.
     Slots past len(positions) up to `batch_bucket` are padding. `full_width` pads the full tables
-    (default: the next power of two that fits, so compiled programs see few shapes)."""
+    (default: the next power of two that fits, so compiled programs see few shapes). `tokens`: this
+    rank's DCP share (local frames, see the module docstring)."""
+    if tokens is not None and not tokens.trivial:
+        return _dcp_attention_control(positions, tables, group_sliding, rope, block_size, window, batch_bucket,
+                                      full_width, tokens)
     n = len(positions)
     bt = batch_bucket or n
     if bt < n:
@@ -95,3 +113,50 @@ def _block(table: list[int], j: int) -> int:
     if j >= len(table) or table[j] == 0:
         raise ValueError(f"block table has no block for logical block {j} (table {table})")
     return table[j]
+
+
+def _dcp_attention_control(positions: list[int], tables: list[list[list[int]]], group_sliding: list[bool],
+                           rope: Rope, block_size: int, window: int, batch_bucket: int | None,
+                           full_width: int | None, tokens: TokenShard) -> AttentionControl:
+    n, B = len(positions), block_size
+    bt = batch_bucket or n
+    if bt < n:
+        raise ValueError(f"batch bucket {bt} < batch {n}")
+    need = max((max(tokens.count(p + 1) - 1, 0) // B + 1 for p in positions), default=1)
+    nf = full_width or next_pow2(need)
+    if nf < need:
+        raise ValueError(f"full table width {nf} < {need} blocks needed")
+    ns = swa_table_width(window, B)
+    f_groups = [g for g, s in enumerate(group_sliding) if not s]
+    s_groups = [g for g, s in enumerate(group_sliding) if s]
+    full = torch.zeros(len(f_groups), bt, nf, dtype=torch.long)
+    swa = torch.zeros(len(s_groups), bt, ns, dtype=torch.long)
+    upd = torch.zeros(len(f_groups), bt, dtype=torch.long)             # 0: the null block (not ours / padding)
+    upd_swa = torch.zeros(len(s_groups), bt, dtype=torch.long)
+    pos = torch.full((bt,), -1, dtype=torch.long)
+    pos_swa = torch.full((bt,), -1, dtype=torch.long)
+    first = torch.zeros(bt, dtype=torch.long)
+    first_swa = torch.zeros(bt, dtype=torch.long)
+    active = torch.zeros(bt, dtype=torch.bool)
+    for b, p in enumerate(positions):
+        last = tokens.count(p + 1) - 1                                   # local index of the last visible key
+        mine = tokens.owns(p)                                            # then `last` is p's own slot
+        for i, g in enumerate(f_groups):
+            ft = [_block(tables[b][g], j) for j in range(last // B + 1)] if last >= 0 else []
+            full[i, b, : len(ft)] = torch.tensor(ft, dtype=torch.long)
+            if mine:
+                upd[i, b] = ft[last // B] * B + last % B
+        f, l = tokens.visible(p, window if window > 0 else None)
+        s = f // B
+        for i, g in enumerate(s_groups):
+            st = [_block(tables[b][g], j) for j in range(s, l // B + 1)] if l >= f else []
+            swa[i, b, : len(st)] = torch.tensor(st, dtype=torch.long)
+            if mine:
+                upd_swa[i, b] = st[-1] * B + l % B
+        pos[b], first[b] = last, 0
+        pos_swa[b], first_swa[b] = l - s * B, f - s * B
+        active[b] = True
+    gpos = torch.zeros(bt, dtype=torch.long)
+    gpos[:n] = torch.tensor(positions, dtype=torch.long)
+    cos, sin = rope.cos_sin(gpos)                                        # RoPE at the global position
+    return AttentionControl(cos, sin, full, swa, active, pos, pos_swa, upd, upd_swa, first, first_swa)

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from ..mxfp4 import _luts, decode_mxfp4
-from ..native.twins import decode_attention
+from ..kv.cache import write_kv
+from ..native.twins import decode_attention, paged_decode_attention_partial
 from ..ops import moe_routed, rms_norm, route, swiglu
 from ..rope import apply_rope
 
@@ -265,15 +266,48 @@ def attention_block(x: torch.Tensor, Wl: dict[str, torch.Tensor], kv: torch.Tens
     return decode_attention(q, keys, vals, fpos, active, Wl["sinks"], window, spec.scale)
 
 
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                  slot: torch.Tensor, spec: KernelSpec) -> torch.Tensor:
+    """qkv [Bt, (nh + 2 kv) d] -> q [Bt, nh, d] with RoPE (fp32); RoPE'd k and v stored at `slot` [Bt]."""
+    nh, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q = apply_rope(qkv[:, : nh * d].reshape(-1, nh, d), cos, sin)
+    k = apply_rope(qkv[:, nh * d: (nh + kvh) * d].reshape(-1, kvh, d), cos, sin)
+    v = qkv[:, (nh + kvh) * d:].reshape(-1, kvh, d)
+    write_kv(k_buf, v_buf, slot, k, v, spec.block_size, spec.k_scale, spec.v_scale)
+    return q.float()
+
+
 @dataclass(frozen=True)
 class LayerBlocks:
     """The pieces the layer loop runs (eager torch functions, their compiled forms — one graph per piece,
     reused by every layer since weights come in as per-layer views — or the native kernels,
-    `native_blocks.NATIVE_BLOCKS`). `linear` and `norm` serve the o-proj, post-norm and the head."""
+    `native_blocks.NATIVE_BLOCKS`). `linear` and `norm` serve the o-proj, post-norm and the head.
+    `rope_write` and `partial_attention` are the two halves of a DCP rank's attention (`dcp_attention`)."""
     attention: object = attention_block
     moe: object = moe_decode
     linear: object = F.linear
     norm: object = rms_norm
+    rope_write: object = rope_write_kv
+    partial_attention: object = paged_decode_attention_partial
+
+
+def dcp_attention(x: torch.Tensor, Wl: dict[str, torch.Tensor], kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                  cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor, slot: torch.Tensor, fpos: torch.Tensor,
+                  first: torch.Tensor, active: torch.Tensor, *, spec: KernelSpec, parallel, blocks: LayerBlocks
+                  ) -> torch.Tensor:
+    """One layer's attention on a DCP rank, up to the o-proj: x [Bt, H] -> [Bt, nh*d]. Writes the step's K/V
+    where this rank holds the token (else into the null block), gathers the DCP group's q heads, attends
+    with all of them over this rank's tokens (local frame columns [first, fpos], no sink) and merges the
+    group's partials with the sink counted once (`ParallelContext.dcp_merge`)."""
+    k_buf, v_buf = split_kv_buffer(kv, spec.packed_k) if isinstance(kv, torch.Tensor) else kv
+    h = blocks.norm(x, Wl["input_norm"], spec.eps)
+    qkv = blocks.linear(h, Wl["qkv_w"], Wl["qkv_b"])                     # [Bt, (nh + 2 kv) d]
+    q = blocks.rope_write(qkv, cos, sin, k_buf, v_buf, slot, spec)       # [Bt, nh, d] fp32
+    qg = parallel.dcp_gather_heads(q)                                    # [Bt, dcp·nh, d]
+    o, lse = blocks.partial_attention(qg, k_buf, v_buf, table, fpos, first, active, spec.scale, spec.k_scale,
+                                      spec.v_scale)
+    a = parallel.dcp_merge(o, lse, Wl["sinks"])                          # [Bt, nh, d] fp32
+    return a.reshape(a.shape[0], -1).to(x.dtype)
 
 
 def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tensor],
@@ -286,7 +320,8 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
                                return_hidden: bool = False, parallel=None,
                                blocks: LayerBlocks | None = None,
                                kv_bufs: tuple[torch.Tensor, ...] | None = None,
-                               layers: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
+                               layers: list[dict[str, torch.Tensor]] | None = None,
+                               kv_first: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One decode step over all layers. input_ids [Bt] -> logits [Bt, V] (or the final hidden [Bt, H]).
 
     `parallel` (a `gigadecode.parallel.ParallelContext`; None = one rank, no collectives): W is this rank's
@@ -295,7 +330,9 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
     DP group must pass the same batch bucket Bt). Returns this rank's vocabulary columns
     [Bt, vocab_stop - vocab_start] (reduce with `parallel.greedy`). `blocks`: the per-layer pieces to run
     between the collectives (default: eager; the compiled parallel program passes compiled ones). `layers`:
-    the per-layer views of W made once (`layer_views`), else each step makes the views it needs."""
+    the per-layer views of W made once (`layer_views`), else each step makes the views it needs.
+    `kv_first` (decode context parallel, `parallel.dcp_size > 1`): the first visible full- and sliding-frame
+    column per slot (`AttentionControl.kv_first`); each layer's attention is then `dcp_attention`."""
     assert (k_bufs is not None) + (K_cache is not None) + (kv_bufs is not None) == 1, \
         "pass exactly one KV form: per-buffer K/V, per-buffer allocations (kv_bufs) or stacked K_cache/V_cache"
     blocks = blocks or LayerBlocks(moe=moe_decode_fused if spec.fused_moe else moe_decode)
@@ -313,8 +350,13 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
             table, slot, fpos, window = full_table[g], kv_cache_update_idx[g], pos, None
 
         Wi = layers[i] if layers is not None else None
-        a = blocks.attention(x, Wi or layer_weights(W, i, ATTN_KEYS), kv, cos, sin, table, slot, fpos, active,
-                             window=window, spec=spec)
+        if kv_first is not None:
+            first = kv_first[1] if spec.layer_sliding[i] else kv_first[0]
+            a = dcp_attention(x, Wi or layer_weights(W, i, ATTN_KEYS), kv, cos, sin, table, slot, fpos, first,
+                              active, spec=spec, parallel=parallel, blocks=blocks)
+        else:
+            a = blocks.attention(x, Wi or layer_weights(W, i, ATTN_KEYS), kv, cos, sin, table, slot, fpos, active,
+                                 window=window, spec=spec)
         if parallel is None:
             x = x + blocks.linear(a, *((Wi["o_w"], Wi["o_b"]) if Wi else (W["o_w"][i], W["o_b"][i])))
         else:

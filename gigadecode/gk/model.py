@@ -29,6 +29,7 @@ from ..weights import ModelWeights
 from .attn_control import AttentionControl
 from .mega_decode import (KernelSpec, LayerBlocks, LocalPairsMoE, attention_block, gpt_oss_decode_mega_kernel,
                           layer_views)
+from ..native.twins import paged_decode_attention_partial
 from .native_blocks import NATIVE_BLOCKS
 
 CACHE_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode"))
@@ -142,7 +143,9 @@ class GptOssGKDecodeModel(torch.nn.Module):
                                      fullgraph=True, dynamic=False)
             else:
                 blocks = LayerBlocks(attention=torch.compile(attention_block, fullgraph=True, dynamic=False),
-                                     moe=self._local_moe)
+                                     moe=self._local_moe,
+                                     partial_attention=torch.compile(paged_decode_attention_partial,
+                                                                     fullgraph=True, dynamic=False))
                 prog = functools.partial(gpt_oss_decode_mega_kernel, spec=spec, parallel=self.parallel,
                                          blocks=blocks)
             self._programs[key] = prog
@@ -153,6 +156,8 @@ class GptOssGKDecodeModel(torch.nn.Module):
         """input_ids [Bt] (padded to the bucket) -> logits [Bt, V] (with `parallel`: this rank's vocabulary
         columns [Bt, vocab_stop - vocab_start])."""
         prog = self.program(ctl)
+        if ctl.kv_first is not None:                   # decode context parallel: local frames (parallel only)
+            prog = functools.partial(prog, kv_first=ctl.kv_first)
         if self._stacked:
             return prog(input_ids, self.weights.tensors, None, None, *ctl.tensors(),
                         K_cache=self.K_cache, V_cache=self.V_cache)

@@ -40,5 +40,12 @@ def native_moe(h: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec, e
                             Wl["down_blocks"], Wl["down_scales"], Wl["down_bias"], spec.alpha, spec.limit,
                             expert_offset)
 
+def native_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
+                      v_buf: torch.Tensor, slot: torch.Tensor, spec: KernelSpec) -> torch.Tensor:
+    """`mega_decode.rope_write_kv` on the kernel: -> q [Bt, nh, d] fp32."""
+    return native.rope_kv_write(qkv, cos, sin, k_buf, v_buf, slot, spec.num_heads, spec.k_scale, spec.v_scale)
+
+
 NATIVE_BLOCKS = LayerBlocks(attention=native_attention_block, moe=native_moe, linear=native.linear,
-                            norm=native.rms_norm)
+                            norm=native.rms_norm, rope_write=native_rope_write,
+                            partial_attention=native.paged_decode_attention_partial)

@@ -17,6 +17,10 @@ v1's `BlockPool` / `FullAttentionManager` / `SlidingWindowManager` / `KVCacheMan
   holds the blocks its queries need, up to `cdiv(W+n-2, B) + 1`).
 - `KVCacheManager`: one pool shared by every group (one global `num_blocks`), all-or-nothing
   allocation across groups so a scheduler can admit by free blocks.
+- Decode context parallel (`tokens`, a `dcp.TokenShard`): a rank holds only its share of each sequence
+  and its tables index its *local* tokens; token counts are mapped to local counts (allocate for the
+  fullest rank of the group, free before the emptiest one), so every rank of the group keeps the same
+  tables while holding ~1/N of the tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from typing import ClassVar
 
+from .dcp import TokenShard
 from .spec import FullAttentionSpec, KVCacheConfig, KVSpec, SlidingWindowSpec, cdiv
 
 NULL_BLOCK = 0
@@ -118,8 +123,8 @@ class SingleTypeManager:
 
     spec_type: ClassVar[type[FullAttentionSpec]] = FullAttentionSpec
 
-    def __init__(self, spec: KVSpec, pool: BlockPool, group_id: int = 0) -> None:
-        self.spec, self.pool, self.group_id = spec, pool, group_id
+    def __init__(self, spec: KVSpec, pool: BlockPool, group_id: int = 0, tokens: TokenShard = TokenShard()) -> None:
+        self.spec, self.pool, self.group_id, self.tokens = spec, pool, group_id, tokens
         self.block_size = spec.block_size
         self.tables: dict[str, list[int]] = {}       # req -> [logical block] block id (0 = null)
         self.num_computed: dict[str, int] = {}       # req -> computed tokens last reported
@@ -131,8 +136,12 @@ class SingleTypeManager:
         return 0
 
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
-        """Logical blocks wholly before the first visible token."""
-        return self.num_skipped_tokens(num_computed_tokens) // self.block_size
+        """Logical (local) blocks wholly before the first visible token, on every rank of a DCP group."""
+        return self.tokens.least(self.num_skipped_tokens(num_computed_tokens)) // self.block_size
+
+    def _target(self, num_tokens: int) -> int:
+        """Table length covering num_tokens tokens (on the fullest rank of a DCP group)."""
+        return cdiv(self.tokens.most(num_tokens), self.block_size)
 
     # -- queries (no mutation) ---------------------------------------------------------------------
     def block_table(self, req_id: str) -> list[int]:
@@ -147,14 +156,14 @@ class SingleTypeManager:
 
     def blocks_needed(self, num_tokens: int, num_computed_tokens: int = 0) -> int:
         """Real blocks a *new* request needs to cover num_tokens tokens with num_computed already done."""
-        target = cdiv(num_tokens, self.block_size)
+        target = self._target(num_tokens)
         return max(0, target - min(self.num_skipped_blocks(num_computed_tokens), target))
 
     def num_new_blocks(self, req_id: str, num_tokens: int, num_computed_tokens: int | None = None) -> int:
         """Real blocks `allocate_for(req_id, num_tokens, num_computed_tokens)` would take from the pool."""
         table = self.tables.get(req_id, [])
         c = self._computed(req_id, num_computed_tokens)
-        target = cdiv(num_tokens, self.block_size)
+        target = self._target(num_tokens)
         return max(0, target - max(len(table), self.num_skipped_blocks(c)))
 
     def num_freeable(self, req_id: str, num_computed_tokens: int) -> int:
@@ -175,7 +184,7 @@ class SingleTypeManager:
             self.remove_skipped_blocks(req_id, num_computed_tokens)
         c = self._computed(req_id, num_computed_tokens)
         table = self.tables.get(req_id, [])
-        target = cdiv(num_tokens, self.block_size)
+        target = self._target(num_tokens)
         first_real = max(len(table), self.num_skipped_blocks(c))
         new = self.pool.allocate(max(0, target - first_real))      # raises before any change
         old_len = len(table)
@@ -233,8 +242,9 @@ class SlidingWindowManager(SingleTypeManager):
 
     spec_type = SlidingWindowSpec
 
-    def __init__(self, spec: SlidingWindowSpec, pool: BlockPool, group_id: int = 0) -> None:
-        super().__init__(spec, pool, group_id)
+    def __init__(self, spec: SlidingWindowSpec, pool: BlockPool, group_id: int = 0,
+                 tokens: TokenShard = TokenShard()) -> None:
+        super().__init__(spec, pool, group_id, tokens)
         if spec.sliding_window <= 0:
             raise ValueError(f"sliding window must be > 0 (got {spec.sliding_window})")
         self.window = spec.sliding_window
@@ -254,20 +264,22 @@ MANAGER_FOR_SPEC: dict[type[FullAttentionSpec], type[SingleTypeManager]] = {
 }
 
 
-def make_manager(spec: KVSpec, pool: BlockPool, group_id: int = 0) -> SingleTypeManager:
+def make_manager(spec: KVSpec, pool: BlockPool, group_id: int = 0, tokens: TokenShard = TokenShard()
+                 ) -> SingleTypeManager:
     """The manager for a group's spec (exact type: a sliding spec is not a full one)."""
     try:
         cls = MANAGER_FOR_SPEC[type(spec)]
     except KeyError:
         raise TypeError(f"no KV manager for spec type {type(spec).__name__}") from None
-    return cls(spec, pool, group_id)  # type: ignore[arg-type]
+    return cls(spec, pool, group_id, tokens)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------------------
 class KVCacheManager:
     """One block pool shared by all KV groups; allocation succeeds in every group or in none."""
 
-    def __init__(self, kv_cache_config: KVCacheConfig, block_size: int | None = None) -> None:
+    def __init__(self, kv_cache_config: KVCacheConfig, block_size: int | None = None,
+                 tokens: TokenShard = TokenShard()) -> None:
         groups = kv_cache_config.groups
         if not groups:
             raise ValueError("KV cache config has no groups")
@@ -277,7 +289,9 @@ class KVCacheManager:
         self.config = kv_cache_config
         self.block_size = block_size if block_size is not None else groups[0].spec.block_size
         self.pool = BlockPool(kv_cache_config.num_blocks)
-        self.managers: list[SingleTypeManager] = [make_manager(g.spec, self.pool, gi) for gi, g in enumerate(groups)]
+        self.tokens = tokens
+        self.managers: list[SingleTypeManager] = [make_manager(g.spec, self.pool, gi, tokens)
+                                                  for gi, g in enumerate(groups)]
 
     # -- admission ---------------------------------------------------------------------------------
     @property

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import GptOssConfig
+from .dcp import TokenShard
 
 
 def cdiv(a: int, b: int) -> int:
@@ -34,9 +35,10 @@ class FullAttentionSpec:
     def max_blocks(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
-        """Most blocks a request of `num_tokens` tokens holds at once, prefilled `chunk` tokens a step."""
-        return cdiv(num_tokens, self.block_size)
+    def peak_blocks(self, num_tokens: int, chunk: int, tokens: TokenShard | None = None) -> int:
+        """Most blocks a request of `num_tokens` tokens holds at once, prefilled `chunk` tokens a step (on
+        every rank of a DCP group: `tokens`, see `kv.manager`)."""
+        return cdiv(tokens.most(num_tokens) if tokens else num_tokens, self.block_size)
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,20 @@ class SlidingWindowSpec(FullAttentionSpec):
         # Blocks that can hold a live token: the window's W-1 earlier tokens plus the current one.
         return min(cdiv(num_tokens, self.block_size), cdiv(self.sliding_window - 1, self.block_size) + 1)
 
-    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
-        # a chunk's tokens plus the window's W-1 before it, at any block alignment
-        return min(cdiv(num_tokens, self.block_size), cdiv(self.sliding_window - 1 + chunk, self.block_size) + 1)
+    def peak_blocks(self, num_tokens: int, chunk: int, tokens: TokenShard | None = None) -> int:
+        if tokens is None or tokens.trivial:
+            # a chunk's tokens plus the window's W-1 before it, at any block alignment
+            return min(cdiv(num_tokens, self.block_size),
+                       cdiv(self.sliding_window - 1 + chunk, self.block_size) + 1)
+        # DCP: a step from c to c + chunk holds local blocks [least(c-W+1) // B, cdiv(most(c + chunk), B));
+        # the count is periodic in c (period I·N) but for the clip at num_tokens: try both ends
+        B, W, n = self.block_size, self.sliding_window, num_tokens
+        span = W + chunk + 2 * tokens.period
+        starts = set(range(min(n, span))) | set(range(max(0, n - span), n))
+
+        def held(c: int) -> int:
+            return cdiv(tokens.most(min(n, c + chunk)), B) - tokens.least(max(0, c - W + 1)) // B
+        return max((held(c) for c in starts), default=0)
 
 
 KVSpec = FullAttentionSpec | SlidingWindowSpec

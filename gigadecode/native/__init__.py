@@ -13,6 +13,10 @@ and its twin (`twins.py`, same signature) otherwise.
 - `paged_decode_attention(q [Bt, nh, d] fp32, k_cache, v_cache, table [Bt, n], pos [Bt], active [Bt], sinks [nh],
   window (0 = full), scale, k_scale, v_scale, out_dtype) -> [Bt, nh*d]`: reads the table's blocks in place;
   K is plain [nb, kv, B, d] or packed-FP8 [nb, kv, B/2, d, 2], V [nb, kv, B, d].
+- `paged_decode_attention_partial(q [Bt, nh, d] fp32, k_cache, v_cache, table [Bt, n], pos [Bt], first [Bt],
+  active [Bt], scale, k_scale, v_scale) -> (out [Bt, nh, d] fp32, lse [Bt, nh] fp32)`: the same KV, but slot b
+  sees only frame positions first <= c <= pos and no sink (decode context parallelism): out normalized over
+  those keys, lse their log-sum-exp (natural log of the scaled scores); 0 / -inf where nothing is visible.
 - `rope_kv_write(qkv [Bt, (nh + 2kv) d], cos, sin [Bt, d/2], k_cache, v_cache, slot [Bt], num_heads, k_scale,
   v_scale) -> q [Bt, nh, d] fp32`: RoPE on q and k, k and v stored at `slot` (FP8: x / scale, clamped).
 - `rms_norm(x [M, H], weight [H], eps) -> [M, H]`.
@@ -27,8 +31,8 @@ import torch.nn.functional as F
 from . import twins
 from .build import load, status
 
-__all__ = ["moe_mxfp4", "mxfp4_dequant", "linear", "paged_decode_attention", "rope_kv_write", "rms_norm",
-           "available", "status", "twins"]
+__all__ = ["moe_mxfp4", "mxfp4_dequant", "linear", "paged_decode_attention", "paged_decode_attention_partial",
+           "rope_kv_write", "rms_norm", "available", "status", "twins"]
 
 
 def available() -> bool:
@@ -69,6 +73,15 @@ def paged_decode_attention(q, k_cache, v_cache, table, pos, active, sinks, windo
     return _op("paged_decode_attention")(q.contiguous(), k_cache, v_cache, table.contiguous(), pos.contiguous(),
                                          active.contiguous(), sinks, int(window or 0), float(scale), float(k_scale),
                                          float(v_scale), out_dtype)
+
+
+def paged_decode_attention_partial(q, k_cache, v_cache, table, pos, first, active, scale: float,
+                                   k_scale: float = 1.0, v_scale: float = 1.0
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _op("paged_decode_attention_partial")(q.contiguous(), k_cache, v_cache, table.contiguous(),
+                                                     pos.contiguous(), first.contiguous(), active.contiguous(),
+                                                     float(scale), float(k_scale), float(v_scale))
+    return out, lse
 
 
 def rope_kv_write(qkv, cos, sin, k_cache, v_cache, slot, num_heads: int, k_scale: float = 1.0,

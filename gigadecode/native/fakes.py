@@ -26,6 +26,11 @@ def register_fakes() -> None:
     def _(q, k, v, table, pos, active, sinks, window, scale, ks, vs, out_dtype):
         return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=out_dtype)
 
+    @torch.library.register_fake(lib + "paged_decode_attention_partial")
+    def _(q, k, v, table, pos, first, active, scale, ks, vs):
+        return (q.new_empty(q.shape, dtype=torch.float32),
+                q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32))
+
     @torch.library.register_fake(lib + "rope_kv_write")
     def _(qkv, cos, sin, k, v, slot, nh, ks, vs):
         return qkv.new_empty((qkv.shape[0], nh, v.shape[-1]), dtype=torch.float32)

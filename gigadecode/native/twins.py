@@ -86,3 +86,33 @@ def paged_decode_attention(q, k_cache, v_cache, table, pos, active, sinks, windo
     v = dequantize(vb, torch.float32, v_scale).permute(0, 2, 1, 3, 4).reshape(bt, kvh, n * B, d)
     out = decode_attention(q.float(), k, v, pos, active, sinks.float(), window or None, scale)
     return out.to(out_dtype)
+
+
+def paged_decode_attention_partial(q, k_cache, v_cache, table, pos, first, active, scale: float, k_scale: float,
+                                   v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot b attends to frame columns first[b] <= c <= pos[b] only, without a sink -> (out [Bt, nh, d] fp32
+    normalized over those keys, lse [Bt, nh] fp32: log-sum-exp of their scaled scores); 0 / -inf where nothing
+    is visible. Only the blocks of the visible columns are gathered (the others read the null block 0)."""
+    bt, n = table.shape
+    nb, kvh, B, d = v_cache.shape
+    nh = q.shape[1]
+    rep = nh // kvh
+    col = torch.arange(n * B, device=q.device)
+    vis = (col[None, :] >= first[:, None]) & (col[None, :] <= pos[:, None]) & active[:, None]      # [Bt, S]
+    blk = torch.arange(n, device=q.device)
+    read = (blk[None, :] >= first.clamp(min=0)[:, None] // B) & (blk[None, :] <= pos[:, None] // B) \
+        & vis.any(dim=1, keepdim=True)                                                              # [Bt, n]
+    tb = torch.where(read, table, torch.zeros_like(table))
+    kb, vb = k_cache[tb], v_cache[tb]                     # [Bt, n, kv, B(/2), d(, 2)]
+    if kb.dim() == vb.dim() + 1:
+        kb = packed_to_token_major(kb)                    # [Bt, n, kv, B, d]
+    k = dequantize(kb, torch.float32, k_scale).permute(0, 2, 1, 3, 4).reshape(bt, kvh, n * B, d)
+    v = dequantize(vb, torch.float32, v_scale).permute(0, 2, 1, 3, 4).reshape(bt, kvh, n * B, d)
+    k = k.masked_fill(~vis[:, None, :, None], 0.0)
+    v = v.masked_fill(~vis[:, None, :, None], 0.0)
+    scores = torch.einsum("bgrd,bgsd->bgrs", q.float().reshape(bt, kvh, rep, d), k) * scale    # [Bt, kv, rep, S]
+    scores = scores.masked_fill(~vis[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                                       # [Bt, kv, rep]
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+    out = torch.einsum("bgrs,bgsd->bgrd", probs, v)
+    return out.reshape(bt, nh, d).contiguous(), lse.reshape(bt, nh).contiguous()

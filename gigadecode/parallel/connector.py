@@ -10,6 +10,9 @@ step that has transfers or leases outstanding (the sets are the same on every ra
   (the others cancel theirs); nobody decodes from KV some rank does not hold. The producer ranks are told
   they may free (`notify`) only once the whole group holds the KV, since several decode ranks may read
   the same prefill blocks.
+- consumer with decode context parallel: no rank holds every block, so once a load landed on every rank
+  the group combines the ranks' partial CRCs per kv head (`connector.dcp_reads`, one all-gather of a few
+  ints per head) and every rank compares with the prefill's; a mismatch fails the load on all of them.
 - producer: `request_finished` gathers every rank's params over the group into one answer whose
   `remote_ranks` lists each rank's engine id, side channel, kv head start and per-head CRCs (what a
   consumer of any TP size needs to read its heads); blocks are freed once every rank was notified or saw
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..connector.base import KVConnectorBase
+from ..connector.dcp_reads import combine
 from ..connector.params import KVTransferParams, RemoteRank
 from .context import ParallelContext
 
@@ -112,7 +116,12 @@ class TPGroupConnector(KVConnectorBase):
             for r, part in enumerate(everyone):
                 for rid, err in part.items():
                     errors.setdefault(rid, f"{err} (tensor-parallel rank {r})")
+        if self.ctx.dcp_size > 1:
+            landed_all = [rid for rid, (landed, bad) in zip(self._loading, flags[:n].tolist()) if landed == tp and not bad]
+            errors.update(self._dcp_crc_check(landed_all))
         for rid, (landed, bad) in zip(list(self._loading), flags[:n].tolist()):
+            if rid in errors and not bad:              # DCP: the group's CRC check failed
+                bad = True
             if bad:
                 err = errors.get(rid) or self._local.get(rid) or "KV transfer failed"
                 self._local.pop(rid, None)
@@ -130,6 +139,33 @@ class TPGroupConnector(KVConnectorBase):
         self._leased = [rid for rid in self._leased if rid not in g_sending]
         self._freeable -= g_sending
         return g_sending, g_done, g_failed
+
+    def _dcp_crc_check(self, rids: list[str]) -> dict[str, str]:
+        """Loads that landed on every rank, checked together: -> request -> error for those whose combined
+        per-head CRC32 does not match the prefill's (every rank gets the same answer)."""
+        if not rids:
+            return {}
+        mine = {rid: self.inner.dcp_partial_crcs(rid) for rid in rids}
+        everyone: list = [None] * self.ctx.tp_size
+        dist.all_gather_object(everyone, mine, group=self.ctx.tp_group)
+        errors: dict[str, str] = {}
+        for rid in rids:
+            parts: dict[int, list[int]] = {}
+            length = mine[rid][1]
+            for rank_parts in everyone:
+                for h, c in rank_parts[rid][0].items():
+                    parts.setdefault(h, []).append(c)
+            params = self.inner.landed[rid].params
+            bad = []
+            for h, cs in sorted(parts.items()):
+                src = next((r for r in params.ranks() if r.kv_crc32_heads is not None
+                            and r.kv_head_start <= h < r.kv_head_start + len(r.kv_crc32_heads)), None)
+                if src is None or combine(cs, length) != src.kv_crc32_heads[h - src.kv_head_start]:
+                    bad.append(h)
+            if bad:
+                errors[rid] = (f"KV heads {bad} arrived corrupted or stale across the DCP group (CRC32 mismatch); "
+                               f"the prefill's blocks were reused?")
+        return errors
 
     def close(self) -> None:
         self.inner.close()

@@ -18,6 +18,12 @@ exactly the single-process ones. With a context:
     which each rank takes its DP group's rows. Two EP collectives per layer.
   Every DP group of an EP group must present the same number of tokens per call (the decode program's
   batch bucket; the per-layer model exchanges its token counts once per forward and pads).
+- attention (DCP, `dcp > 1`): the ranks of a DCP group hold the same kv heads and different tokens
+  (`kv.dcp.TokenShard`). Each rank **all-gathers the group's q** (`all_gather_dcp`), attends with every
+  q head of the group over its own tokens without the sink (partial output, normalized over its keys,
+  and its log-sum-exp), then `dcp_merge`: all-gather of the LSEs, each rank rescales its partial by
+  e^(lse_r - M), a **reduce-scatter over the DCP group** sums the partials back to the heads' owners, and
+  the sink joins the denominator once (vLLM's `cp_lse_ag_out_rs` shape). Three DCP collectives per layer.
 - lm_head (TP, vocab-sharded): logits are local `[B, vocab_stop - vocab_start]` (padding rows of an uneven
   last shard are never used); `greedy` = `shard_argmax` per rank, one all-gather of (value bits, index)
   over TP, `reduce_argmax`: identical to `torch.argmax` over the full vocabulary, ties included.
@@ -35,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import GptOssConfig
+from ..kv.dcp import TokenShard
 from ..sampling import reduce_argmax, shard_argmax
 from .mesh import Mesh2D, ParallelLayout, build_layout
 
@@ -83,6 +90,8 @@ class ParallelContext:
     vocab_size: int
     world_group: object | None = None       # None = the default group
     stats: CollectiveStats = field(default_factory=CollectiveStats)
+    dcp_group: object | None = None         # (None when dcp == 1)
+    dcp_interleave: int = 1                 # DCP: tokens per round-robin chunk
 
     # -- layout ------------------------------------------------------------------------------------
     @property
@@ -108,6 +117,21 @@ class ParallelContext:
     @property
     def world_size(self) -> int:
         return self.layout.world_size
+
+    @property
+    def dcp_size(self) -> int:
+        return self.layout.dcp
+
+    @property
+    def dcp_rank(self) -> int:
+        return self.layout.dcp_rank(self.rank)
+
+    @property
+    def tokens(self) -> TokenShard:
+        """Which tokens of every sequence this rank's KV holds (all of them without DCP)."""
+        if self.dcp_size == 1:
+            return TokenShard()
+        return TokenShard(self.dcp_size, self.dcp_rank, self.dcp_interleave)
 
     @property
     def tp_rank(self) -> int:
@@ -175,14 +199,50 @@ class ParallelContext:
             return x.unsqueeze(0)
         return self._all_gather(x, self.ep_group, self.ep_size, "ep")
 
+    def all_gather_dcp(self, x: torch.Tensor) -> torch.Tensor:
+        """-> [dcp, *x.shape]."""
+        if self.dcp_size == 1:
+            return x.unsqueeze(0)
+        return self._all_gather(x, self.dcp_group, self.dcp_size, "dcp")
+
+    def dcp_gather_heads(self, q: torch.Tensor) -> torch.Tensor:
+        """q [T, h, d] of this rank's heads -> [T, dcp·h, d]: every head of the DCP group, in head order."""
+        if self.dcp_size == 1:
+            return q
+        g = self.all_gather_dcp(q)                                             # [dcp, T, h, d]
+        return g.permute(1, 0, 2, 3).reshape(q.shape[0], -1, q.shape[2])
+
+    def dcp_merge(self, o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        """Exact merge of the DCP group's partial attentions. o [T, dcp·h, d]: every group head over this
+        rank's tokens, normalized over them; lse [T, dcp·h] their log-sum-exp (-inf: no key here); sinks [h]
+        this rank's heads. -> this rank's heads' attention [T, h, d] (fp32):
+
+            M = max_r lse_r,  out = Σ_r e^(lse_r - M)·o_r / (Σ_r e^(lse_r - M) + e^(sink - M))"""
+        T, hg, d = o.shape
+        n, h = self.dcp_size, hg // self.dcp_size
+        o, lse = o.float(), lse.float()
+        lses = self.all_gather_dcp(lse)                                        # [dcp, T, hg]
+        m = lses.amax(0)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))             # nothing seen anywhere: 0
+        part = o * torch.exp(lse - m).unsqueeze(-1)                            # [T, hg, d]
+        part = part.view(T, n, h, d).transpose(0, 1).contiguous()              # [dcp, T, h, d]
+        out = self._reduce_scatter(part, self.dcp_group, n, "dcp")             # [T, h, d] this rank's heads
+        mine = slice(self.dcp_rank * h, (self.dcp_rank + 1) * h)
+        denom = torch.exp(lses[:, :, mine] - m[:, mine]).sum(0) + torch.exp(sinks.float() - m[:, mine])
+        return out / denom.unsqueeze(-1)
+
+    def _reduce_scatter(self, x: torch.Tensor, group, p: int, mesh: str) -> torch.Tensor:
+        """x [p, …] -> [...]: this rank's slot of the sum over the group."""
+        out = x.new_empty(x.shape[1:])
+        self.stats.record(mesh, "reduce_scatter", p, x.numel() * x.element_size())
+        _reduce_scatter_single(out, x.reshape(-1, *x.shape[2:]).contiguous(), group=group)
+        return out
+
     def reduce_scatter_ep(self, x: torch.Tensor) -> torch.Tensor:
         """x [ep, …] -> [...]: this EP rank's slot of the sum over the EP group."""
         if self.ep_size == 1:
             return x[0]
-        out = x.new_empty(x.shape[1:])
-        self.stats.record("ep", "reduce_scatter", self.ep_size, x.numel() * x.element_size())
-        _reduce_scatter_single(out, x.reshape(-1, *x.shape[2:]).contiguous(), group=self.ep_group)
-        return out
+        return self._reduce_scatter(x, self.ep_group, self.ep_size, "ep")
 
     def agree_max(self, values: list[int]) -> list[int]:
         """The element-wise maximum of small ints over the EP group (the engine's per-step agreement on
@@ -278,12 +338,13 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def make_parallel_context(cfg: GptOssConfig, tp: int, dp: int, ep: int) -> ParallelContext:
+def make_parallel_context(cfg: GptOssConfig, tp: int, dp: int, ep: int, dcp: int = 1,
+                          dcp_interleave: int = 1) -> ParallelContext:
     """Build this rank's context on an initialized default process group. Every rank must call it (the
-    TP and EP groups are created collectively, in mesh order)."""
+    TP, EP and DCP groups are created collectively, in mesh order)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout = build_layout(tp, dp, ep, world, cfg)
-    tp_group = ep_group = None
+    layout = build_layout(tp, dp, ep, world, cfg, dcp)
+    tp_group = ep_group = dcp_group = None
     for ranks in layout.tp_groups:
         g = dist.new_group(list(ranks)) if tp > 1 else None
         if rank in ranks:
@@ -292,4 +353,10 @@ def make_parallel_context(cfg: GptOssConfig, tp: int, dp: int, ep: int) -> Paral
         g = dist.new_group(list(ranks)) if ep > 1 else None
         if rank in ranks:
             ep_group = g
-    return ParallelContext(layout, rank, tp_group, ep_group, cfg.num_local_experts, cfg.vocab_size)
+    if dcp > 1:
+        for ranks in layout.dcp_groups:
+            g = dist.new_group(list(ranks))
+            if rank in ranks:
+                dcp_group = g
+    return ParallelContext(layout, rank, tp_group, ep_group, cfg.num_local_experts, cfg.vocab_size,
+                           dcp_group=dcp_group, dcp_interleave=dcp_interleave)

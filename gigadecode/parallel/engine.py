@@ -69,6 +69,14 @@ class GroupReport:
 
 
 @dataclass
+class RankKV:
+    """What every other rank sends back after a step: its own KV pool's use (DCP ranks hold other tokens)."""
+    rank: int
+    kv_used: int
+    kv_total: int
+
+
+@dataclass
 class StepTrace:
     """One step as this rank saw it (benchmarks and tests): wall time, the collectives it made and whether
     it ran prefill / decode tokens."""
@@ -76,6 +84,7 @@ class StepTrace:
     collectives: dict
     prefill_tokens: int
     decode_tokens: int
+    kv_used: int = 0                    # this rank's KV blocks in use after the step
 
 
 def build_parallel_engine(model_dir: str | Path, ecfg: EngineConfig, progress: bool = False, *,
@@ -91,7 +100,7 @@ def build_parallel_engine(model_dir: str | Path, ecfg: EngineConfig, progress: b
     if world != ecfg.tp * ecfg.dp:
         raise LayoutError(f"--tp {ecfg.tp} × --dp {ecfg.dp} = {ecfg.tp * ecfg.dp} ranks, but the world has {world}")
     cfg = GptOssConfig.from_hf(model_dir)
-    ctx = make_parallel_context(cfg, ecfg.tp, ecfg.dp, ecfg.ep)
+    ctx = make_parallel_context(cfg, ecfg.tp, ecfg.dp, ecfg.ep, ecfg.dcp, ecfg.dcp_chunk)
     runner = ModelRunner(model_dir, ecfg, cfg, progress=progress and ctx.rank == 0, parallel=ctx)
     connector = None
     if ecfg.kv_role != "kv_both":
@@ -102,7 +111,8 @@ def build_parallel_engine(model_dir: str | Path, ecfg: EngineConfig, progress: b
                               advertise_host=advertise_host, side_port=side_port + ctx.rank if side_port
                               else 0, lease_s=ecfg.kv_lease_s, timeout_s=ecfg.kv_transfer_timeout_s,
                               engine_id=f"{ecfg.kv_role}-{uuid.uuid4().hex[:8]}-r{ctx.rank}",
-                              kv_head_start=shard_ranges(cfg, ctx.shard)["kv_heads"][0], notify_on_read=False)
+                              kv_head_start=shard_ranges(cfg, ctx.shard)["kv_heads"][0], notify_on_read=False,
+                              tokens=ctx.tokens)
         connector = TPGroupConnector(inner, ctx)
     return LLMEngine(runner, ecfg, connector), ctx
 
@@ -135,7 +145,7 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
     if trace is not None:
         trace.append(StepTrace(time.perf_counter() - t0, ctx.stats.snapshot(),
                                engine.stats["prefill_tokens"] - s0["prefill_tokens"],
-                               engine.stats["decode_tokens"] - s0["decode_tokens"]))
+                               engine.stats["decode_tokens"] - s0["decode_tokens"], engine.kv_usage()[0]))
     transfer_params = {}
     for out in outputs:
         if out.finished:
@@ -144,9 +154,9 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
                 out.error = req.error
             if req is not None and req.kv_transfer_params_out is not None:
                 transfer_params[out.request_id] = req.kv_transfer_params_out
-    if ctx.tp_rank != 0:
-        return None
     used, total = engine.kv_usage()
+    if ctx.tp_rank != 0:
+        return RankKV(ctx.rank, used, total)
     return GroupReport(ctx.dp_rank, outputs, [r.request_id for r in engine.running],
                        [r.request_id for r in engine.waiting], used, total, dict(engine.stats), transfer_params)
 
@@ -196,6 +206,7 @@ class DistributedEngine:
         self._inbox = StepInbox()
         self._ids = 0
         self._reports: dict[int, GroupReport] = {}
+        self._rank_kv: dict[int, tuple[int, int]] = {}   # world rank -> (blocks used, usable) after the last step
         self._seed = random.SystemRandom()
         self._stopped = False
 
@@ -242,8 +253,11 @@ class DistributedEngine:
         dist.gather_object(mine, gathered, dst=0, group=self.ctx.world_group)
         outputs = []
         now = time.monotonic()
-        for rep in gathered:
+        for r, rep in enumerate(gathered):
             if rep is None:
+                continue
+            self._rank_kv[r] = (rep.kv_used, rep.kv_total)
+            if isinstance(rep, RankKV):
                 continue
             self._reports[rep.dp_rank] = rep
             for out in rep.outputs:
@@ -285,6 +299,12 @@ class DistributedEngine:
         if len(self._reports) < self.ctx.dp_size:          # before the first step: every pool is empty
             return 0, self.replica.kv_usage()[1] * self.ctx.dp_size
         return (sum(r.kv_used for r in self._reports.values()), sum(r.kv_total for r in self._reports.values()))
+
+    def kv_usage_per_rank(self) -> dict[int, tuple[int, int]]:
+        """World rank -> (KV blocks used, usable) of its own pool, as of the last step."""
+        if len(self._rank_kv) < self.ctx.world_size:
+            return {r: (0, self.replica.kv_usage()[1]) for r in range(self.ctx.world_size)}
+        return dict(sorted(self._rank_kv.items()))
 
     @property
     def stats(self) -> dict:

@@ -15,6 +15,12 @@ World size = tp · dp. Ranks are numbered **TP-fastest**:
   are gathered for the MoE) or `tp % ep == 0` (an EP group lies inside one TP group: its ranks already
   hold the same tokens). `ep_span = max(1, ep // tp)` is the number of DP groups one EP group covers.
 
+- **DCP groups** (decode context parallel, `dcp` dividing `tp`): each TP group splits into tp/dcp groups of
+  `dcp` consecutive ranks, `dcp_rank = tp_rank % dcp`. The ranks of a DCP group hold the same kv heads
+  (kv shard `tp_rank // dcp` of tp/dcp) and different tokens of every sequence (`kv.dcp.TokenShard`);
+  their q heads differ as without DCP. tp/dcp must not exceed the kv heads (a kv head held twice is what
+  DCP removes).
+
 The seed's TP8 × DP16 × EP128 on 128 ranks: 16 TP groups (0–7, 8–15, …, 120–127), one EP group
 (0–127) spanning all 16 DP groups, one expert per rank for 128 experts.
 
@@ -42,6 +48,7 @@ class ParallelLayout:
     tp: int
     dp: int
     ep: int
+    dcp: int = 1
 
     # -- sizes -------------------------------------------------------------------------------------
     @property
@@ -61,6 +68,10 @@ class ParallelLayout:
     @property
     def tp_groups(self) -> Mesh2D:
         return tuple(tuple(range(g * self.tp, (g + 1) * self.tp)) for g in range(self.dp))
+
+    @property
+    def dcp_groups(self) -> Mesh2D:
+        return tuple(tuple(range(g * self.dcp, (g + 1) * self.dcp)) for g in range(self.world_size // self.dcp))
 
     @property
     def ep_groups(self) -> Mesh2D:
@@ -83,6 +94,10 @@ class ParallelLayout:
         self._check_rank(rank)
         return rank % self.ep
 
+    def dcp_rank(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank % self.dcp
+
     def ep_slot(self, rank: int) -> int:
         """Which of the EP group's `ep_span` DP groups this rank's tokens are (0 when ep_span == 1)."""
         return self.ep_rank(rank) // self.tp if self.ep >= self.tp else 0
@@ -95,7 +110,8 @@ class ParallelLayout:
         return self.ep_groups[rank // self.ep]
 
     def shard(self, rank: int) -> Shard:
-        return Shard(tp_rank=self.tp_rank(rank), tp_size=self.tp, ep_rank=self.ep_rank(rank), ep_size=self.ep)
+        return Shard(tp_rank=self.tp_rank(rank), tp_size=self.tp, ep_rank=self.ep_rank(rank), ep_size=self.ep,
+                     dcp_size=self.dcp)
 
     def expert_range(self, rank: int, num_experts: int) -> tuple[int, int]:
         n = num_experts // self.ep
@@ -106,14 +122,15 @@ class ParallelLayout:
         return vocab_shard(vocab_size, self.tp, self.tp_rank(rank))
 
     def describe(self) -> str:
+        dcp = f", DCP groups of {self.dcp}" if self.dcp > 1 else ""
         return (f"TP{self.tp} × DP{self.dp} × EP{self.ep} (world {self.world_size}: {self.dp} TP groups of "
-                f"{self.tp}, {self.num_ep_groups} EP group(s) of {self.ep} spanning {self.ep_span} DP group(s))")
+                f"{self.tp}, {self.num_ep_groups} EP group(s) of {self.ep} spanning {self.ep_span} DP group(s){dcp})")
 
 
 def build_layout(tp: int, dp: int, ep: int, world_size: int | None = None,
-                 cfg: GptOssConfig | None = None) -> ParallelLayout:
-    """Validate (tp, dp, ep) against the world size and (optionally) the model; LayoutError says why."""
-    for name, v in (("tp", tp), ("dp", dp), ("ep", ep)):
+                 cfg: GptOssConfig | None = None, dcp: int = 1) -> ParallelLayout:
+    """Validate (tp, dp, ep, dcp) against the world size and (optionally) the model; LayoutError says why."""
+    for name, v in (("tp", tp), ("dp", dp), ("ep", ep), ("dcp", dcp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise LayoutError(f"--{name} must be a positive integer (got {v!r})")
     world = tp * dp
@@ -126,6 +143,8 @@ def build_layout(tp: int, dp: int, ep: int, world_size: int | None = None,
     if ep % tp and tp % ep:
         raise LayoutError(f"ep={ep} and tp={tp}: one must divide the other (an EP group must be whole TP groups "
                           f"or lie inside one TP group)")
+    if tp % dcp:
+        raise LayoutError(f"--dcp {dcp} does not divide --tp {tp} (a DCP group is dcp ranks of one TP group)")
     if cfg is not None:
         nh, kv, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts
         if nh % tp:
@@ -135,4 +154,8 @@ def build_layout(tp: int, dp: int, ep: int, world_size: int | None = None,
                               f"(kv heads are split, or replicated when tp > kv heads)")
         if E % ep:
             raise LayoutError(f"ep={ep} does not divide num_local_experts={E}")
-    return ParallelLayout(tp, dp, ep)
+        if dcp > 1 and (tp // dcp > kv or kv % (tp // dcp)):
+            raise LayoutError(f"--dcp {dcp} with --tp {tp}: the kv heads are split over tp/dcp = {tp // dcp} ranks, "
+                              f"which must divide num_key_value_heads={kv} (with more, every kv head would still be "
+                              f"held twice: raise --dcp to {tp // kv} or more)")
+    return ParallelLayout(tp, dp, ep, dcp)

@@ -72,6 +72,12 @@ class _SnapshotCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], s.get(key, 0))
             yield g
+        for name, doc, i in (("gigadecode_kv_rank_blocks_used", "KV cache blocks in use on each rank's own pool.", 0),
+                             ("gigadecode_kv_rank_blocks_total", "Usable KV cache blocks of each rank's own pool.", 1)):
+            g = GaugeMetricFamily(name, doc, labels=["rank"])
+            for rank, kv in sorted(s.get("kv_per_rank", {}).items()):
+                g.add_metric([str(rank)], kv[i])
+            yield g
         for name, doc, key in (
                 ("gigadecode_kv_bytes_transferred", "Bytes of KV moved by the KV connector.", "kv_bytes"),
                 ("gigadecode_kv_transfer_failures", "KV transfers that failed.", "transfer_failures")):
@@ -110,6 +116,8 @@ class EngineMetrics:
         s["running"] = len(engine.running)
         s["waiting"] = len(engine.waiting)
         s["kv_blocks_used"], s["kv_blocks_total"] = engine.kv_usage()
+        per_rank = getattr(engine, "kv_usage_per_rank", None)
+        s["kv_per_rank"] = per_rank() if per_rank is not None else {}
         s["kv_bytes"] = engine.stats.get("kv_bytes_transferred", 0)
         s["transfer_failures"] = engine.stats.get("transfer_failures", 0)
 

@@ -4,9 +4,12 @@
 // KV layouts (one buffer half): plain [nb, kv, B, d] (fp32 / bf16 / fp8), packed-FP8 K [nb, kv, B/2, d, 2]
 // (element [b, h, p, j, s] = token 2p+s, dim j). FP8 is e4m3 with a per-tensor scale (stored = x / scale).
 // Attention for slot b reads the blocks of its table row that hold frame positions [lo, pos] (lo = pos-W+1
-// on sliding layers, 0 on full ones) with an online softmax; the work is split over (slot, kv head) and,
-// when that leaves threads idle on a long context, over block ranges merged by their log-sum-exp. The
-// sink joins the softmax denominator at the merge: out = Σ_s o_s e^{m_s-M} / (Σ_s l_s e^{m_s-M} + e^{sink-M}).
+// on sliding layers, 0 on full ones; the partial op's lo = first) with an online softmax; the work is split
+// over (slot, kv head) and, when that leaves threads idle on a long context, over block ranges merged by
+// their log-sum-exp. The sink joins the softmax denominator at the merge:
+// out = Σ_s o_s e^{m_s-M} / (Σ_s l_s e^{m_s-M} + e^{sink-M}). Without a sink (the partial op, for decode
+// context parallelism) the merge also gives lse = M + log Σ_s l_s e^{m_s-M}, so ranks holding disjoint
+// parts of a sequence merge their partials exactly, adding the sink once.
 #include "common.h"
 
 namespace gd {
@@ -34,7 +37,6 @@ float kv_multiplier(double scale) { return std::is_same_v<T, uint8_t> ? float(sc
 struct AttnShape {
   int64_t Bt, nh, kv, rep, d, B, n_table;
   bool packed;
-  int64_t window;  // 0 = full attention
 };
 
 // o[r] += Σ_t p[r][t] · V[t] for the rep heads of a group: NV = d / W vectors a row, as many heads at a time
@@ -173,14 +175,17 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
   }
 }
 
+// Slot b attends to frame positions [lo[b], pos[b]] (lo >= 0; pos < lo: nothing) when active[b]. out
+// [Bt, nh·d] (fp32 or bf16); sinks: one per q head, or null for none; lse [Bt, nh] (or null): the merged
+// log-sum-exp of the scaled scores (with the sink's term when there is one), -inf where nothing is visible.
 template <typename KT, typename VT>
 void attention_impl(const AttnShape& s, const float* q, const KT* K, const VT* V, const int64_t* table,
-                    const int64_t* pos, const bool* active, const FloatView& sinks, float qmul, float vmul,
-                    at::Tensor& out) {
+                    const int64_t* lo, const int64_t* pos, const bool* active, const FloatView* sinks, float qmul,
+                    float vmul, at::Tensor& out, float* lse) {
   const int64_t base = s.Bt * s.kv, nthreads = at::get_num_threads();
-  int64_t max_blocks = 1;
-  for (int64_t b = 0; b < s.Bt; ++b) max_blocks = std::max(max_blocks, pos[b] / s.B + 1);
-  if (s.window) max_blocks = std::min(max_blocks, (s.window + s.B - 1) / s.B + 1);
+  int64_t max_blocks = 1;                             // the most blocks one slot reads
+  for (int64_t b = 0; b < s.Bt; ++b)
+    if (active[b] && pos[b] >= lo[b]) max_blocks = std::max(max_blocks, pos[b] / s.B - lo[b] / s.B + 1);
   int64_t S = 1;
   if (base < 2 * nthreads && max_blocks >= 8) S = std::max<int64_t>(1, std::min((2 * nthreads + base - 1) / base, max_blocks / 4));
   const int64_t stride = s.rep * (s.d + 2);
@@ -189,18 +194,17 @@ void attention_impl(const AttnShape& s, const float* q, const KT* K, const VT* V
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (s.kv * S), h = (i / S) % s.kv, sp = i % S;
       float* pr = part + i * stride;
-      const int64_t p = pos[b];
-      const int64_t lo = s.window ? std::max<int64_t>(0, p - s.window + 1) : 0;
-      const int64_t jb0 = lo / s.B, jb1 = p / s.B, nb = jb1 - jb0 + 1;
+      const int64_t p = pos[b], l0 = lo[b];
+      const int64_t jb0 = l0 / s.B, jb1 = p / s.B, nb = jb1 - jb0 + 1;
       const int64_t a = jb0 + nb * sp / S, e = jb0 + nb * (sp + 1) / S - 1;
-      if (!active[b] || e < a) {
+      if (!active[b] || p < l0 || e < a) {
         for (int64_t r = 0; r < s.rep; ++r) { pr[r * (s.d + 2) + s.d] = -INFINITY; pr[r * (s.d + 2) + s.d + 1] = 0.f; }
         continue;
       }
-      attend_range<KT, VT>(s, q, K, V, table, lo, p, a, e, b, h, qmul, pr);
+      attend_range<KT, VT>(s, q, K, V, table, l0, p, a, e, b, h, qmul, pr);
     }
   });
-  // merge the block ranges with the sink
+  // merge the block ranges (with the sink when there is one)
   at::parallel_for(0, base, 1, [&](int64_t i0, int64_t i1) {
     float* row = scratch(2, s.d);
     for (int64_t i = i0; i < i1; ++i) {
@@ -208,22 +212,27 @@ void attention_impl(const AttnShape& s, const float* q, const KT* K, const VT* V
       for (int64_t r = 0; r < s.rep; ++r) {
         const int64_t qh = h * s.rep + r;
         std::fill(row, row + s.d, 0.f);
+        float ls = -INFINITY;
         if (active[b]) {
-          const float sink = sinks[qh];
+          const float sink = sinks ? (*sinks)[qh] : -INFINITY;
           float M = sink;
           for (int64_t sp = 0; sp < S; ++sp) M = std::max(M, part[(i * S + sp) * stride + r * (s.d + 2) + s.d]);
-          float L = std::exp(sink - M);
-          for (int64_t sp = 0; sp < S; ++sp) {
-            const float* pr = part + (i * S + sp) * stride + r * (s.d + 2);
-            if (pr[s.d + 1] == 0.f) continue;
-            const float f = std::exp(pr[s.d] - M);
-            L += pr[s.d + 1] * f;
-            for (int64_t j = 0; j < s.d; ++j) row[j] += pr[j] * f;
+          if (M > -INFINITY) {                        // else no sink and nothing visible: 0, lse -inf
+            float L = sinks ? std::exp(sink - M) : 0.f;
+            for (int64_t sp = 0; sp < S; ++sp) {
+              const float* pr = part + (i * S + sp) * stride + r * (s.d + 2);
+              if (pr[s.d + 1] == 0.f) continue;
+              const float f = std::exp(pr[s.d] - M);
+              L += pr[s.d + 1] * f;
+              for (int64_t j = 0; j < s.d; ++j) row[j] += pr[j] * f;
+            }
+            const float inv = vmul / L;
+            for (int64_t j = 0; j < s.d; ++j) row[j] *= inv;
+            ls = M + std::log(L);
           }
-          const float inv = vmul / L;
-          for (int64_t j = 0; j < s.d; ++j) row[j] *= inv;
         }
         store_row(row, out, (b * s.nh + qh) * s.d, s.d);
+        if (lse) lse[b * s.nh + qh] = ls;
       }
     }
   });
@@ -259,12 +268,9 @@ std::array<int64_t, 4> kv_dims(const at::Tensor& k, const at::Tensor& v) {
   return {nb, kv, B, d};
 }
 
-}  // namespace
-
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& table, const at::Tensor& pos, const at::Tensor& active,
-                                  const at::Tensor& sinks, int64_t window, double scale, double k_scale,
-                                  double v_scale, at::ScalarType out_dtype) {
+// The checks both attention ops share; returns the shape (window / lower bounds are the caller's).
+AttnShape attention_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& table, const at::Tensor& pos, const at::Tensor& active) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q must be float32 [Bt, nh, d]");
   const auto [nb, kv, B, d] = kv_dims(k_cache, v_cache);
   const int64_t Bt = q.size(0), nh = q.size(1);
@@ -273,31 +279,88 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "table must be int64 [Bt, n]");
   TORCH_CHECK(pos.scalar_type() == at::kLong && pos.numel() == Bt && active.scalar_type() == at::kBool &&
               active.numel() == Bt, "pos (int64) and active (bool) must be [Bt]");
-  TORCH_CHECK(sinks.numel() == nh, "sinks must have one value per q head");
+  return AttnShape{Bt, nh, kv, nh / kv, d, B, table.size(1), k_cache.dim() == 5};
+}
+
+// Slot b reads frame positions [lo, pos] of its table row: they must lie in the table, their blocks in (0, nb).
+void check_blocks(const AttnShape& s, int64_t nb, const int64_t* tb, int64_t b, int64_t lo, int64_t pos) {
+  TORCH_CHECK(pos >= 0 && pos / s.B < s.n_table, "slot ", b, ": position ", pos, " past its table");
+  for (int64_t j = lo / s.B; j <= pos / s.B; ++j)
+    TORCH_CHECK(tb[b * s.n_table + j] > 0 && tb[b * s.n_table + j] < nb, "slot ", b, ": block id ",
+                tb[b * s.n_table + j], " out of range");
+}
+
+// Per-slot lower bounds, reused across calls (a decode step allocates nothing once warm).
+int64_t* lower_bounds(int64_t Bt) {
+  thread_local std::vector<int64_t> lo;
+  if (int64_t(lo.size()) < Bt) lo.resize(Bt);
+  return lo.data();
+}
+
+// attention_impl for the KV buffers' element types, FP8 scales folded into the q and V multipliers
+void run_attention(const AttnShape& s, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const int64_t* table, const int64_t* lo, const int64_t* pos, const bool* active,
+                   const FloatView* sinks, double scale, double k_scale, double v_scale, at::Tensor& out,
+                   float* lse) {
+  dispatch_kv(k_cache, v_cache, [&](auto kp, auto vp) {
+    using KT = std::remove_cv_t<std::remove_pointer_t<decltype(kp)>>;
+    using VT = std::remove_cv_t<std::remove_pointer_t<decltype(vp)>>;
+    attention_impl<KT, VT>(s, q.data_ptr<float>(), kp, vp, table, lo, pos, active, sinks,
+                           float(scale) * kv_multiplier<KT>(k_scale), kv_multiplier<VT>(v_scale), out, lse);
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& table, const at::Tensor& pos, const at::Tensor& active,
+                                  const at::Tensor& sinks, int64_t window, double scale, double k_scale,
+                                  double v_scale, at::ScalarType out_dtype) {
+  const AttnShape s = attention_args(q, k_cache, v_cache, table, pos, active);
+  TORCH_CHECK(sinks.numel() == s.nh, "sinks must have one value per q head");
   TORCH_CHECK(window >= 0, "window must be >= 0");
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "out_dtype must be float32 or bfloat16");
   const int64_t* tb = table.data_ptr<int64_t>();
   const int64_t* ps = pos.data_ptr<int64_t>();
   const bool* ac = active.data_ptr<bool>();
-  for (int64_t b = 0; b < Bt; ++b) {
+  int64_t* lo = lower_bounds(s.Bt);
+  for (int64_t b = 0; b < s.Bt; ++b) {
+    lo[b] = 0;
     if (!ac[b]) continue;
-    TORCH_CHECK(ps[b] >= 0 && ps[b] / B < table.size(1), "slot ", b, ": position ", ps[b], " past its table");
-    const int64_t lo = window ? std::max<int64_t>(0, ps[b] - window + 1) : 0;
-    for (int64_t j = lo / B; j <= ps[b] / B; ++j)
-      TORCH_CHECK(tb[b * table.size(1) + j] > 0 && tb[b * table.size(1) + j] < nb, "slot ", b, ": block id ",
-                  tb[b * table.size(1) + j], " out of range");
+    if (window) lo[b] = std::max<int64_t>(0, ps[b] - window + 1);
+    check_blocks(s, v_cache.size(0), tb, b, lo[b], ps[b]);
   }
-  AttnShape s{Bt, nh, kv, nh / kv, d, B, table.size(1), k_cache.dim() == 5, window};
   at::Tensor sk = sinks.contiguous();
   const FloatView sv(sk);
-  at::Tensor out = at::empty({Bt, nh * d}, q.options().dtype(out_dtype));
-  dispatch_kv(k_cache, v_cache, [&](auto kp, auto vp) {
-    using KT = std::remove_cv_t<std::remove_pointer_t<decltype(kp)>>;
-    using VT = std::remove_cv_t<std::remove_pointer_t<decltype(vp)>>;
-    attention_impl<KT, VT>(s, q.data_ptr<float>(), kp, vp, tb, ps, ac, sv,
-                           float(scale) * kv_multiplier<KT>(k_scale), kv_multiplier<VT>(v_scale), out);
-  });
+  at::Tensor out = at::empty({s.Bt, s.nh * s.d}, q.options().dtype(out_dtype));
+  run_attention(s, q, k_cache, v_cache, tb, lo, ps, ac, &sv, scale, k_scale, v_scale, out, nullptr);
   return out;
+}
+
+// Decode context parallelism: slot b attends to frame positions [first, pos] only, without the sink.
+// -> (out [Bt, nh, d] fp32 normalized over those keys, lse [Bt, nh] fp32 their log-sum-exp; 0 / -inf where
+// nothing is visible: inactive, pos < 0 or first > pos).
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_partial(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& table,
+    const at::Tensor& pos, const at::Tensor& first, const at::Tensor& active, double scale, double k_scale,
+    double v_scale) {
+  const AttnShape s = attention_args(q, k_cache, v_cache, table, pos, active);
+  TORCH_CHECK(first.scalar_type() == at::kLong && first.numel() == s.Bt && first.is_contiguous(),
+              "first must be int64 [Bt]");
+  const int64_t* tb = table.data_ptr<int64_t>();
+  const int64_t* ps = pos.data_ptr<int64_t>();
+  const int64_t* fs = first.data_ptr<int64_t>();
+  const bool* ac = active.data_ptr<bool>();
+  int64_t* lo = lower_bounds(s.Bt);
+  for (int64_t b = 0; b < s.Bt; ++b) {
+    lo[b] = std::max<int64_t>(0, fs[b]);
+    if (ac[b] && ps[b] >= lo[b]) check_blocks(s, v_cache.size(0), tb, b, lo[b], ps[b]);
+  }
+  at::Tensor out = at::empty({s.Bt, s.nh, s.d}, q.options());
+  at::Tensor lse = at::empty({s.Bt, s.nh}, q.options());
+  run_attention(s, q, k_cache, v_cache, tb, lo, ps, ac, nullptr, scale, k_scale, v_scale, out,
+                lse.data_ptr<float>());
+  return {out, lse};
 }
 
 // qkv [Bt, (nh + 2 kv) d] -> q [Bt, nh, d] fp32 with RoPE; RoPE'd k and v written to slot[b] of the KV buffer

@@ -12,6 +12,10 @@ at::Tensor linear_small(const at::Tensor&, const at::Tensor&, const c10::optiona
 at::Tensor paged_decode_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, double,
                                   double, at::ScalarType);
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_partial(const at::Tensor&, const at::Tensor&,
+                                                                  const at::Tensor&, const at::Tensor&,
+                                                                  const at::Tensor&, const at::Tensor&,
+                                                                  const at::Tensor&, double, double, double);
 at::Tensor rope_kv_write(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor,
                          const at::Tensor&, int64_t, double, double);
 at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double);
@@ -27,6 +31,8 @@ TORCH_LIBRARY(gigadecode_native, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor pos, Tensor active, "
         "Tensor sinks, int window, float scale, float k_scale, float v_scale, ScalarType out_dtype) -> Tensor");
+  m.def("paged_decode_attention_partial(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor pos, "
+        "Tensor first, Tensor active, float scale, float k_scale, float v_scale) -> (Tensor, Tensor)");
   m.def("rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot, "
         "int num_heads, float k_scale, float v_scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -38,6 +44,7 @@ TORCH_LIBRARY_IMPL(gigadecode_native, CPU, m) {
   m.impl("mxfp4_dequant", &gd::mxfp4_dequant);
   m.impl("linear", &gd::linear_small);
   m.impl("paged_decode_attention", &gd::paged_decode_attention);
+  m.impl("paged_decode_attention_partial", &gd::paged_decode_attention_partial);
   m.impl("rope_kv_write", &gd::rope_kv_write);
   m.impl("rms_norm", &gd::rms_norm);
 }
