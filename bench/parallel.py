@@ -9,7 +9,11 @@ aggregate tok/s, collectives per step per mesh (and per layer), the bytes one ra
 resident on one rank. On this 2-core machine worlds of more than 2 ranks oversubscribe the cores, so their
 step times measure contention more than the layout; the counts and bytes are exact.
 
-    .venv/bin/python bench/parallel.py [--preset tiny|small] [--layouts 1,1,1 2,1,2 1,2,2 2,2,4 4,1,4]
+A layout `tp,dp,ep,dcp` adds decode context parallel: its row also shows the KV bytes one rank holds at the
+peak of the run (its pool's blocks in use × bytes per block) and their ratio to the same layout without DCP
+when that layout ran too (the default list ends with TP4 and TP4 × DCP2).
+
+    .venv/bin/python bench/parallel.py [--preset tiny|small] [--layouts 1,1,1 2,1,2 1,2,2 2,2,4 4,1,4 4,1,1 4,1,1,2]
                                        [--prompts 4] [--prompt-len 40] [--max-tokens 16] [--json]
 """
 
@@ -34,8 +38,10 @@ from gigadecode.parallel.spawn import generate_job, run_world  # noqa: E402
 CACHE = Path.home() / ".cache" / "gigadecode"
 
 
-def run_layout(model_dir: Path, prompts: list[list[int]], layout: tuple[int, int, int], kw: dict) -> dict:
-    tp, dp, ep = layout
+def run_layout(model_dir: Path, prompts: list[list[int]], layout: tuple[int, ...], kw: dict) -> dict:
+    tp, dp, ep, dcp = (*layout, 1)[:4]
+    if dcp > 1:
+        kw = {**kw, "dcp": dcp}
     if tp * dp == 1:
         rep: dict = {}
         run_parallel_generate(model_dir, prompts, 1, 1, ep, report=rep, **kw)
@@ -55,7 +61,10 @@ def run_layout(model_dir: Path, prompts: list[list[int]], layout: tuple[int, int
     for r in reports[1:]:                                         # every rank runs the same collectives
         assert {str(s["calls"]) for s in r["step_stats"][skip:]} <= {str(s["calls"]) for s in reports[0]["step_stats"]}
     batch = len(prompts)
-    return {"layout": f"TP{tp}xDP{dp}xEP{ep}", "tp": tp, "dp": dp, "ep": ep, "world": tp * dp,
+    kv_peak = max(max(t.kv_used for t in r["steps"]) * r["kv_block_bytes"] for r in reports)
+    name = f"TP{tp}xDP{dp}xEP{ep}" + (f"xDCP{dcp}" if dcp > 1 else "")
+    return {"layout": name, "tp": tp, "dp": dp, "ep": ep, "dcp": dcp, "world": tp * dp,
+            "kv_bytes_per_rank": kv_peak,
             "ep_span": build_layout(tp, dp, ep).ep_span, "rows_per_dp_group": -(-batch // dp),
             "step_ms": round(step_s * 1e3, 2), "tok_s": round(batch / step_s, 1),
             "collectives_per_step": calls, "collectives_per_layer": {m: n / L for m, n in calls.items()},
@@ -66,7 +75,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--model", default=None, help="checkpoint dir (default: a cached preset checkpoint)")
-    ap.add_argument("--layouts", nargs="+", default=["1,1,1", "2,1,2", "1,2,2", "2,2,4", "4,1,4"])
+    ap.add_argument("--layouts", nargs="+", default=["1,1,1", "2,1,2", "1,2,2", "2,2,4", "4,1,4", "4,1,1", "4,1,1,2"],
+                    help="tp,dp,ep or tp,dp,ep,dcp")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -90,9 +100,13 @@ def main() -> int:
     rows = []
     for spec in args.layouts:
         layout = tuple(int(x) for x in spec.split(","))
-        build_layout(*layout, None, cfg)
+        build_layout(*layout[:3], None, cfg, *layout[3:])
         row = run_layout(model_dir, prompts, layout, kw)
         row["step_vs_first"] = round(row["step_ms"] / (rows[0] if rows else row)["step_ms"], 2)
+        base = next((r for r in rows if r["dcp"] == 1 and (r["tp"], r["dp"], r["ep"]) == layout[:3]), None)
+        if row["dcp"] > 1 and base is not None:
+            row["kv_bytes_vs_dcp1"] = round(row["kv_bytes_per_rank"] / base["kv_bytes_per_rank"], 3)
+            row["step_vs_dcp1"] = round(row["step_ms"] / base["step_ms"], 2)
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)
@@ -102,7 +116,10 @@ def main() -> int:
             print(f"{row['layout']:>14}  world {row['world']:>2}  step {row['step_ms']:8.2f} ms "
                   f"({row['step_vs_first']:.2f}x {rows[0]['layout']})  "
                   f"{row['tok_s']:8.1f} tok/s  collectives/step {calls:<12}  sent/step/rank {sent:<24}  "
-                  f"weights/rank {row['weight_bytes_per_rank'] / 2**20:.2f} MiB", flush=True)
+                  f"weights/rank {row['weight_bytes_per_rank'] / 2**20:.2f} MiB  "
+                  f"KV/rank {row['kv_bytes_per_rank'] / 2**10:.1f} KiB"
+                  + (f" ({row['kv_bytes_vs_dcp1']:.2f}x, step {row['step_vs_dcp1']:.2f}x DCP1)"
+                     if "kv_bytes_vs_dcp1" in row else ""), flush=True)
     return 0
 
 

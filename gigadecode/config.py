@@ -511,7 +511,7 @@ def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig
                         num_blocks=args.num_blocks, kv_budget_gib=args.kv_budget_gib,
                         decoder=args.decoder, gk_decode=args.decoder != "reference", kv_role=kv_role,
                         max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
-                        tp=args.tp, dp=args.dp, ep=args.ep, dcp=getattr(args, "dcp", 1) or 1,
+                        tp=args.tp, dp=args.dp, ep=args.ep, dcp=getattr(args, "dcp", 1),
                         dcp_interleave=getattr(args, "dcp_interleave", None),
                         kv_lease_s=getattr(args, "kv_lease_s", 30.0),
                         kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout_s", 10.0),

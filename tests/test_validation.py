@@ -65,6 +65,9 @@ BUCKETS_MSG = "batch_buckets must be a non-empty, strictly increasing sequence o
     (dict(dp=0), "--dp must be >= 1 (got 0)"),
     (dict(ep=-1), "--ep must be >= 1 (got -1)"),
     (dict(tp=1.5), "--tp must be an integer >= 1 (got 1.5)"),
+    (dict(dcp=0), "--dcp must be >= 1 (got 0)"),
+    (dict(tp=4, dcp=3), "--dcp 3 must divide --tp 4 (a DCP group is dcp ranks of one TP group)"),
+    (dict(tp=2, dcp=2, dcp_interleave=0), "--dcp-interleave must be >= 1 (got 0)"),
     (dict(kv_lease_s=0.0), "--kv-lease-s must be > 0 and finite (got 0.0)"),
     (dict(kv_lease_s=math.nan), "--kv-lease-s must be > 0 and finite (got nan)"),
     (dict(kv_transfer_timeout_s=-1.0), "--kv-transfer-timeout-s must be > 0 and finite (got -1.0)"),
@@ -103,7 +106,8 @@ def test_cli_generate_refuses_zero_max_num_seqs(tiny_ckpt, capsys, extra):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("flag,value", [("--max-prefill-tokens", "0"), ("--num-blocks", "1"),
-                                        ("--kv-budget-gib", "0"), ("--tp", "0")])
+                                        ("--kv-budget-gib", "0"), ("--tp", "0"), ("--dcp", "0"),
+                                        ("--dcp-interleave", "0")])
 def test_cli_generate_refuses_bad_engine_flags(tiny_ckpt, capsys, flag, value):
     from gigadecode.cli import main
     rc = main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,2", flag, value])

@@ -60,6 +60,7 @@ def run_parallel_generate(model_dir: str | Path, prompts: list[list[int]], tp: i
     if report is not None:
         decode_only = [t for t in trace if t.decode_tokens and not t.prefill_tokens]
         report.update(rank=rank, tp=tp, dp=dp, ep=ep, shard=shard, weight_bytes=runner.weights.nbytes(),
+                      kv_block_bytes=runner.kv.nbytes // runner.kv.num_blocks,
                       num_layers=runner.cfg.num_hidden_layers, steps=trace,
                       step_times=[t.seconds for t in decode_only],
                       step_stats=[t.collectives for t in decode_only])
@@ -76,7 +77,7 @@ def _run(engine, prompts: list[list[int]], params: list[SamplingParams], trace: 
         if trace is not None:
             trace.append(StepTrace(time.perf_counter() - t0, {"calls": {}, "bytes": {}, "by_op": {}},
                                    engine.stats["prefill_tokens"] - s0["prefill_tokens"],
-                                   engine.stats["decode_tokens"] - s0["decode_tokens"]))
+                                   engine.stats["decode_tokens"] - s0["decode_tokens"], engine.kv_usage()[0]))
     out = []
     for rid in ids:
         r = engine.requests[rid]
