@@ -72,22 +72,10 @@ def build_attention_control(positions: list[int], tables: list[list[list[int]]],
     if tokens is not None and not tokens.trivial:
         return _dcp_attention_control(positions, tables, group_sliding, rope, block_size, window, batch_bucket,
                                       full_width, tokens)
-    n = len(positions)
-    bt = batch_bucket or n
-    if bt < n:
-        raise ValueError(f"batch bucket {bt} < batch {n}")
     B = block_size
-    need = max((p // B + 1 for p in positions), default=1)
-    nf = full_width or next_pow2(need)
-    if nf < need:
-        raise ValueError(f"full table width {nf} < {need} blocks needed")
-    ns = swa_table_width(window, B)
-    f_groups = [g for g, s in enumerate(group_sliding) if not s]
-    s_groups = [g for g, s in enumerate(group_sliding) if s]
-    full = torch.zeros(len(f_groups), bt, nf, dtype=torch.long)
-    swa = torch.zeros(len(s_groups), bt, ns, dtype=torch.long)
-    upd = torch.zeros(len(f_groups), bt, dtype=torch.long)
-    upd_swa = torch.zeros(len(s_groups), bt, dtype=torch.long)
+    bt, f_groups, s_groups, full, swa, upd, upd_swa = _tables(
+        len(positions), max((p // B + 1 for p in positions), default=1), group_sliding, B, window, batch_bucket,
+        full_width)
     pos = torch.zeros(bt, dtype=torch.long)
     pos_swa = torch.zeros(bt, dtype=torch.long)
     active = torch.zeros(bt, dtype=torch.bool)
@@ -109,6 +97,24 @@ def build_attention_control(positions: list[int], tables: list[list[list[int]]],
     return AttentionControl(cos, sin, full, swa, active, pos, pos_swa, upd, upd_swa)
 
 
+def _tables(n: int, need: int, group_sliding: list[bool], B: int, window: int, batch_bucket: int | None,
+            full_width: int | None):
+    """The step's empty (null-block) tables and write indices -> (bucket, full groups, sliding groups,
+    full [Gf, Bt, nf], swa [Gs, Bt, ns], upd [Gf, Bt], upd_swa [Gs, Bt]); `need`: widest full table."""
+    bt = batch_bucket or n
+    if bt < n:
+        raise ValueError(f"batch bucket {bt} < batch {n}")
+    nf = full_width or next_pow2(need)
+    if nf < need:
+        raise ValueError(f"full table width {nf} < {need} blocks needed")
+    ns = swa_table_width(window, B)
+    f_groups = [g for g, s in enumerate(group_sliding) if not s]
+    s_groups = [g for g, s in enumerate(group_sliding) if s]
+    return (bt, f_groups, s_groups, torch.zeros(len(f_groups), bt, nf, dtype=torch.long),
+            torch.zeros(len(s_groups), bt, ns, dtype=torch.long), torch.zeros(len(f_groups), bt, dtype=torch.long),
+            torch.zeros(len(s_groups), bt, dtype=torch.long))
+
+
 def _block(table: list[int], j: int) -> int:
     if j >= len(table) or table[j] == 0:
         raise ValueError(f"block table has no block for logical block {j} (table {table})")
@@ -119,20 +125,10 @@ def _dcp_attention_control(positions: list[int], tables: list[list[list[int]]], 
                            rope: Rope, block_size: int, window: int, batch_bucket: int | None,
                            full_width: int | None, tokens: TokenShard) -> AttentionControl:
     n, B = len(positions), block_size
-    bt = batch_bucket or n
-    if bt < n:
-        raise ValueError(f"batch bucket {bt} < batch {n}")
     need = max((max(tokens.count(p + 1) - 1, 0) // B + 1 for p in positions), default=1)
-    nf = full_width or next_pow2(need)
-    if nf < need:
-        raise ValueError(f"full table width {nf} < {need} blocks needed")
-    ns = swa_table_width(window, B)
-    f_groups = [g for g, s in enumerate(group_sliding) if not s]
-    s_groups = [g for g, s in enumerate(group_sliding) if s]
-    full = torch.zeros(len(f_groups), bt, nf, dtype=torch.long)
-    swa = torch.zeros(len(s_groups), bt, ns, dtype=torch.long)
-    upd = torch.zeros(len(f_groups), bt, dtype=torch.long)             # 0: the null block (not ours / padding)
-    upd_swa = torch.zeros(len(s_groups), bt, dtype=torch.long)
+    # write index 0 (the null block): a token another rank holds, or padding
+    bt, f_groups, s_groups, full, swa, upd, upd_swa = _tables(n, need, group_sliding, B, window, batch_bucket,
+                                                              full_width)
     pos = torch.full((bt,), -1, dtype=torch.long)
     pos_swa = torch.full((bt,), -1, dtype=torch.long)
     first = torch.zeros(bt, dtype=torch.long)
