@@ -282,11 +282,22 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("--kv-transfer-timeout-s", type=float, default=10.0, help="decode: handshake + read time limit")
     di.add_argument("--kv-failure-policy", default="fail", choices=["fail", "recompute"],
                     help="decode: on a failed transfer, fail the request or prefill it locally")
+    di.add_argument("--vllm-kv-layout", default="auto", choices=["auto", "vec", "amx"],
+                    help="decode behind a vLLM prefill: the order of its CPU KV pages, which its handshake does not "
+                         "say (auto: what vLLM picks on this kind of CPU: amx for bf16 KV with AMX tiles, else vec)")
     add_engine_arguments(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("proxy", help="DI router: prefill on one server, decode on another")
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="gigadecode prefill servers")
+    p.add_argument("--prefill-vllm", nargs="+", default=[], metavar="URL",
+                   help="stock vLLM prefill servers (NixlConnector kv_producer; /v1/completions only): the proxy "
+                        "sends them the prompt's token ids less the last one and signs their answer for the decode "
+                        "servers (needs --kv-secret)")
+    p.add_argument("--vllm-kv-lease-s", type=float, default=30.0,
+                   help="the vLLM prefills' kv_lease_duration: a decode that has not read by then fails")
+    p.add_argument("--kv-secret", default=os.environ.get("GIGADECODE_KV_SECRET"), metavar="KEY",
+                   help="with --prefill-vllm: the decode servers' KV secret (default $GIGADECODE_KV_SECRET)")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -423,6 +423,7 @@ class EngineConfig:
     kv_transfer_timeout_s: float = 10.0  # DI consumer: handshake + read time limit
     kv_failure_policy: str = "fail"     # DI consumer: fail | recompute (prefill locally) on a failed transfer
     kv_secret: str | None = field(default=None, repr=False)   # DI: the key P and D sign/verify KV params with
+    vllm_kv_layout: str = "auto"        # DI consumer of a vLLM prefill: its CPU KV page order (auto | vec | amx)
 
     def __post_init__(self) -> None:
         from numbers import Integral, Real
@@ -476,6 +477,8 @@ class EngineConfig:
         positive("--kv-transfer-timeout-s", self.kv_transfer_timeout_s)
         if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ConfigError(f"kv_role must be kv_producer|kv_consumer|kv_both (got {self.kv_role!r})")
+        if self.vllm_kv_layout not in ("auto", "vec", "amx"):
+            raise ConfigError(f"--vllm-kv-layout must be auto|vec|amx (got {self.vllm_kv_layout!r})")
         if self.kv_failure_policy not in ("fail", "recompute"):
             raise ConfigError(f"kv_failure_policy must be fail|recompute (got {self.kv_failure_policy!r})")
         if self.k_scale <= 0 or self.v_scale <= 0 or not math.isfinite(self.k_scale * self.v_scale):
@@ -516,6 +519,7 @@ def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig
                         kv_lease_s=getattr(args, "kv_lease_s", 30.0),
                         kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout_s", 10.0),
                         kv_failure_policy=getattr(args, "kv_failure_policy", "fail"),
+                        vllm_kv_layout=getattr(args, "vllm_kv_layout", "auto"),
                         kv_secret=getattr(args, "kv_secret", None) or None)
 
 

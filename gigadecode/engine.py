@@ -517,5 +517,5 @@ def build_engine(model_dir, ecfg: EngineConfig, *, host: str = "127.0.0.1", adve
         from .connector.nixl_connector import NixlConnector
         connector = NixlConnector(ecfg.kv_role, runner.kv, runner.cfg, secret=ecfg.kv_secret, host=host,
                                   advertise_host=advertise_host, side_port=side_port, lease_s=ecfg.kv_lease_s,
-                                  timeout_s=ecfg.kv_transfer_timeout_s)
+                                  timeout_s=ecfg.kv_transfer_timeout_s, vllm_kv_layout=ecfg.vllm_kv_layout)
     return LLMEngine(runner, ecfg, connector)

@@ -178,16 +178,20 @@ class NixlConnector(KVConnectorBase):
     def __init__(self, role: str, kv, cfg, *, secret: str | None, host: str = "127.0.0.1",
                  advertise_host: str | None = None, side_port: int = 0, lease_s: float = 30.0,
                  timeout_s: float = 10.0, engine_id: str | None = None, kv_head_start: int = 0,
-                 notify_on_read: bool = True, tokens: TokenShard = TokenShard()) -> None:
+                 notify_on_read: bool = True, tokens: TokenShard = TokenShard(), vllm_kv_layout: str = "auto",
+                 consumers: int = 1) -> None:
         """`secret`: the deployment key shared by prefill and decode engines (required). `host`: where a
         producer's side channel listens (0.0.0.0 = every interface); `advertise_host`: what its answers
         tell decode engines to connect to (default `host`, or this machine's name when `host` is a wildcard).
         `kv_head_start`: the first global kv head this cache holds (a TP rank's shard; 0 = all heads).
         `notify_on_read` False: a consumer does not tell the producer when its READs land; `notify` does
         it later (a TP group's ranks notify once all of them hold intact KV). `tokens`: a consumer rank's DCP
-        share (it reads the blocks it owns; its group checks the CRCs, `dcp_partial_crcs`)."""
+        share (it reads the blocks it owns; its group checks the CRCs, `dcp_partial_crcs`). `vllm_kv_layout`
+        and `consumers` (the ranks that read each request) serve loads from vLLM producers (`vllm_producer`)."""
         super().__init__(role)
         self.tokens = tokens
+        self.vllm_kv_layout, self.consumers = vllm_kv_layout, consumers
+        self._vllm = None
         self.key = check_secret(secret, role)
         self.kv, self.cfg = kv, cfg
         self.engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:8]}"
@@ -248,6 +252,8 @@ class NixlConnector(KVConnectorBase):
         prompt and KV layout, not used before, lease not over (`lease_margin_s` early), well formed.
         -> the number of prompt tokens whose KV arrives (N-1)."""
         verify(params, self.key, prompt_ids, self.layout_id)
+        if params.producer == "vllm":
+            return self._validate_vllm(params, prompt_ids, num_groups, lease_margin_s)
         rank_keys = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id")
         need = ("remote_block_ids", "remote_first_block", "num_computed_tokens", "lease_expires",
                 *(() if params.remote_ranks else (*rank_keys, "kv_crc32")))
@@ -273,6 +279,43 @@ class NixlConnector(KVConnectorBase):
                                 "kv_transfer_params.remote_request_id")
         return n
 
+    def _validate_vllm(self, params: KVTransferParams, prompt_ids: list[int], num_groups: int,
+                       lease_margin_s: float) -> int:
+        """`validate_remote` for the router-signed answer of a vLLM producer."""
+        if not self.tokens.trivial:
+            raise KVParamsError("a decode engine with --dcp reads from gigadecode prefill engines only",
+                                "kv_transfer_params.producer")
+        missing = [k for k in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id",
+                               "remote_block_ids", "num_computed_tokens", "lease_expires") if getattr(params, k) is None]
+        if missing:
+            raise KVParamsError(f"kv_transfer_params is missing {', '.join(missing)}", f"kv_transfer_params.{missing[0]}")
+        n = params.num_computed_tokens
+        if n != len(prompt_ids) - 1:
+            raise KVParamsError(f"the vLLM prefill computed {n} tokens, expected {len(prompt_ids) - 1} (prompt length - 1:"
+                                f" send it the prompt without its last token)", "kv_transfer_params.num_computed_tokens")
+        if len(params.remote_block_ids) != num_groups:
+            raise KVParamsError(f"the vLLM prefill answered block ids for {len(params.remote_block_ids)} KV groups, "
+                                f"this engine has {num_groups}", "kv_transfer_params.remote_block_ids")
+        now = time.time()
+        if now + lease_margin_s > params.lease_expires:
+            raise KVParamsError("the vLLM prefill's lease of these params is over (or too close to it)",
+                                "kv_transfer_params.lease_expires")
+        self.used = {k: t for k, t in self.used.items() if t > now}
+        if self._use_key(params, params.ranks()[0]) in self.used:
+            raise KVParamsError("these kv_transfer_params were used already (each prefill's KV is read once)",
+                                "kv_transfer_params.remote_request_id")
+        return n
+
+    @property
+    def vllm(self):
+        """The reads from vLLM producers (made on first use)."""
+        if self._vllm is None:
+            from .vllm_producer import VllmReader
+            lay = self.agent.layout()
+            self._vllm = VllmReader(self.agent, self.kv, self.cfg, heads=lay.head_range, timeout_s=self.timeout_s,
+                                    layout=self.vllm_kv_layout, consumers=self.consumers)
+        return self._vllm
+
     @staticmethod
     def _use_key(params: KVTransferParams, rank: RemoteRank) -> tuple[str, str]:
         return rank.remote_engine_id, rank.remote_request_id
@@ -280,6 +323,10 @@ class NixlConnector(KVConnectorBase):
     def start_load(self, request_id: str, params: KVTransferParams, local_tables: list[list[int]]) -> None:
         """Claim the params, start the handshakes this load needs (on a worker thread, once per producer rank)
         and post the READs as soon as all are done; every failure is reported by `get_finished`."""
+        if params.producer == "vllm":
+            self.used[self._use_key(params, params.ranks()[0])] = params.lease_expires or 0.0
+            self.vllm.start_load(request_id, params, local_tables)
+            return
         load = _Load(request_id, params, local_tables, t_start=time.monotonic())
         self.loads[request_id] = load
         try:
@@ -351,6 +398,15 @@ class NixlConnector(KVConnectorBase):
                 self.leases.pop(rid, None)
         done: set[str] = set()
         failed: dict[str, str] = {}
+        if self._vllm is not None:
+            v_done, v_failed = self._vllm.get_finished()
+            done |= v_done
+            failed.update(v_failed)
+            self.stats["transfer_failures"] += len(v_failed)
+            for rid in v_done:
+                self.stats["kv_bytes_transferred"] += self._vllm.landed[rid].nbytes
+                if self.notify_on_read:
+                    self._vllm.notify(rid)
         for rid, load in list(self.loads.items()):
             err = self._poll_load(load)
             if err is False:
@@ -414,17 +470,24 @@ class NixlConnector(KVConnectorBase):
 
     def notify(self, request_id: str) -> None:
         """(`notify_on_read` False) tell every producer rank a landed load read from that it may free."""
+        if self._vllm is not None and request_id in self._vllm.landed:
+            self._vllm.notify(request_id)
+            return
         load = self.landed.pop(request_id, None)
         for r in (load.reads if load is not None else []):
             self.agent.send_notif(r.remote, r.source.remote_request_id.encode())
 
     def cancel(self, request_id: str) -> None:
+        if self._vllm is not None:
+            self._vllm.cancel(request_id)
         self.landed.pop(request_id, None)
         load = self.loads.pop(request_id, None)
         if load is not None:
             self._release(load)
 
     def close(self) -> None:
+        if self._vllm is not None:
+            self._vllm.close()
         self.handshakes.close()
         if self.side is not None:
             self.side.close()

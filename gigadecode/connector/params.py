@@ -32,7 +32,7 @@ import json
 import math
 import struct
 import time
-from typing import Annotated, Any, Sequence
+from typing import Annotated, Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
@@ -79,6 +79,8 @@ class KVTransferParams(_Frozen):
 
     do_remote_decode: StrictBool = False        # router -> producer: keep the KV for a remote decode
     do_remote_prefill: StrictBool = False       # router -> consumer: the KV comes from a remote prefill
+    producer: Literal["vllm"] | None = None     # None: a gigadecode prefill; "vllm": a stock vLLM one (the
+    #                                             router signed its answer; `connector.vllm_producer`)
     remote_engine_id: Name | None = None
     remote_host: Name | None = None
     remote_port: Port | None = None
@@ -186,7 +188,7 @@ def verify(params: KVTransferParams, key: bytes, prompt_ids: Sequence[int], layo
     if not hmac.compare_digest(mac, params.signature):
         raise KVParamsError("kv_transfer_params signature does not match: the params were altered, forged, or "
                             "signed with another KV secret", "kv_transfer_params.signature")
-    if params.kv_layout_id != layout_id:
+    if params.producer is None and params.kv_layout_id != layout_id:   # a vLLM producer's: checked at handshake
         raise KVParamsError(f"kv_transfer_params are for KV layout {params.kv_layout_id}, this engine's is "
                             f"{layout_id} (another model, KV dtype or block size)", "kv_transfer_params.kv_layout_id")
     if params.prompt_digest != prompt_digest(prompt_ids):

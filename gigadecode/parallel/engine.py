@@ -112,7 +112,7 @@ def build_parallel_engine(model_dir: str | Path, ecfg: EngineConfig, progress: b
                               else 0, lease_s=ecfg.kv_lease_s, timeout_s=ecfg.kv_transfer_timeout_s,
                               engine_id=f"{ecfg.kv_role}-{uuid.uuid4().hex[:8]}-r{ctx.rank}",
                               kv_head_start=shard_ranges(cfg, ctx.shard)["kv_heads"][0], notify_on_read=False,
-                              tokens=ctx.tokens)
+                              tokens=ctx.tokens, vllm_kv_layout=ecfg.vllm_kv_layout, consumers=ctx.tp_size)
         connector = TPGroupConnector(inner, ctx)
     return LLMEngine(runner, ecfg, connector), ctx
 

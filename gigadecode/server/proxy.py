@@ -8,6 +8,13 @@ For each POST /v1/completions or /v1/chat/completions:
    client as it is;
 2. send the client's original body plus the `kv_transfer_params` the prefill answered to a decode
    server, and stream (or return) its answer as it is.
+Behind stock vLLM prefill servers (`--prefill-vllm`, /v1/completions): the proxy has the prompt's token ids
+(given, or from the decode server's `/tokenize`), sends the vLLM prefill `prompt[:-1]` with `max_tokens=1`
+and `kv_transfer_params={"do_remote_decode": true}` (vLLM keeps every token it computes: one fewer makes its
+blocks exactly the N-1 a decode engine needs), turns vLLM's answer into the decode engines' params
+(`connector.vllm_producer.from_vllm_answer`), binds them to the whole prompt and signs them with the
+deployment's KV secret (the decode servers accept no unsigned params), and sends the full prompt's ids to
+a decode server.
 Each role's server is the least loaded one (in-flight requests, then fewest sent, then list order).
 A client that disconnects closes the upstream request (which aborts it there). GET /health reports the
 upstreams' health; GET /v1/models is the first healthy decode server's. Authorization headers are
@@ -72,8 +79,16 @@ def _headers(request: Request) -> dict[str, str]:
 
 
 def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx.AsyncClient | None = None,
-                    max_request_bytes: int = 4 << 20) -> FastAPI:
-    prefills, decodes = Pool("prefill", prefill), Pool("decode", decode)
+                    max_request_bytes: int = 4 << 20, prefill_vllm: Sequence[str] = (), kv_secret: str | None = None,
+                    vllm_lease_s: float = 30.0) -> FastAPI:
+    if prefill and prefill_vllm:
+        raise ValueError("give gigadecode prefill servers (--prefill) or vLLM ones (--prefill-vllm), not both")
+    vllm = bool(prefill_vllm)
+    key = None
+    if vllm:
+        from ..connector.params import check_secret
+        key = check_secret(kv_secret, "kv_consumer")
+    prefills, decodes = Pool("prefill", prefill or prefill_vllm), Pool("decode", decode)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -97,6 +112,10 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         if "max_completion_tokens" in body or path.endswith("/chat/completions"):
             pbody["max_completion_tokens"] = 1
         pbody.pop("stream_options", None)
+        return await post_prefill(http, path, pbody, headers)
+
+    async def post_prefill(http: httpx.AsyncClient, path: str, pbody: dict[str, Any], headers: dict[str, str]
+                           ) -> httpx.Response | JSONResponse:
         tried: list[Upstream] = []
         last = "no prefill server"
         while (up := prefills.pick(tried)) is not None:
@@ -126,6 +145,8 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         headers = _headers(request)
 
         async def prepare_decode() -> httpx.Response | Response:
+            if vllm:
+                return await vllm_prefill(http, path, body, headers)
             pr = await do_prefill(http, path, body, headers)
             if not isinstance(pr, httpx.Response):
                 return pr
@@ -193,6 +214,47 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                                      media_type=r.headers.get("content-type", "text/event-stream"),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return _error(502, "no decode server could be reached", code="decode_failed")
+
+    async def vllm_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str]
+                           ) -> dict[str, Any] | Response:
+        """The vLLM prefill of `body` -> the decode server's body (the prompt's ids, signed params)."""
+        from ..connector.params import prompt_digest, sign
+        from ..connector.vllm_producer import from_vllm_answer
+        if path != "/v1/completions":
+            return _error(400, "behind a vLLM prefill the proxy serves /v1/completions only (send the chat "
+                               "template's token ids as the prompt)", "invalid_request_error", "unsupported")
+        ids = body.get("prompt")
+        if isinstance(ids, str):
+            up = decodes.pick()
+            try:
+                r = await http.post(up.url + "/tokenize", json={"prompt": ids}, headers=headers)
+            except httpx.TransportError as e:
+                return _error(502, f"decode server {up.url} unreachable to tokenize: {type(e).__name__}: {e}",
+                              code="decode_failed")
+            if r.status_code != 200:
+                return Response(r.content, status_code=r.status_code, media_type="application/json")
+            ids = r.json()["tokens"]
+        if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            return _error(400, "behind a vLLM prefill a request has one prompt: a string or a list of token ids",
+                          "invalid_request_error", "invalid_prompt")
+        dbody = {**body, "prompt": ids}
+        dbody.pop("kv_transfer_params", None)
+        if len(ids) < 2:                               # nothing to prefill remotely
+            return dbody
+        pbody = {"model": body.get("model"), "prompt": ids[:-1], "max_tokens": 1, "temperature": 0.0, "stream": False,
+                 "kv_transfer_params": {"do_remote_decode": True}}
+        pr = await post_prefill(http, path, pbody, headers)
+        if not isinstance(pr, httpx.Response):
+            return pr
+        if pr.status_code >= 400:
+            return Response(pr.content, status_code=pr.status_code,
+                            media_type=pr.headers.get("content-type", "application/json"))
+        try:
+            params = from_vllm_answer(pr.json().get("kv_transfer_params"), vllm_lease_s)
+        except (ValueError, AttributeError) as e:
+            return _error(502, f"the vLLM prefill's answer cannot be used: {e}", code="prefill_failed")
+        dbody["kv_transfer_params"] = sign(params.model_copy(update={"prompt_digest": prompt_digest(ids)}), key).to_dict()
+        return dbody
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -278,8 +340,13 @@ async def _relay(r: httpx.Response, up: Upstream) -> AsyncIterator[bytes]:
 
 def run_proxy(args: Any) -> int:
     import uvicorn
-    app = build_proxy_app(args.prefill, args.decode, max_request_bytes=getattr(args, "max_request_bytes", 4 << 20))
-    print(f"gigadecode proxy: prefill {args.prefill} -> decode {args.decode}; listening on "
+    vllm = getattr(args, "prefill_vllm", None) or []
+    if not args.prefill and not vllm:
+        raise ValueError("give the prefill servers: --prefill URL ... (gigadecode) or --prefill-vllm URL ... (vLLM)")
+    app = build_proxy_app(args.prefill, args.decode, max_request_bytes=getattr(args, "max_request_bytes", 4 << 20),
+                          prefill_vllm=vllm, kv_secret=getattr(args, "kv_secret", None),
+                          vllm_lease_s=getattr(args, "vllm_kv_lease_s", 30.0))
+    print(f"gigadecode proxy: prefill {args.prefill or vllm}{' (vLLM)' if vllm else ''} -> decode {args.decode}; listening on "
           f"http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
                 timeout_graceful_shutdown=5)

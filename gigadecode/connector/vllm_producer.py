@@ -1,0 +1,431 @@
+"""A stock vLLM prefill engine as a KV producer: its side channel, its params, and the reads from it.
+
+vLLM's NixlConnector producer (`kv_role: kv_producer`, pull mode, CPU, TP 1) answers a prefill with
+`kv_transfer_params` {remote_engine_id, remote_host, remote_port, remote_request_id (its internal id),
+remote_block_ids (one list per KV group, sliding group first; the sliding list is the tail of the
+sequence, possibly led by the null block 0), remote_num_tokens, tp_size, transfer_mode: "pull", …}. The
+router (`server.proxy`, which holds this deployment's KV secret) turns that answer into our signed params
+with `producer: "vllm"` (`from_vllm_answer`), so a decode engine still accepts only params its router made.
+
+Handshake (`fetch_handshake`): a ZMQ REQ to `remote_host:remote_port` sending msgpack
+`[b"get_meta_msg", pp_rank, tp_rank]`; the answer is two frames, a msgpack map {compatibility_hash,
+agent_metadata_bytes} (and a timestamp), the bytes again a msgpack map of the agent metadata: engine_id,
+NIXL agent_metadata, kv_caches_base_addr (one region per pair of layers 2r, 2r+1), num_blocks, block_lens,
+block_strides, kv_cache_layout, block_size, attn_backend_name. vLLM's compatibility hash cannot be
+recomputed outside vLLM and only consumers check it: the reader checks the geometry itself instead (the
+region count against its HMA buffers, the page size against the model's kv heads, head dim and the
+vLLM block size, from which the KV element size follows: 1 = FP8, 2 = bf16, 4 = fp32).
+
+Reads (`VllmReader`): block b of region r is `base[r] + b·stride[r]` (`block_lens[r]` bytes: the page of
+layer 2r when b is in the sliding list, of layer 2r+1 when in the full list). The page's inner order is
+not in the handshake (`vllm_layout`): `--vllm-kv-layout` says it (default: "amx" for bf16 pages with a
+block size multiple of 32 on a CPU with AMX, else "vec" — vLLM's own rule, assuming the producer runs on
+the same kind of CPU). One READ moves every live page into a staging buffer registered for that load; the
+tokens this engine needs are then repacked into its own blocks (its block size may differ: a local block
+takes tokens from whichever remote block holds them). Then, and only then, the producer is told
+`"<remote_request_id>:<consumers>"` (it frees its blocks once every consumer said so); while a load waits
+the reader sends `"HB:<id>"` every `HEARTBEAT_S` to extend the lease. Nothing else is ever sent: any other
+notification would stop vLLM's engine. There is no CRC in vLLM's answer, so a load that has not landed
+before the lease the router computed (`lease_expires`) is failed, never decoded.
+
+The N-1 rule: vLLM computes and keeps every token it is given, so the router sends it `prompt[:-1]`; its
+block lists then cover exactly the N-1 tokens this engine's decode needs.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..kv.cache import write_kv
+from ..kv.spec import cdiv
+from .base import HandshakeError, TransferError
+from .params import KVParamsError, KVTransferParams
+from .vllm_layout import LAYOUTS, unpack_pages
+
+GET_META_MSG = b"get_meta_msg"
+HEARTBEAT_S = 5.0
+ELEMENT = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
+
+
+# --------------------------------------------------------------------------------------------------
+# the handshake
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VllmAgentMetadata:
+    """What a vLLM producer's side channel tells a consumer (the fields this reader uses)."""
+
+    engine_id: str
+    agent_metadata: bytes
+    kv_caches_base_addr: tuple[int, ...]
+    num_blocks: int
+    block_lens: tuple[int, ...]
+    block_strides: tuple[int, ...]
+    kv_cache_layout: str
+    block_size: int
+    attn_backend_name: str
+    compatibility_hash: str = ""
+
+    @classmethod
+    def from_payload(cls, payload: bytes) -> VllmAgentMetadata:
+        """Decode the first answer frame; HandshakeError naming what is missing or mistyped."""
+        import msgspec
+        try:
+            outer = msgspec.msgpack.decode(payload)
+            inner = msgspec.msgpack.decode(outer["agent_metadata_bytes"])
+            meta = cls(engine_id=str(inner["engine_id"]), agent_metadata=bytes(inner["agent_metadata"]),
+                       kv_caches_base_addr=tuple(int(a) for a in inner["kv_caches_base_addr"]),
+                       num_blocks=int(inner["num_blocks"]), block_lens=tuple(int(x) for x in inner["block_lens"]),
+                       block_strides=tuple(int(x) for x in inner.get("block_strides") or inner["block_lens"]),
+                       kv_cache_layout=str(inner.get("kv_cache_layout", "")), block_size=int(inner["block_size"]),
+                       attn_backend_name=str(inner.get("attn_backend_name", "")),
+                       compatibility_hash=str(outer.get("compatibility_hash", "")))
+        except (KeyError, TypeError, ValueError, msgspec.DecodeError) as e:
+            raise HandshakeError(f"the vLLM side channel answered something that is not NIXL agent metadata: "
+                                 f"{type(e).__name__}: {e}") from None
+        n = len(meta.kv_caches_base_addr)
+        if not n or len(meta.block_lens) != n or len(meta.block_strides) != n or meta.num_blocks < 1:
+            raise HandshakeError(f"vLLM agent metadata of {meta.engine_id}: {n} regions, "
+                                 f"{len(meta.block_lens)} block lengths, {meta.num_blocks} blocks")
+        return meta
+
+
+def fetch_handshake(host: str, port: int, timeout_s: float, tp_rank: int = 0) -> VllmAgentMetadata:
+    """One request to a vLLM producer's ZMQ side channel (always the well-formed 3-element message: a
+    malformed one stops vLLM's listener for every consumer)."""
+    import msgspec
+    import zmq
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    ms = max(1, int(timeout_s * 1000))
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, ms)
+    sock.setsockopt(zmq.SNDTIMEO, ms)
+    try:
+        host_part = f"[{host}]" if ":" in host else host
+        sock.connect(f"tcp://{host_part}:{port}")
+        sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, tp_rank)))
+        frames = sock.recv_multipart()
+    except zmq.Again:
+        raise HandshakeError(f"the vLLM side channel {host}:{port} did not answer in {timeout_s:.3g} s") from None
+    except zmq.ZMQError as e:
+        raise HandshakeError(f"the vLLM side channel {host}:{port} failed: {e}") from None
+    finally:
+        sock.close(0)
+    if len(frames) != 2:
+        raise HandshakeError(f"the vLLM side channel {host}:{port} answered {len(frames)} frames, expected 2")
+    return VllmAgentMetadata.from_payload(frames[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# the params (router side)
+# --------------------------------------------------------------------------------------------------
+def from_vllm_answer(answer: Any, lease_s: float, margin_s: float = 2.0) -> KVTransferParams:
+    """vLLM's `kv_transfer_params` answer -> our (unsigned) params for a decode engine: `producer: "vllm"`,
+    its block lists as they are (null entries kept: their position says which block they stand for),
+    `num_computed_tokens` = remote_num_tokens, and the lease end this router's clock expects (vLLM's
+    lease, `lease_s`, less `margin_s`). KVParamsError when the answer is not a pull-mode TP-1 producer's."""
+    if not isinstance(answer, dict):
+        raise KVParamsError(f"the vLLM prefill answered kv_transfer_params that are not an object: {answer!r}")
+    need = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids",
+            "remote_num_tokens")
+    missing = [k for k in need if answer.get(k) is None]
+    if missing:
+        raise KVParamsError(f"the vLLM prefill's kv_transfer_params lack {', '.join(missing)} (is it a NixlConnector "
+                            f"producer, and did the prefill finish?)")
+    for k in ("tp_size", "pp_size", "dcp_size"):
+        if answer.get(k, 1) != 1:
+            raise KVParamsError(f"the vLLM prefill has {k}={answer[k]}: only TP 1 / PP 1 / DCP 1 vLLM producers "
+                                f"are read")
+    if answer.get("transfer_mode", "pull") != "pull":
+        raise KVParamsError(f"the vLLM prefill uses transfer_mode {answer['transfer_mode']!r}; only 'pull' is read")
+    from .params import parse_kv_params
+    return parse_kv_params({
+        "do_remote_prefill": True, "producer": "vllm", "remote_engine_id": answer["remote_engine_id"],
+        "remote_host": answer["remote_host"], "remote_port": answer["remote_port"],
+        "remote_request_id": answer["remote_request_id"],
+        "remote_block_ids": [list(ids) for ids in answer["remote_block_ids"]],
+        "num_computed_tokens": answer["remote_num_tokens"], "lease_expires": time.time() + lease_s - margin_s})
+
+
+# --------------------------------------------------------------------------------------------------
+# the reads (decode side)
+# --------------------------------------------------------------------------------------------------
+def default_layout(element: int, block: int) -> str:
+    """vLLM's own choice on this kind of CPU: AMX tiles for bf16 pages whose block is a multiple of 32."""
+    return "amx" if element == 2 and block % 32 == 0 and torch.cpu._is_amx_tile_supported() else "vec"
+
+
+def token_plan(params: KVTransferParams, remote_block: int, local_tables: list[list[int]], local_block: int,
+               windows: list[int | None]) -> list[list[tuple[int, int, int]]]:
+    """Per KV group: (index into that group's remote list, token offset in that remote block, local slot) for
+    every computed token this engine needs (a sliding group: the window the next query sees). TransferError
+    when one of them is not in a block the producer sent, or has no local block."""
+    n = params.num_computed_tokens or 0
+    plans = []
+    for g, (ids, table, window) in enumerate(zip(params.remote_block_ids or [], local_tables, windows)):
+        first_logical = cdiv(n, remote_block) - len(ids)            # the list is the sequence's tail
+        lo = max(0, n - window + 1) if window else 0
+        plan = []
+        for p in range(lo, n):
+            k = p // remote_block - first_logical
+            if not 0 <= k < len(ids) or ids[k] == 0:
+                raise TransferError(f"KV group {g}: token {p} is in no block the vLLM prefill sent")
+            lb = table[p // local_block] if p // local_block < len(table) else 0
+            if lb == 0:
+                raise TransferError(f"KV group {g}: no local block for token {p}")
+            plan.append((k, p % remote_block, lb * local_block + p % local_block))
+        plans.append(plan)
+    return plans
+
+
+@dataclass
+class _VllmLoad:
+    request_id: str
+    params: KVTransferParams
+    local_tables: list[list[int]]
+    t_start: float
+    remote: str | None = None             # the producer's NIXL agent, once paired
+    meta: VllmAgentMetadata | None = None
+    staging: torch.Tensor | None = None
+    reg: Any = None
+    xfer: Any = None
+    ids: list[list[int]] = field(default_factory=list)   # per group: the remote ids read (null skipped)
+    error: str | None = None
+    landed: bool = False
+    nbytes: int = 0
+
+
+class VllmReader:
+    """The decode engine's reads from vLLM producers (`NixlConnector` delegates loads whose params say
+    `producer: "vllm"`). `heads` [h0, h1): the model kv heads this cache holds; `consumers`: how many
+    ranks read each request (the TP group: each says `:consumers`, vLLM frees after that many)."""
+
+    def __init__(self, agent, kv, cfg, *, heads: tuple[int, int], timeout_s: float, layout: str = "auto",
+                 consumers: int = 1) -> None:
+        if layout not in ("auto", *LAYOUTS):
+            raise ValueError(f"--vllm-kv-layout must be auto|{'|'.join(LAYOUTS)} (got {layout!r})")
+        self.agent, self.kv, self.cfg = agent, kv, cfg
+        self.heads, self.timeout_s, self.layout, self.consumers = heads, timeout_s, layout, consumers
+        self.windows = [getattr(g.spec, "sliding_window", None) for g in kv.config.groups]
+        self.loads: dict[str, _VllmLoad] = {}
+        self.landed: dict[str, _VllmLoad] = {}
+        self.paired: dict[str, tuple[str, VllmAgentMetadata]] = {}   # engine id -> (agent name, metadata)
+        self.pending: dict[str, Future] = {}
+        self.failed: dict[str, tuple[float, str]] = {}
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-handshake")
+        self._last_hb = 0.0
+
+    # -- the interface NixlConnector calls ----------------------------------------------------------
+    def start_load(self, request_id: str, params: KVTransferParams, local_tables: list[list[int]]) -> None:
+        load = _VllmLoad(request_id, params, local_tables, time.monotonic())
+        self.loads[request_id] = load
+        self._advance(load)
+
+    def get_finished(self) -> tuple[set[str], dict[str, str]]:
+        done: set[str] = set()
+        failed: dict[str, str] = {}
+        self._heartbeat()
+        for rid, load in list(self.loads.items()):
+            if load.error is None:
+                self._advance(load)
+            if load.error is not None:
+                failed[rid] = load.error
+            elif load.landed:
+                done.add(rid)
+            else:
+                continue
+            del self.loads[rid]
+            if load.error is None:
+                self.landed[rid] = load
+            else:
+                self._release(load, tell_producer=True)
+        return done, failed
+
+    def notify(self, request_id: str) -> None:
+        """The KV is in place on every rank: the producer may free its blocks."""
+        load = self.landed.pop(request_id, None)
+        if load is not None:
+            self._release(load, tell_producer=True)
+
+    def cancel(self, request_id: str) -> None:
+        load = self.loads.pop(request_id, None) or self.landed.pop(request_id, None)
+        if load is not None:
+            self._release(load, tell_producer=True)
+
+    def close(self) -> None:
+        for rid in list(self.loads) + list(self.landed):
+            self.cancel(rid)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for name, _ in self.paired.values():
+            try:
+                self.agent.agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - closing
+                pass
+
+    # -- one load -------------------------------------------------------------------------------------
+    def _advance(self, load: _VllmLoad) -> None:
+        if load.landed:
+            return
+        try:
+            if time.time() > (load.params.lease_expires or 0):
+                raise TransferError(f"the vLLM prefill's lease of {load.params.remote_request_id} may be over (no CRC "
+                                    f"to prove its blocks still hold this request's KV): not decoded")
+            if load.remote is None:
+                paired = self._paired(load.params)
+                if paired is None:
+                    if time.monotonic() - load.t_start > self.timeout_s:
+                        raise HandshakeError(f"KV handshake with the vLLM prefill {load.params.remote_engine_id} "
+                                             f"timed out after {self.timeout_s:.3g} s")
+                    return
+                load.remote, load.meta = paired
+                self._post(load)
+            if load.xfer is not None and not load.landed:
+                state = self.agent.agent.check_xfer_state(load.xfer)
+                if state == "ERR":
+                    raise TransferError(f"READ from the vLLM prefill {load.params.remote_engine_id} failed")
+                if state == "DONE":
+                    self._repack(load)
+                    load.landed = True
+                elif time.monotonic() - load.t_start > self.timeout_s:
+                    raise TransferError(f"KV transfer from the vLLM prefill {load.params.remote_engine_id} timed "
+                                        f"out after {self.timeout_s:.3g} s")
+        except Exception as e:  # noqa: BLE001 - a load's failure is its request's
+            load.error = str(e) if isinstance(e, (TransferError, HandshakeError)) else f"{type(e).__name__}: {e}"
+
+    def _paired(self, params: KVTransferParams) -> tuple[str, VllmAgentMetadata] | None:
+        eid = params.remote_engine_id
+        if eid in self.paired:
+            return self.paired[eid]
+        when, err = self.failed.get(eid, (0.0, ""))
+        if time.monotonic() - when < HEARTBEAT_S:
+            raise HandshakeError(f"{err} (not retried for {HEARTBEAT_S:.0f} s)")
+        fut = self.pending.get(eid)
+        if fut is None:
+            self.pending[eid] = self.pool.submit(fetch_handshake, params.remote_host, params.remote_port,
+                                                 self.timeout_s)
+            return None
+        if not fut.done():
+            return None
+        del self.pending[eid]
+        try:
+            meta = fut.result()
+            if meta.engine_id != eid:
+                raise HandshakeError(f"the vLLM side channel answered for engine {meta.engine_id!r}, params name {eid!r}")
+            self._check_geometry(meta)
+            name = self.agent.agent.add_remote_agent(meta.agent_metadata)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+        except Exception as e:  # noqa: BLE001
+            msg = str(e) if isinstance(e, HandshakeError) else f"KV handshake with vLLM {eid} failed: {type(e).__name__}: {e}"
+            self.failed[eid] = (time.monotonic(), msg)
+            raise HandshakeError(msg) from None
+        self.paired[eid] = (name, meta)
+        return self.paired[eid]
+
+    def _geometry(self, meta: VllmAgentMetadata) -> tuple[int, torch.dtype, str]:
+        """-> (page bytes, element dtype, layout) of a producer's pages."""
+        H, D = self.cfg.num_key_value_heads, self.cfg.head_dim
+        page = meta.block_lens[0]
+        elem, rest = divmod(page, 2 * H * meta.block_size * D)
+        if rest or elem not in ELEMENT:
+            raise HandshakeError(f"vLLM pages of {page} bytes do not hold {H} kv heads × block {meta.block_size} × "
+                                 f"dim {D} of 1, 2 or 4 bytes (another model?)")
+        layout = self.layout if self.layout != "auto" else default_layout(elem, meta.block_size)
+        return page, ELEMENT[elem], layout
+
+    def _check_geometry(self, meta: VllmAgentMetadata) -> None:
+        if meta.kv_cache_layout and meta.kv_cache_layout != "LBHNC":
+            raise HandshakeError(f"vLLM KV cache layout {meta.kv_cache_layout!r}: only LBHNC (CPU_ATTN) is read")
+        if meta.attn_backend_name and meta.attn_backend_name != "CPU_ATTN":
+            raise HandshakeError(f"vLLM attention backend {meta.attn_backend_name!r}: only CPU_ATTN pages can be "
+                                 f"repacked")
+        if len(meta.kv_caches_base_addr) != self.kv.config.group_size:
+            raise HandshakeError(f"the vLLM prefill has {len(meta.kv_caches_base_addr)} KV regions, this engine "
+                                 f"{self.kv.config.group_size} buffers (one per pair of layers): another model?")
+        if len(set(meta.block_lens)) != 1:
+            raise HandshakeError(f"vLLM regions of different page sizes {sorted(set(meta.block_lens))}")
+        self._geometry(meta)
+
+    def _post(self, load: _VllmLoad) -> None:
+        """One READ of every live page (each region, each non-null block of both lists) into staging."""
+        meta = load.meta
+        page, _, _ = self._geometry(meta)
+        load.ids = [[b for b in ids if b != 0] for ids in load.params.remote_block_ids]
+        flat = [b for ids in load.ids for b in ids]
+        if any(not 0 < b < meta.num_blocks for b in flat):
+            raise TransferError(f"vLLM block id out of range [1, {meta.num_blocks})")
+        regions = len(meta.kv_caches_base_addr)
+        if not flat:
+            load.landed = True
+            return
+        load.staging = torch.empty(regions, len(flat), page, dtype=torch.uint8)
+        load.reg = self.agent.agent.register_memory([load.staging])
+        base = load.staging.data_ptr()
+        local = np.array([(base + (r * len(flat) + i) * page, page, 0) for r in range(regions)
+                          for i in range(len(flat))], dtype=np.uint64)
+        remote = np.array([(meta.kv_caches_base_addr[r] + b * meta.block_strides[r], meta.block_lens[r], 0)
+                           for r in range(regions) for b in flat], dtype=np.uint64)
+        a = self.agent.agent
+        load.xfer = a.initialize_xfer("READ", a.get_xfer_descs(local, "DRAM"), a.get_xfer_descs(remote, "DRAM"),
+                                      load.remote, b"")
+        if a.transfer(load.xfer) == "ERR":
+            raise TransferError(f"posting the READ from the vLLM prefill {load.params.remote_engine_id} failed")
+        load.nbytes = load.staging.numel()
+
+    def _repack(self, load: _VllmLoad) -> None:
+        """Staging pages -> this engine's blocks: per region (= buffer), per group, the tokens it needs."""
+        meta = load.meta
+        _, dtype, layout = self._geometry(meta)
+        H, D, Br = self.cfg.num_key_value_heads, self.cfg.head_dim, meta.block_size
+        h0, h1 = self.heads
+        plans = token_plan(load.params, Br, load.local_tables, self.kv.block_size, self.windows)
+        offsets = np.cumsum([0] + [len(ids) for ids in load.ids])
+        for g, plan in enumerate(plans):
+            if not plan:
+                continue
+            nonnull = [i for i, b in enumerate(load.params.remote_block_ids[g]) if b != 0]
+            col = {k: offsets[g] + nonnull.index(k) for k in set(k for k, _, _ in plan)}
+            cols = torch.tensor([col[k] for k, _, _ in plan], dtype=torch.long)
+            offs = torch.tensor([t for _, t, _ in plan], dtype=torch.long)
+            slots = torch.tensor([s for _, _, s in plan], dtype=torch.long)
+            for r in range(len(meta.kv_caches_base_addr)):
+                pages = load.staging[r, torch.unique(cols)]
+                k, v = unpack_pages(pages, H, Br, D, dtype, layout)      # [m, H, Br, D]
+                where = torch.searchsorted(torch.unique(cols), cols)
+                kt = k[where, h0:h1, offs].float()                       # [T, heads here, D]
+                vt = v[where, h0:h1, offs].float()
+                write_kv(self.kv.k_buf(r), self.kv.v_buf(r), slots, kt.to(self.kv.compute_dtype),
+                         vt.to(self.kv.compute_dtype), self.kv.block_size, self.kv.k_scale, self.kv.v_scale)
+
+    def _release(self, load: _VllmLoad, tell_producer: bool) -> None:
+        a = self.agent.agent
+        if load.xfer is not None:
+            try:
+                a.release_xfer_handle(load.xfer)
+            except Exception:  # noqa: BLE001 - an in-flight READ NIXL cannot cancel: its staging stays registered
+                return
+            load.xfer = None
+        if load.reg is not None:
+            a.deregister_memory(load.reg)
+            load.reg, load.staging = None, None
+        if tell_producer and load.remote is not None:
+            # "<id>:<n>": the producer frees once n consumers said so (the only message besides "HB:")
+            a.send_notif(load.remote, f"{load.params.remote_request_id}:{self.consumers}".encode())
+            load.remote = None
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_hb < HEARTBEAT_S:
+            return
+        self._last_hb = now
+        waiting: dict[str, list[str]] = {}
+        for load in self.loads.values():
+            if load.remote is not None:
+                waiting.setdefault(load.remote, []).append(load.params.remote_request_id)
+        for remote, ids in waiting.items():
+            self.agent.agent.send_notif(remote, ("HB:" + ",".join(ids)).encode())
