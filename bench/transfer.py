@@ -19,8 +19,10 @@ in every K/V region), and the single-node TTFT (kv_both: prefill N tokens + samp
 request, the others replay its kv_transfer_params (the producer is idle, so its released blocks still
 hold the bytes: the CRC check proves it). The transfer / decode columns are medians over the R; TTFT is
 the real request end to end (prefill command sent -> first token sampled); `other` is what of it the
-real request's own prefill + transfer + decode do not explain (pipe, scheduling, sampling). Raw /
-memcpy / gather are the medians of --raw-reps runs, interleaved with each other, after all DI runs (the
+real request's own prefill + transfer + decode do not explain (pipe, scheduling, sampling). `repack` is
+what a decode engine behind a vLLM prefill adds after its READ: the prompt's tokens of bf16 vLLM CPU
+pages unpacked and written into this engine's cache (`connector.vllm_producer.repack_tokens`), against the
+raw READ of the same prompt. Raw / memcpy / gather / repack are the medians of --raw-reps runs, interleaved with each other, after all DI runs (the
 loopback target's NIXL progress thread burns CPU even when idle). Timings on a shared machine are noisy.
 
     .venv/bin/python bench/transfer.py [--preset small] [--lengths 128 512 2048] [--reps 3] [--quick]
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
 from gigadecode.config import EngineConfig  # noqa: E402
 from gigadecode.connector.nixl_agent import NixlKVAgent  # noqa: E402
-from gigadecode.connector import nixl_connector  # noqa: E402
+from gigadecode.connector import side_channel  # noqa: E402
 from gigadecode.connector.nixl_connector import kv_crc32  # noqa: E402
 from gigadecode.engine import build_engine  # noqa: E402
 from gigadecode.kv.cache import KVCache  # noqa: E402
@@ -113,7 +115,7 @@ class ConsumerProbe:
         self.decode_s: list[float] = []
         self.last: dict = {}
         start_load, decode = self.conn.start_load, eng.runner.decode
-        fetch = nixl_connector.fetch_handshake
+        fetch = side_channel.fetch_handshake
 
         def _fetch(*a, **kw):                # runs on the connector's handshake thread
             t0 = time.perf_counter()
@@ -126,10 +128,10 @@ class ConsumerProbe:
             start_load(rid, params, tables)
             self.last = {"load": self.conn.loads.get(rid)}
 
-        nixl_connector.fetch_handshake = _fetch
-        def _decode(seqs):
+        side_channel.fetch_handshake = _fetch
+        def _decode(seqs, *args):
             t0 = time.perf_counter()
-            out = decode(seqs)
+            out = decode(seqs, *args)
             self.decode_s.append(time.perf_counter() - t0)
             return out
 
@@ -195,8 +197,24 @@ class RawBaselines:
         self.initiator.add_remote("raw-target", self.target.metadata(), self.target.layout())
         self.src_regions, self.dst_regions = regions(self.kv_src), regions(self.kv_dst)
         self.consumer_agent, self.producer_name = consumer_agent, producer_name
+        self.cfg = cfg
+        self.kv_repack = KVCache(cfg, ecfg, num_blocks)      # the repack's target (not the raw READ's)
 
-    def measure(self, pairs, nbytes: int, reps: int) -> dict[str, float]:
+    def repack_fn(self, n: int):
+        """What a decode engine does with a vLLM producer's pages after its READ: n tokens of bf16 vLLM CPU
+        pages (block 32, vec order) of every region unpacked and written into this cache (`repack_tokens`)."""
+        from gigadecode.connector.vllm_layout import page_bytes
+        from gigadecode.connector.vllm_producer import repack_tokens
+        H, D, Br, B = self.cfg.num_key_value_heads, self.cfg.head_dim, 32, self.kv_repack.block_size
+        m = -(-n // Br)
+        staging = torch.randn(len(self.kv_repack.group_bufs), m, page_bytes(H, Br, D, torch.bfloat16) // 2
+                              ).to(torch.bfloat16).view(torch.uint8)
+        p = torch.arange(n)
+        cols, offs, slots = p // Br, p % Br, (1 + p // B) * B + p % B
+        return lambda: _timed(lambda: repack_tokens(self.kv_repack, staging, cols, offs, slots, (0, H), H, D, Br,
+                                                    torch.bfloat16, "vec"))
+
+    def measure(self, pairs, nbytes: int, reps: int, n_tokens: int = 0) -> dict[str, float]:
         rb = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
         src.random_(0, 256)
@@ -210,6 +228,8 @@ class RawBaselines:
                "xproc": lambda: timed_read(self.consumer_agent, self.producer_name, pairs),
                "memcpy": lambda: _timed(lambda: dst.copy_(src)),
                "gather": lambda: _timed(gather)}
+        if n_tokens:
+            fns["repack"] = self.repack_fn(n_tokens)
         times: dict[str, list[float]] = {k: [] for k in fns}
         for k, fn in fns.items():          # warm-up
             fn()
@@ -315,7 +335,7 @@ def main() -> int:
         raw = RawBaselines(cfg, c_ecfg, c_runner.kv.num_blocks, consumer.connector.agent,
                            params["remote_engine_id"])
         for row in rows:
-            row.update(raw.measure(row["pairs"], row["bytes"], args.raw_reps))
+            row.update(raw.measure(row["pairs"], row["bytes"], args.raw_reps, row["n"]))
             row["pairs"] = len(row["pairs"])
         raw.close()
     finally:
@@ -340,6 +360,11 @@ def main() -> int:
               f"{gbs(r['bytes'], r['xproc']):>15.3f} {gbs(r['bytes'], r['gather']):>11.3f} {r['other'] * 1e3:>8.1f} "
               f"{r['ttft'] * 1e3:>10.1f} "
               f"{r['single'] * 1e3:>14.1f} {r['ttft'] / r['single']:>9.3f} {str(r['same_token']):>12}")
+    print("\nbehind a vLLM prefill: the repack of its CPU pages (bf16, block 32, vec) after the READ")
+    print(f"{'prompt':>6} {'raw READ ms':>11} {'repack ms':>9} {'repack us/token':>15} {'repack/READ':>11}")
+    for r in rows:
+        print(f"{r['n']:>6} {r['raw'] * 1e3:>11.2f} {r['repack'] * 1e3:>9.2f} {r['repack'] / r['n'] * 1e6:>15.2f} "
+              f"{r['repack'] / r['raw']:>11.2f}")
     return 0
 
 

@@ -47,7 +47,6 @@ import socket
 import time
 import uuid
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +58,7 @@ from .dcp_reads import dcp_pairs, partial_head_crcs, stream_length
 from .nixl_agent import NixlKVAgent, ReadHandle
 from .params import (KVParamsError, KVTransferParams, RemoteRank, check_secret, kv_layout_id, prompt_digest, sign,
                      verify)
-from .side_channel import SideChannel, fetch_handshake
+from .side_channel import HandshakeCache, SideChannel
 
 
 def kv_crc32(kv, block_ids: list[list[int]]) -> int:
@@ -492,55 +491,3 @@ class NixlConnector(KVConnectorBase):
         if self.side is not None:
             self.side.close()
         self.agent.close()
-
-
-class HandshakeCache:
-    """Consumer: one handshake per producer rank, fetched on a worker thread (the step loop never waits on
-    the network); a failure is remembered for `BACKOFF_S`, so the requests that need that producer fail
-    at once instead of each retrying it."""
-
-    BACKOFF_S = 5.0
-
-    def __init__(self, key: bytes, timeout_s: float) -> None:
-        self.key, self.timeout_s = key, timeout_s
-        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
-        self.pending: dict[str, Future] = {}
-        self.failed: dict[str, tuple[float, str]] = {}     # engine id -> (when, error)
-
-    def ready(self, agent: NixlKVAgent, src: RemoteRank) -> str | None:
-        """The paired remote's name, or None while its handshake runs; HandshakeError when it failed (now or
-        within the back-off)."""
-        name = src.remote_engine_id
-        if name in agent.remotes:
-            return name
-        when, err = self.failed.get(name, (0.0, ""))
-        if time.monotonic() - when < self.BACKOFF_S:
-            raise HandshakeError(f"{err} (not retried for {self.BACKOFF_S:.0f} s)")
-        fut = self.pending.get(name)
-        if fut is None:
-            self.pending[name] = self.pool.submit(fetch_handshake, src.remote_host, src.remote_port, self.key,
-                                                  self.timeout_s)
-            return None
-        if not fut.done():
-            return None
-        del self.pending[name]
-        try:
-            info = fut.result()
-            layout = KVLayout.from_dict(info["layout"])
-            if layout.agent_name != name:
-                raise HandshakeError(f"side channel answered for engine {layout.agent_name!r}, params name {name!r}")
-            agent.add_remote(name, base64.b64decode(info["agent_metadata"]), layout)
-        except Exception as e:  # noqa: BLE001 - malformed answers are handshake failures too
-            msg = str(e) if isinstance(e, HandshakeError) else f"KV handshake with {name} failed: {type(e).__name__}: {e}"
-            self.failed[name] = (time.monotonic(), msg)
-            raise HandshakeError(msg) from None
-        self.failed.pop(name, None)
-        return name
-
-    def give_up(self, name: str, agent: NixlKVAgent) -> None:
-        """A load timed out waiting for `name`'s handshake: remember it as failed (for the back-off)."""
-        if name not in agent.remotes and self.pending.pop(name, None) is not None:
-            self.failed[name] = (time.monotonic(), f"KV handshake with {name} timed out after {self.timeout_s:.3g} s")
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)

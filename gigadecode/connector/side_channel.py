@@ -5,21 +5,25 @@ The answer holds memory addresses, so the server answers only a request whose `X
 header carries a fresh `params.handshake_token` (403 otherwise), and signs its body with the same key
 (`params.answer_signature`, in the same header) so the consumer knows it paired with a real producer.
 `fetch_handshake` is the consumer's side; it blocks on the network, so the connector runs it on a worker
-thread, never on the engine's step loop.
+thread (`HandshakeCache`: once per producer, failures remembered for a back-off), never on the engine's
+step loop.
 """
 
 from __future__ import annotations
 
+import base64
 import hmac
 import json
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
-from .base import HandshakeError
-from .params import AUTH_HEADER, answer_signature, check_handshake_token, handshake_token
+from .base import HandshakeError, KVLayout
+from .params import AUTH_HEADER, RemoteRank, answer_signature, check_handshake_token, handshake_token
 
 
 class SideChannel:
@@ -79,3 +83,55 @@ def fetch_handshake(host: str, port: int, key: bytes, timeout_s: float = 5.0) ->
             or not isinstance(info.get("agent_metadata"), str):
         raise HandshakeError(f"KV handshake with {url}: the answer lacks layout / agent_metadata")
     return info
+
+
+class HandshakeCache:
+    """Consumer: one handshake per producer rank, fetched on a worker thread (the step loop never waits on
+    the network); a failure is remembered for `BACKOFF_S`, so the requests that need that producer fail
+    at once instead of each retrying it."""
+
+    BACKOFF_S = 5.0
+
+    def __init__(self, key: bytes, timeout_s: float) -> None:
+        self.key, self.timeout_s = key, timeout_s
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
+        self.pending: dict[str, Future] = {}
+        self.failed: dict[str, tuple[float, str]] = {}     # engine id -> (when, error)
+
+    def ready(self, agent, src: RemoteRank) -> str | None:
+        """The paired remote's name, or None while its handshake runs; HandshakeError when it failed (now or
+        within the back-off)."""
+        name = src.remote_engine_id
+        if name in agent.remotes:
+            return name
+        when, err = self.failed.get(name, (0.0, ""))
+        if time.monotonic() - when < self.BACKOFF_S:
+            raise HandshakeError(f"{err} (not retried for {self.BACKOFF_S:.0f} s)")
+        fut = self.pending.get(name)
+        if fut is None:
+            self.pending[name] = self.pool.submit(fetch_handshake, src.remote_host, src.remote_port, self.key,
+                                                  self.timeout_s)
+            return None
+        if not fut.done():
+            return None
+        del self.pending[name]
+        try:
+            info = fut.result()
+            layout = KVLayout.from_dict(info["layout"])
+            if layout.agent_name != name:
+                raise HandshakeError(f"side channel answered for engine {layout.agent_name!r}, params name {name!r}")
+            agent.add_remote(name, base64.b64decode(info["agent_metadata"]), layout)
+        except Exception as e:  # noqa: BLE001 - malformed answers are handshake failures too
+            msg = str(e) if isinstance(e, HandshakeError) else f"KV handshake with {name} failed: {type(e).__name__}: {e}"
+            self.failed[name] = (time.monotonic(), msg)
+            raise HandshakeError(msg) from None
+        self.failed.pop(name, None)
+        return name
+
+    def give_up(self, name: str, agent) -> None:
+        """A load timed out waiting for `name`'s handshake: remember it as failed (for the back-off)."""
+        if name not in agent.remotes and self.pending.pop(name, None) is not None:
+            self.failed[name] = (time.monotonic(), f"KV handshake with {name} timed out after {self.timeout_s:.3g} s")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -184,6 +184,22 @@ def token_plan(params: KVTransferParams, remote_block: int, local_tables: list[l
     return plans
 
 
+def repack_tokens(kv, staging: torch.Tensor, cols: torch.Tensor, offs: torch.Tensor, slots: torch.Tensor,
+                  heads: tuple[int, int], model_heads: int, head_dim: int, block: int, dtype: torch.dtype,
+                  layout: str) -> None:
+    """Write tokens from vLLM pages into this engine's KV: staging uint8 [regions, m, page] (region r = this
+    engine's buffer r), per token its page column `cols`, its offset in that page `offs` and its local slot
+    `slots` [T]; the kv heads [h0, h1) of the model's `model_heads` are this cache's."""
+    h0, h1 = heads
+    uniq = torch.unique(cols)
+    where = torch.searchsorted(uniq, cols)
+    for r in range(staging.shape[0]):
+        k, v = unpack_pages(staging[r, uniq], model_heads, block, head_dim, dtype, layout)   # [m, H, B, D]
+        kt = k[where, h0:h1, offs].to(kv.compute_dtype)                  # [T, heads here, D]
+        vt = v[where, h0:h1, offs].to(kv.compute_dtype)
+        write_kv(kv.k_buf(r), kv.v_buf(r), slots, kt, vt, kv.block_size, kv.k_scale, kv.v_scale)
+
+
 @dataclass
 class _VllmLoad:
     request_id: str
@@ -381,26 +397,17 @@ class VllmReader:
         """Staging pages -> this engine's blocks: per region (= buffer), per group, the tokens it needs."""
         meta = load.meta
         _, dtype, layout = self._geometry(meta)
-        H, D, Br = self.cfg.num_key_value_heads, self.cfg.head_dim, meta.block_size
-        h0, h1 = self.heads
-        plans = token_plan(load.params, Br, load.local_tables, self.kv.block_size, self.windows)
+        plans = token_plan(load.params, meta.block_size, load.local_tables, self.kv.block_size, self.windows)
         offsets = np.cumsum([0] + [len(ids) for ids in load.ids])
         for g, plan in enumerate(plans):
             if not plan:
                 continue
             nonnull = [i for i, b in enumerate(load.params.remote_block_ids[g]) if b != 0]
-            col = {k: offsets[g] + nonnull.index(k) for k in set(k for k, _, _ in plan)}
-            cols = torch.tensor([col[k] for k, _, _ in plan], dtype=torch.long)
-            offs = torch.tensor([t for _, t, _ in plan], dtype=torch.long)
-            slots = torch.tensor([s for _, _, s in plan], dtype=torch.long)
-            for r in range(len(meta.kv_caches_base_addr)):
-                pages = load.staging[r, torch.unique(cols)]
-                k, v = unpack_pages(pages, H, Br, D, dtype, layout)      # [m, H, Br, D]
-                where = torch.searchsorted(torch.unique(cols), cols)
-                kt = k[where, h0:h1, offs].float()                       # [T, heads here, D]
-                vt = v[where, h0:h1, offs].float()
-                write_kv(self.kv.k_buf(r), self.kv.v_buf(r), slots, kt.to(self.kv.compute_dtype),
-                         vt.to(self.kv.compute_dtype), self.kv.block_size, self.kv.k_scale, self.kv.v_scale)
+            col = {k: int(offsets[g]) + nonnull.index(k) for k in set(k for k, _, _ in plan)}
+            repack_tokens(self.kv, load.staging, torch.tensor([col[k] for k, _, _ in plan], dtype=torch.long),
+                          torch.tensor([t for _, t, _ in plan], dtype=torch.long),
+                          torch.tensor([s for _, _, s in plan], dtype=torch.long), self.heads,
+                          self.cfg.num_key_value_heads, self.cfg.head_dim, meta.block_size, dtype, layout)
 
     def _release(self, load: _VllmLoad, tell_producer: bool) -> None:
         a = self.agent.agent

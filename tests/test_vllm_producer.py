@@ -1,0 +1,189 @@
+"""Reading KV from a stock vLLM prefill engine, without vLLM: the page repack against hand-built vLLM CPU
+pages (vec and AMX orders, fp32 / bf16 / fp8, element by element from vLLM's index formulas), the handshake
+and params of a real vLLM 0.32 producer (recorded from one: `tests/fixtures/vllm/`), the wire protocol of its
+side channel (a ZMQ ROUTER replaying the recorded answer, checking our request byte for byte), the token
+plan across block sizes, and the router's signed params. The end-to-end run against a live vLLM server is
+`tests/test_vllm_interop.py` (`make test-interop`)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from gigadecode.connector.base import HandshakeError, TransferError
+from gigadecode.connector.params import KVParamsError, parse_kv_params, prompt_digest, sign, verify
+from gigadecode.connector.vllm_layout import page_bytes, unpack_pages
+from gigadecode.connector.vllm_producer import (GET_META_MSG, VllmAgentMetadata, fetch_handshake, from_vllm_answer,
+                                                token_plan)
+
+from .helpers import KV_SECRET
+
+FIX = Path(__file__).parent / "fixtures" / "vllm"
+
+
+def _hand_page(k: torch.Tensor, v: torch.Tensor, layout: str) -> torch.Tensor:
+    """One vLLM page from k, v [H, B, D] (any dtype), element by element with vLLM's index formulas."""
+    H, B, D = k.shape
+    kp = torch.empty(H, B * D, dtype=k.dtype)
+    vp = torch.empty(H, B * D, dtype=v.dtype)
+    for h in range(H):
+        for t in range(B):
+            for d in range(D):
+                if layout == "vec":
+                    ko, vo = d * B + t, t * D + d
+                else:
+                    ko = ((t // 16) * (D // 2) + d // 2) * 32 + (t % 16) * 2 + d % 2
+                    vo = (d // 16) * (16 * B) + (t // 2) * 32 + (d % 16) * 2 + t % 2
+                kp[h, ko], vp[h, vo] = k[h, t, d], v[h, t, d]
+    page = torch.stack((kp, vp), 1)                                    # [H, 2, B·D]: head by head, K then V
+    return page.contiguous().view(torch.uint8).reshape(-1)
+
+
+@pytest.mark.parametrize("layout", ["vec", "amx"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_unpack_hand_built_pages(layout, dtype):
+    H, B, D, n = 2, 32, 32, 3
+    g = torch.Generator().manual_seed(1)
+    ks = (torch.randn(n, H, B, D, generator=g) * 4).to(dtype)
+    vs = (torch.randn(n, H, B, D, generator=g) * 4).to(dtype)
+    raw = torch.stack([_hand_page(ks[i], vs[i], layout) for i in range(n)])
+    assert raw.shape == (n, page_bytes(H, B, D, dtype))
+    k, v = unpack_pages(raw, H, B, D, dtype, layout)
+    assert torch.equal(k.view(torch.uint8), ks.view(torch.uint8)) and torch.equal(v.view(torch.uint8), vs.view(torch.uint8))
+    other = "amx" if layout == "vec" else "vec"                        # the wrong order is not silently right
+    k2, _ = unpack_pages(raw, H, B, D, dtype, other)
+    assert not torch.equal(k2.float(), ks.float())
+
+
+def test_unpack_refuses_wrong_pages():
+    with pytest.raises(ValueError, match="expected uint8"):
+        unpack_pages(torch.zeros(1, 100, dtype=torch.uint8), 2, 32, 32, torch.float32, "vec")
+    with pytest.raises(ValueError, match="unknown vLLM KV layout"):
+        unpack_pages(torch.zeros(1, page_bytes(2, 32, 32, torch.float32), dtype=torch.uint8), 2, 32, 32,
+                     torch.float32, "tiles")
+
+
+# --------------------------------------------------------------------------------------------------
+# the recorded handshake and params of a vLLM 0.32 CPU producer (the demo model, fp32, block 32)
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def recorded():
+    return (FIX / "handshake_fp32.msgpack").read_bytes(), json.loads((FIX / "params_fp32.json").read_text())
+
+
+def test_recorded_handshake_decodes(recorded):
+    payload, params = recorded
+    meta = VllmAgentMetadata.from_payload(payload)
+    assert meta.engine_id == params["answer"]["remote_engine_id"]
+    assert meta.kv_cache_layout == "LBHNC" and meta.attn_backend_name == "CPU_ATTN" and meta.block_size == 32
+    assert len(meta.kv_caches_base_addr) == 2                           # one region per pair of layers (4 layers)
+    assert meta.block_lens == (2 * 2 * 32 * 32 * 4,) * 2                # 2 kv heads × (K, V) × 32 tokens × dim 32, fp32
+    assert len(meta.agent_metadata) > 0 and meta.num_blocks > 1
+    with pytest.raises(HandshakeError, match="not NIXL agent metadata"):
+        VllmAgentMetadata.from_payload(msgspec.msgpack.encode({"compatibility_hash": "x"}))
+
+
+def test_side_channel_wire_protocol(recorded):
+    """A ZMQ ROUTER that answers like vLLM's listener (and records what it got): our request is the one
+    well-formed message vLLM's listener takes; two frames come back."""
+    payload, _ = recorded
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    got = []
+
+    def serve():
+        frames = router.recv_multipart()
+        got.append(frames)
+        router.send_multipart((frames[0], b"", payload, msgspec.msgpack.encode(time.perf_counter())))
+    t = threading.Thread(target=serve)
+    t.start()
+    meta = fetch_handshake("127.0.0.1", port, 5.0)
+    t.join(5)
+    router.close(0)
+    assert len(got[0]) == 3 and got[0][1] == b""                       # identity, delimiter, message
+    assert msgspec.msgpack.decode(got[0][2]) == [GET_META_MSG, 0, 0]
+    assert meta.block_size == 32
+    with pytest.raises(HandshakeError, match="did not answer"):         # nobody there
+        fetch_handshake("127.0.0.1", port, 0.3)
+
+
+def test_params_from_the_vllm_answer_and_signed_by_the_router(recorded):
+    _, rec = recorded
+    p = from_vllm_answer(rec["answer"], lease_s=30.0)
+    assert p.producer == "vllm" and p.remote_block_ids == [[2, 3], [4, 5, 6]] and p.num_computed_tokens == 71
+    assert time.time() + 25 < p.lease_expires < time.time() + 30
+    prompt = rec["prompt_ids"] + [7]                                   # the decode request has one more token
+    signed = sign(p.model_copy(update={"prompt_digest": prompt_digest(prompt)}), KV_SECRET.encode())
+    verify(parse_kv_params(signed.to_dict()), KV_SECRET.encode(), prompt, "0" * 16)   # no layout id: vLLM's
+    with pytest.raises(KVParamsError, match="another prompt"):
+        verify(signed, KV_SECRET.encode(), prompt[:-1], "0" * 16)
+    for bad, match in (({"tp_size": 2}, "TP 1"), ({"transfer_mode": "push"}, "pull"),
+                       ({"remote_block_ids": None}, "lack remote_block_ids")):
+        with pytest.raises(KVParamsError, match=match):
+            from_vllm_answer({**rec["answer"], **bad}, 30.0)
+
+
+def test_token_plan_across_block_sizes(recorded):
+    """vLLM blocks of 32, ours of 16 (two local blocks per remote one), window 32: the full group needs every
+    computed token, the sliding group the last W-1 + 1; the sliding list is the sequence's tail."""
+    _, rec = recorded
+    p = from_vllm_answer(rec["answer"], 30.0)                            # 71 tokens: 3 remote blocks
+    full = list(range(10, 15))                                           # local blocks for tokens 0..79
+    sliding = [0, 0, 20, 21, 22]                                         # tokens before 32 are dead here
+    plans = token_plan(p, 32, [sliding, full], 16, [32, None])
+    assert [s for _, _, s in plans[1]] == [full[t // 16] * 16 + t % 16 for t in range(71)]
+    assert [(k, off) for k, off, _ in plans[1][:2]] == [(0, 0), (0, 1)] and plans[1][40][:2] == (1, 8)
+    assert [t for t in range(71) if t >= 71 - 32 + 1] == [40 + i for i in range(len(plans[0]))]
+    assert plans[0][0][:2] == (0, 8)                                     # token 40: remote list entry 0 = block 1
+    lead_null = p.model_copy(update={"remote_block_ids": [[0, 3], [4, 5, 6]]})   # vLLM nulled block 1
+    with pytest.raises(TransferError, match="token 40 is in no block"):
+        token_plan(lead_null, 32, [sliding, full], 16, [32, None])
+    with pytest.raises(TransferError, match="no local block for token 48"):
+        token_plan(p, 32, [[0, 0, 21, 0, 22], full], 16, [32, None])
+
+
+def test_tokenize_route(tiny_ckpt):
+    """vLLM's /tokenize on our server (the router asks it for the ids a vLLM prefill gets)."""
+    import httpx
+    from gigadecode.cli import build_parser
+    from gigadecode.server.api import build_app, engine_from_args
+    from gigadecode.server.async_engine import AsyncEngine
+    from .test_server import ServerThread
+    args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), "--num-blocks", "16", "--dtype", "float32"])
+    app = build_app(AsyncEngine(engine_from_args(args, "both"), codec=None), "ids-only")
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as hc:
+        r = hc.post("/tokenize", json={"prompt": [5, 6, 7]}).json()
+        assert r["tokens"] == [5, 6, 7] and r["count"] == 3 and r["max_model_len"] > 0
+        assert hc.post("/tokenize", json={"prompt": {"x": 1}}).status_code == 400
+        assert hc.post("/tokenize", json={"prompt": "text"}).status_code == 400     # no tokenizer here
+
+
+def test_a_producer_we_cannot_repack_is_refused_at_the_handshake(recorded, tiny_ckpt):
+    """The recorded producer serves the demo model (2 kv heads × dim 32, 2 regions); a decode engine of the
+    tiny model (dim 16) must refuse it before any read, naming why."""
+    from gigadecode.config import EngineConfig, GptOssConfig
+    from gigadecode.connector.vllm_producer import VllmReader
+    from gigadecode.kv.cache import KVCache
+    cfg = GptOssConfig.from_hf(tiny_ckpt)
+    kv = KVCache(cfg, EngineConfig(block_size=16), 8)
+    reader = VllmReader(None, kv, cfg, heads=(0, cfg.num_key_value_heads), timeout_s=1.0)
+    meta = VllmAgentMetadata.from_payload(recorded[0])
+    with pytest.raises(HandshakeError, match="another model"):
+        reader._check_geometry(meta)
+    demo = GptOssConfig.from_hf(Path(__file__).parents[1] / "gigadecode" / "assets" / "demo")
+    ok = VllmReader(None, KVCache(demo, EngineConfig(block_size=16), 8), demo, heads=(0, 2), timeout_s=1.0)
+    ok._check_geometry(meta)                                           # the demo model's own geometry passes
+    assert ok._geometry(meta)[1:] == (torch.float32, "vec")             # fp32 pages: always the vec order
+    import dataclasses
+    with pytest.raises(HandshakeError, match="only LBHNC"):
+        ok._check_geometry(dataclasses.replace(meta, kv_cache_layout="NHD"))
+    reader.pool.shutdown()
+    ok.pool.shutdown()
