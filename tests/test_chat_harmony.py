@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from gigadecode.engine import RequestOutput
+from gigadecode.request import EngineStats
 from gigadecode.server.api import build_app
 from gigadecode.server.async_engine import AsyncEngine
 from gigadecode.tokenizer import TextCodec
@@ -33,7 +34,7 @@ class ScriptedEngine:
 
     def __init__(self, codec: TextCodec, reply: str, stop_ids: set[int]) -> None:
         self.codec, self.reply, self.stop_ids = codec, reply, stop_ids
-        self.running, self.waiting, self.requests, self.stats = [], [], {}, {}
+        self.running, self.waiting, self.requests, self.stats = [], [], {}, EngineStats()
         self.runner = SimpleNamespace(kv=SimpleNamespace(num_blocks=9))
 
     def add_request(self, prompt_ids, params, request_id=None, **kw):

@@ -70,7 +70,7 @@ def test_di_equals_single_node(producer, single, consumer):
         got = run(consumer, prompt, kv=params)
         assert got.error is None, got.error
         assert got.output_ids == want, n
-    assert consumer.stats["kv_bytes_transferred"] > 0
+    assert consumer.stats.kv_bytes_transferred > 0
     assert consumer.kv_manager.num_free_blocks == NUM_BLOCKS - 1
     assert producer.wait_free(NUM_BLOCKS - 1) == NUM_BLOCKS - 1      # freed on the READ notifications
 
@@ -128,7 +128,7 @@ def test_forged_params_are_refused_before_any_read(producer, consumer):
         with pytest.raises(RequestError, match=what) as e:
             consumer.add_request(prompt, greedy(), kv_transfer_params=bad)
         assert e.value.param.startswith("kv_transfer_params")
-    assert not consumer.connector.agent.remotes and consumer.stats["kv_bytes_transferred"] == 0   # read nothing
+    assert not consumer.connector.agent.remotes and consumer.stats.kv_bytes_transferred == 0   # read nothing
     ok = run(consumer, prompt, kv=params)
     assert ok.error is None
     _pools_back(consumer, producer)
@@ -155,7 +155,7 @@ def test_signed_bad_block_id_fails_only_that_request(producer, consumer):
     assert r.finish_reason == "error" and "out of range" in r.error and not r.output_ids
     assert run(consumer, prompt, kv=params).error is None                # the untouched lease is read properly
     _pools_back(consumer, producer)
-    assert consumer.stats["transfer_failures"] >= 1
+    assert consumer.stats.transfer_failures >= 1
 
 
 def test_bytes_flipped_in_producer_memory_are_caught(producer, consumer):
@@ -349,7 +349,7 @@ def test_prefill_killed(tiny_ckpt, single, policy):
             assert r.finish_reason == "error" and r.error and not r.output_ids
         else:
             assert r.error is None and r.output_ids == run(single, prompt).output_ids
-            assert eng.stats["recomputed_after_failure"] == 1
+            assert eng.stats.recomputed_after_failure == 1
         assert eng.kv_manager.num_free_blocks == NUM_BLOCKS - 1
     finally:
         dead.close()

@@ -77,7 +77,7 @@ def test_preemption_keeps_outputs(tiny_ckpt, prompts, alone):
     # 2 groups; 64 usable blocks of 4 tokens cannot hold 16 requests of up to 94 tokens at once.
     eng = make_engine(tiny_ckpt, num_blocks=65, max_prefill_tokens=64)
     out = run_staggered(eng, prompts, [greedy(m) for m in MAX_TOKENS])
-    assert eng.stats["preemptions"] > 0
+    assert eng.stats.preemptions > 0
     assert list(out.values()) == alone
     assert eng.kv_manager.num_free_blocks == 64
 
@@ -207,7 +207,7 @@ def test_a_failing_phase_fails_only_its_own_requests(tiny_ckpt):
     assert eng.requests[d].finish_reason == "error" and "injected decode failure" in eng.requests[d].error
     assert eng.requests[p].error is None
     assert eng.requests[p].output_ids == run_alone(tiny_ckpt, prefilling, greedy(10), max_prefill_tokens=8)
-    assert eng.stats["step_failures"] == 1 and eng.kv_manager.num_free_blocks == 599
+    assert eng.stats.step_failures == 1 and eng.kv_manager.num_free_blocks == 599
 
     real_prefill = eng.runner.prefill
     eng.runner.decode = real_decode

@@ -94,7 +94,7 @@ def world_session(rank: int, model_dir: str, layout: tuple[int, int, int]) -> di
         return {"dp_rank": ctx.dp_rank, "produced": produced}
     with DistributedEngine(replica, ctx) as eng:
         res = session(eng, replica.cfg.vocab_size)
-        res["preemptions"] = eng.stats["preemptions"]
+        res["preemptions"] = eng.stats.preemptions
         res["kv_used"] = eng.kv_usage()[0]
         res["unseeded"] = eng.requests["unseeded"].output_ids
     return {**res, "dp_rank": ctx.dp_rank, "produced": produced}
@@ -104,7 +104,7 @@ def world_session(rank: int, model_dir: str, layout: tuple[int, int, int]) -> di
 def single(tiny_ckpt):
     eng = LLMEngine(ModelRunner(tiny_ckpt, EngineConfig(**ENGINE)))
     res = session(eng, eng.cfg.vocab_size)
-    res["preemptions"] = eng.stats["preemptions"]
+    res["preemptions"] = eng.stats.preemptions
     assert res["preemptions"] > 0, "the pool is meant to be small enough to preempt"
     return res
 

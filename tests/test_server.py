@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gigadecode.cli import build_parser
 from gigadecode.sampling import SamplingParams
 from gigadecode.engine import RequestOutput
+from gigadecode.request import EngineStats
 from gigadecode.connector.params import AUTH_HEADER, KVTransferParams, handshake_token
 from gigadecode.server.api import build_app, engine_from_args
 from gigadecode.server.async_engine import AsyncEngine
@@ -479,7 +480,7 @@ class FakeEngine:
     max_model_len = 64
 
     def __init__(self) -> None:
-        self.running, self.waiting, self.requests, self.stats = [], [], {}, {"kv_bytes_transferred": 1234}
+        self.running, self.waiting, self.requests, self.stats = [], [], {}, EngineStats(kv_bytes_transferred=1234)
         self.runner = SimpleNamespace(kv=SimpleNamespace(num_blocks=9))
         self.connector = SimpleNamespace(handshake_info=lambda: {"layout": {"engine_id": "p0"}, "agent_metadata": "AA=="},
                                          key=KV_SECRET.encode())

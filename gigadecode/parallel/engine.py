@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ..config import EngineConfig, GptOssConfig
 from ..connector.params import KVTransferParams
 from ..engine import LLMEngine, Request, RequestError, RequestOutput, Status
+from ..request import EngineStats
 from ..runner import ModelRunner
 from ..sampling import SamplingParams
 from .context import ParallelContext, init_distributed, make_parallel_context
@@ -135,7 +136,7 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
         if g == ctx.dp_rank:
             engine.abort(rid)
             engine.requests.pop(rid, None)
-    s0 = dict(engine.stats)
+    s0 = engine.stats.as_dict()
     ctx.stats.reset()
     t0 = time.perf_counter()
     try:
@@ -144,8 +145,8 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
         outputs += _fail_running(engine, f"engine step failed: {type(e).__name__}: {e}")
     if trace is not None:
         trace.append(StepTrace(time.perf_counter() - t0, ctx.stats.snapshot(),
-                               engine.stats["prefill_tokens"] - s0["prefill_tokens"],
-                               engine.stats["decode_tokens"] - s0["decode_tokens"], engine.kv_usage()[0]))
+                               engine.stats.prefill_tokens - s0["prefill_tokens"],
+                               engine.stats.decode_tokens - s0["decode_tokens"], engine.kv_usage()[0]))
     transfer_params = {}
     for out in outputs:
         if out.finished:
@@ -158,7 +159,7 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
     if ctx.tp_rank != 0:
         return RankKV(ctx.rank, used, total)
     return GroupReport(ctx.dp_rank, outputs, [r.request_id for r in engine.running],
-                       [r.request_id for r in engine.waiting], used, total, dict(engine.stats), transfer_params)
+                       [r.request_id for r in engine.waiting], used, total, engine.stats.as_dict(), transfer_params)
 
 
 def _fail_running(engine: LLMEngine, msg: str) -> list[RequestOutput]:
@@ -236,7 +237,7 @@ class DistributedEngine:
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
-        req.status, req.finish_reason = Status.FINISHED, "abort"
+        req.status = Status.FINISHED_ABORTED
         self._inbox.aborts.append((self._group[request_id], request_id))
         return True
 
@@ -278,7 +279,7 @@ class DistributedEngine:
             req.last_token_time = now
             req.status = Status.RUNNING
         if out.finished:
-            req.status, req.finish_reason, req.error = Status.FINISHED, out.finish_reason, out.error
+            req.status, req.error = Status.finished_with(out.finish_reason or "error"), out.error
             self._group.pop(out.request_id, None)
         return True
 
@@ -307,12 +308,11 @@ class DistributedEngine:
         return dict(sorted(self._rank_kv.items()))
 
     @property
-    def stats(self) -> dict:
-        out: dict = {}
-        for rep in self._reports.values():
-            for k, v in rep.stats.items():
-                out[k] = out.get(k, 0) + v
-        return out or dict(self.replica.stats)
+    def stats(self) -> EngineStats:
+        """Summed over the DP groups (rank 0's own before the first step)."""
+        if not self._reports:
+            return self.replica.stats
+        return sum((EngineStats(**rep.stats) for rep in self._reports.values()), EngineStats())
 
     def shutdown(self) -> None:
         """Tell every other rank to leave `run_worker` (idempotent)."""

@@ -72,12 +72,12 @@ def _run(engine, prompts: list[list[int]], params: list[SamplingParams], trace: 
     """Add, step to the end, collect. `trace`: record one-rank steps (a parallel engine records its own)."""
     ids = [engine.add_request(list(p), sp) for p, sp in zip(prompts, params)]
     while engine.has_unfinished():
-        s0, t0 = dict(engine.stats), time.perf_counter()
+        s0, t0 = engine.stats.as_dict(), time.perf_counter()
         engine.step()
         if trace is not None:
             trace.append(StepTrace(time.perf_counter() - t0, {"calls": {}, "bytes": {}, "by_op": {}},
-                                   engine.stats["prefill_tokens"] - s0["prefill_tokens"],
-                                   engine.stats["decode_tokens"] - s0["decode_tokens"], engine.kv_usage()[0]))
+                                   engine.stats.prefill_tokens - s0["prefill_tokens"],
+                                   engine.stats.decode_tokens - s0["decode_tokens"], engine.kv_usage()[0]))
     out = []
     for rid in ids:
         r = engine.requests[rid]

@@ -118,8 +118,8 @@ class EngineMetrics:
         s["kv_blocks_used"], s["kv_blocks_total"] = engine.kv_usage()
         per_rank = getattr(engine, "kv_usage_per_rank", None)
         s["kv_per_rank"] = per_rank() if per_rank is not None else {}
-        s["kv_bytes"] = engine.stats.get("kv_bytes_transferred", 0)
-        s["transfer_failures"] = engine.stats.get("transfer_failures", 0)
+        s["kv_bytes"] = engine.stats.kv_bytes_transferred
+        s["transfer_failures"] = engine.stats.transfer_failures
 
 
 # --------------------------------------------------------------------------------------------------
@@ -315,10 +315,10 @@ class AsyncEngine:
                 busy = eng.has_unfinished()
                 now = time.monotonic()
                 if busy or now - last_step >= IDLE_STEP_S:
-                    work = eng.stats.get("prefill_tokens", 0) + eng.stats.get("decode_tokens", 0)
+                    work = eng.stats.prefill_tokens + eng.stats.decode_tokens
                     self._step()
                     last_step = time.monotonic()
-                    if busy and eng.stats.get("prefill_tokens", 0) + eng.stats.get("decode_tokens", 0) == work:
+                    if busy and eng.stats.prefill_tokens + eng.stats.decode_tokens == work:
                         self._wake.wait(0.001)   # nothing could run (e.g. waiting for KV): don't spin hot
                 else:
                     self._wake.wait(min(IDLE_WAIT_S, IDLE_STEP_S - (now - last_step)))
@@ -344,7 +344,7 @@ class AsyncEngine:
             self._fail_after_step_error(f"engine step failed: {type(e).__name__}: {e}")
             self.metrics.refresh(eng)
             return
-        failures = eng.stats.get("step_failures", 0)      # phases the engine isolated (their requests failed)
+        failures = eng.stats.step_failures      # phases the engine isolated (their requests failed)
         if failures > self._step_failures_seen:
             self.metrics.step_failures.inc(failures - self._step_failures_seen)
         self._step_failures_seen = failures

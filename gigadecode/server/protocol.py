@@ -71,14 +71,13 @@ def engine_error(e: BaseException, prompt_param: str) -> APIError:
         return APIError(400, str(e), param=e.param)
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), type="server_error", code="engine_unavailable")
-    if isinstance(e, ValueError):          # RequestError and other refusals of add_request
-        msg = str(e)
-        param = getattr(e, "param", None) or (prompt_param if msg.startswith("prompt") else
-                                              ("kv_transfer_params" if "kv_transfer" in msg else None))
-        code = "context_length_exceeded" if "context" in msg else None
-        if param is not None and param.startswith("kv_transfer_params"):
+    if isinstance(e, ValueError):          # RequestError (its field and kind) and other refusals of add_request
+        param, code = getattr(e, "param", None), getattr(e, "code", None)
+        if param == "prompt":
+            param = prompt_param               # "messages" for chat
+        if code is None and param is not None and param.startswith("kv_transfer_params"):
             code = "invalid_kv_transfer_params"
-        return APIError(400, msg, param=param, code=code)
+        return APIError(400, str(e), param=param, code=code)
     return APIError(500, f"the engine refused the request: {type(e).__name__}: {e}", type="server_error")
 
 

@@ -1,0 +1,160 @@
+"""The continuous-batching scheduler: who runs this step, and which KV blocks they hold.
+
+Each step `schedule()`
+1. keeps every running request that needs exactly one more token computed in the decode batch (the GK
+   program, padded to its batch bucket), growing its KV by one slot when a block fills;
+2. spends a prefill token budget (`max_prefill_tokens`) on running prompts first, then on waiting
+   requests in arrival order (chunked prefill through the per-layer model, so a long prompt never
+   stalls running decodes for more than one chunk);
+3. admits only what the KV pool holds; when a running request cannot grow, the newest running request
+   is preempted: its blocks are freed and it is recomputed later from prompt + output so far (its
+   sampler generator is kept, so its output does not change).
+A request needs tokens `[num_computed, len(prompt + output))` computed; when the last of them is
+computed its logits are sampled. A DI consumer request is admitted with blocks for its N-1 remote tokens
+(`remote_admits`; it waits for its KV as `WAITING_FOR_REMOTE_KV`, then its first step is a decode), a DI
+producer request with nothing to compute goes straight to its hand-off (`handoffs`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .config import EngineConfig
+from .kv.manager import KVCacheManager
+from .request import Request, Status
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan."""
+
+    decodes: list[Request] = field(default_factory=list)              # one token each, through the GK program
+    prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this step)
+    remote_admits: list[Request] = field(default_factory=list)        # DI consumer: blocks allocated, load next
+    handoffs: list[Request] = field(default_factory=list)             # DI producer: nothing left to compute
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and the KV block tables (`kv_manager`). `on_preempt(req)`
+    runs before a preempted request gives up its blocks (the engine cancels a KV load in flight)."""
+
+    def __init__(self, ecfg: EngineConfig, kv_manager: KVCacheManager,
+                 on_preempt: Callable[[Request], None] | None = None) -> None:
+        self.ecfg, self.kv_manager, self.on_preempt = ecfg, kv_manager, on_preempt
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def awaiting_kv(self) -> list[Request]:
+        return [r for r in self.running if r.status == Status.WAITING_FOR_REMOTE_KV]
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._grow_decodes(out)
+        budget = self._continue_prefills(out, self.ecfg.max_prefill_tokens)
+        self._admit_waiting(out, budget)
+        return out
+
+    def _grow_decodes(self, out: SchedulerOutput) -> None:
+        """Running requests that need one token: one more slot each, preempting the newest if the pool is
+        short (possibly the request itself)."""
+        for req in list(self.running):
+            if req.status != Status.RUNNING or req.num_tokens - req.num_computed != 1:
+                continue
+            while not self.kv_manager.allocate(req.request_id, req.num_tokens, req.num_computed):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is req:
+                    break
+            if req.status == Status.RUNNING:
+                out.decodes.append(req)
+        out.decodes = [r for r in out.decodes if r.status == Status.RUNNING]
+
+    def _continue_prefills(self, out: SchedulerOutput, budget: int) -> int:
+        """Running prompts with more than one token left (or a producer's last one) take the budget first."""
+        for req in self.running:
+            if budget <= 0:
+                break
+            todo = req.target - req.num_computed
+            decoding = todo == 1 and req in out.decodes
+            producer_last = todo == 1 and req.compute_limit is not None
+            if req.status != Status.RUNNING or decoding or not (todo > 1 or producer_last):
+                continue
+            n = min(todo, budget)
+            if self.kv_manager.allocate(req.request_id, req.num_computed + n, req.num_computed):
+                out.prefills.append((req, n))
+                budget -= n
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Waiting requests in arrival order, while the budget, the pool and `max_num_seqs` allow."""
+        while self.waiting and budget > 0 and len(self.running) < self.ecfg.max_num_seqs:
+            req = self.waiting[0]
+            if req.remote_tokens:                  # DI consumer: blocks as if N-1 tokens were computed
+                n = req.remote_tokens
+                if not self.kv_manager.allocate(req.request_id, n + 1, n):
+                    break
+                self.waiting.popleft()
+                req.status, req.num_computed = Status.WAITING_FOR_REMOTE_KV, n
+                self.running.append(req)
+                out.remote_admits.append(req)
+                continue
+            todo = req.target - req.num_computed
+            if todo == 0:                          # a DI producer with a 1-token prompt: nothing to send
+                self.waiting.popleft()
+                out.handoffs.append(req)
+                continue
+            n = min(todo, budget)
+            if not self.kv_manager.allocate(req.request_id, req.num_computed + n, req.num_computed):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            if n == 1 and req.num_computed > 0 and req.compute_limit is None:
+                out.decodes.append(req)
+            else:
+                out.prefills.append((req, n))
+            budget -= n
+
+    def preempt(self, req: Request) -> None:
+        """Free all of req's KV; it is recomputed from prompt + output later (the output stays the same).
+        A DI consumer's remote KV is given up too: it recomputes locally."""
+        if self.on_preempt is not None:
+            self.on_preempt(req)
+        req.remote_tokens = 0
+        self.kv_manager.free(req.request_id)
+        self.running.remove(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def requeue(self, req: Request) -> None:
+        """A running request back to the front of the queue with nothing computed (its blocks are freed)."""
+        self.kv_manager.free(req.request_id)
+        self.running.remove(req)
+        req.num_computed, req.remote_tokens, req.status = 0, 0, Status.WAITING
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str, keep_blocks: bool = False) -> None:
+        req.status = Status.finished_with(reason)
+        if not keep_blocks:
+            self.kv_manager.free(req.request_id)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    def release_dead_blocks(self) -> None:
+        """After a step: sliding blocks no query can see any more go back to the pool."""
+        for req in self.running:
+            self.kv_manager.remove_skipped_blocks(req.request_id, req.num_computed)
