@@ -521,37 +521,3 @@ def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig
                         kv_failure_policy=getattr(args, "kv_failure_policy", "fail"),
                         vllm_kv_layout=getattr(args, "vllm_kv_layout", "auto"),
                         kv_secret=getattr(args, "kv_secret", None) or None)
-
-
-# --------------------------------------------------------------------------------------------------
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
-
-
-@dataclass(frozen=True)
-class GenerationDefaults:
-    """What a checkpoint's `generation_config.json` says: stop tokens that join config.json's
-    `eos_token_id`, and sampling defaults for requests that set none (vLLM's `--generation-config auto`)."""
-
-    eos_token_ids: tuple[int, ...] = ()
-    sampling: tuple[tuple[str, Any], ...] = ()       # (SamplingParams field, value), e.g. ("temperature", 1.0)
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> GenerationDefaults:
-        path = Path(model_dir) / "generation_config.json"
-        if not path.exists():
-            return cls()
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise ConfigError(f"{path} must hold a JSON object")
-        eos = d.get("eos_token_id")
-        eos = [] if eos is None else (eos if isinstance(eos, list) else [eos])
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in eos):
-            raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them (got {d.get('eos_token_id')!r})")
-        sampling = []
-        for k in SAMPLING_DEFAULT_KEYS:
-            if d.get(k) is not None:
-                sampling.append(("max_tokens" if k == "max_new_tokens" else k, d[k]))
-        return cls(tuple(int(t) for t in eos), tuple(sampling))

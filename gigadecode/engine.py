@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from .config import EngineConfig, GenerationDefaults
+from .config import EngineConfig
+from .generation_config import GenerationDefaults
 from .connector.params import KVParamsError, KVTransferParams, parse_kv_params
 from .kv.manager import KVCacheManager
 from .kv_transfers import KVTransfers

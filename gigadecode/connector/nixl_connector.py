@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from ..kv.dcp import TokenShard
-from .base import HandshakeError, KVConnectorBase, KVLayout, TransferError, model_identity
+from .base import HandshakeError, KVConnectorBase, TransferError, model_identity
 from .dcp_reads import dcp_pairs, partial_head_crcs, stream_length
 from .nixl_agent import NixlKVAgent, ReadHandle
 from .params import (KVParamsError, KVTransferParams, RemoteRank, check_secret, kv_layout_id, prompt_digest, sign,
