@@ -11,6 +11,7 @@ that `weights.load_weights` filled, so this model and the GK program share one c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,9 @@ from .ops import flash_sink_attention, moe_tokens, rms_norm
 from .rope import Rope, apply_rope
 from .weights import ModelWeights
 
+if TYPE_CHECKING:
+    from .parallel.context import ParallelContext
+
 
 @dataclass
 class SeqChunk:
@@ -30,7 +34,7 @@ class SeqChunk:
     token_ids: list[int]
     start: int
     block_tables: list[list[int]]     # per KV group: block ids for blocks 0..; 0 = null (freed / none)
-    want_logits: str = "last"          # "last" | "all" | "none"
+    want_logits: Literal["last", "all", "none"] = "last"
 
 
 @dataclass
@@ -46,7 +50,8 @@ class GptOssModel:
     local experts and sums over EP, and the logits are this rank's vocabulary columns
     `[vocab_start, vocab_stop)` (use `parallel.greedy` / `parallel.gather_logits`)."""
 
-    def __init__(self, cfg: GptOssConfig, weights: ModelWeights, dtype: torch.dtype, parallel=None) -> None:
+    def __init__(self, cfg: GptOssConfig, weights: ModelWeights, dtype: torch.dtype,
+                 parallel: ParallelContext | None = None) -> None:
         self.cfg, self.w, self.dtype = cfg, weights, dtype
         self.parallel = parallel
         self.rope = Rope(cfg, dtype)

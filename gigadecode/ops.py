@@ -23,12 +23,13 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
                    sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention with a learned per-head sink logit (a softmax column with no value).
 
-    q [..., H, T, d]; k, v [..., H, S, d] (kv heads already repeated); mask [..., T, S] bool (True = attend)
-    or broadcastable; sinks [H]. -> [..., H, T, d].
+    q [..., H, T, d]; k, v [..., H, S, d] (kv heads already repeated, or broadcastable: GQA as [.., kv, rep,
+    T, d] against [.., kv, 1, S, d]); mask [..., T, S] bool (True = attend) or broadcastable; sinks [..., H]
+    (broadcastable to q's leading dims). -> [..., H, T, d].
     """
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale                    # [.., H, T, S]
     scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))
-    sink = sinks.reshape(-1, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
+    sink = sinks[..., None, None].to(scores.dtype).expand(*scores.shape[:-1], 1)
     logits = torch.cat((scores, sink), dim=-1)
     logits = logits - logits.amax(dim=-1, keepdim=True)
     probs = torch.softmax(logits, dim=-1)[..., :-1]                            # drop the sink column

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -30,6 +31,9 @@ from .model import GptOssModel, SeqChunk
 from .sampling import Sampler, SampleResult, SamplingParams
 from .weights import ModelWeights, Shard, load_weights
 
+if TYPE_CHECKING:
+    from .parallel.context import ParallelContext
+
 DEFAULT_KV_BUDGET_GIB = 2.0
 
 
@@ -38,6 +42,12 @@ class DecodeSeq:
     token_id: int
     position: int
     block_tables: list[list[int]]
+
+
+class Decoder(Protocol):
+    """A decode path: one token for each of `seqs` -> their logits [len(seqs), V]."""
+
+    def decode_batch(self, seqs: list[DecodeSeq], kv: KVCache, pad_to: int = 0) -> torch.Tensor: ...
 
 
 class ReferenceDecoder:
@@ -80,7 +90,7 @@ class GKDecoder:
 
 
 def build_decoder(cfg: GptOssConfig, weights: ModelWeights, model: GptOssModel, kv: KVCache, ecfg: EngineConfig,
-                  parallel=None):
+                  parallel: ParallelContext | None = None) -> Decoder:
     """The factory gate: the GK model when `gk_decode`, the per-layer model otherwise (untouched)."""
     if not ecfg.gk_decode or ecfg.decoder == "reference":
         return ReferenceDecoder(model)
@@ -112,7 +122,8 @@ def _plain_greedy(p: SamplingParams, num_output: int) -> bool:
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, ecfg: EngineConfig, cfg: GptOssConfig | None = None,
-                 weights: ModelWeights | None = None, progress: bool = False, parallel=None) -> None:
+                 weights: ModelWeights | None = None, progress: bool = False,
+                 parallel: ParallelContext | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.cfg = cfg or GptOssConfig.from_hf(self.model_dir)
         self.ecfg = ecfg

@@ -14,7 +14,9 @@ reference and, through `torch.compile(fullgraph=True)`, the compiled program (we
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,9 @@ from ..kv.cache import write_kv
 from ..native.twins import decode_attention, paged_decode_attention_partial
 from ..ops import moe_routed, rms_norm, route, swiglu
 from ..rope import apply_rope
+
+if TYPE_CHECKING:
+    from ..parallel.context import ParallelContext
 
 FP8 = torch.float8_e4m3fn
 
@@ -283,17 +288,18 @@ class LayerBlocks:
     reused by every layer since weights come in as per-layer views — or the native kernels,
     `native_blocks.NATIVE_BLOCKS`). `linear` and `norm` serve the o-proj, post-norm and the head.
     `rope_write` and `partial_attention` are the two halves of a DCP rank's attention (`dcp_attention`)."""
-    attention: object = attention_block
-    moe: object = moe_decode
-    linear: object = F.linear
-    norm: object = rms_norm
-    rope_write: object = rope_write_kv
-    partial_attention: object = paged_decode_attention_partial
+    attention: Callable[..., torch.Tensor] = attention_block
+    moe: Callable[..., torch.Tensor] = moe_decode
+    linear: Callable[..., torch.Tensor] = F.linear
+    norm: Callable[..., torch.Tensor] = rms_norm
+    rope_write: Callable[..., torch.Tensor] = rope_write_kv
+    partial_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]] = paged_decode_attention_partial
 
 
 def dcp_attention(x: torch.Tensor, Wl: dict[str, torch.Tensor], kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                   cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor, slot: torch.Tensor, fpos: torch.Tensor,
-                  first: torch.Tensor, active: torch.Tensor, *, spec: KernelSpec, parallel, blocks: LayerBlocks
+                  first: torch.Tensor, active: torch.Tensor, *, spec: KernelSpec, parallel: ParallelContext,
+                  blocks: LayerBlocks
                   ) -> torch.Tensor:
     """One layer's attention on a DCP rank, up to the o-proj: x [Bt, H] -> [Bt, nh*d]. Writes the step's K/V
     where this rank holds the token (else into the null block), gathers the DCP group's q heads, attends
@@ -317,7 +323,7 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
                                pos_swa: torch.Tensor, kv_cache_update_idx: torch.Tensor,
                                kv_cache_update_idx_swa: torch.Tensor, *, spec: KernelSpec,
                                K_cache: torch.Tensor | None = None, V_cache: torch.Tensor | None = None,
-                               return_hidden: bool = False, parallel=None,
+                               return_hidden: bool = False, parallel: ParallelContext | None = None,
                                blocks: LayerBlocks | None = None,
                                kv_bufs: tuple[torch.Tensor, ...] | None = None,
                                layers: list[dict[str, torch.Tensor]] | None = None,
@@ -335,6 +341,12 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
     column per slot (`AttentionControl.kv_first`); each layer's attention is then `dcp_attention`."""
     assert (k_bufs is not None) + (K_cache is not None) + (kv_bufs is not None) == 1, \
         "pass exactly one KV form: per-buffer K/V, per-buffer allocations (kv_bufs) or stacked K_cache/V_cache"
+    bt = input_ids.shape[0]
+    assert input_ids.dim() == 1 and active.shape == (bt,) and pos.shape == (bt,) and pos_swa.shape == (bt,), \
+        "input_ids, active, pos, pos_swa must be [Bt]"
+    assert full_table.dim() == 3 and full_table.shape[1] == bt and swa_table.dim() == 3 and swa_table.shape[1] == bt, \
+        "full_table [Gf, Bt, nf] and swa_table [Gs, Bt, ns]"
+    assert cos.shape[0] == bt and kv_cache_update_idx.shape[-1] == bt and kv_cache_update_idx_swa.shape[-1] == bt
     blocks = blocks or LayerBlocks(moe=moe_decode_fused if spec.fused_moe else moe_decode)
     x = W["embed"][input_ids]                                              # [Bt, H]
     for i in range(spec.num_layers):

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from .mega_decode import (KernelSpec, LayerBlocks, LocalPairsMoE, attention_bloc
                           layer_views)
 from ..native.twins import paged_decode_attention_partial
 from .native_blocks import NATIVE_BLOCKS
+
+if TYPE_CHECKING:
+    from ..parallel.context import ParallelContext
 
 CACHE_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode"))
 
@@ -59,8 +63,8 @@ class GptOssGKDecodeModel(torch.nn.Module):
     """Decode-only GK model over stacked weights (shared with the per-layer model, never copied)."""
 
     def __init__(self, cfg: GptOssConfig, weights: ModelWeights, kv_config: KVCacheConfig, block_size: int,
-                 k_scale: float = 1.0, v_scale: float = 1.0, compiled: bool = False, parallel=None,
-                 native: bool = False) -> None:
+                 k_scale: float = 1.0, v_scale: float = 1.0, compiled: bool = False,
+                 parallel: ParallelContext | None = None, native: bool = False) -> None:
         super().__init__()
         self.parallel = parallel      # gigadecode.parallel.ParallelContext (None = one rank)
         self.cfg, self.weights, self.kv_config = cfg, weights, kv_config

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..kv.cache import dequantize, packed_to_token_major, write_kv
 from ..mxfp4 import decode_mxfp4
-from ..ops import moe_routed, rms_norm as _rms_norm
+from ..ops import moe_routed, rms_norm as _rms_norm, sink_attention
 from ..rope import apply_rope
 
 
@@ -60,18 +60,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
     bt, nh, d = q.shape
     kvh, S = k.shape[1], k.shape[2]
     rep = nh // kvh
-    qg = q.view(bt, kvh, rep, d)
-    scores = torch.einsum("bgrd,bgsd->bgrs", qg, k) * scale                  # [Bt, kv, rep, S]
     kf = torch.arange(S, device=q.device)
     mask = (kf[None, :] <= pos[:, None]) & active[:, None]                  # [Bt, S]
     if window is not None:
         mask = mask & (kf[None, :] > pos[:, None] - window)
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    sink = sinks.view(1, kvh, rep, 1).to(scores.dtype).expand(bt, kvh, rep, 1)
-    logits = torch.cat((scores, sink), dim=-1)
-    logits = logits - logits.amax(dim=-1, keepdim=True)
-    probs = torch.softmax(logits, dim=-1)[..., :-1]
-    out = torch.einsum("bgrs,bgsd->bgrd", probs.to(v.dtype), v)             # [Bt, kv, rep, d]
+    # GQA without repeating K/V: query heads [Bt, kv, rep, T=1, d] against keys [Bt, kv, 1, S, d]
+    out = sink_attention(q.view(bt, kvh, rep, 1, d), k.unsqueeze(2), v.unsqueeze(2), mask[:, None, None, :],
+                         sinks.view(kvh, rep), scale)                       # [Bt, kv, rep, 1, d]
     return out.reshape(bt, nh * d)
 
 
