@@ -105,7 +105,7 @@ SKIP_CASES = [
 @pytest.mark.parametrize("block,window,tokens,computed,table", SKIP_CASES)
 def test_sliding_frees_exactly_out_of_window_blocks(block, window, tokens, computed, table):
     m = sliding(block, window, num_blocks=16)
-    assert m.allocate_for("r", tokens) == list(range(1, cdiv(tokens, block) + 1))
+    assert m.allocate_for("r", tokens, 0) == list(range(1, cdiv(tokens, block) + 1))
     free0 = m.pool.num_free
     expect_freed = sum(1 for b in table if b == 0)
     assert m.num_freeable("r", computed) == expect_freed
@@ -188,13 +188,13 @@ def test_pool_returns_to_start_after_requests(block, window):
 def test_all_or_nothing_when_pool_runs_out():
     mgr = kv_manager("SFSF", 4, 8, num_blocks=6)   # 5 usable blocks, 2 groups
     assert mgr.blocks_needed(12) == [3, 3]
-    assert not mgr.can_allocate("a", 12)
-    assert mgr.allocate("a", 12) is False
+    assert not mgr.can_allocate("a", 12, 0)
+    assert mgr.allocate("a", 12, 0) is False
     assert mgr.num_free_blocks == 5 and not mgr.has_request("a")
-    assert mgr.allocate("a", 8) is True            # 2 + 2
+    assert mgr.allocate("a", 8, 0) is True            # 2 + 2
     assert mgr.block_tables("a") == [[1, 2], [3, 4]]
     assert mgr.num_free_blocks == 1
-    assert mgr.allocate("b", 4) is False           # needs 1 + 1
+    assert mgr.allocate("b", 4, 0) is False           # needs 1 + 1
     assert mgr.num_free_blocks == 1 and not mgr.has_request("b")
     with pytest.raises(KeyError):
         mgr.block_tables("b")
@@ -241,7 +241,7 @@ def test_can_allocate_matches_allocate():
 def test_manager_over_uneven_groups():
     mgr = kv_manager("SFFSFF", 4, 8, num_blocks=40)   # groups: S(0,3), F(1,2), F(4,5)
     assert [type(m) for m in mgr.managers] == [SlidingWindowManager, FullAttentionManager, FullAttentionManager]
-    assert mgr.allocate("r", 9)
+    assert mgr.allocate("r", 9, 0)
     assert [len(t) for t in mgr.block_tables("r")] == [3, 3, 3]
     assert len({b for t in mgr.block_tables("r") for b in t}) == 9   # no block in two groups
 

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 from .dcp import TokenShard
-from .spec import FullAttentionSpec, KVCacheConfig, KVSpec, SlidingWindowSpec, cdiv
+from .spec import AttentionSpec, FullAttentionSpec, KVCacheConfig, KVSpec, SlidingWindowSpec, cdiv
 
 NULL_BLOCK = 0
 
@@ -121,14 +121,12 @@ class BlockPool:
 class SingleTypeManager:
     """Block tables of one KV group. Subclasses say which tokens are dead (`num_skipped_tokens`)."""
 
-    spec_type: ClassVar[type[FullAttentionSpec]] = FullAttentionSpec
+    spec_type: ClassVar[type[AttentionSpec]] = AttentionSpec
 
     def __init__(self, spec: KVSpec, pool: BlockPool, group_id: int = 0, tokens: TokenShard = TokenShard()) -> None:
         self.spec, self.pool, self.group_id, self.tokens = spec, pool, group_id, tokens
         self.block_size = spec.block_size
         self.tables: dict[str, list[int]] = {}       # req -> [logical block] block id (0 = null)
-        self.num_computed: dict[str, int] = {}       # req -> computed tokens last reported
-        self._first_live: dict[str, int] = {}        # req -> first table index not yet nulled
 
     # -- what is dead ------------------------------------------------------------------------------
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -159,76 +157,64 @@ class SingleTypeManager:
         target = self._target(num_tokens)
         return max(0, target - min(self.num_skipped_blocks(num_computed_tokens), target))
 
-    def num_new_blocks(self, req_id: str, num_tokens: int, num_computed_tokens: int | None = None) -> int:
+    def num_new_blocks(self, req_id: str, num_tokens: int, num_computed_tokens: int) -> int:
         """Real blocks `allocate_for(req_id, num_tokens, num_computed_tokens)` would take from the pool."""
         table = self.tables.get(req_id, [])
-        c = self._computed(req_id, num_computed_tokens)
         target = self._target(num_tokens)
-        return max(0, target - max(len(table), self.num_skipped_blocks(c)))
+        return max(0, target - max(len(table), self.num_skipped_blocks(num_computed_tokens)))
 
     def num_freeable(self, req_id: str, num_computed_tokens: int) -> int:
         """Real blocks `remove_skipped_blocks(req_id, num_computed_tokens)` would return to the pool."""
+        return len(self._newly_dead(req_id, num_computed_tokens))
+
+    def _newly_dead(self, req_id: str, num_computed_tokens: int) -> list[int]:
+        """Table indices of the real blocks wholly before the first visible token: walking back from there
+        to the first null slot (everything before it was nulled already; vLLM's remove_skipped_blocks)."""
         table = self.tables.get(req_id, [])
-        end = min(self.num_skipped_blocks(num_computed_tokens), len(table))
-        return sum(1 for b in table[self._first_live.get(req_id, 0): end] if b != NULL_BLOCK)
+        i = min(self.num_skipped_blocks(num_computed_tokens), len(table)) - 1
+        dead = []
+        while i >= 0 and table[i] != NULL_BLOCK:
+            dead.append(i)
+            i -= 1
+        return dead
 
     # -- mutation ----------------------------------------------------------------------------------
-    def allocate_for(self, req_id: str, num_tokens: int, num_computed_tokens: int | None = None) -> list[int]:
-        """Grow the table to cover num_tokens tokens; returns the new real block ids.
-
-        With num_computed_tokens given, dead blocks are released first (`remove_skipped_blocks`).
-        New slots for logical blocks already dead get the null block. Raises NoFreeBlocks (and
-        changes nothing beyond that release) when the pool is short.
-        """
-        if num_computed_tokens is not None:
-            self.remove_skipped_blocks(req_id, num_computed_tokens)
-        c = self._computed(req_id, num_computed_tokens)
+    def allocate_for(self, req_id: str, num_tokens: int, num_computed_tokens: int) -> list[int]:
+        """Grow the table to cover num_tokens tokens (num_computed_tokens of them computed); returns the new
+        real block ids. Dead blocks are released first (`remove_skipped_blocks`); new slots for logical
+        blocks already dead get the null block. Raises NoFreeBlocks (and changes nothing beyond that
+        release) when the pool is short."""
+        self.remove_skipped_blocks(req_id, num_computed_tokens)
         table = self.tables.get(req_id, [])
         target = self._target(num_tokens)
-        first_real = max(len(table), self.num_skipped_blocks(c))
+        first_real = max(len(table), self.num_skipped_blocks(num_computed_tokens))
         new = self.pool.allocate(max(0, target - first_real))      # raises before any change
-        old_len = len(table)
-        if target > old_len:
-            table.extend([NULL_BLOCK] * (min(first_real, target) - old_len))
+        if target > len(table):
+            table.extend([NULL_BLOCK] * (min(first_real, target) - len(table)))
             table.extend(new)
         self.tables[req_id] = table
-        self.num_computed[req_id] = c
-        if self._first_live.get(req_id, 0) >= old_len:             # all slots so far are null
-            self._first_live[req_id] = min(first_real, max(target, old_len))
         return new
 
     def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> int:
         """Free blocks wholly before token `num_skipped_tokens(c)`; their slots become 0. -> count freed."""
         if num_computed_tokens < 0:
             raise ValueError(f"num_computed_tokens must be >= 0 (got {num_computed_tokens})")
-        if req_id in self.num_computed:
-            self.num_computed[req_id] = num_computed_tokens
         table = self.tables.get(req_id)
         if table is None:
             return 0
-        start = self._first_live.get(req_id, 0)
-        end = min(self.num_skipped_blocks(num_computed_tokens), len(table))
-        dead = [b for b in table[start:end] if b != NULL_BLOCK]
-        for i in range(start, end):
+        dead = self._newly_dead(req_id, num_computed_tokens)
+        ids = [table[i] for i in dead]
+        for i in dead:
             table[i] = NULL_BLOCK
-        if end > start:
-            self._first_live[req_id] = end
-        self.pool.free(dead)
-        return len(dead)
+        self.pool.free(ids)
+        return len(ids)
 
     def free(self, req_id: str) -> None:
         """Release every block of the request (unknown request: no-op)."""
         table = self.tables.pop(req_id, None)
-        self.num_computed.pop(req_id, None)
-        self._first_live.pop(req_id, None)
         if table:
             # Tail first (vLLM's order): the most recent blocks are the least likely to be shared.
             self.pool.free(reversed(table))
-
-    def _computed(self, req_id: str, num_computed_tokens: int | None) -> int:
-        if num_computed_tokens is not None:
-            return num_computed_tokens
-        return self.num_computed.get(req_id, 0)
 
 
 class FullAttentionManager(SingleTypeManager):
@@ -258,7 +244,7 @@ class SlidingWindowManager(SingleTypeManager):
         return cdiv(self.window - 1, self.block_size) + 1
 
 
-MANAGER_FOR_SPEC: dict[type[FullAttentionSpec], type[SingleTypeManager]] = {
+MANAGER_FOR_SPEC: dict[type[AttentionSpec], type[SingleTypeManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
 }
@@ -307,27 +293,25 @@ class KVCacheManager:
         """Per group: real blocks a new request of num_tokens tokens (num_computed done) needs."""
         return [m.blocks_needed(num_tokens, num_computed_tokens) for m in self.managers]
 
-    def num_new_blocks(self, req_id: str, num_tokens: int, num_computed_tokens: int | None = None) -> int:
+    def num_new_blocks(self, req_id: str, num_tokens: int, num_computed_tokens: int) -> int:
         """Net blocks taken from the pool by `allocate` (new blocks minus dead ones released first)."""
         need = sum(m.num_new_blocks(req_id, num_tokens, num_computed_tokens) for m in self.managers)
-        if num_computed_tokens is not None:
-            need -= sum(m.num_freeable(req_id, num_computed_tokens) for m in self.managers)
-        return need
+        return need - sum(m.num_freeable(req_id, num_computed_tokens) for m in self.managers)
 
-    def can_allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int | None = None) -> bool:
+    def can_allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int) -> bool:
         return self.num_new_blocks(req_id, num_tokens, num_computed_tokens) <= self.pool.num_free
 
     # -- mutation ----------------------------------------------------------------------------------
-    def allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int | None = None) -> bool:
-        """Cover num_tokens tokens in every group, or allocate nothing and return False.
+    def allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int) -> bool:
+        """Cover num_tokens tokens in every group, or allocate nothing and return False (the pool's
+        shortage is an answer here, not an error).
 
         num_computed_tokens (tokens whose KV is already in the cache) first releases dead sliding
         blocks; that release stands even when the allocation fails (the blocks are dead either way).
         """
-        if num_computed_tokens is not None:
-            if num_computed_tokens > num_tokens:
-                raise ValueError(f"num_computed_tokens {num_computed_tokens} > num_tokens {num_tokens}")
-            self.remove_skipped_blocks(req_id, num_computed_tokens)
+        if num_computed_tokens > num_tokens:
+            raise ValueError(f"num_computed_tokens {num_computed_tokens} > num_tokens {num_tokens}")
+        self.remove_skipped_blocks(req_id, num_computed_tokens)
         need = sum(m.num_new_blocks(req_id, num_tokens, num_computed_tokens) for m in self.managers)
         if need > self.pool.num_free:
             return False

@@ -21,7 +21,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 @dataclass(frozen=True)
-class FullAttentionSpec:
+class AttentionSpec:
+    """What every kind of attention layer's KV shares: its block geometry."""
+
     block_size: int
     num_kv_heads: int
     head_size: int
@@ -31,6 +33,11 @@ class FullAttentionSpec:
     def page_size_bytes(self) -> int:
         """K and V of one block of one layer."""
         return 2 * self.block_size * self.num_kv_heads * self.head_size * self.itemsize
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    """Every token stays visible."""
 
     def max_blocks(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -42,7 +49,9 @@ class FullAttentionSpec:
 
 
 @dataclass(frozen=True)
-class SlidingWindowSpec(FullAttentionSpec):
+class SlidingWindowSpec(AttentionSpec):
+    """A query sees its window: the W-1 tokens before it and itself."""
+
     sliding_window: int = 128
 
     def max_blocks(self, num_tokens: int) -> int:
