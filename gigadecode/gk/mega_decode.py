@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..mxfp4 import _luts, decode_mxfp4
 from ..kv.cache import write_kv
 from ..native.twins import decode_attention, paged_decode_attention_partial
-from ..ops import moe_routed, rms_norm, route, swiglu
+from ..ops import dense_expert, moe_routed, rms_norm, route, swiglu
 from ..rope import apply_rope
 
 if TYPE_CHECKING:
@@ -164,16 +164,6 @@ def layer_weights(W: dict[str, torch.Tensor], i: int, keys: tuple[str, ...]) -> 
     return {k: W[k][i] for k in keys if k in W}
 
 
-def dense_expert(Wl: dict[str, torch.Tensor], le: int, spec: KernelSpec, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert `le` (local id) of a layer as dense w1 [2I, H], w2 [H, I] (out-features first): MXFP4 decoded
-    into a transient, bf16 / fp32 experts as views."""
-    if spec.mxfp4:
-        return (decode_mxfp4(Wl["gate_up_blocks"][le], Wl["gate_up_scales"][le], dtype),
-                decode_mxfp4(Wl["down_blocks"][le], Wl["down_scales"][le], dtype))
-    return Wl["gate_up"][le].transpose(-1, -2), Wl["down"][le].transpose(-1, -2)
-
-
 def moe_decode(h: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec, expert_offset: int = 0
                ) -> torch.Tensor:
     """The eager form's MoE of one layer (`Wl`: its `MOE_KEYS` slices): h [Bt, H] -> [Bt, H]. Only the experts
@@ -181,7 +171,7 @@ def moe_decode(h: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec, e
     parallelism the stacks hold the experts from global id `expert_offset` on and the result is this rank's
     partial sum (pairs routed elsewhere cost nothing)."""
     idx, gate_w = route(h, Wl["router_w"], Wl["router_b"], spec.top_k)  # [Bt, k]
-    return moe_routed(h, idx, gate_w, lambda le: dense_expert(Wl, le, spec, h.dtype), Wl["gate_up_bias"],
+    return moe_routed(h, idx, gate_w, lambda le: dense_expert(Wl, le, h.dtype), Wl["gate_up_bias"],
                       Wl["down_bias"], spec.alpha, spec.limit, expert_offset)
 
 
