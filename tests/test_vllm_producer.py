@@ -185,5 +185,5 @@ def test_a_producer_we_cannot_repack_is_refused_at_the_handshake(recorded, tiny_
     import dataclasses
     with pytest.raises(HandshakeError, match="only LBHNC"):
         ok._check_geometry(dataclasses.replace(meta, kv_cache_layout="NHD"))
-    reader.pool.shutdown()
-    ok.pool.shutdown()
+    reader.fetches.close()
+    ok.fetches.close()

@@ -85,18 +85,57 @@ def fetch_handshake(host: str, port: int, key: bytes, timeout_s: float = 5.0) ->
     return info
 
 
-class HandshakeCache:
-    """Consumer: one handshake per producer rank, fetched on a worker thread (the step loop never waits on
-    the network); a failure is remembered for `BACKOFF_S`, so the requests that need that producer fail
-    at once instead of each retrying it."""
+class BackedOffFetches:
+    """Handshakes fetched on a worker thread (the step loop never waits on the network), one per peer at a
+    time; a failure is remembered for `BACKOFF_S`, so the requests that need that peer fail at once
+    instead of each retrying it."""
 
     BACKOFF_S = 5.0
 
+    def __init__(self, thread_name: str) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=thread_name)
+        self.pending: dict[str, Future] = {}
+        self.failed: dict[str, tuple[float, str]] = {}     # peer -> (when, error)
+
+    def poll(self, key: str, fetch: Callable[[], Any], finish: Callable[[Any], Any], what: str) -> Any:
+        """`finish(fetch())` once the fetch (started on the first call) is done, None while it runs;
+        HandshakeError when either failed (now or within the back-off). `what` names the peer in errors."""
+        when, err = self.failed.get(key, (0.0, ""))
+        if time.monotonic() - when < self.BACKOFF_S:
+            raise HandshakeError(f"{err} (not retried for {self.BACKOFF_S:.0f} s)")
+        fut = self.pending.get(key)
+        if fut is None:
+            self.pending[key] = self.pool.submit(fetch)
+            return None
+        if not fut.done():
+            return None
+        del self.pending[key]
+        try:
+            result = finish(fut.result())
+        except Exception as e:  # noqa: BLE001 - malformed answers are handshake failures too
+            msg = str(e) if isinstance(e, HandshakeError) else f"KV handshake with {what} failed: {type(e).__name__}: {e}"
+            self.failed[key] = (time.monotonic(), msg)
+            raise HandshakeError(msg) from None
+        self.failed.pop(key, None)
+        return result
+
+    def give_up(self, key: str, msg: str) -> None:
+        """A load stopped waiting for `key`'s fetch: remember it as failed (for the back-off)."""
+        if self.pending.pop(key, None) is not None:
+            self.failed[key] = (time.monotonic(), msg)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class HandshakeCache:
+    """Consumer: one handshake per gigadecode producer rank (`BackedOffFetches`), paired into the agent."""
+
+    BACKOFF_S = BackedOffFetches.BACKOFF_S
+
     def __init__(self, key: bytes, timeout_s: float) -> None:
         self.key, self.timeout_s = key, timeout_s
-        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
-        self.pending: dict[str, Future] = {}
-        self.failed: dict[str, tuple[float, str]] = {}     # engine id -> (when, error)
+        self.fetches = BackedOffFetches("kv-handshake")
 
     def ready(self, agent, src: RemoteRank) -> str | None:
         """The paired remote's name, or None while its handshake runs; HandshakeError when it failed (now or
@@ -104,34 +143,19 @@ class HandshakeCache:
         name = src.remote_engine_id
         if name in agent.remotes:
             return name
-        when, err = self.failed.get(name, (0.0, ""))
-        if time.monotonic() - when < self.BACKOFF_S:
-            raise HandshakeError(f"{err} (not retried for {self.BACKOFF_S:.0f} s)")
-        fut = self.pending.get(name)
-        if fut is None:
-            self.pending[name] = self.pool.submit(fetch_handshake, src.remote_host, src.remote_port, self.key,
-                                                  self.timeout_s)
-            return None
-        if not fut.done():
-            return None
-        del self.pending[name]
-        try:
-            info = fut.result()
+
+        def pair(info: dict) -> str:
             layout = KVLayout.from_dict(info["layout"])
             if layout.agent_name != name:
                 raise HandshakeError(f"side channel answered for engine {layout.agent_name!r}, params name {name!r}")
             agent.add_remote(name, base64.b64decode(info["agent_metadata"]), layout)
-        except Exception as e:  # noqa: BLE001 - malformed answers are handshake failures too
-            msg = str(e) if isinstance(e, HandshakeError) else f"KV handshake with {name} failed: {type(e).__name__}: {e}"
-            self.failed[name] = (time.monotonic(), msg)
-            raise HandshakeError(msg) from None
-        self.failed.pop(name, None)
-        return name
+            return name
+        return self.fetches.poll(name, lambda: fetch_handshake(src.remote_host, src.remote_port, self.key,
+                                                               self.timeout_s), pair, name)
 
     def give_up(self, name: str, agent) -> None:
-        """A load timed out waiting for `name`'s handshake: remember it as failed (for the back-off)."""
-        if name not in agent.remotes and self.pending.pop(name, None) is not None:
-            self.failed[name] = (time.monotonic(), f"KV handshake with {name} timed out after {self.timeout_s:.3g} s")
+        if name not in agent.remotes:
+            self.fetches.give_up(name, f"KV handshake with {name} timed out after {self.timeout_s:.3g} s")
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.fetches.close()

@@ -35,7 +35,6 @@ block lists then cover exactly the N-1 tokens this engine's decode needs.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +45,7 @@ from ..kv.cache import write_kv
 from ..kv.spec import cdiv
 from .base import HandshakeError, TransferError
 from .params import KVParamsError, KVTransferParams
+from .side_channel import BackedOffFetches
 from .vllm_layout import LAYOUTS, unpack_pages
 
 GET_META_MSG = b"get_meta_msg"
@@ -232,9 +232,7 @@ class VllmReader:
         self.loads: dict[str, _VllmLoad] = {}
         self.landed: dict[str, _VllmLoad] = {}
         self.paired: dict[str, tuple[str, VllmAgentMetadata]] = {}   # engine id -> (agent name, metadata)
-        self.pending: dict[str, Future] = {}
-        self.failed: dict[str, tuple[float, str]] = {}
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-handshake")
+        self.fetches = BackedOffFetches("vllm-handshake")
         self._last_hb = 0.0
 
     # -- the interface NixlConnector calls ----------------------------------------------------------
@@ -277,7 +275,7 @@ class VllmReader:
     def close(self) -> None:
         for rid in list(self.loads) + list(self.landed):
             self.cancel(rid)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.fetches.close()
         for name, _ in self.paired.values():
             try:
                 self.agent.agent.remove_remote_agent(name)
@@ -318,30 +316,16 @@ class VllmReader:
         eid = params.remote_engine_id
         if eid in self.paired:
             return self.paired[eid]
-        when, err = self.failed.get(eid, (0.0, ""))
-        if time.monotonic() - when < HEARTBEAT_S:
-            raise HandshakeError(f"{err} (not retried for {HEARTBEAT_S:.0f} s)")
-        fut = self.pending.get(eid)
-        if fut is None:
-            self.pending[eid] = self.pool.submit(fetch_handshake, params.remote_host, params.remote_port,
-                                                 self.timeout_s)
-            return None
-        if not fut.done():
-            return None
-        del self.pending[eid]
-        try:
-            meta = fut.result()
+
+        def pair(meta: VllmAgentMetadata) -> tuple[str, VllmAgentMetadata]:
             if meta.engine_id != eid:
                 raise HandshakeError(f"the vLLM side channel answered for engine {meta.engine_id!r}, params name {eid!r}")
             self._check_geometry(meta)
             name = self.agent.agent.add_remote_agent(meta.agent_metadata)
-            name = name.decode() if isinstance(name, bytes) else str(name)
-        except Exception as e:  # noqa: BLE001
-            msg = str(e) if isinstance(e, HandshakeError) else f"KV handshake with vLLM {eid} failed: {type(e).__name__}: {e}"
-            self.failed[eid] = (time.monotonic(), msg)
-            raise HandshakeError(msg) from None
-        self.paired[eid] = (name, meta)
-        return self.paired[eid]
+            self.paired[eid] = (name.decode() if isinstance(name, bytes) else str(name), meta)
+            return self.paired[eid]
+        return self.fetches.poll(eid, lambda: fetch_handshake(params.remote_host, params.remote_port, self.timeout_s),
+                                 pair, f"vLLM {eid}")
 
     def _geometry(self, meta: VllmAgentMetadata) -> tuple[int, torch.dtype, str]:
         """-> (page bytes, element dtype, layout) of a producer's pages."""
