@@ -11,7 +11,7 @@ that `weights.load_weights` filled, so this model and the GK program share one c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +23,6 @@ from .ops import flash_sink_attention, moe_tokens, rms_norm
 from .rope import Rope, apply_rope
 from .weights import ModelWeights
 
-if TYPE_CHECKING:
-    from .parallel.context import ParallelContext
 
 
 @dataclass
@@ -51,7 +49,7 @@ class GptOssModel:
     `[vocab_start, vocab_stop)` (use `parallel.greedy` / `parallel.gather_logits`)."""
 
     def __init__(self, cfg: GptOssConfig, weights: ModelWeights, dtype: torch.dtype,
-                 parallel: ParallelContext | None = None) -> None:
+                 parallel=None) -> None:
         self.cfg, self.w, self.dtype = cfg, weights, dtype
         self.parallel = parallel
         self.rope = Rope(cfg, dtype)

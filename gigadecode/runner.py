@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -31,8 +31,6 @@ from .model import GptOssModel, SeqChunk
 from .sampling import Sampler, SampleResult, SamplingParams
 from .weights import ModelWeights, Shard, load_weights
 
-if TYPE_CHECKING:
-    from .parallel.context import ParallelContext
 
 DEFAULT_KV_BUDGET_GIB = 2.0
 
@@ -90,7 +88,7 @@ class GKDecoder:
 
 
 def build_decoder(cfg: GptOssConfig, weights: ModelWeights, model: GptOssModel, kv: KVCache, ecfg: EngineConfig,
-                  parallel: ParallelContext | None = None) -> Decoder:
+                  parallel=None) -> Decoder:
     """The factory gate: the GK model when `gk_decode`, the per-layer model otherwise (untouched)."""
     if not ecfg.gk_decode or ecfg.decoder == "reference":
         return ReferenceDecoder(model)
@@ -123,7 +121,7 @@ def _plain_greedy(p: SamplingParams, num_output: int) -> bool:
 class ModelRunner:
     def __init__(self, model_dir: str | Path, ecfg: EngineConfig, cfg: GptOssConfig | None = None,
                  weights: ModelWeights | None = None, progress: bool = False,
-                 parallel: ParallelContext | None = None) -> None:
+                 parallel=None) -> None:
         self.model_dir = Path(model_dir)
         self.cfg = cfg or GptOssConfig.from_hf(self.model_dir)
         self.ecfg = ecfg

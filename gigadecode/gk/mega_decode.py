@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +26,6 @@ from ..native.twins import decode_attention, paged_decode_attention_partial
 from ..ops import dense_expert, moe_routed, rms_norm, route, swiglu
 from ..rope import apply_rope
 
-if TYPE_CHECKING:
-    from ..parallel.context import ParallelContext
 
 FP8 = torch.float8_e4m3fn
 
@@ -288,7 +285,7 @@ class LayerBlocks:
 
 def dcp_attention(x: torch.Tensor, Wl: dict[str, torch.Tensor], kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                   cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor, slot: torch.Tensor, fpos: torch.Tensor,
-                  first: torch.Tensor, active: torch.Tensor, *, spec: KernelSpec, parallel: ParallelContext,
+                  first: torch.Tensor, active: torch.Tensor, *, spec: KernelSpec, parallel,
                   blocks: LayerBlocks
                   ) -> torch.Tensor:
     """One layer's attention on a DCP rank, up to the o-proj: x [Bt, H] -> [Bt, nh*d]. Writes the step's K/V
@@ -313,7 +310,7 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
                                pos_swa: torch.Tensor, kv_cache_update_idx: torch.Tensor,
                                kv_cache_update_idx_swa: torch.Tensor, *, spec: KernelSpec,
                                K_cache: torch.Tensor | None = None, V_cache: torch.Tensor | None = None,
-                               return_hidden: bool = False, parallel: ParallelContext | None = None,
+                               return_hidden: bool = False, parallel=None,
                                blocks: LayerBlocks | None = None,
                                kv_bufs: tuple[torch.Tensor, ...] | None = None,
                                layers: list[dict[str, torch.Tensor]] | None = None,

@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,8 +32,6 @@ from .mega_decode import (KernelSpec, LayerBlocks, LocalPairsMoE, attention_bloc
 from ..native.twins import paged_decode_attention_partial
 from .native_blocks import NATIVE_BLOCKS
 
-if TYPE_CHECKING:
-    from ..parallel.context import ParallelContext
 
 CACHE_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode"))
 
@@ -64,7 +61,7 @@ class GptOssGKDecodeModel(torch.nn.Module):
 
     def __init__(self, cfg: GptOssConfig, weights: ModelWeights, kv_config: KVCacheConfig, block_size: int,
                  k_scale: float = 1.0, v_scale: float = 1.0, compiled: bool = False,
-                 parallel: ParallelContext | None = None, native: bool = False) -> None:
+                 parallel=None, native: bool = False) -> None:
         super().__init__()
         self.parallel = parallel      # gigadecode.parallel.ParallelContext (None = one rank)
         self.cfg, self.weights, self.kv_config = cfg, weights, kv_config
