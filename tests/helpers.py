@@ -21,6 +21,15 @@ KV_SECRET = "gigadecode-tests-kv-secret-0123456789"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def load_script(relpath: str, name: str):
+    """A script of this repository (tools/, bench/) imported as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / relpath)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -4,9 +4,7 @@ result. The checkpoint is the committed one (gigadecode/assets/demo, tools/train
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 from safetensors import safe_open
@@ -18,7 +16,8 @@ from gigadecode.runner import ModelRunner
 from gigadecode.sampling import SamplingParams
 from gigadecode.tokenizer import HARMONY_CHAT_TEMPLATE, TextCodec
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import load_script
+
 ADD = {"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
@@ -27,10 +26,7 @@ N_HELDOUT = 40
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_demo_model", ROOT / "tools" / "train_demo_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("tools/train_demo_model.py", "train_demo_model")
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ NIXL -> GK decode) must stay within a few points of it. TP×EP runs in `bench/qu
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -13,15 +11,13 @@ from gigadecode.checkpoint import make_checkpoint
 from gigadecode.config import EngineConfig
 from gigadecode.tokenizer import TextCodec
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import load_script
+
 N = 48
 
 
 def _quality():
-    spec = importlib.util.spec_from_file_location("bench_quality", ROOT / "bench" / "quality.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/quality.py", "bench_quality")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from gigadecode.sampling import SamplingParams
 from gigadecode.server.api import engine_from_args
 
 from .helpers import hf_greedy, random_prompt, stop_process_tree
-from .test_server import assert_completion_ids, free_port, metrics, stream_and_cancel, wait_health, wait_idle
+from .test_server import assert_chat_equals_transformers, assert_completion_ids, free_port, metrics, stream_and_cancel, wait_health, wait_idle
 
 MODEL = "tiny"
 # fp32: DI must give exactly the single node's tokens (bf16 rounds the split point differently)
@@ -97,16 +97,12 @@ def test_di_completions_equal_single_node(di, single):
 def test_di_equals_transformers(di_fp32_kv, hf_model, tiny_ckpt):
     """Prefill on one server, the KV sent to the other, decode there: transformers' own greedy tokens (its
     `generate`, fp32, same checkpoint), for prompts across the block and window edges, and chat."""
-    from gigadecode.tokenizer import TextCodec
     client = openai.OpenAI(base_url=di_fp32_kv["proxy"] + "/v1", api_key="x", max_retries=0, timeout=60)
     for n in (1, 15, 16, 17, 47):
         prompt = random_prompt(n, 1024, seed=750 + n)
         assert_completion_ids(client, MODEL, prompt, hf_greedy(hf_model, prompt, 12))
-    msgs = [{"role": "user", "content": "How fast is the decode engine?"}]
-    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0.0,
-                                       extra_body={"ignore_eos": True, "return_token_ids": True})
-    want = hf_greedy(hf_model, TextCodec.from_dir(tiny_ckpt).apply_chat_template(msgs), 10)
-    assert r.choices[0].model_extra["token_ids"] == want
+    assert_chat_equals_transformers(client, MODEL, hf_model, tiny_ckpt,
+                                    [{"role": "user", "content": "How fast is the decode engine?"}], 10)
     m = metrics(di_fp32_kv["decode"])
     assert m["gigadecode_kv_bytes_transferred_total"] > 0 and m["gigadecode_kv_transfer_failures_total"] == 0
 

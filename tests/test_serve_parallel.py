@@ -26,7 +26,7 @@ from gigadecode.server.api import engine_from_args
 
 from .helpers import KV_SECRET, descendants, hf_greedy, random_prompt, stop_process_tree
 from .test_serve_di import di_servers, start_gigadecode
-from .test_server import assert_completion_ids, free_port, stream_and_cancel, wait_health, wait_idle
+from .test_server import assert_chat_equals_transformers, assert_completion_ids, free_port, stream_and_cancel, wait_health, wait_idle
 
 MODEL = "tiny"
 BASE_FLAGS = ["--served-model-name", MODEL, "--dtype", "float32", "--num-blocks", "256", "--block-size", "4"]
@@ -96,12 +96,8 @@ def test_parallel_server_equals_transformers(server, hf_model, tiny_ckpt):
     for n in (1, 4, 17, 40):
         prompt = random_prompt(n, 1024, seed=950 + n)
         assert_completion_ids(client, MODEL, prompt, hf_greedy(hf_model, prompt, 10))
-    from gigadecode.tokenizer import TextCodec
-    msgs = [{"role": "user", "content": "Which ranks hold the experts?"}]
-    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0.0,
-                                       extra_body={"ignore_eos": True, "return_token_ids": True})
-    want = hf_greedy(hf_model, TextCodec.from_dir(tiny_ckpt).apply_chat_template(msgs), 8)
-    assert r.choices[0].model_extra["token_ids"] == want
+    assert_chat_equals_transformers(client, MODEL, hf_model, tiny_ckpt,
+                                    [{"role": "user", "content": "Which ranks hold the experts?"}], 8)
 
 
 def test_parallel_server_concurrent_streams_and_cancellation(server, single):

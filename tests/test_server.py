@@ -39,7 +39,7 @@ from gigadecode.server.async_engine import AsyncEngine
 from gigadecode.server.proxy import build_proxy_app
 from gigadecode.tokenizer import TextCodec
 
-from .helpers import KV_SECRET, random_prompt
+from .helpers import KV_SECRET, hf_greedy, random_prompt
 
 KEY = "sk-test-key"
 ENGINE_FLAGS = ["--num-blocks", "256", "--block-size", "16", "--kv-dtype", "fp8", "--max-num-seqs", "32"]
@@ -148,6 +148,14 @@ def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float]:
         if time.monotonic() - t0 > timeout:
             raise AssertionError(f"server not idle after {timeout}s: {m}")
         time.sleep(0.05)
+
+
+def assert_chat_equals_transformers(client, model: str, hf_model, ckpt, msgs: list[dict], n: int) -> None:
+    """A greedy chat completion (ignore_eos) returns transformers' greedy tokens for the chat template."""
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=n, temperature=0.0,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    want = hf_greedy(hf_model, TextCodec.from_dir(ckpt).apply_chat_template(msgs), n)
+    assert r.choices[0].model_extra["token_ids"] == want
 
 
 def assert_completion_ids(client, model: str, prompt: list[int], want: list[int], **kw) -> None:
