@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from . import native
 from .config import GptOssConfig
 from .kv.cache import KVCache
-from .ops import flash_sink_attention, moe_tokens, rms_norm
+from .ops import flash_sink_attention, moe_tokens
 from .rope import Rope, apply_rope
 from .weights import ModelWeights
 
@@ -57,6 +57,7 @@ class GptOssModel:
         nh, d = weights.sinks.shape[1], cfg.head_dim
         self.num_heads = nh
         self.num_kv_heads = (weights.qkv_w.shape[1] // d - nh) // 2
+        self._transients: dict[tuple, torch.Tensor] = {}
 
     # ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -70,11 +71,11 @@ class GptOssModel:
         counts = par.ep_token_counts(x.shape[0]) if par is not None else None
         lm_head = w.lm_head if par is None else w.lm_head[: par.vocab_len]  # real vocabulary rows only
         for layer in range(cfg.num_hidden_layers):
-            h = rms_norm(x, w.input_norm[layer], cfg.rms_norm_eps)
+            h = native.rms_norm(x, w.input_norm[layer], cfg.rms_norm_eps)
             x = x + self.attention(layer, h, cos, sin, chunks, kv)
-            h = rms_norm(x, w.post_norm[layer], cfg.rms_norm_eps)
+            h = native.rms_norm(x, w.post_norm[layer], cfg.rms_norm_eps)
             x = x + self.moe(layer, h, counts)
-        x = rms_norm(x, w.norm, cfg.rms_norm_eps)
+        x = native.rms_norm(x, w.norm, cfg.rms_norm_eps)
         out, off = ForwardOutput(), 0
         for c in chunks:
             n = len(c.token_ids)
@@ -89,11 +90,22 @@ class GptOssModel:
 
     def moe(self, layer: int, h: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
         cfg, w, par = self.cfg, self.w, self.parallel
-        dq = native.mxfp4_dequant                       # each hit expert decoded once per chunk (exact)
+        dq, act = self._expert_transients, native.swiglu     # each hit expert decoded once per chunk (exact)
         if par is None:
-            return moe_tokens(h, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit, decode=dq)
+            return moe_tokens(h, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit, decode=dq,
+                              act=act)
         return par.ep_moe(h, lambda t: moe_tokens(t, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha,
-                                                   cfg.swiglu_limit, par.expert_offset, decode=dq), counts)
+                                                   cfg.swiglu_limit, par.expert_offset, decode=dq, act=act), counts)
+
+    def _expert_transients(self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """One expert matrix decoded into this model's reused transient of its shape: an expert's w1 [2I, H]
+        and w2 [H, I] never share a shape, and each is consumed by its GEMM before the next expert is decoded.
+        Reuse keeps the transient in cache (a fresh one per expert costs page faults and DRAM writes)."""
+        shape = (*scales.shape[:-1], scales.shape[-1] * 32)
+        buf = self._transients.get((shape, dtype))
+        if buf is None:
+            buf = self._transients[(shape, dtype)] = torch.empty(shape, dtype=dtype)
+        return native.mxfp4_dequant_into(blocks, scales, buf)
 
     # ----------------------------------------------------------------------------------------------
     def attention(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -70,12 +70,13 @@ def dense_expert(Wl, le: int, dtype: torch.dtype, decode=decode_mxfp4) -> tuple[
 
 def moe_routed(x: torch.Tensor, idx: torch.Tensor, gate_w: torch.Tensor, dense_expert, gate_up_bias: torch.Tensor,
                down_bias: torch.Tensor, alpha: float, limit: float, expert_offset: int = 0,
-               act_dtype: torch.dtype | None = None) -> torch.Tensor:
+               act_dtype: torch.dtype | None = None, act=swiglu) -> torch.Tensor:
     """The (token, slot) pairs routed to the experts held here, summed per token: x [T, H], idx / gate_w [T, k]
     -> [T, H]. The stacks hold local experts 0..n_local-1 = global ids [expert_offset, expert_offset + n_local)
     (all experts on one rank); pairs routed elsewhere contribute nothing. Each expert hit is made dense once
     (`dense_expert(local id)` -> w1 [2I, H], w2 [H, I]) and applied to all of its tokens together.
-    `act_dtype`: round the activations between the two matmuls to it (an fp32 twin of a bf16 kernel)."""
+    `act_dtype`: round the activations between the two matmuls to it (an fp32 twin of a bf16 kernel);
+    `act(gate_up, alpha, limit)`: the clamped SwiGLU (`swiglu`, or the native kernel's fused one)."""
     n_local = gate_up_bias.shape[0]
     e = idx - expert_offset
     out = torch.zeros_like(x)
@@ -85,7 +86,7 @@ def moe_routed(x: torch.Tensor, idx: torch.Tensor, gate_w: torch.Tensor, dense_e
         tok, slot = torch.where(e == le)
         w1, w2 = dense_expert(le)
         h = F.linear(x[tok], w1, gate_up_bias[le])
-        a = swiglu(h, alpha, limit)
+        a = act(h, alpha, limit)
         if act_dtype is not None:
             a = a.to(act_dtype).to(x.dtype)
         h = F.linear(a, w2, down_bias[le])
@@ -94,13 +95,13 @@ def moe_routed(x: torch.Tensor, idx: torch.Tensor, gate_w: torch.Tensor, dense_e
 
 
 def moe_tokens(x: torch.Tensor, weights, layer: int, top_k: int, alpha: float, limit: float,
-               expert_offset: int = 0, decode=decode_mxfp4) -> torch.Tensor:
+               expert_offset: int = 0, decode=decode_mxfp4, act=swiglu) -> torch.Tensor:
     """The per-layer model's MoE over many tokens (the router sees every expert; this rank's stacks hold the
     experts from global id `expert_offset` on, see `moe_routed`). x [T, H] -> [T, H]."""
     idx, gate_w = route(x, weights.router_w[layer], weights.router_b[layer], top_k)
     experts = expert_views(weights.tensors, layer)
     return moe_routed(x, idx, gate_w, lambda le: dense_expert(experts, le, x.dtype, decode),
-                      weights.gate_up_bias[layer], weights.down_bias[layer], alpha, limit, expert_offset)
+                      weights.gate_up_bias[layer], weights.down_bias[layer], alpha, limit, expert_offset, act=act)
 
 
 _LOG2E, _LN2 = math.log2(math.e), math.log(2.0)

@@ -186,6 +186,49 @@ def test_mxfp4_dequant_errors():
         OPS.mxfp4_dequant(b, s, torch.float16)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_mxfp4_dequant_into_writes_the_same_values_in_place(dtype):
+    g = gen(5)
+    for lead, G in (((3, 5), 4), ((7,), 1), ((2, 33), 3)):
+        blocks = torch.randint(0, 256, (*lead, G, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(100, 151, (*lead, G), generator=g, dtype=torch.uint8)
+        out = torch.full((*lead, G * 32), float("nan"), dtype=dtype)
+        ptr = out.data_ptr()
+        assert OPS.mxfp4_dequant_into(blocks, scales, out) is None
+        assert out.data_ptr() == ptr
+        assert torch.equal(bits(out), bits(twins.mxfp4_dequant(blocks, scales, dtype)))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        OPS.mxfp4_dequant_into(blocks, scales, torch.empty(*lead, G * 32 + 1, dtype=dtype)[..., 1:])
+    with pytest.raises(RuntimeError, match="contiguous"):
+        OPS.mxfp4_dequant_into(blocks, scales, torch.empty(*lead, G * 16, dtype=dtype))
+    with pytest.raises(RuntimeError, match="dtype"):
+        OPS.mxfp4_dequant_into(blocks, scales, torch.empty(*lead, G * 32, dtype=torch.float16))
+
+
+# ---- swiglu ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("T,I", [(1, 1), (3, 17), (33, 64), (8, 1000)])
+def test_swiglu_against_twin(dtype, T, I):
+    """The clamped SwiGLU over interleaved (gate, up) columns: values far past the clamp on both sides, tails
+    shorter than a vector; fp32 math rounded once, so bf16 results are the twin's (fp32 math, one rounding)
+    to within one bf16 rounding, fp32 to a few ulp (the vectorized exp)."""
+    g = gen(6, T, I)
+    gate_up = randn(g, T, 2 * I, scale=6.0, dtype=dtype)
+    out = OPS.swiglu(gate_up, 1.702, 7.0)
+    ref32 = twins.swiglu(gate_up.float(), 1.702, 7.0)
+    assert out.shape == (T, I) and out.dtype == dtype
+    if dtype == F32:
+        torch.testing.assert_close(out, ref32, rtol=1e-6, atol=1e-6)
+    else:
+        assert_rounded(out, ref32, 1e-6)
+
+
+def test_swiglu_refuses_odd_columns():
+    with pytest.raises(RuntimeError, match=r"\[T, 2I\]"):
+        OPS.swiglu(torch.zeros(2, 5), 1.702, 7.0)
+
+
 # ---- moe_mxfp4 ---------------------------------------------------------------------------------------
 
 def _moe_cases():
@@ -741,6 +784,7 @@ def test_fake_implementations_match_the_kernels_shapes():
     calls = [
         lambda: OPS.moe_mxfp4(x, idx, gw, *weights, 1.702, 7.0, 0),
         lambda: OPS.mxfp4_dequant(weights[0], weights[1], BF16),
+        lambda: OPS.swiglu(x, 1.702, 7.0),
         lambda: OPS.linear(x, torch.randn(7, 64, generator=g), None),
         lambda: OPS.paged_decode_attention(torch.randn(1, nh, d, generator=g), K, V, table, pos, act,
                                            torch.zeros(nh), 0, 0.25, 1.0, 1.0, BF16),

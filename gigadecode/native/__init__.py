@@ -8,7 +8,11 @@ and its twin (`twins.py`, same signature) otherwise.
   [E, 2I, H/32], gate_up_bias [E, 2I], down_blocks [E, H, I/32, 16], down_scales [E, H, I/32], down_bias [E, H],
   alpha, limit, expert_offset) -> [T, H]`: the routed MXFP4 MoE, each selected expert read once for all of
   its tokens; global expert ids outside [expert_offset, expert_offset + E) contribute nothing (EP).
-- `mxfp4_dequant(blocks [..., R, G, 16], scales [..., R, G], dtype) -> [..., R, G*32]` (exact).
+- `mxfp4_dequant(blocks [..., R, G, 16], scales [..., R, G], dtype) -> [..., R, G*32]` (exact);
+  `mxfp4_dequant_into(blocks, scales, out)` writes the same values into a contiguous `out` (prefill reuses
+  one transient per expert shape, which stays in cache for the GEMM that reads it).
+- `swiglu(gate_up [T, 2I], alpha, limit) -> [T, I]`: GPT-OSS's clamped SwiGLU on interleaved (gate, up)
+  columns, bias already added; fp32 math, rounded once to gate_up's dtype.
 - `linear(x [M, K], weight [N, K], bias [N] | None) -> [M, N]`: small-M dense projection (fp32 accumulate).
 - `paged_decode_attention(q [Bt, nh, d] fp32, k_cache, v_cache, table [Bt, n], pos [Bt], active [Bt], sinks [nh],
   window (0 = full), scale, k_scale, v_scale, out_dtype) -> [Bt, nh*d]`: reads the table's blocks in place;
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 from . import twins
 from .build import load, status
 
-__all__ = ["moe_mxfp4", "mxfp4_dequant", "linear", "paged_decode_attention", "paged_decode_attention_partial",
+__all__ = ["moe_mxfp4", "mxfp4_dequant", "mxfp4_dequant_into", "swiglu", "linear", "paged_decode_attention", "paged_decode_attention_partial",
            "rope_kv_write", "rms_norm", "available", "status", "twins"]
 
 
@@ -53,6 +57,15 @@ def moe_mxfp4(x, idx, gate_w, gate_up_blocks, gate_up_scales, gate_up_bias, down
 
 def mxfp4_dequant(blocks, scales, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return _op("mxfp4_dequant")(blocks, scales, dtype)
+
+
+def mxfp4_dequant_into(blocks, scales, out: torch.Tensor) -> torch.Tensor:
+    _op("mxfp4_dequant_into")(blocks, scales, out)
+    return out
+
+
+def swiglu(gate_up, alpha: float, limit: float) -> torch.Tensor:
+    return _op("swiglu")(gate_up.contiguous(), float(alpha), float(limit))
 
 
 # Up to this many rows the kernel streams each weight row once for all of them; with more, a GEMM is

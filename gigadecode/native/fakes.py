@@ -18,6 +18,14 @@ def register_fakes() -> None:
     def _(blocks, scales, dtype):
         return blocks.new_empty((*scales.shape[:-1], scales.shape[-1] * 32), dtype=dtype)
 
+    @torch.library.register_fake(lib + "mxfp4_dequant_into")
+    def _(blocks, scales, out):
+        return None
+
+    @torch.library.register_fake(lib + "swiglu")
+    def _(gate_up, alpha, limit):
+        return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
     @torch.library.register_fake(lib + "linear")
     def _(x, weight, bias):
         return x.new_empty((x.shape[0], weight.shape[0]))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..kv.cache import dequantize, packed_to_token_major, write_kv
 from ..mxfp4 import decode_mxfp4
-from ..ops import moe_routed, rms_norm as _rms_norm, sink_attention
+from ..ops import moe_routed, rms_norm as _rms_norm, sink_attention, swiglu as _swiglu
 from ..rope import apply_rope
 
 
@@ -31,6 +31,16 @@ def moe_mxfp4(x, idx, gate_w, gate_up_blocks, gate_up_scales, gate_up_bias, down
 
 def mxfp4_dequant(blocks, scales, dtype: torch.dtype) -> torch.Tensor:
     return decode_mxfp4(blocks, scales, torch.float32).to(dtype)
+
+
+def mxfp4_dequant_into(blocks, scales, out: torch.Tensor) -> None:
+    if not out.is_contiguous() or out.shape != (*scales.shape[:-1], scales.shape[-1] * 32):
+        raise RuntimeError(f"dequant out must be contiguous [..., R, G*32] for scales {tuple(scales.shape)}")
+    out.copy_(mxfp4_dequant(blocks, scales, out.dtype))
+
+
+def swiglu(gate_up, alpha: float, limit: float) -> torch.Tensor:
+    return _swiglu(gate_up.float(), alpha, limit).to(gate_up.dtype)
 
 
 def linear(x, weight, bias=None) -> torch.Tensor:

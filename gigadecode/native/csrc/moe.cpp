@@ -130,6 +130,18 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint16_
 const auto TILES_BF16 = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_MAX, TT_MAX>();
 #endif
 
+// act[i] <- (up[i] + 1) · g · sigmoid(alpha · g), g = act[i] (already clamped), vectorized (`vexp`)
+inline void swiglu_inplace(float* act, const float* up, int64_t n, float alpha) {
+  const VF one = vset1(1.f), na = vset1(-alpha);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const VF g = vload(act + i);
+    const VF sig = vdiv(one, vadd(one, vexp(vmul(na, g))));
+    vstore(act + i, vmul(vadd(vload(up + i), one), vmul(g, sig)));
+  }
+  for (; i < n; ++i) act[i] = (up[i] + 1.f) * (act[i] / (1.f + std::exp(-alpha * act[i])));
+}
+
 struct Routing {
   std::vector<int64_t> expert_start;   // [n_local + 1] first pair of each local expert (pairs sorted by expert)
   std::vector<int64_t> pair_token;     // [P] token of each pair
@@ -260,16 +272,15 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
     for (int64_t p = rt.expert_start[e]; p < rt.expert_start[e + 1]; ++p) pair_expert[p] = e;
   const float a = float(alpha), lim = float(limit);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    float* act = scratch(2, I);
+    float* act = scratch(2, 2 * I + W);
+    float* up = act + I;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t e = pair_expert[p];
-      for (int64_t i = 0; i < I; ++i) {
-        float g = gu[p * R1 + 2 * i] + b1[e * R1 + 2 * i];
-        float u = gu[p * R1 + 2 * i + 1] + b1[e * R1 + 2 * i + 1];
-        g = std::min(g, lim);
-        u = std::min(std::max(u, -lim), lim);
-        act[i] = (u + 1.f) * (g / (1.f + std::exp(-a * g)));
+      for (int64_t i = 0; i < I; ++i) {                // gate clamped above, up both ways, bias added
+        act[i] = std::min(gu[p * R1 + 2 * i] + b1[e * R1 + 2 * i], lim);
+        up[i] = std::min(std::max(gu[p * R1 + 2 * i + 1] + b1[e * R1 + 2 * i + 1], -lim), lim);
       }
+      swiglu_inplace(act, up, I, a);
 #ifdef GD_BF16DOT
       if (bf) { deinterleave_bf16(act, I, ad16 + p * I64); continue; }
 #endif
@@ -299,22 +310,22 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   return out;
 }
 
-// blocks [..., R, G, 16], scales [..., R, G] -> dense [..., R, G*32] of `dtype` (exact)
-at::Tensor mxfp4_dequant(const at::Tensor& blocks, const at::Tensor& scales, at::ScalarType dtype) {
+// blocks [..., R, G, 16], scales [..., R, G] -> out [..., R, G*32] (float32 or bfloat16, contiguous; exact)
+void mxfp4_dequant_into(const at::Tensor& blocks, const at::Tensor& scales, at::Tensor out) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && scales.scalar_type() == at::kByte, "MXFP4 must be uint8");
   TORCH_CHECK(blocks.dim() >= 2 && blocks.size(-1) == 16 && blocks.sizes().slice(0, blocks.dim() - 1) == scales.sizes(),
               "MXFP4 shape mismatch: blocks ", blocks.sizes(), " vs scales ", scales.sizes());
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequant dtype must be float32 or bfloat16");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
+              "dequant dtype must be float32 or bfloat16");
+  TORCH_CHECK(out.is_contiguous() && out.numel() == scales.numel() * 32 && out.dim() == scales.dim() &&
+              out.size(-1) == scales.size(-1) * 32, "dequant out must be contiguous [..., R, G*32] for scales ",
+              scales.sizes(), " (got ", out.sizes(), ")");
   at::Tensor b = blocks.contiguous(), s = scales.contiguous();
-  std::vector<int64_t> shape(scales.sizes().begin(), scales.sizes().end());
-  const int64_t G = shape.back();
-  shape.back() = G * 32;
-  at::Tensor out = at::empty(shape, blocks.options().dtype(dtype));
   const int64_t groups = s.numel();
   const uint8_t* bp = b.data_ptr<uint8_t>();
   const uint8_t* sp = s.data_ptr<uint8_t>();
   const float* e8 = e8m0_table();
-  const bool bf = dtype == at::kBFloat16;
+  const bool bf = out.scalar_type() == at::kBFloat16;
   void* op = out.data_ptr();
   at::parallel_for(0, groups, 256, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
@@ -332,6 +343,44 @@ at::Tensor mxfp4_dequant(const at::Tensor& blocks, const at::Tensor& scales, at:
           vstore(static_cast<float*>(op) + o + W, second);
         }
       }
+    }
+  });
+}
+
+at::Tensor mxfp4_dequant(const at::Tensor& blocks, const at::Tensor& scales, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequant dtype must be float32 or bfloat16");
+  TORCH_CHECK(scales.dim() >= 1, "MXFP4 scales must have a group dimension");
+  std::vector<int64_t> shape(scales.sizes().begin(), scales.sizes().end());
+  shape.back() *= 32;
+  at::Tensor out = at::empty(shape, blocks.options().dtype(dtype));
+  mxfp4_dequant_into(blocks, scales, out);
+  return out;
+}
+
+// gate_up [T, 2I] (bias added; gate = even, up = odd columns) -> (up + 1) · gate · sigmoid(alpha · gate) [T, I]
+// with gate clamped above at `limit` and up to [-limit, limit]; fp32 math, one rounding to x's dtype
+at::Tensor swiglu(const at::Tensor& gate_up, double alpha, double limit) {
+  check_float_like(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "swiglu: gate_up must be [T, 2I], got ", gate_up.sizes());
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  const bool bf = gate_up.scalar_type() == at::kBFloat16;
+  const float a = float(alpha), lim = float(limit);
+  const void* src = gate_up.data_ptr();
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    float* act = scratch(0, 2 * I + W);
+    float* up = act + I;
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t i = 0; i < I; ++i) {
+        const int64_t o = t * 2 * I + 2 * i;
+        const float g = bf ? bf16_to_f32(static_cast<const uint16_t*>(src)[o]) : static_cast<const float*>(src)[o];
+        const float u = bf ? bf16_to_f32(static_cast<const uint16_t*>(src)[o + 1])
+                           : static_cast<const float*>(src)[o + 1];
+        act[i] = std::min(g, lim);
+        up[i] = std::min(std::max(u, -lim), lim);
+      }
+      swiglu_inplace(act, up, I, a);
+      store_row(act, out, t * I, I);
     }
   });
   return out;

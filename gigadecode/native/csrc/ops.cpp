@@ -8,6 +8,8 @@ namespace gd {
 at::Tensor moe_mxfp4(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, int64_t);
 at::Tensor mxfp4_dequant(const at::Tensor&, const at::Tensor&, at::ScalarType);
+void mxfp4_dequant_into(const at::Tensor&, const at::Tensor&, at::Tensor);
+at::Tensor swiglu(const at::Tensor&, double, double);
 at::Tensor linear_small(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&);
 at::Tensor paged_decode_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, double,
@@ -28,6 +30,8 @@ TORCH_LIBRARY(gigadecode_native, m) {
         "Tensor gate_up_bias, Tensor down_blocks, Tensor down_scales, Tensor down_bias, float alpha, float limit, "
         "int expert_offset) -> Tensor");
   m.def("mxfp4_dequant(Tensor blocks, Tensor scales, ScalarType dtype) -> Tensor");
+  m.def("mxfp4_dequant_into(Tensor blocks, Tensor scales, Tensor(a!) out) -> ()");
+  m.def("swiglu(Tensor gate_up, float alpha, float limit) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor pos, Tensor active, "
         "Tensor sinks, int window, float scale, float k_scale, float v_scale, ScalarType out_dtype) -> Tensor");
@@ -42,6 +46,8 @@ TORCH_LIBRARY(gigadecode_native, m) {
 TORCH_LIBRARY_IMPL(gigadecode_native, CPU, m) {
   m.impl("moe_mxfp4", &gd::moe_mxfp4);
   m.impl("mxfp4_dequant", &gd::mxfp4_dequant);
+  m.impl("mxfp4_dequant_into", &gd::mxfp4_dequant_into);
+  m.impl("swiglu", &gd::swiglu);
   m.impl("linear", &gd::linear_small);
   m.impl("paged_decode_attention", &gd::paged_decode_attention);
   m.impl("paged_decode_attention_partial", &gd::paged_decode_attention_partial);

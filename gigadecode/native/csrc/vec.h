@@ -26,6 +26,7 @@ inline void vstore(float* p, VF a) { _mm512_storeu_ps(p, a.v); }
 inline VF vfma(VF a, VF b, VF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline VF vmul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline VF vadd(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline VF vdiv(VF a, VF b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline float vsum(VF a) { return _mm512_reduce_add_ps(a.v); }
 // W bf16 values -> fp32 (bf16 is the top half of an fp32)
 inline VF vload_bf16(const uint16_t* p) {
@@ -95,6 +96,7 @@ inline void vstore(float* p, VF a) { _mm256_storeu_ps(p, a.v); }
 inline VF vfma(VF a, VF b, VF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline VF vmul(VF a, VF b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline VF vadd(VF a, VF b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline VF vdiv(VF a, VF b) { return {_mm256_div_ps(a.v, b.v)}; }
 inline float vsum(VF a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
