@@ -54,9 +54,9 @@ class GptOssModel:
         self.parallel = parallel
         self.rope = Rope(cfg, dtype)
         self.scale = cfg.head_dim ** -0.5
-        nh, d = weights.sinks.shape[1], cfg.head_dim
+        nh, d = weights.layers[0].sinks.shape[0], cfg.head_dim
         self.num_heads = nh
-        self.num_kv_heads = (weights.qkv_w.shape[1] // d - nh) // 2
+        self.num_kv_heads = (weights.layers[0].qkv_w.shape[0] // d - nh) // 2
         self._transients: dict[tuple, torch.Tensor] = {}
 
     # ----------------------------------------------------------------------------------------------
@@ -70,10 +70,10 @@ class GptOssModel:
         x = w.embed[ids]                                                     # [N, H]
         counts = par.ep_token_counts(x.shape[0]) if par is not None else None
         lm_head = w.lm_head if par is None else w.lm_head[: par.vocab_len]  # real vocabulary rows only
-        for layer in range(cfg.num_hidden_layers):
-            h = native.rms_norm(x, w.input_norm[layer], cfg.rms_norm_eps)
+        for layer, lw in enumerate(w.layers):
+            h = native.rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
             x = x + self.attention(layer, h, cos, sin, chunks, kv)
-            h = native.rms_norm(x, w.post_norm[layer], cfg.rms_norm_eps)
+            h = native.rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
             x = x + self.moe(layer, h, counts)
         x = native.rms_norm(x, w.norm, cfg.rms_norm_eps)
         out, off = ForwardOutput(), 0
@@ -89,12 +89,11 @@ class GptOssModel:
         return out
 
     def moe(self, layer: int, h: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
-        cfg, w, par = self.cfg, self.w, self.parallel
+        cfg, lw, par = self.cfg, self.w.layers[layer], self.parallel
         dq, act = self._expert_transients, native.swiglu     # each hit expert decoded once per chunk (exact)
         if par is None:
-            return moe_tokens(h, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit, decode=dq,
-                              act=act)
-        return par.ep_moe(h, lambda t: moe_tokens(t, w, layer, cfg.num_experts_per_tok, cfg.swiglu_alpha,
+            return moe_tokens(h, lw, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit, decode=dq, act=act)
+        return par.ep_moe(h, lambda t: moe_tokens(t, lw, cfg.num_experts_per_tok, cfg.swiglu_alpha,
                                                    cfg.swiglu_limit, par.expert_offset, decode=dq, act=act), counts)
 
     def _expert_transients(self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -110,9 +109,9 @@ class GptOssModel:
     # ----------------------------------------------------------------------------------------------
     def attention(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   chunks: list[SeqChunk], kv: KVCache) -> torch.Tensor:
-        cfg, w, d = self.cfg, self.w, self.cfg.head_dim
+        cfg, lw, d = self.cfg, self.w.layers[layer], self.cfg.head_dim
         nh, nkv = self.num_heads, self.num_kv_heads
-        qkv = F.linear(h, w.qkv_w[layer], w.qkv_b[layer])                   # [N, (nh + 2 nkv) d]
+        qkv = F.linear(h, lw.qkv_w, lw.qkv_b)                   # [N, (nh + 2 nkv) d]
         q = qkv[:, : nh * d].view(-1, nh, d)
         k = qkv[:, nh * d: (nh + nkv) * d].view(-1, nkv, d)
         v = qkv[:, (nh + nkv) * d:].view(-1, nkv, d)
@@ -122,7 +121,7 @@ class GptOssModel:
         B = kv.block_size
         if self.parallel is not None and self.parallel.dcp_size > 1:
             a = self._dcp_attention(layer, q, k, v, chunks, kv, group, window)
-            return self.parallel.row_parallel_linear(a, w.o_w[layer], w.o_b[layer])
+            return self.parallel.row_parallel_linear(a, lw.o_w, lw.o_b)
         rep = nh // nkv                                                      # local heads (TP shard)
         outs, off = [], 0
         for c in chunks:
@@ -135,14 +134,14 @@ class GptOssModel:
             b0, b1 = lo // B, (c.start + n - 1) // B
             keys, vals = kv.gather(layer, torch.tensor(table[b0: b1 + 1], dtype=torch.long))  # [S, nkv, d]
             kpos = torch.arange(b0 * B, (b1 + 1) * B)
-            o = flash_sink_attention(q[off: off + n], keys, vals, qpos, kpos, w.sinks[layer], self.scale,
+            o = flash_sink_attention(q[off: off + n], keys, vals, qpos, kpos, lw.sinks, self.scale,
                                      window or None, tile=max(256, 2**16 // (rep * min(n, 128))), q_tile=128)
             outs.append(o.reshape(n, nh * d))                                # [n, nh d]
             off += n
         a = torch.cat(outs) if outs else h.new_zeros(0, nh * d)
         if self.parallel is not None:
-            return self.parallel.row_parallel_linear(a, w.o_w[layer], w.o_b[layer])
-        return F.linear(a, w.o_w[layer], w.o_b[layer])
+            return self.parallel.row_parallel_linear(a, lw.o_w, lw.o_b)
+        return F.linear(a, lw.o_w, lw.o_b)
 
     def _dcp_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        chunks: list[SeqChunk], kv: KVCache, group: int, window: int | None) -> torch.Tensor:
@@ -180,5 +179,5 @@ class GptOssModel:
             off += n
         o = torch.cat(outs) if outs else qg.new_zeros(0, hg, d, dtype=torch.float32)
         lse = torch.cat(lses) if lses else torch.zeros(0, hg)
-        a = par.dcp_merge(o, lse, self.w.sinks[layer])                      # [N, nh, d] fp32 (collective)
+        a = par.dcp_merge(o, lse, self.w.layers[layer].sinks)                      # [N, nh, d] fp32 (collective)
         return a.reshape(a.shape[0], -1).to(q.dtype)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .mxfp4 import decode_mxfp4
+from .weights import LayerWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,22 +51,15 @@ def swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-EXPERT_KEYS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales", "gate_up", "down")
-
-
-def expert_views(tensors, layer: int) -> dict[str, torch.Tensor]:
-    """Layer `layer`'s expert stacks (views) from the stacked weights by name (those present)."""
-    return {k: tensors[k][layer] for k in EXPERT_KEYS if k in tensors}
-
-
-def dense_expert(Wl, le: int, dtype: torch.dtype, decode=decode_mxfp4) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local expert `le` of one layer (`Wl`: its expert stacks by name, `expert_views` or the GK program's
-    per-layer views) as dense w1 [2I, H], w2 [H, I] (out-features first): MXFP4 decoded into a transient by
-    `decode(blocks, scales, dtype)` (the torch one or the native kernel's), dense experts as views."""
-    if "gate_up_blocks" in Wl:
-        return (decode(Wl["gate_up_blocks"][le], Wl["gate_up_scales"][le], dtype),
-                decode(Wl["down_blocks"][le], Wl["down_scales"][le], dtype))
-    return Wl["gate_up"][le].transpose(-1, -2), Wl["down"][le].transpose(-1, -2)
+def dense_expert(Wl: LayerWeights, le: int, dtype: torch.dtype, decode=decode_mxfp4
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local expert `le` of one layer as dense w1 [2I, H], w2 [H, I] (out-features first): MXFP4 decoded into
+    a transient by `decode(blocks, scales, dtype)` (the torch one or the native kernel's), dense experts as
+    views."""
+    if Wl.mxfp4:
+        return (decode(Wl.gate_up_blocks[le], Wl.gate_up_scales[le], dtype),
+                decode(Wl.down_blocks[le], Wl.down_scales[le], dtype))
+    return Wl.gate_up[le].transpose(-1, -2), Wl.down[le].transpose(-1, -2)
 
 
 def moe_routed(x: torch.Tensor, idx: torch.Tensor, gate_w: torch.Tensor, dense_expert, gate_up_bias: torch.Tensor,
@@ -94,14 +88,13 @@ def moe_routed(x: torch.Tensor, idx: torch.Tensor, gate_w: torch.Tensor, dense_e
     return out
 
 
-def moe_tokens(x: torch.Tensor, weights, layer: int, top_k: int, alpha: float, limit: float,
+def moe_tokens(x: torch.Tensor, Wl: LayerWeights, top_k: int, alpha: float, limit: float,
                expert_offset: int = 0, decode=decode_mxfp4, act=swiglu) -> torch.Tensor:
     """The per-layer model's MoE over many tokens (the router sees every expert; this rank's stacks hold the
     experts from global id `expert_offset` on, see `moe_routed`). x [T, H] -> [T, H]."""
-    idx, gate_w = route(x, weights.router_w[layer], weights.router_b[layer], top_k)
-    experts = expert_views(weights.tensors, layer)
-    return moe_routed(x, idx, gate_w, lambda le: dense_expert(experts, le, x.dtype, decode),
-                      weights.gate_up_bias[layer], weights.down_bias[layer], alpha, limit, expert_offset, act=act)
+    idx, gate_w = route(x, Wl.router_w, Wl.router_b, top_k)
+    return moe_routed(x, idx, gate_w, lambda le: dense_expert(Wl, le, x.dtype, decode), Wl.gate_up_bias,
+                      Wl.down_bias, alpha, limit, expert_offset, act=act)
 
 
 _LOG2E, _LN2 = math.log2(math.e), math.log(2.0)

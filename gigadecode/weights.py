@@ -2,8 +2,8 @@
 
 One table (`checkpoint_tensors`) maps every Hugging Face GPT-OSS tensor name to the stack it fills.
 `build_stacked_weight_specs` lists the stacks (name, shape, dtype); `load_weights` preallocates each
-stack once and fills it straight from the memory-mapped safetensors files, so a per-layer copy of the
-model never exists. The per-layer model reads views `stack[i]`; the GK program reads the stacks.
+stack once and reads each checkpoint tensor straight into its slot (`safetensors_files.FileTensor`: plain
+reads, no mapped file counted in the process's memory), so a per-layer copy of the model never exists. The per-layer model reads views `stack[i]`; the GK program reads the stacks.
 
 Experts stay in the checkpoint's precision: MXFP4 experts are kept as `blocks` + `scales` (uint8) and
 decoded per selected expert at run time; bf16 experts (community `gate_up_proj [E, H, 2I]` layout) are
@@ -15,28 +15,18 @@ safetensors tensors (`_fill_shard`, `shard_ranges`): no rank ever holds the full
 
 from __future__ import annotations
 
-import json
 import re
-import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from .config import ConfigError, GptOssConfig
+from .safetensors_files import CheckpointError, FileTensor, TensorEntry, read_safetensors_index
 from .mxfp4 import BYTES_PER_GROUP, GROUP
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config (names the tensor and what is wrong)."""
-
-
-ST_DTYPES = {
-    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8,
-    "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32, "I64": torch.int64,
-    "F64": torch.float64,
-}
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -190,61 +180,6 @@ def checkpoint_tensors(cfg: GptOssConfig, layout: str) -> dict[str, Source]:
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TensorEntry:
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-def read_safetensors_index(model_dir: Path) -> dict[str, TensorEntry]:
-    """Parse every *.safetensors header in the directory (no tensor data is read).
-
-    Fails with a CheckpointError naming the file and tensor for a bad header or a tensor whose bytes lie
-    past the end of its file (a truncated download).
-    """
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {model_dir}")
-    index: dict[str, TensorEntry] = {}
-    for f in files:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            raw = fh.read(8)
-            if len(raw) < 8:
-                raise CheckpointError(f"{f.name}: truncated file (no safetensors header)")
-            (hlen,) = struct.unpack("<Q", raw)
-            if hlen > size - 8:
-                raise CheckpointError(f"{f.name}: truncated file (header of {hlen} bytes, file is {size})")
-            try:
-                header = json.loads(fh.read(hlen))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"{f.name}: corrupt safetensors header ({e})") from None
-        if not isinstance(header, dict):
-            raise CheckpointError(f"{f.name}: corrupt safetensors header (not a JSON object)")
-        data_size = size - 8 - hlen
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                start, end = (int(x) for x in meta["data_offsets"])
-                dtype_name, shape = meta["dtype"], tuple(int(x) for x in meta["shape"])
-            except (TypeError, KeyError, ValueError) as e:
-                raise CheckpointError(f"{f.name}: corrupt safetensors header (entry {name!r}: "
-                                      f"{type(e).__name__} {e})") from None
-            if end > data_size:
-                raise CheckpointError(f"tensor {name!r} in {f.name}: file truncated (data ends at byte {end} "
-                                      f"of {data_size} present)")
-            dt = ST_DTYPES.get(dtype_name)
-            if dt is None:
-                raise CheckpointError(f"tensor {name!r} in {f.name}: unsupported dtype {dtype_name}")
-            if name in index:
-                raise CheckpointError(f"tensor {name!r} appears in both {index[name].file.name} and {f.name}")
-            index[name] = TensorEntry(f, dt, shape)
-    return index
-
-
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 _SHOW = 5          # unexplained tensor names listed in a message
 
@@ -312,8 +247,47 @@ def validate_checkpoint(cfg: GptOssConfig, index: dict[str, TensorEntry], layout
 
 
 # --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One decoder layer's weights by role: views `stack[i]` of the stacked tensors (never a copy). Shapes
+    are this rank's (TP: local heads; EP: local experts E). Experts are either MXFP4 (`gate_up_blocks`
+    [E, 2I, H/32, 16] + `gate_up_scales` [E, 2I, H/32], `down_blocks` [E, H, I/32, 16] + `down_scales`) or
+    dense in the compute dtype (`gate_up` [E, H, 2I], `down` [E, I, H]); the other pair is None."""
+
+    input_norm: torch.Tensor        # [H] fp32
+    qkv_w: torch.Tensor             # [(nh + 2 kv) d, H]: q rows, then k, then v
+    qkv_b: torch.Tensor             # [(nh + 2 kv) d]
+    o_w: torch.Tensor               # [H, nh d]
+    o_b: torch.Tensor               # [H]
+    sinks: torch.Tensor             # [nh]
+    post_norm: torch.Tensor         # [H] fp32
+    router_w: torch.Tensor          # [E_all, H] (the router sees every expert)
+    router_b: torch.Tensor          # [E_all]
+    gate_up_bias: torch.Tensor      # [E, 2I] (gate, up interleaved)
+    down_bias: torch.Tensor         # [E, H]
+    gate_up_blocks: torch.Tensor | None = None
+    gate_up_scales: torch.Tensor | None = None
+    down_blocks: torch.Tensor | None = None
+    down_scales: torch.Tensor | None = None
+    gate_up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, stacks: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        """Layer i's views of the stacks (the stacked form the GK program takes, by name)."""
+        return cls(**{n: stacks[n][i] for n in LAYER_STACKS if n in stacks})
+
+    @property
+    def mxfp4(self) -> bool:
+        return self.gate_up_blocks is not None
+
+
+LAYER_STACKS = tuple(f.name for f in fields(LayerWeights))    # the stacks with a layer dimension
+
+
 class ModelWeights:
-    """All weights as named tensors (see `build_stacked_weight_specs`), stacks `[L, …]`."""
+    """All weights as named stacks `[L, …]` (`tensors`, see `build_stacked_weight_specs`), with each layer's
+    typed views (`layers[i]`, made once) and the model-level tensors (`embed`, `norm`, `lm_head`)."""
 
     def __init__(self, cfg: GptOssConfig, layout: str, tensors: dict[str, torch.Tensor], shard: Shard) -> None:
         self.cfg, self.layout, self.shard = cfg, layout, shard
@@ -323,12 +297,19 @@ class ModelWeights:
             if shard.tp_size > 1:                     # this rank's vocabulary rows (a view, no copy)
                 v0, v1 = shard_ranges(cfg, shard)["vocab"]
                 tensors["lm_head"] = tensors["embed"][v0:v1]
+        self.layers = [LayerWeights.of(tensors, i) for i in range(cfg.num_hidden_layers)]
 
-    def __getattr__(self, name: str) -> torch.Tensor:
-        try:
-            return self.__dict__["tensors"][name]
-        except KeyError:
-            raise AttributeError(name) from None
+    @property
+    def embed(self) -> torch.Tensor:          # [V, H]
+        return self.tensors["embed"]
+
+    @property
+    def norm(self) -> torch.Tensor:           # [H] fp32
+        return self.tensors["norm"]
+
+    @property
+    def lm_head(self) -> torch.Tensor:        # [V_local, H] (this rank's vocabulary rows)
+        return self.tensors["lm_head"]
 
     @property
     def mxfp4(self) -> bool:
@@ -353,7 +334,7 @@ def allocate_weights(cfg: GptOssConfig, dtype: torch.dtype, layout: str, shard: 
 
 def load_weights(model_dir: str | Path, cfg: GptOssConfig | None = None, dtype: torch.dtype = torch.float32,
                  shard: Shard = Shard(), progress: bool = False) -> ModelWeights:
-    """Validate the checkpoint, then fill the preallocated stacks tensor by tensor from the mmap'd files."""
+    """Validate the checkpoint, then fill the preallocated stacks tensor by tensor from the files."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
@@ -369,14 +350,16 @@ def load_weights(model_dir: str | Path, cfg: GptOssConfig | None = None, dtype: 
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(name_map), desc="loading weights", unit="tensor")
+    sharded = shard.tp_size != 1 or shard.ep_size != 1
     for f, names in by_file.items():
-        with safe_open(str(f), framework="pt") as st:
+        # one rank of several reads slices (safetensors slicing of the mapped file); else plain reads
+        with (safe_open(str(f), framework="pt") if sharded else open(f, "rb", buffering=0)) as st:
             for name in names:
                 src = name_map[name]
                 dst = weights.tensors[src.stack]
                 if src.layer is not None:
                     dst = dst[src.layer]
-                _fill(dst, st.get_slice(name), src, weights.cfg, shard)
+                _fill(dst, st.get_slice(name) if sharded else FileTensor(st, index[name]), src, weights.cfg, shard)
                 if bar is not None:
                     bar.update()
     if bar is not None:
@@ -385,14 +368,14 @@ def load_weights(model_dir: str | Path, cfg: GptOssConfig | None = None, dtype: 
 
 
 def _fill(dst: torch.Tensor, sl, src: Source, cfg: GptOssConfig, shard: Shard) -> None:
-    """Copy one checkpoint tensor (a lazy safetensors slice) into its slot, taking this rank's shard."""
+    """Copy one checkpoint tensor into its slot: the whole tensor (`FileTensor`) on one rank, this rank's
+    shard of it (a lazy safetensors slice) on one of several."""
     if shard.tp_size != 1 or shard.ep_size != 1:
         _fill_shard(dst, sl, src, cfg, shard)
         return
-    t = sl[:]
     if src.stack in ("qkv_w", "qkv_b"):
-        dst = dst[src.row0: src.row0 + t.shape[0]]
-    dst.copy_(t)
+        dst = dst[src.row0: src.row0 + sl.entry.shape[0]]
+    sl.read_into(dst)
 
 
 EXPERT_STACKS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales", "gate_up", "down",

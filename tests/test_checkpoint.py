@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from gigadecode.checkpoint import PRESETS, make_checkpoint, preset_config
 from gigadecode.config import FULL, SLIDING, GptOssConfig, RopeConfig
 from gigadecode.mxfp4 import decode_mxfp4
-from gigadecode.weights import load_weights
+from gigadecode.weights import LAYER_STACKS, load_weights
 from helpers import (GPT_OSS_20B, build_reference, contiguous_tables, hf_logits, load_hf, prefill_logits,
                      random_prompt, rel_err)
 
@@ -92,11 +92,21 @@ def test_tiny_preset_loads_with_matching_fields(tiny_ckpt, tiny_ckpt_bf16, exper
     L, H, E, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_local_experts, cfg.vocab_size
     assert w.layout == experts
     assert w.embed.shape == w.lm_head.shape == (V, H)
-    assert w.router_w.shape == (L, E, H) and w.sinks.shape == (L, cfg.num_attention_heads)
+    assert w.tensors["router_w"].shape == (L, E, H) and w.tensors["sinks"].shape == (L, cfg.num_attention_heads)
     if experts == "mxfp4":
-        assert w.gate_up_blocks.shape == (L, E, 2 * cfg.intermediate_size, H // 32, 16)
+        assert w.tensors["gate_up_blocks"].shape == (L, E, 2 * cfg.intermediate_size, H // 32, 16)
     else:
-        assert w.gate_up.shape == (L, E, H, 2 * cfg.intermediate_size)
+        assert w.tensors["gate_up"].shape == (L, E, H, 2 * cfg.intermediate_size)
+    # each layer's typed view: views of the stacks' layer i (same memory, no copy), one expert form only
+    assert len(w.layers) == L
+    for i, lw in enumerate(w.layers):
+        for name in LAYER_STACKS:
+            view = getattr(lw, name)
+            if name in w.tensors:
+                assert view.data_ptr() == w.tensors[name][i].data_ptr() and view.shape == w.tensors[name].shape[1:]
+            else:
+                assert view is None, name
+        assert lw.mxfp4 == (experts == "mxfp4") and (lw.gate_up is None) == lw.mxfp4
 
 
 def test_big_presets_configs():

@@ -53,7 +53,7 @@ def header(path: Path) -> tuple[int, dict]:
 def test_tiny_checkpoint_loads(tiny_ckpt, tmp_path):
     """The unbroken copy loads (so the failures below come from the edits)."""
     w = load_weights(broken_copy(tiny_ckpt, tmp_path / "ck"))
-    assert w.mxfp4 and w.qkv_w.shape == (4, (4 + 2 * 2) * 16, 64)
+    assert w.mxfp4 and w.tensors["qkv_w"].shape == (4, (4 + 2 * 2) * 16, 64)
 
 
 def test_missing_tensor(tiny_ckpt, tmp_path):

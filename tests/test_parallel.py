@@ -152,9 +152,10 @@ def test_sharded_weights_are_slices_of_the_full_model(tiny_ckpt, tiny_cfg, full_
     rows = torch.cat([torch.arange(q0 * d, (q0 + nh_l) * d),
                       nh * d + torch.arange(k0 * d, (k0 + kv_l) * d),
                       (nh + kv) * d + torch.arange(k0 * d, (k0 + kv_l) * d)])
-    assert torch.equal(w.qkv_w, full.qkv_w[:, rows]) and torch.equal(w.qkv_b, full.qkv_b[:, rows])
-    assert torch.equal(w.o_w, full.o_w[:, :, q0 * d: (q0 + nh_l) * d])
-    assert torch.equal(w.sinks, full.sinks[:, q0: q0 + nh_l])
+    assert torch.equal(w.tensors["qkv_w"], full.tensors["qkv_w"][:, rows])
+    assert torch.equal(w.tensors["qkv_b"], full.tensors["qkv_b"][:, rows])
+    assert torch.equal(w.tensors["o_w"], full.tensors["o_w"][:, :, q0 * d: (q0 + nh_l) * d])
+    assert torch.equal(w.tensors["sinks"], full.tensors["sinks"][:, q0: q0 + nh_l])
     e_l = cfg.num_local_experts // ep
     for name in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales", "gate_up_bias", "down_bias"):
         assert torch.equal(w.tensors[name], full.tensors[name][:, ep_rank * e_l: (ep_rank + 1) * e_l]), name

@@ -363,4 +363,4 @@ def test_missing_and_misshapen_tensors_still_named(tiny_ckpt, tmp_path):
 def test_both_layouts_still_load(tiny_ckpt, tiny_ckpt_bf16):
     assert load_weights(tiny_ckpt).mxfp4
     w = load_weights(tiny_ckpt_bf16)
-    assert not w.mxfp4 and w.gate_up.shape == (4, 8, 64, 128)
+    assert not w.mxfp4 and w.tensors["gate_up"].shape == (4, 8, 64, 128)

@@ -25,6 +25,7 @@ from ..kv.cache import write_kv
 from ..native.twins import decode_attention, paged_decode_attention_partial
 from ..ops import dense_expert, moe_routed, rms_norm, route, swiglu
 from ..rope import apply_rope
+from ..weights import LayerWeights
 
 
 FP8 = torch.float8_e4m3fn
@@ -144,32 +145,15 @@ def write_read_kv(kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor], slot: to
     return k, v
 
 
-ATTN_KEYS = ("input_norm", "qkv_w", "qkv_b", "sinks")
-MOE_KEYS = ("router_w", "router_b", "gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales", "gate_up",
-            "down", "gate_up_bias", "down_bias")
-
-
-def layer_views(W: dict[str, torch.Tensor], num_layers: int) -> list[dict[str, torch.Tensor]]:
-    """Every layer's views of the stacked weights, made once (the eager program then builds no views per
-    step; a compiled one gets the same views it would make itself)."""
-    keys = [k for k in W if W[k].dim() > 0 and k not in ("embed", "norm", "lm_head")]
-    return [{k: W[k][i] for k in keys} for i in range(num_layers)]
-
-
-def layer_weights(W: dict[str, torch.Tensor], i: int, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Layer i's slices (views) of the stacked weights named `keys` (those the stacks have)."""
-    return {k: W[k][i] for k in keys if k in W}
-
-
-def moe_decode(h: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec, expert_offset: int = 0
+def moe_decode(h: torch.Tensor, Wl: LayerWeights, spec: KernelSpec, expert_offset: int = 0
                ) -> torch.Tensor:
-    """The eager form's MoE of one layer (`Wl`: its `MOE_KEYS` slices): h [Bt, H] -> [Bt, H]. Only the experts
+    """The eager form's MoE of one layer: h [Bt, H] -> [Bt, H]. Only the experts
     the batch selected are decoded, each once for all of its tokens (`ops.moe_routed`). With expert
     parallelism the stacks hold the experts from global id `expert_offset` on and the result is this rank's
     partial sum (pairs routed elsewhere cost nothing)."""
-    idx, gate_w = route(h, Wl["router_w"], Wl["router_b"], spec.top_k)  # [Bt, k]
-    return moe_routed(h, idx, gate_w, lambda le: dense_expert(Wl, le, h.dtype), Wl["gate_up_bias"],
-                      Wl["down_bias"], spec.alpha, spec.limit, expert_offset)
+    idx, gate_w = route(h, Wl.router_w, Wl.router_b, spec.top_k)  # [Bt, k]
+    return moe_routed(h, idx, gate_w, lambda le: dense_expert(Wl, le, h.dtype), Wl.gate_up_bias,
+                      Wl.down_bias, spec.alpha, spec.limit, expert_offset)
 
 
 def mxfp4_matvec(blocks: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -183,33 +167,33 @@ def mxfp4_matvec(blocks: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) ->
     return (part * scale[scales.long()].squeeze(-1)).sum(-1)
 
 
-def expert_pairs_fused(hp: torch.Tensor, e: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec
+def expert_pairs_fused(hp: torch.Tensor, e: torch.Tensor, Wl: LayerWeights, spec: KernelSpec
                        ) -> torch.Tensor:
     """Each row through its own expert: hp [M, H], e [M] local expert ids -> [M, H] (down bias included, no
     gate), the MXFP4 decode fused into the dot products (experts never dequantized to memory)."""
     if spec.mxfp4:
-        g = mxfp4_matvec(Wl["gate_up_blocks"][e], Wl["gate_up_scales"][e], hp)
+        g = mxfp4_matvec(Wl.gate_up_blocks[e], Wl.gate_up_scales[e], hp)
     else:
-        g = torch.bmm(hp.unsqueeze(1), Wl["gate_up"][e]).squeeze(1)
-    a = swiglu(g + Wl["gate_up_bias"][e], spec.alpha, spec.limit)        # [M, I]
+        g = torch.bmm(hp.unsqueeze(1), Wl.gate_up[e]).squeeze(1)
+    a = swiglu(g + Wl.gate_up_bias[e], spec.alpha, spec.limit)        # [M, I]
     if spec.mxfp4:
-        y = mxfp4_matvec(Wl["down_blocks"][e], Wl["down_scales"][e], a)
+        y = mxfp4_matvec(Wl.down_blocks[e], Wl.down_scales[e], a)
     else:
-        y = torch.bmm(a.unsqueeze(1), Wl["down"][e]).squeeze(1)
-    return y + Wl["down_bias"][e]
+        y = torch.bmm(a.unsqueeze(1), Wl.down[e]).squeeze(1)
+    return y + Wl.down_bias[e]
 
 
-def moe_decode_fused(h: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec, expert_offset: int = 0
+def moe_decode_fused(h: torch.Tensor, Wl: LayerWeights, spec: KernelSpec, expert_offset: int = 0
                      ) -> torch.Tensor:
     """The compiled form's MoE of one layer: every (token, slot) pair at once through `expert_pairs_fused`
     (a fixed shape). With expert parallelism (`expert_offset`, fewer local experts than the router's), pairs
     routed to other ranks' experts run on a clamped local id with gate 0."""
-    idx, gate_w = route(h, Wl["router_w"], Wl["router_b"], spec.top_k)  # [Bt, k]
+    idx, gate_w = route(h, Wl.router_w, Wl.router_b, spec.top_k)  # [Bt, k]
     bt, k = idx.shape
     e = idx.reshape(-1)                                                   # [Bt k]
     gate = gate_w.reshape(-1, 1)
-    n_local = Wl["gate_up_bias"].shape[0]
-    if n_local != Wl["router_w"].shape[0]:                                # EP: this rank's experts only
+    n_local = Wl.gate_up_bias.shape[0]
+    if n_local != Wl.router_w.shape[0]:                                # EP: this rank's experts only
         e = e - expert_offset
         gate = gate * ((e >= 0) & (e < n_local)).unsqueeze(-1).to(gate.dtype)
         e = e.clamp(0, n_local - 1)
@@ -225,10 +209,10 @@ class LocalPairsMoE:
     def __init__(self) -> None:
         self._fn = torch.compile(expert_pairs_fused, fullgraph=True, dynamic=False)
 
-    def __call__(self, h: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec, expert_offset: int = 0
+    def __call__(self, h: torch.Tensor, Wl: LayerWeights, spec: KernelSpec, expert_offset: int = 0
                  ) -> torch.Tensor:
-        idx, gate_w = route(h, Wl["router_w"], Wl["router_b"], spec.top_k)  # [Bt, k]
-        n_local = Wl["gate_up_bias"].shape[0]
+        idx, gate_w = route(h, Wl.router_w, Wl.router_b, spec.top_k)  # [Bt, k]
+        n_local = Wl.gate_up_bias.shape[0]
         e = idx - expert_offset
         tok, slot = ((e >= 0) & (e < n_local)).nonzero(as_tuple=True)     # [n] each
         out = torch.zeros_like(h)
@@ -242,20 +226,20 @@ class LocalPairsMoE:
         return out
 
 
-def attention_block(x: torch.Tensor, Wl: dict[str, torch.Tensor], kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+def attention_block(x: torch.Tensor, Wl: LayerWeights, kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                     cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor, slot: torch.Tensor,
                     fpos: torch.Tensor, active: torch.Tensor, *, window: int | None, spec: KernelSpec
                     ) -> torch.Tensor:
-    """One layer's attention up to the o-proj (`Wl`: its `ATTN_KEYS` slices): x [Bt, H] -> [Bt, nh*d].
+    """One layer's attention up to the o-proj: x [Bt, H] -> [Bt, nh*d].
     Writes the step's K/V into the layer's KV (`write_read_kv`) and reads its table."""
     nh, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    h = rms_norm(x, Wl["input_norm"], spec.eps)
-    qkv = F.linear(h, Wl["qkv_w"], Wl["qkv_b"])                          # [Bt, (nh + 2 kv) d]
+    h = rms_norm(x, Wl.input_norm, spec.eps)
+    qkv = F.linear(h, Wl.qkv_w, Wl.qkv_b)                          # [Bt, (nh + 2 kv) d]
     q = apply_rope(qkv[:, : nh * d].reshape(-1, nh, d), cos, sin)
     k = apply_rope(qkv[:, nh * d: (nh + kvh) * d].reshape(-1, kvh, d), cos, sin)
     v = qkv[:, (nh + kvh) * d:].reshape(-1, kvh, d)
     keys, vals = write_read_kv(kv, slot, k, v, table, x.dtype, spec)
-    return decode_attention(q, keys, vals, fpos, active, Wl["sinks"], window, spec.scale)
+    return decode_attention(q, keys, vals, fpos, active, Wl.sinks, window, spec.scale)
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -283,7 +267,7 @@ class LayerBlocks:
     partial_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]] = paged_decode_attention_partial
 
 
-def dcp_attention(x: torch.Tensor, Wl: dict[str, torch.Tensor], kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+def dcp_attention(x: torch.Tensor, Wl: LayerWeights, kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                   cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor, slot: torch.Tensor, fpos: torch.Tensor,
                   first: torch.Tensor, active: torch.Tensor, *, spec: KernelSpec, parallel,
                   blocks: LayerBlocks
@@ -293,13 +277,13 @@ def dcp_attention(x: torch.Tensor, Wl: dict[str, torch.Tensor], kv: torch.Tensor
     with all of them over this rank's tokens (local frame columns [first, fpos], no sink) and merges the
     group's partials with the sink counted once (`ParallelContext.dcp_merge`)."""
     k_buf, v_buf = split_kv_buffer(kv, spec.packed_k) if isinstance(kv, torch.Tensor) else kv
-    h = blocks.norm(x, Wl["input_norm"], spec.eps)
-    qkv = blocks.linear(h, Wl["qkv_w"], Wl["qkv_b"])                     # [Bt, (nh + 2 kv) d]
+    h = blocks.norm(x, Wl.input_norm, spec.eps)
+    qkv = blocks.linear(h, Wl.qkv_w, Wl.qkv_b)                     # [Bt, (nh + 2 kv) d]
     q = blocks.rope_write(qkv, cos, sin, k_buf, v_buf, slot, spec)       # [Bt, nh, d] fp32
     qg = parallel.dcp_gather_heads(q)                                    # [Bt, dcp·nh, d]
     o, lse = blocks.partial_attention(qg, k_buf, v_buf, table, fpos, first, active, spec.scale, spec.k_scale,
                                       spec.v_scale)
-    a = parallel.dcp_merge(o, lse, Wl["sinks"])                          # [Bt, nh, d] fp32
+    a = parallel.dcp_merge(o, lse, Wl.sinks)                          # [Bt, nh, d] fp32
     return a.reshape(a.shape[0], -1).to(x.dtype)
 
 
@@ -313,7 +297,7 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
                                return_hidden: bool = False, parallel=None,
                                blocks: LayerBlocks | None = None,
                                kv_bufs: tuple[torch.Tensor, ...] | None = None,
-                               layers: list[dict[str, torch.Tensor]] | None = None,
+                               layers: list[LayerWeights] | None = None,
                                kv_first: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One decode step over all layers. input_ids [Bt] -> logits [Bt, V] (or the final hidden [Bt, H]).
 
@@ -323,7 +307,7 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
     DP group must pass the same batch bucket Bt). Returns this rank's vocabulary columns
     [Bt, vocab_stop - vocab_start] (reduce with `parallel.greedy`). `blocks`: the per-layer pieces to run
     between the collectives (default: eager; the compiled parallel program passes compiled ones). `layers`:
-    the per-layer views of W made once (`layer_views`), else each step makes the views it needs.
+    the per-layer views of W made once (`ModelWeights.layers`), else each step makes them (`LayerWeights.of`).
     `kv_first` (decode context parallel, `parallel.dcp_size > 1`): the first visible full- and sliding-frame
     column per slot (`AttentionControl.kv_first`); each layer's attention is then `dcp_attention`."""
     assert (k_bufs is not None) + (K_cache is not None) + (kv_bufs is not None) == 1, \
@@ -348,21 +332,19 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
         else:
             table, slot, fpos, window = full_table[g], kv_cache_update_idx[g], pos, None
 
-        Wi = layers[i] if layers is not None else None
+        Wl = layers[i] if layers is not None else LayerWeights.of(W, i)
         if kv_first is not None:
             first = kv_first[1] if spec.layer_sliding[i] else kv_first[0]
-            a = dcp_attention(x, Wi or layer_weights(W, i, ATTN_KEYS), kv, cos, sin, table, slot, fpos, first,
-                              active, spec=spec, parallel=parallel, blocks=blocks)
+            a = dcp_attention(x, Wl, kv, cos, sin, table, slot, fpos, first, active, spec=spec, parallel=parallel,
+                              blocks=blocks)
         else:
-            a = blocks.attention(x, Wi or layer_weights(W, i, ATTN_KEYS), kv, cos, sin, table, slot, fpos, active,
-                                 window=window, spec=spec)
+            a = blocks.attention(x, Wl, kv, cos, sin, table, slot, fpos, active, window=window, spec=spec)
         if parallel is None:
-            x = x + blocks.linear(a, *((Wi["o_w"], Wi["o_b"]) if Wi else (W["o_w"][i], W["o_b"][i])))
+            x = x + blocks.linear(a, Wl.o_w, Wl.o_b)
         else:
-            x = x + parallel.row_parallel_linear(a, W["o_w"][i], W["o_b"][i])
+            x = x + parallel.row_parallel_linear(a, Wl.o_w, Wl.o_b)
 
-        h = blocks.norm(x, Wi["post_norm"] if Wi else W["post_norm"][i], spec.eps)
-        Wl = Wi or layer_weights(W, i, MOE_KEYS)
+        h = blocks.norm(x, Wl.post_norm, spec.eps)
         if parallel is None:
             x = x + blocks.moe(h, Wl, spec)
         else:

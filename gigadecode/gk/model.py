@@ -27,8 +27,7 @@ from ..kv.spec import KVCacheConfig, KVSpec, get_kv_spec
 from ..mxfp4 import _luts
 from ..weights import ModelWeights
 from .attn_control import AttentionControl
-from .mega_decode import (KernelSpec, LayerBlocks, LocalPairsMoE, attention_block, gpt_oss_decode_mega_kernel,
-                          layer_views)
+from .mega_decode import KernelSpec, LayerBlocks, LocalPairsMoE, attention_block, gpt_oss_decode_mega_kernel
 from ..native.twins import paged_decode_attention_partial
 from .native_blocks import NATIVE_BLOCKS
 
@@ -38,8 +37,8 @@ CACHE_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gi
 
 def kernel_spec(cfg: GptOssConfig, weights: ModelWeights, kv_config: KVCacheConfig, block_size: int,
                 k_scale: float = 1.0, v_scale: float = 1.0) -> KernelSpec:
-    nh = weights.sinks.shape[1]
-    kvh = (weights.qkv_w.shape[1] // cfg.head_dim - nh) // 2
+    nh = weights.layers[0].sinks.shape[0]
+    kvh = (weights.layers[0].qkv_w.shape[0] // cfg.head_dim - nh) // 2
     sliding_groups = [g for g, grp in enumerate(kv_config.groups) if hasattr(grp.spec, "sliding_window")]
     full_groups = [g for g, grp in enumerate(kv_config.groups) if not hasattr(grp.spec, "sliding_window")]
     kind_group = []
@@ -74,7 +73,6 @@ class GptOssGKDecodeModel(torch.nn.Module):
         self._kv_allocs: tuple[torch.Tensor, ...] | None = None
         self._local_moe = LocalPairsMoE()          # parallel + compiled: shared by every program
         self._programs: dict[tuple, object] = {}
-        self._layer_views: list[dict[str, torch.Tensor]] | None = None
         _luts(weights.embed.dtype)   # fill the MXFP4 tables now: filling them while tracing forces a recompile
 
     # -- KV binding (seed names) -------------------------------------------------------------------
@@ -128,10 +126,8 @@ class GptOssGKDecodeModel(torch.nn.Module):
         attention runs as a compiled graph (one per bucket and table width, shared by every layer: the
         weights come in as per-layer views) and its MoE as `LocalPairsMoE` (only this rank's pairs)."""
         if self.native:
-            if self._layer_views is None:
-                self._layer_views = layer_views(self.weights.tensors, self.spec.num_layers)
             return functools.partial(gpt_oss_decode_mega_kernel, spec=self.spec, parallel=self.parallel,
-                                     blocks=NATIVE_BLOCKS, layers=self._layer_views)
+                                     blocks=NATIVE_BLOCKS, layers=self.weights.layers)
         if not self.compiled:
             return functools.partial(gpt_oss_decode_mega_kernel, spec=self.spec, parallel=self.parallel)
         key = (ctl.active.shape[0], ctl.full_table.shape[-1], self._stacked)

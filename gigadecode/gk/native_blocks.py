@@ -12,32 +12,33 @@ from __future__ import annotations
 import torch
 
 from .. import native
+from ..weights import LayerWeights
 from .mega_decode import KernelSpec, LayerBlocks, moe_decode, split_kv_buffer
 
 
-def native_attention_block(x: torch.Tensor, Wl: dict[str, torch.Tensor],
+def native_attention_block(x: torch.Tensor, Wl: LayerWeights,
                            kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
                            sin: torch.Tensor, table: torch.Tensor, slot: torch.Tensor, fpos: torch.Tensor,
                            active: torch.Tensor, *, window: int | None, spec: KernelSpec) -> torch.Tensor:
     """`mega_decode.attention_block` on the kernels: x [Bt, H] -> [Bt, nh*d] (before the o-proj)."""
     k_buf, v_buf = split_kv_buffer(kv, spec.packed_k) if isinstance(kv, torch.Tensor) else kv
-    h = native.rms_norm(x, Wl["input_norm"], spec.eps)
-    qkv = native.linear(h, Wl["qkv_w"], Wl["qkv_b"])                         # [Bt, (nh + 2 kv) d]
+    h = native.rms_norm(x, Wl.input_norm, spec.eps)
+    qkv = native.linear(h, Wl.qkv_w, Wl.qkv_b)                         # [Bt, (nh + 2 kv) d]
     q = native.rope_kv_write(qkv, cos, sin, k_buf, v_buf, slot, spec.num_heads, spec.k_scale, spec.v_scale)
-    return native.paged_decode_attention(q, k_buf, v_buf, table, fpos, active, Wl["sinks"], window or 0,
+    return native.paged_decode_attention(q, k_buf, v_buf, table, fpos, active, Wl.sinks, window or 0,
                                          spec.scale, spec.k_scale, spec.v_scale, x.dtype)
 
 
-def native_moe(h: torch.Tensor, Wl: dict[str, torch.Tensor], spec: KernelSpec, expert_offset: int = 0
+def native_moe(h: torch.Tensor, Wl: LayerWeights, spec: KernelSpec, expert_offset: int = 0
                ) -> torch.Tensor:
     """`mega_decode.moe_decode` on the kernels: h [Bt, H] -> [Bt, H] (this rank's experts' share under EP)."""
     if not spec.mxfp4:
         return moe_decode(h, Wl, spec, expert_offset)
-    logits = native.linear(h, Wl["router_w"], Wl["router_b"])                # [Bt, E]
+    logits = native.linear(h, Wl.router_w, Wl.router_b)                # [Bt, E]
     top, idx = torch.topk(logits, spec.top_k, dim=-1)
     gate_w = torch.softmax(top, dim=-1)
-    return native.moe_mxfp4(h, idx, gate_w, Wl["gate_up_blocks"], Wl["gate_up_scales"], Wl["gate_up_bias"],
-                            Wl["down_blocks"], Wl["down_scales"], Wl["down_bias"], spec.alpha, spec.limit,
+    return native.moe_mxfp4(h, idx, gate_w, Wl.gate_up_blocks, Wl.gate_up_scales, Wl.gate_up_bias,
+                            Wl.down_blocks, Wl.down_scales, Wl.down_bias, spec.alpha, spec.limit,
                             expert_offset)
 
 def native_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
