@@ -6,7 +6,8 @@ noise; medians. The KV cache is filled with random values and block tables of th
 a decode step does not depend on the values), so long contexts need no prefill. Reported per step: ms,
 tok/s, weight bytes read per token (from the config: attention + router + norms + lm_head + the expected
 number of distinct experts a batch hits, E·(1-(1-k/E)^B), at their stored size), and MBU = bytes read per
-second / the streaming-read bandwidth measured here (torch.sum over a 1 GiB fp32 tensor, median of 5).
+second / the streaming-read bandwidth measured here (torch.sum over a 1 GiB fp32 tensor, median of 5); the
+bf16 compute peak (oneDNN's 2048^3 GEMM) is measured beside it, since large batches and prefill meet it first.
 Prefill: tokens/s of a 512- and a 4096-token prompt through the engine's chunked prefill (512 per chunk)
 against transformers' `GptOssForCausalLM` forward on the same checkpoint (bf16, when it fits in memory).
 Peak RSS is reported against the checkpoint's bytes.
@@ -31,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gigadecode import native  # noqa: E402
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
-from gigadecode.config import EngineConfig, GptOssConfig  # noqa: E402
+from gigadecode.config import GptOssConfig  # noqa: E402
+from gigadecode.engine_config import EngineConfig  # noqa: E402
 from gigadecode.gk.attn_control import build_attention_control  # noqa: E402
 from gigadecode.gk.model import GptOssGKDecodeModel  # noqa: E402
 from gigadecode.kv.cache import KVCache  # noqa: E402
@@ -49,6 +51,14 @@ def streaming_read_gbs(gib: float = 1.0, reps: int = 5) -> float:
     t = [_timed(x.sum) for _ in range(reps)]
     del x
     return int(gib * 2**30) / statistics.median(t) / 1e9
+
+
+def gemm_peak_gmacs(n: int = 2048, reps: int = 5) -> float:
+    """This machine's bf16 compute peak as oneDNN reaches it: an n x n x n bf16 matmul, median of `reps`
+    (multiply-adds per second, in G). Batch-32 decode and prefill are bounded by it, not by bandwidth."""
+    a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+    a @ b
+    return n ** 3 / statistics.median([_timed(lambda: a @ b) for _ in range(reps)]) / 1e9
 
 
 def _timed(fn) -> float:
@@ -161,13 +171,15 @@ def main() -> int:
         make_checkpoint(model_dir, args.preset, seed=0)
     ckpt_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     bw = streaming_read_gbs()
+    gemm = gemm_peak_gmacs()
     print(f"model {model_dir} ({ckpt_bytes / 1e9:.2f} GB)  dtype {args.dtype}  threads {torch.get_num_threads()}  "
-          f"kernels {native.status()}  streaming read {bw:.1f} GB/s", flush=True)
+          f"kernels {native.status()}  streaming read {bw:.1f} GB/s  bf16 GEMM {gemm:.0f} GMAC/s", flush=True)
     cfg = GptOssConfig.from_hf(model_dir)
     dt = getattr(torch, args.dtype)
     w = load_weights(model_dir, cfg, dt)
     model = GptOssModel(cfg, w, dt)
-    results: dict = {"model": str(model_dir), "bandwidth_gbs": bw, "dtype": args.dtype, "decode": [], "prefill": []}
+    results: dict = {"model": str(model_dir), "bandwidth_gbs": bw, "gemm_bf16_gmacs": gemm, "dtype": args.dtype,
+                     "decode": [], "prefill": []}
 
     print(f"{'batch':>5} {'ctx':>5} {'decoder':<11} {'ms/step':>8} {'tok/s':>8} {'MB/tok':>7} {'MBU':>5} {'x base':>7}")
     for context in args.context:

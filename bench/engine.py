@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
-from gigadecode.config import EngineConfig  # noqa: E402
+from gigadecode.engine_config import EngineConfig  # noqa: E402
 from gigadecode.engine import build_engine  # noqa: E402
 from gigadecode.gk.attn_control import next_pow2  # noqa: E402
 from gigadecode.runner import DecodeSeq, ModelRunner  # noqa: E402

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
-from gigadecode.config import EngineConfig  # noqa: E402
+from gigadecode.engine_config import EngineConfig  # noqa: E402
 from gigadecode.engine import build_engine  # noqa: E402
 from gigadecode.harmony import HarmonyTokens, parse_harmony  # noqa: E402
 from gigadecode.sampling import SamplingParams  # noqa: E402

@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
-from gigadecode.config import EngineConfig  # noqa: E402
+from gigadecode.engine_config import EngineConfig  # noqa: E402
 from gigadecode.connector.nixl_agent import NixlKVAgent  # noqa: E402
 from gigadecode.connector import side_channel  # noqa: E402
 from gigadecode.connector.nixl_connector import kv_crc32  # noqa: E402

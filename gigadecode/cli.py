@@ -44,7 +44,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="DCP: tokens per round-robin chunk (default: --block-size; a multiple of it)")
 
 
-from .config import engine_config_from_args as engine_config  # noqa: E402  (re-exported for callers)
+from .engine_config import engine_config_from_args as engine_config  # noqa: E402  (re-exported for callers)
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:

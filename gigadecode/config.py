@@ -1,20 +1,18 @@
-"""Model and engine configuration: frozen dataclasses, the only config objects passed between modules.
+"""Model configuration: `GptOssConfig`, a frozen dataclass passed between modules (the engine's own
+settings are `engine_config.EngineConfig`).
 
 `GptOssConfig.from_hf` reads a Hugging Face GPT-OSS `config.json` (old `rope_scaling`/`rope_theta` form
 and the newer `rope_parameters` form alike); unknown keys are ignored. Defaults are the 120B values.
-`EngineConfig` holds what the engine adds on top: dtypes, KV block size, roles, parallel sizes.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -373,151 +371,3 @@ class GptOssConfig:
 
     def with_(self, **changes: Any) -> GptOssConfig:
         return replace(self, **changes)
-
-
-# --------------------------------------------------------------------------------------------------
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_DTYPES = ("auto", "bf16", "fp8")
-
-
-def default_threads() -> int:
-    """OMP_NUM_THREADS when set, else the cores this process may run on, shared among the ranks torchrun
-    started on this node."""
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        return int(os.environ["OMP_NUM_THREADS"])
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:                     # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-
-
-# decode paths: the GK program on the native kernels, in eager torch, compiled by Inductor; the per-layer model
-DECODERS = ("gk-native", "gk", "gk-compiled", "reference")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """What the engine adds to the model config."""
-
-    dtype: str = "float32"             # compute dtype of activations and non-expert weights
-    kv_dtype: str = "auto"             # auto = model dtype (what transformers does); bf16; fp8 (packed)
-    block_size: int = 16               # tokens per KV block
-    num_blocks: int | None = None      # KV pool size (incl. null block 0); None = from the memory budget
-    kv_budget_gib: float | None = None  # KV memory budget when num_blocks is None
-    k_scale: float = 1.0               # FP8 per-tensor scales: stored = x / scale
-    v_scale: float = 1.0
-    gk_decode: bool = True             # decode through the GK program (else the per-layer model)
-    decoder: str = "gk-native"         # gk-native (kernels) | gk (eager torch) | gk-compiled | reference
-    kv_role: str = "kv_both"           # kv_producer | kv_consumer | kv_both
-    max_num_seqs: int = 64
-    max_prefill_tokens: int = 512      # chunked prefill budget per step
-    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    threads: int | None = None         # kernel threads (None = `default_threads()`)
-    tp: int = 1
-    dp: int = 1
-    ep: int = 1
-    dcp: int = 1                       # decode context parallel: ranks of a TP group sharing kv heads, split tokens
-    dcp_interleave: int | None = None  # DCP: tokens per round-robin chunk (None = block_size; a multiple of it)
-    kv_lease_s: float = 30.0            # DI producer: how long leased blocks wait for the consumer's read
-    kv_transfer_timeout_s: float = 10.0  # DI consumer: handshake + read time limit
-    kv_failure_policy: str = "fail"     # DI consumer: fail | recompute (prefill locally) on a failed transfer
-    kv_secret: str | None = field(default=None, repr=False)   # DI: the key P and D sign/verify KV params with
-    vllm_kv_layout: str = "auto"        # DI consumer of a vLLM prefill: its CPU KV page order (auto | vec | amx)
-
-    def __post_init__(self) -> None:
-        from numbers import Integral, Real
-
-        def at_least(flag: str, v: Any, lo: int, why: str = "") -> None:
-            if not isinstance(v, Integral) or isinstance(v, bool):
-                raise ConfigError(f"{flag} must be an integer >= {lo} (got {v!r}{why})")
-            if v < lo:
-                raise ConfigError(f"{flag} must be >= {lo} (got {v}{why})")
-
-        def positive(flag: str, v: Any) -> None:
-            if not isinstance(v, Real) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):
-                raise ConfigError(f"{flag} must be > 0 and finite (got {v!r})")
-
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype must be one of {sorted(DTYPES)} (got {self.dtype!r})")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"--kv-dtype must be one of {KV_DTYPES} (got {self.kv_dtype!r})")
-        if (not isinstance(self.block_size, Integral) or self.block_size <= 0
-                or (self.kv_dtype == "fp8" and self.block_size % 2)):
-            raise ConfigError(f"--block-size must be positive (and even for packed fp8); got {self.block_size}")
-        if self.num_blocks is not None:
-            at_least("--num-blocks", self.num_blocks, 2, "; block 0 is the reserved null block")
-        if self.kv_budget_gib is not None:
-            positive("--kv-budget-gib", self.kv_budget_gib)
-        at_least("--max-num-seqs", self.max_num_seqs, 1)
-        at_least("--max-prefill-tokens", self.max_prefill_tokens, 1)
-        b = self.batch_buckets
-        if (not isinstance(b, (tuple, list)) or not b
-                or not all(isinstance(x, Integral) and not isinstance(x, bool) and x >= 1 for x in b)
-                or any(x >= y for x, y in zip(b, b[1:]))):
-            raise ConfigError(f"batch_buckets must be a non-empty, strictly increasing sequence of positive "
-                              f"integers (got {b!r})")
-        if self.decoder not in DECODERS:
-            raise ConfigError(f"--decoder must be {'|'.join(DECODERS)} (got {self.decoder!r})")
-        if self.threads is not None:
-            at_least("--threads", self.threads, 1)
-        for flag, v in (("--tp", self.tp), ("--dp", self.dp), ("--ep", self.ep), ("--dcp", self.dcp)):
-            at_least(flag, v, 1)
-        if self.tp % self.dcp:
-            raise ConfigError(f"--dcp {self.dcp} must divide --tp {self.tp} (a DCP group is dcp ranks of one TP group)")
-        if self.dcp_interleave is not None:
-            at_least("--dcp-interleave", self.dcp_interleave, 1)
-            if self.dcp_interleave % self.block_size:
-                raise ConfigError(f"--dcp-interleave {self.dcp_interleave} must be a multiple of --block-size "
-                                  f"{self.block_size} (a KV block holds the tokens of one DCP rank)")
-        if self.dcp > 1 and self.kv_role == "kv_producer":
-            raise ConfigError("--dcp is for decode engines: a prefill engine keeps every token (its decode "
-                              "engines read their DCP share of it)")
-        positive("--kv-lease-s", self.kv_lease_s)
-        positive("--kv-transfer-timeout-s", self.kv_transfer_timeout_s)
-        if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
-            raise ConfigError(f"kv_role must be kv_producer|kv_consumer|kv_both (got {self.kv_role!r})")
-        if self.vllm_kv_layout not in ("auto", "vec", "amx"):
-            raise ConfigError(f"--vllm-kv-layout must be auto|vec|amx (got {self.vllm_kv_layout!r})")
-        if self.kv_failure_policy not in ("fail", "recompute"):
-            raise ConfigError(f"kv_failure_policy must be fail|recompute (got {self.kv_failure_policy!r})")
-        if self.k_scale <= 0 or self.v_scale <= 0 or not math.isfinite(self.k_scale * self.v_scale):
-            raise ConfigError("k_scale and v_scale must be positive and finite")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def dcp_chunk(self) -> int:
-        """Tokens per DCP round-robin chunk."""
-        return self.dcp_interleave or self.block_size
-
-    def kv_storage_dtype(self) -> torch.dtype:
-        if self.kv_dtype == "fp8":
-            return torch.float8_e4m3fn
-        if self.kv_dtype == "bf16":
-            return torch.bfloat16
-        return self.torch_dtype
-
-
-def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig:
-    """The `EngineConfig` of a command line (`gigadecode generate` / `serve` flags). `--dtype auto` is the
-    checkpoint's `torch_dtype` (float32 unless it says bfloat16 or float16)."""
-    dtype = getattr(args, "dtype", "auto") or "auto"
-    if dtype == "auto":
-        dtype = GptOssConfig.from_hf(args.model).torch_dtype
-        dtype = dtype if dtype in DTYPES else "float32"
-    kv_dtype = args.kv_dtype or ("auto" if args.decoder == "reference" else "fp8")
-    return EngineConfig(dtype=dtype, kv_dtype=kv_dtype, block_size=args.block_size,
-                        threads=default_threads() if getattr(args, "threads", None) is None else args.threads,
-                        num_blocks=args.num_blocks, kv_budget_gib=args.kv_budget_gib,
-                        decoder=args.decoder, gk_decode=args.decoder != "reference", kv_role=kv_role,
-                        max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
-                        tp=args.tp, dp=args.dp, ep=args.ep, dcp=getattr(args, "dcp", 1),
-                        dcp_interleave=getattr(args, "dcp_interleave", None),
-                        kv_lease_s=getattr(args, "kv_lease_s", 30.0),
-                        kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout_s", 10.0),
-                        kv_failure_policy=getattr(args, "kv_failure_policy", "fail"),
-                        vllm_kv_layout=getattr(args, "vllm_kv_layout", "auto"),
-                        kv_secret=getattr(args, "kv_secret", None) or None)

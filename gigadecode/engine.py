@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .config import EngineConfig
+from .engine_config import EngineConfig
 from .generation_config import GenerationDefaults
 from .connector.params import KVParamsError, KVTransferParams, parse_kv_params
 from .kv.manager import KVCacheManager

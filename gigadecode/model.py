@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from . import native
 from .config import GptOssConfig
 from .kv.cache import KVCache
-from .ops import flash_sink_attention, moe_tokens
+from .ops import flash_sink_attention, moe_tokens, rms_norm, swiglu
 from .rope import Rope, apply_rope
 from .weights import ModelWeights
 
@@ -58,6 +58,11 @@ class GptOssModel:
         self.num_heads = nh
         self.num_kv_heads = (weights.layers[0].qkv_w.shape[0] // d - nh) // 2
         self._transients: dict[tuple, torch.Tensor] = {}
+        # fp32 (the exact mode) runs transformers' own torch ops; bf16 (serving) the fused native kernels,
+        # whose fp32 math rounds once where torch rounds each bf16 op
+        fused = dtype != torch.float32
+        self._norm = native.rms_norm if fused else rms_norm
+        self._swiglu = native.swiglu if fused else swiglu
 
     # ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -71,11 +76,11 @@ class GptOssModel:
         counts = par.ep_token_counts(x.shape[0]) if par is not None else None
         lm_head = w.lm_head if par is None else w.lm_head[: par.vocab_len]  # real vocabulary rows only
         for layer, lw in enumerate(w.layers):
-            h = native.rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
+            h = self._norm(x, lw.input_norm, cfg.rms_norm_eps)
             x = x + self.attention(layer, h, cos, sin, chunks, kv)
-            h = native.rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
+            h = self._norm(x, lw.post_norm, cfg.rms_norm_eps)
             x = x + self.moe(layer, h, counts)
-        x = native.rms_norm(x, w.norm, cfg.rms_norm_eps)
+        x = self._norm(x, w.norm, cfg.rms_norm_eps)
         out, off = ForwardOutput(), 0
         for c in chunks:
             n = len(c.token_ids)
@@ -90,7 +95,7 @@ class GptOssModel:
 
     def moe(self, layer: int, h: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
         cfg, lw, par = self.cfg, self.w.layers[layer], self.parallel
-        dq, act = self._expert_transients, native.swiglu     # each hit expert decoded once per chunk (exact)
+        dq, act = self._expert_transients, self._swiglu     # each hit expert decoded once per chunk (exact)
         if par is None:
             return moe_tokens(h, lw, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit, decode=dq, act=act)
         return par.ep_moe(h, lambda t: moe_tokens(t, lw, cfg.num_experts_per_tok, cfg.swiglu_alpha,

@@ -21,7 +21,8 @@ from typing import Protocol
 import torch
 
 from . import native
-from .config import EngineConfig, GptOssConfig
+from .config import GptOssConfig
+from .engine_config import EngineConfig
 from .gk.attn_control import build_attention_control
 from .gk.model import GptOssGKDecodeModel
 from .kv.cache import KVCache

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .config import EngineConfig
+from .engine_config import EngineConfig
 from .kv.manager import KVCacheManager
 from .request import Request, Status
 

@@ -17,7 +17,7 @@ def producer_main(conn, model_dir: str, ecfg_kw: dict) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from gigadecode.config import EngineConfig
+    from gigadecode.engine_config import EngineConfig
     from gigadecode.engine import build_engine
     from gigadecode.sampling import SamplingParams
 
@@ -59,7 +59,7 @@ def consumer_main(conn, model_dir: str, ecfg_kw: dict) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from gigadecode.config import EngineConfig
+    from gigadecode.engine_config import EngineConfig
     from gigadecode.engine import build_engine
     from gigadecode.sampling import SamplingParams
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from gigadecode.config import EngineConfig, GptOssConfig
+from gigadecode.config import GptOssConfig
+from gigadecode.engine_config import EngineConfig
 from gigadecode.gk.attn_control import build_attention_control
 from gigadecode.gk.model import GptOssGKDecodeModel
 from gigadecode.kv.cache import KVCache

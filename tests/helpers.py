@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from gigadecode.config import EngineConfig, GptOssConfig
+from gigadecode.config import GptOssConfig
+from gigadecode.engine_config import EngineConfig
 from gigadecode.kv.cache import KVCache
 from gigadecode.model import GptOssModel, SeqChunk
 from gigadecode.weights import ModelWeights, load_weights

@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-from gigadecode.config import ConfigError, EngineConfig, GptOssConfig
+from gigadecode.config import ConfigError, GptOssConfig
+from gigadecode.engine_config import EngineConfig
 from gigadecode.connector.dcp_reads import combine, partial_head_crcs, stream_length
 from gigadecode.connector.nixl_connector import kv_crc32_heads
 from gigadecode.kv.cache import KVCache

@@ -10,7 +10,8 @@ import pytest
 from safetensors import safe_open
 
 from gigadecode.checkpoint import DEMO_FILES, make_checkpoint, preset_config
-from gigadecode.config import FULL, SLIDING, EngineConfig, GptOssConfig
+from gigadecode.config import FULL, SLIDING, GptOssConfig
+from gigadecode.engine_config import EngineConfig
 from gigadecode.engine import LLMEngine
 from gigadecode.runner import ModelRunner
 from gigadecode.sampling import SamplingParams

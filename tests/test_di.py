@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from gigadecode.config import EngineConfig
+from gigadecode.engine_config import EngineConfig
 from gigadecode.engine import build_engine
 from gigadecode.kv.manager import KVCacheManager
 from gigadecode.kv.spec import get_kv_spec, make_kv_cache_config

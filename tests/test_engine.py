@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from gigadecode.config import EngineConfig
+from gigadecode.engine_config import EngineConfig
 from gigadecode.engine import LLMEngine, RequestError
 from gigadecode.runner import ModelRunner
 from gigadecode.sampling import SamplingError, SamplingParams

@@ -9,7 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gigadecode.checkpoint import make_checkpoint, preset_config
-from gigadecode.config import EngineConfig, GptOssConfig
+from gigadecode.config import GptOssConfig
+from gigadecode.engine_config import EngineConfig
 from gigadecode.gk.attn_control import build_attention_control
 from gigadecode.gk.model import GptOssGKDecodeModel
 from gigadecode.kv.cache import KVCache, gather_kv, token_major_to_packed, write_kv

@@ -127,7 +127,7 @@ def test_full_manager_never_skips():
 def test_sliding_bound_growing_token_by_token(block, window):
     m = sliding(block, window)
     bound = cdiv(window - 1, block) + 1
-    assert m.max_blocks_per_request == bound
+    assert m.spec.max_blocks(50) == bound
     peak = 0
     for t in range(1, 51):                    # decode token t-1 with t-1 computed
         m.allocate_for("r", t, num_computed_tokens=t - 1)
@@ -157,7 +157,7 @@ def test_sliding_never_allocates_dead_blocks(block, window):
     first = max(0, n - window) // block       # first visible token of the query at n-1
     assert table[:first] == [0] * first
     assert all(b != 0 for b in table[first:])
-    assert len(new) <= m.max_blocks_per_request
+    assert len(new) <= m.spec.max_blocks(n)
 
 
 # -- KVCacheManager ------------------------------------------------------------------------------
@@ -188,7 +188,6 @@ def test_pool_returns_to_start_after_requests(block, window):
 def test_all_or_nothing_when_pool_runs_out():
     mgr = kv_manager("SFSF", 4, 8, num_blocks=6)   # 5 usable blocks, 2 groups
     assert mgr.blocks_needed(12) == [3, 3]
-    assert not mgr.can_allocate("a", 12, 0)
     assert mgr.allocate("a", 12, 0) is False
     assert mgr.num_free_blocks == 5 and not mgr.has_request("a")
     assert mgr.allocate("a", 8, 0) is True            # 2 + 2
@@ -200,12 +199,9 @@ def test_all_or_nothing_when_pool_runs_out():
         mgr.block_tables("b")
     # decoding "a" with 9 computed: skip 9-8+1 = 2 tokens, no block wholly dead; it needs
     # 1 sliding + 1 full block with 1 free -> refused, nothing changes.
-    assert not mgr.can_allocate("a", 10, 9)
     assert mgr.allocate("a", 10, num_computed_tokens=9) is False
     assert mgr.block_tables("a") == [[1, 2], [3, 4]]
     # with 11 computed, skip 4 -> sliding block 0 is released first, so 2 new blocks fit (1 free + 1 released)
-    assert mgr.num_new_blocks("a", 12, 11) == 1
-    assert mgr.can_allocate("a", 12, 11)
     assert mgr.allocate("a", 12, num_computed_tokens=11) is True
     assert mgr.block_tables("a") == [[0, 2, 5], [3, 4, 1]]
     assert mgr.num_free_blocks == 0
@@ -213,10 +209,14 @@ def test_all_or_nothing_when_pool_runs_out():
     assert mgr.num_free_blocks == 5
 
 
-def test_can_allocate_matches_allocate():
+def test_allocate_is_all_or_nothing_over_random_sequences():
+    """Random prefills, decodes and frees on a small pool: a granted allocation covers every group's tokens;
+    a refused one changes nothing but the dead sliding blocks it released first (entries turned null), and
+    the pool's free count equals its capacity minus the real blocks the tables hold."""
     rng = random.Random(0)
-    mgr = kv_manager("SFSF", 2, 4, num_blocks=24)
+    block, mgr = 2, kv_manager("SFSF", 2, 4, num_blocks=24)
     state: dict[str, int] = {}
+    refused = 0
     for _ in range(400):
         r = f"r{rng.randrange(5)}"
         if r in state and rng.random() < 0.1:
@@ -225,17 +225,24 @@ def test_can_allocate_matches_allocate():
             continue
         c = state.get(r, 0)
         n = c + rng.randint(1, 6)
-        predicted = mgr.can_allocate(r, n, c)
+        before = mgr.block_tables(r) if mgr.has_request(r) else None
         free0 = mgr.num_free_blocks
-        net = mgr.num_new_blocks(r, n, c)
-        ok = mgr.allocate(r, n, num_computed_tokens=c)
-        assert ok == predicted
-        if ok:
-            assert mgr.num_free_blocks == free0 - net
+        if mgr.allocate(r, n, num_computed_tokens=c):
+            assert all(len(t) == cdiv(n, block) for t in mgr.block_tables(r))
             state[r] = n
-    for r in state:
-        mgr.free(r)
-    assert mgr.num_free_blocks == 23
+        else:
+            refused += 1
+            assert mgr.num_free_blocks >= free0
+            if before is None:
+                assert not mgr.has_request(r)
+            else:
+                for old_t, new_t in zip(before, mgr.block_tables(r)):
+                    assert len(old_t) == len(new_t)
+                    assert all(b == a or b == NULL_BLOCK for a, b in zip(old_t, new_t))
+        held = sum(b != NULL_BLOCK for q in state if mgr.has_request(q) for t in mgr.block_tables(q) for b in t)
+        assert mgr.num_free_blocks == mgr.pool.capacity - held
+    assert refused > 0                                   # the pool did run out
+
 
 
 def test_manager_over_uneven_groups():

@@ -119,6 +119,32 @@ def test_truncated_file_names_the_tensor(tiny_ckpt, tmp_path):
         read_safetensors_index(d)
 
 
+def test_header_whose_bytes_do_not_hold_its_shape(tiny_ckpt, tmp_path):
+    """A header entry claiming more elements than its data bytes hold is refused by name before any read
+    (tensors are read straight into the stacks by byte offset, so a lying header must never get that far)."""
+    d = broken_copy(tiny_ckpt, tmp_path / "ck")
+    f = d / ST
+    n, h = header(f)
+    name = "model.layers.1.mlp.router.bias"
+    h[name]["shape"] = [h[name]["shape"][0] * 2]
+    raw = json.dumps(h).encode()
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + f.read_bytes()[8 + n:])
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' in {ST}: \d+ data bytes for shape"):
+        load_weights(d)
+
+
+def test_loaded_stacks_equal_the_files_tensors(tiny_ckpt):
+    """The plain-read loader gives the safetensors library's values bit for bit (fp32 stacks: casts)."""
+    t = load_file(tiny_ckpt / ST)
+    w = load_weights(tiny_ckpt)
+    lw = w.layers[2]
+    assert torch.equal(lw.router_w, t["model.layers.2.mlp.router.weight"].float())
+    assert torch.equal(lw.gate_up_blocks, t["model.layers.2.mlp.experts.gate_up_proj_blocks"])
+    assert torch.equal(lw.qkv_w[: t["model.layers.2.self_attn.q_proj.weight"].shape[0]],
+                       t["model.layers.2.self_attn.q_proj.weight"].float())
+    assert torch.equal(w.embed, t["model.embed_tokens.weight"].float())
+
+
 @pytest.mark.parametrize("keep", [4, 1000])
 def test_truncated_inside_header(tiny_ckpt, tmp_path, keep):
     d = broken_copy(tiny_ckpt, tmp_path / "ck")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gigadecode.checkpoint import preset_config
-from gigadecode.config import EngineConfig
+from gigadecode.engine_config import EngineConfig
 from gigadecode.connector.params import KVParamsError, KVTransferParams, parse_kv_params
 from gigadecode.connector.base import (COMPAT_FIELDS, HandshakeError, KVLayout, TransferError,
                                        TransferTimeout, check_compatible, model_identity, pair_blocks)

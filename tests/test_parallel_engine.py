@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from gigadecode.config import EngineConfig
+from gigadecode.engine_config import EngineConfig
 from gigadecode.engine import LLMEngine, RequestError
 from gigadecode.runner import ModelRunner
 from gigadecode.sampling import SamplingError, SamplingParams

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from gigadecode.checkpoint import make_checkpoint
-from gigadecode.config import EngineConfig
+from gigadecode.engine_config import EngineConfig
 from gigadecode.tokenizer import TextCodec
 
 from .helpers import load_script

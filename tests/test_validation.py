@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gigadecode.checkpoint import PRESETS, preset_config
-from gigadecode.config import FULL, SLIDING, ConfigError, EngineConfig, GptOssConfig
+from gigadecode.config import FULL, SLIDING, ConfigError, GptOssConfig
+from gigadecode.engine_config import EngineConfig
 from gigadecode.weights import CheckpointError, load_weights
 from helpers import GPT_OSS_20B
 

@@ -169,7 +169,8 @@ def test_tokenize_route(tiny_ckpt):
 def test_a_producer_we_cannot_repack_is_refused_at_the_handshake(recorded, tiny_ckpt):
     """The recorded producer serves the demo model (2 kv heads × dim 32, 2 regions); a decode engine of the
     tiny model (dim 16) must refuse it before any read, naming why."""
-    from gigadecode.config import EngineConfig, GptOssConfig
+    from gigadecode.config import GptOssConfig
+    from gigadecode.engine_config import EngineConfig
     from gigadecode.connector.vllm_producer import VllmReader
     from gigadecode.kv.cache import KVCache
     cfg = GptOssConfig.from_hf(tiny_ckpt)

@@ -480,7 +480,7 @@ def final_of(text: str) -> str | None:
 
 def engine_eval(model_dir: Path, held: list[tuple[int, int]], kv_dtype: str, n: int | None = None,
                 max_tokens: int = 128) -> dict:
-    from gigadecode.config import EngineConfig
+    from gigadecode.engine_config import EngineConfig
     from gigadecode.engine import LLMEngine
     from gigadecode.runner import ModelRunner
     from gigadecode.sampling import SamplingParams
@@ -518,7 +518,7 @@ def oracle_check(model_dir: Path, held: list[tuple[int, int]], k: int = 6) -> di
     import transformers
     from transformers import GptOssForCausalLM
 
-    from gigadecode.config import EngineConfig
+    from gigadecode.engine_config import EngineConfig
     from gigadecode.engine import LLMEngine
     from gigadecode.runner import ModelRunner
     from gigadecode.sampling import SamplingParams

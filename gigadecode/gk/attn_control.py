@@ -48,10 +48,6 @@ class AttentionControl:
         """(first, first_swa) under DCP, else None (the kernel's `kv_first`)."""
         return None if self.first is None else (self.first, self.first_swa)
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.cos, self.sin, self.full_table, self.swa_table, self.active, self.pos, self.pos_swa,
-                self.kv_cache_update_idx, self.kv_cache_update_idx_swa)
-
 
 def swa_table_width(window: int, block_size: int) -> int:
     return cdiv(window - 1, block_size) + 1 if window > 0 else 1

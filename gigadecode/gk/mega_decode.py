@@ -26,6 +26,7 @@ from ..native.twins import decode_attention, paged_decode_attention_partial
 from ..ops import dense_expert, moe_routed, rms_norm, route, swiglu
 from ..rope import apply_rope
 from ..weights import LayerWeights
+from .attn_control import AttentionControl
 
 
 FP8 = torch.float8_e4m3fn
@@ -289,16 +290,12 @@ def dcp_attention(x: torch.Tensor, Wl: LayerWeights, kv: torch.Tensor | tuple[to
 
 def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tensor],
                                k_bufs: tuple[torch.Tensor, ...] | None, v_bufs: tuple[torch.Tensor, ...] | None,
-                               cos: torch.Tensor, sin: torch.Tensor, full_table: torch.Tensor,
-                               swa_table: torch.Tensor, active: torch.Tensor, pos: torch.Tensor,
-                               pos_swa: torch.Tensor, kv_cache_update_idx: torch.Tensor,
-                               kv_cache_update_idx_swa: torch.Tensor, *, spec: KernelSpec,
+                               ctl: AttentionControl, *, spec: KernelSpec,
                                K_cache: torch.Tensor | None = None, V_cache: torch.Tensor | None = None,
                                return_hidden: bool = False, parallel=None,
                                blocks: LayerBlocks | None = None,
                                kv_bufs: tuple[torch.Tensor, ...] | None = None,
-                               layers: list[LayerWeights] | None = None,
-                               kv_first: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                               layers: list[LayerWeights] | None = None) -> torch.Tensor:
     """One decode step over all layers. input_ids [Bt] -> logits [Bt, V] (or the final hidden [Bt, H]).
 
     `parallel` (a `gigadecode.parallel.ParallelContext`; None = one rank, no collectives): W is this rank's
@@ -308,8 +305,13 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
     [Bt, vocab_stop - vocab_start] (reduce with `parallel.greedy`). `blocks`: the per-layer pieces to run
     between the collectives (default: eager; the compiled parallel program passes compiled ones). `layers`:
     the per-layer views of W made once (`ModelWeights.layers`), else each step makes them (`LayerWeights.of`).
-    `kv_first` (decode context parallel, `parallel.dcp_size > 1`): the first visible full- and sliding-frame
-    column per slot (`AttentionControl.kv_first`); each layer's attention is then `dcp_attention`."""
+    `ctl`: the step's attention control (tables, positions, write slots, RoPE; `attn_control`), built once and
+    read by every layer. Under decode context parallelism (`ctl.kv_first`: the first visible full- and
+    sliding-frame column per slot) each layer's attention is `dcp_attention`."""
+    cos, sin, full_table, swa_table = ctl.cos, ctl.sin, ctl.full_table, ctl.swa_table
+    active, pos, pos_swa = ctl.active, ctl.pos, ctl.pos_swa
+    kv_cache_update_idx, kv_cache_update_idx_swa = ctl.kv_cache_update_idx, ctl.kv_cache_update_idx_swa
+    kv_first = ctl.kv_first
     assert (k_bufs is not None) + (K_cache is not None) + (kv_bufs is not None) == 1, \
         "pass exactly one KV form: per-buffer K/V, per-buffer allocations (kv_bufs) or stacked K_cache/V_cache"
     bt = input_ids.shape[0]

@@ -153,15 +153,12 @@ class GptOssGKDecodeModel(torch.nn.Module):
         """input_ids [Bt] (padded to the bucket) -> logits [Bt, V] (with `parallel`: this rank's vocabulary
         columns [Bt, vocab_stop - vocab_start])."""
         prog = self.program(ctl)
-        if ctl.kv_first is not None:                   # decode context parallel: local frames (parallel only)
-            prog = functools.partial(prog, kv_first=ctl.kv_first)
         if self._stacked:
-            return prog(input_ids, self.weights.tensors, None, None, *ctl.tensors(),
-                        K_cache=self.K_cache, V_cache=self.V_cache)
+            return prog(input_ids, self.weights.tensors, None, None, ctl, K_cache=self.K_cache, V_cache=self.V_cache)
         if self._kv_allocs is not None:
-            return prog(input_ids, self.weights.tensors, None, None, *ctl.tensors(), kv_bufs=self._kv_allocs)
+            return prog(input_ids, self.weights.tensors, None, None, ctl, kv_bufs=self._kv_allocs)
         ks, vs = self.kv_buffers()
-        return prog(input_ids, self.weights.tensors, ks, vs, *ctl.tensors())
+        return prog(input_ids, self.weights.tensors, ks, vs, ctl)
 
 
 def _allocation(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:

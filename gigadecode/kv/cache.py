@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import EngineConfig, GptOssConfig
+from ..config import GptOssConfig
+from ..engine_config import EngineConfig
 from .spec import KVCacheConfig, get_kv_spec, make_kv_cache_config
 
 FP8 = torch.float8_e4m3fn

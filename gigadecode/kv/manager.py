@@ -238,11 +238,6 @@ class SlidingWindowManager(SingleTypeManager):
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.window + 1)
 
-    @property
-    def max_blocks_per_request(self) -> int:
-        """Bound on real blocks held while decoding token by token: cdiv(W-1, B) + 1."""
-        return cdiv(self.window - 1, self.block_size) + 1
-
 
 MANAGER_FOR_SPEC: dict[type[AttentionSpec], type[SingleTypeManager]] = {
     FullAttentionSpec: FullAttentionManager,
@@ -292,14 +287,6 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int, num_computed_tokens: int = 0) -> list[int]:
         """Per group: real blocks a new request of num_tokens tokens (num_computed done) needs."""
         return [m.blocks_needed(num_tokens, num_computed_tokens) for m in self.managers]
-
-    def num_new_blocks(self, req_id: str, num_tokens: int, num_computed_tokens: int) -> int:
-        """Net blocks taken from the pool by `allocate` (new blocks minus dead ones released first)."""
-        need = sum(m.num_new_blocks(req_id, num_tokens, num_computed_tokens) for m in self.managers)
-        return need - sum(m.num_freeable(req_id, num_computed_tokens) for m in self.managers)
-
-    def can_allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int) -> bool:
-        return self.num_new_blocks(req_id, num_tokens, num_computed_tokens) <= self.pool.num_free
 
     # -- mutation ----------------------------------------------------------------------------------
     def allocate(self, req_id: str, num_tokens: int, num_computed_tokens: int) -> bool:

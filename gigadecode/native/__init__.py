@@ -12,7 +12,7 @@ and its twin (`twins.py`, same signature) otherwise.
   `mxfp4_dequant_into(blocks, scales, out)` writes the same values into a contiguous `out` (prefill reuses
   one transient per expert shape, which stays in cache for the GEMM that reads it).
 - `swiglu(gate_up [T, 2I], alpha, limit) -> [T, I]`: GPT-OSS's clamped SwiGLU on interleaved (gate, up)
-  columns, bias already added; fp32 math, rounded once to gate_up's dtype.
+  columns, bias already added; fp32 math (a vectorized exp for bf16), rounded once to gate_up's dtype.
 - `linear(x [M, K], weight [N, K], bias [N] | None) -> [M, N]`: small-M dense projection (fp32 accumulate).
 - `paged_decode_attention(q [Bt, nh, d] fp32, k_cache, v_cache, table [Bt, n], pos [Bt], active [Bt], sinks [nh],
   window (0 = full), scale, k_scale, v_scale, out_dtype) -> [Bt, nh*d]`: reads the table's blocks in place;

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..config import EngineConfig, GptOssConfig
+from ..config import GptOssConfig
+from ..engine_config import EngineConfig
 from ..connector.params import KVTransferParams
 from ..engine import LLMEngine, Request, RequestError, RequestOutput, Status
 from ..request import EngineStats

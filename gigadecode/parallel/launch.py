@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..config import DECODERS, EngineConfig
+from ..engine_config import DECODERS, EngineConfig
 from ..engine import LLMEngine
 from ..runner import ModelRunner
 from ..sampling import SamplingParams

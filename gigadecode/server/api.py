@@ -112,7 +112,7 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], served_model_name
 def engine_from_args(args: Any, role: str) -> Any:
     """The engine behind `serve`: kv_both alone; prefill/decode with a NIXL KV connector keyed with
     --kv-secret (a producer serves its handshake on `--host`:`--kv-port`, 0 = any free port)."""
-    from ..config import engine_config_from_args as engine_config
+    from ..engine_config import engine_config_from_args as engine_config
     from ..engine import build_engine
     ecfg = engine_config(args, kv_role=ROLES[role])
     return build_engine(args.model, ecfg, host=args.host, advertise_host=getattr(args, "kv_advertise_host", None),
@@ -123,7 +123,7 @@ def serve(args: Any) -> int:
     """`gigadecode serve`. With --tp/--dp/--ep (under torchrun) every rank builds its engine replica; rank 0
     serves HTTP in front of the parallel engine and the other ranks follow its steps."""
     from ..parallel.engine import is_parallel
-    from ..config import engine_config_from_args as engine_config
+    from ..engine_config import engine_config_from_args as engine_config
     from ..connector.params import check_secret
     if args.role != "both":
         check_secret(getattr(args, "kv_secret", None), ROLES[args.role])     # before loading anything
@@ -164,7 +164,7 @@ def _serve_parallel(args: Any) -> int:
 
     import torch.distributed as dist
 
-    from ..config import engine_config_from_args as engine_config
+    from ..engine_config import engine_config_from_args as engine_config
     from ..parallel.engine import DistributedEngine, build_parallel_engine, run_worker
     ecfg = engine_config(args, kv_role=ROLES[args.role])
     if "WORLD_SIZE" not in os.environ:

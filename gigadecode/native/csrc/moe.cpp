@@ -130,11 +130,12 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint16_
 const auto TILES_BF16 = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_MAX, TT_MAX>();
 #endif
 
-// act[i] <- (up[i] + 1) · g · sigmoid(alpha · g), g = act[i] (already clamped), vectorized (`vexp`)
-inline void swiglu_inplace(float* act, const float* up, int64_t n, float alpha) {
+// act[i] <- (up[i] + 1) · g · sigmoid(alpha · g), g = act[i] (already clamped). `fast`: vectorized (`vexp`,
+// within a few ulp), for bf16 activations that round it away; else std::exp, as the fp32 model computes it
+inline void swiglu_inplace(float* act, const float* up, int64_t n, float alpha, bool fast) {
   const VF one = vset1(1.f), na = vset1(-alpha);
   int64_t i = 0;
-  for (; i + W <= n; i += W) {
+  for (; fast && i + W <= n; i += W) {
     const VF g = vload(act + i);
     const VF sig = vdiv(one, vadd(one, vexp(vmul(na, g))));
     vstore(act + i, vmul(vadd(vload(up + i), one), vmul(g, sig)));
@@ -280,7 +281,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
         act[i] = std::min(gu[p * R1 + 2 * i] + b1[e * R1 + 2 * i], lim);
         up[i] = std::min(std::max(gu[p * R1 + 2 * i + 1] + b1[e * R1 + 2 * i + 1], -lim), lim);
       }
-      swiglu_inplace(act, up, I, a);
+      swiglu_inplace(act, up, I, a, x.scalar_type() == at::kBFloat16);
 #ifdef GD_BF16DOT
       if (bf) { deinterleave_bf16(act, I, ad16 + p * I64); continue; }
 #endif
@@ -379,7 +380,7 @@ at::Tensor swiglu(const at::Tensor& gate_up, double alpha, double limit) {
         act[i] = std::min(g, lim);
         up[i] = std::min(std::max(u, -lim), lim);
       }
-      swiglu_inplace(act, up, I, a);
+      swiglu_inplace(act, up, I, a, bf);
       store_row(act, out, t * I, I);
     }
   });
