@@ -82,19 +82,26 @@ const auto TILES_BF16W = make_tiles<DenseFn<uint16_t, float>, DenseTile<uint16_t
 template <int RT, int TT>
 struct DenseTileBf16 {
 static void run(const uint16_t* w, int64_t K, const uint16_t* x, int64_t ldx, float* out, int64_t ldo) {
-  __m512 acc[RT][TT];
+  __m512 acc[RT][TT];                                 // all in registers (fully unrolled: no spills)
+#pragma GCC unroll 16
   for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
   const int64_t Kv = K / 32 * 32;
   for (int64_t k = 0; k < Kv; k += 32) {
     __m512i wv[RT];
+#pragma GCC unroll 16
     for (int r = 0; r < RT; ++r) wv[r] = _mm512_loadu_si512(w + r * K + k);
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) {
       const uint16_t* xt = x + t * ldx + k;
+#pragma GCC unroll 16
       for (int r = 0; r < RT; ++r) acc[r][t] = dot_bf16(acc[r][t], wv[r], xt);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) {
       float s = _mm512_reduce_add_ps(acc[r][t]);
       for (int64_t k = Kv; k < K; ++k) s += bf16_to_f32(w[r * K + k]) * bf16_to_f32(x[t * ldx + k]);

@@ -92,37 +92,56 @@ inline void deinterleave_bf16(const float* x, int64_t K, uint16_t* out) {
         }
 }
 
+// acc + scale · (one 128-value chunk of a row · the input's chunk): four exact bf16 dot products, fp32 sums
+inline __m512 chunk_dot(const __m512i w[4], const uint16_t* x, __m512 scale, __m512 acc) {
+  __m512 part = dot_bf16(_mm512_setzero_ps(), w[0], x);
+  part = dot_bf16(part, w[1], x + 32);
+  part = dot_bf16(part, w[2], x + 64);
+  part = dot_bf16(part, w[3], x + 96);
+  return _mm512_fmadd_ps(part, scale, acc);
+}
+
 template <int RT, int TT>
 struct MxTileBf16 {
 static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint16_t* const* xs, float* out,
                 int64_t ldo) {
+  // acc[RT][TT], the decoded chunks and the scales must stay within the 32 zmm registers (a spill costs more
+  // than it saves): up to two inputs decode all RT rows first, more inputs decode one row at a time and
+  // meet every input of the tile with it (inputs re-read from L1)
   __m512 acc[RT][TT];
+#pragma GCC unroll 16
   for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
   __m512 s16[RT];
   for (int64_t c = 0; c < (G + 3) / 4; ++c) {
     const int j = int(c % 4);
     if (j == 0)                                       // the next 16 groups' scales
+#pragma GCC unroll 16
       for (int r = 0; r < RT; ++r) s16[r] = e8m0_x16(scl + r * G + 4 * c, int(std::min<int64_t>(16, G - 4 * c)));
     const int nbytes = int(std::min<int64_t>(64, (G - 4 * c) * 16));
-    __m512i w[RT][4];
-    __m512 sc[RT];
-    for (int r = 0; r < RT; ++r) {
-      decode_e2m1_bf16x4(blk + r * G * 16 + c * 64, nbytes, w[r]);
-      sc[r] = quad_scales(s16[r], j);
-    }
-    for (int t = 0; t < TT; ++t) {
-      const uint16_t* x = xs[t] + c * 128;
+    if constexpr (TT <= 2) {                          // few inputs: decode every row first (more ILP)
+      __m512i w[RT][4];
+#pragma GCC unroll 16
+      for (int r = 0; r < RT; ++r) decode_e2m1_bf16x4(blk + r * G * 16 + c * 64, nbytes, w[r]);
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 16
+        for (int r = 0; r < RT; ++r) acc[r][t] = chunk_dot(w[r], xs[t] + c * 128, quad_scales(s16[r], j), acc[r][t]);
+    } else {                                          // many: one row's chunk live at a time (no spills)
+#pragma GCC unroll 16
       for (int r = 0; r < RT; ++r) {
-        __m512 part = dot_bf16(_mm512_setzero_ps(), w[r][0], x);
-        part = dot_bf16(part, w[r][1], x + 32);
-        part = dot_bf16(part, w[r][2], x + 64);
-        part = dot_bf16(part, w[r][3], x + 96);
-        acc[r][t] = _mm512_fmadd_ps(part, sc[r], acc[r][t]);
+        __m512i w[4];
+        decode_e2m1_bf16x4(blk + r * G * 16 + c * 64, nbytes, w);
+        const __m512 sc = quad_scales(s16[r], j);
+#pragma GCC unroll 16
+        for (int t = 0; t < TT; ++t) acc[r][t] = chunk_dot(w, xs[t] + c * 128, sc, acc[r][t]);
       }
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 };
