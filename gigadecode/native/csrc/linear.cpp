@@ -31,18 +31,25 @@ template <int RT, int TT>
 struct Tile {
 static void run(const WT* w, int64_t K, const float* x, int64_t ldx, float* out, int64_t ldo) {
   VF acc[RT][TT];
+#pragma GCC unroll 16
   for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) acc[r][t] = vzero();
   const int64_t Kv = K / W * W;
   for (int64_t k = 0; k < Kv; k += W) {
     VF xv[TT];
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) xv[t] = vload(x + t * ldx + k);
+#pragma GCC unroll 16
     for (int r = 0; r < RT; ++r) {
       const VF wv = wload(w + r * K + k);
+#pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) acc[r][t] = vfma(wv, xv[t], acc[r][t]);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) {
       float s = vsum(acc[r][t]);
       for (int64_t k = Kv; k < K; ++k) s += wscalar(w + r * K + k) * x[t * ldx + k];

@@ -36,23 +36,32 @@ struct MxTile {
 static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const float* const* xs, float* out, int64_t ldo) {
   const float* e8 = e8m0_table();
   VF acc[RT][TT];
+#pragma GCC unroll 16
   for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) acc[r][t] = vzero();
   constexpr int CPG = 16 / W;             // chunks of W bytes per 32-value group
   for (int64_t g = 0; g < G; ++g) {
     VF s[RT];
+#pragma GCC unroll 16
     for (int r = 0; r < RT; ++r) s[r] = vset1(e8[scl[r * G + g]]);
+#pragma GCC unroll 16
     for (int cc = 0; cc < CPG; ++cc) {
       const int64_t c = g * CPG + cc;
       VF we[RT], wo[RT];
+#pragma GCC unroll 16
       for (int r = 0; r < RT; ++r) vdecode_e2m1(blk + r * G * 16 + c * W, s[r], we[r], wo[r]);
+#pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) {
         const VF xe = vload(xs[t] + c * 2 * W), xo = vload(xs[t] + c * 2 * W + W);
+#pragma GCC unroll 16
         for (int r = 0; r < RT; ++r) acc[r][t] = vfma(wo[r], xo, vfma(we[r], xe, acc[r][t]));
       }
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) out[t * ldo + r] = vsum(acc[r][t]);
 }
 };
