@@ -68,10 +68,11 @@ def swiglu(gate_up, alpha: float, limit: float) -> torch.Tensor:
     return _op("swiglu")(gate_up.contiguous(), float(alpha), float(limit))
 
 
-# Up to this many rows the kernel streams each weight row once for all of them; with more, a GEMM is
-# compute-bound and oneDNN's blocking wins (bench: lm_head of `small`, bf16, 2 threads: M=8 native 3.9 ms vs
-# oneDNN 4.2, M=16 5.7 vs 5.3).
-LINEAR_MAX_ROWS = 8
+# Up to this many rows the kernel streams each weight row once for all of them; past it a GEMM is
+# compute-bound and oneDNN's blocking wins (2 threads, min of 40, bf16: the `small` lm_head [32000, 1024] at
+# 8 / 16 / 32 rows 2.5 / 4.4 / 7.2 ms against oneDNN's 5.8 / 6.9 / 9.4, a [1536, 1024] qkv 0.09 / 0.19 / 0.32
+# against 0.21 / 0.26 / 0.39; at 64 rows even; fp32 2-4x faster than oneDNN throughout).
+LINEAR_MAX_ROWS = 32
 
 
 def linear(x, weight, bias=None) -> torch.Tensor:

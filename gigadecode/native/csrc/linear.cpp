@@ -71,7 +71,7 @@ void dense_rows(const Tiles& tiles, const WT* w, int64_t N, int64_t K, const XT*
       const int64_t r1 = std::min(N, (s + 1) * strip);
       for (int64_t r = s * strip; r < r1; r += RT_MAX) {
         const int rt = int(std::min<int64_t>(RT_MAX, r1 - r));
-        prefetch_rows(w + std::min(N, r + 6 * RT_MAX) * K, RT_MAX * K * int64_t(sizeof(*w)));
+        prefetch_rows(w + std::min(N, r + 12 * RT_MAX) * K, RT_MAX * K * int64_t(sizeof(*w)));
         for (int64_t t = 0; t < M; t += TT_MAX) {
           const int tt = int(std::min<int64_t>(TT_MAX, M - t));
           tiles[rt - 1][tt - 1](w + r * K, K, x + t * K, K, y + t * N + r, N);

@@ -71,14 +71,14 @@ using MxFn = void (*)(const uint8_t*, const uint8_t*, int64_t, const XT* const*,
 
 // rows [r0, r1) of expert matrix (blk, scl: the expert's first row) times `n` deinterleaved inputs
 // -> out[i * ldo + r] for i < n, through a table of register tiles (`make_tiles`)
-template <typename XT, typename Tiles>
+template <int RTM = RT_MAX, int TTM = TT_MAX, typename XT, typename Tiles>
 void expert_rows(const Tiles& tiles, const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
                  const XT* const* xs, int64_t n, float* out, int64_t ldo) {
-  for (int64_t r = r0; r < r1; r += RT_MAX) {
-    prefetch_rows(blk + (r + PREFETCH_TILES * RT_MAX) * G * 16, RT_MAX * G * 16);
-    const int rt = int(std::min<int64_t>(RT_MAX, r1 - r));
-    for (int64_t t = 0; t < n; t += TT_MAX) {
-      const int tt = int(std::min<int64_t>(TT_MAX, n - t));
+  for (int64_t r = r0; r < r1; r += RTM) {
+    prefetch_rows(blk + (r + PREFETCH_TILES * RTM) * G * 16, RTM * G * 16);
+    const int rt = int(std::min<int64_t>(RTM, r1 - r));
+    for (int64_t t = 0; t < n; t += TTM) {
+      const int tt = int(std::min<int64_t>(TTM, n - t));
       tiles[rt - 1][tt - 1](blk + r * G * 16, scl + r * G, G, xs + t, out + t * ldo + r, ldo);
     }
   }
@@ -156,6 +156,17 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint16_
 };
 
 const auto TILES_BF16 = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_MAX, TT_MAX>();
+// experts with more inputs than TT_MAX: 2 rows x 8 inputs, so each row's MXFP4 is decoded once for 8 inputs
+constexpr int RT_WIDE = 2, TT_WIDE = 8;
+const auto TILES_BF16_WIDE = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_WIDE, TT_WIDE>();
+
+void expert_rows_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
+                      const uint16_t* const* xs, int64_t n, float* out, int64_t ldo) {
+  if (n > TT_MAX)
+    expert_rows<RT_WIDE, TT_WIDE>(TILES_BF16_WIDE, blk, scl, G, r0, r1, xs, n, out, ldo);
+  else
+    expert_rows(TILES_BF16, blk, scl, G, r0, r1, xs, n, out, ldo);
+}
 #endif
 
 // act[i] <- (up[i] + 1) · g · sigmoid(alpha · g), g = act[i] (already clamped). `fast`: vectorized (`vexp`,
@@ -285,7 +296,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
         const int64_t p0 = rt.expert_start[e], n = rt.expert_start[e + 1] - p0;
 #ifdef GD_BF16DOT
         if (bf) {
-          expert_rows(TILES_BF16, blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in16.data() + p0, n, dst + p0 * R, R);
+          expert_rows_bf16(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in16.data() + p0, n, dst + p0 * R, R);
           continue;
         }
 #endif
