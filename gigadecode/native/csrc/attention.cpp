@@ -66,6 +66,43 @@ void accumulate_v(const float* vf, int64_t nt, int64_t d, const float* sc, int64
   }
 }
 
+#if defined(__AVX512F__)
+// Scores of packed K (token pairs [d][2]) against the rep q heads, eight pairs (16 tokens) at a time: each
+// pair's K converted once (kf [8][2d]), its per-head dot products reduced eight at a time
+// (vsum_even_odd_x8). sc[r * B + t - t0] for t in [t0, t1]; qs [rep][2d] (each dim twice).
+template <typename KT>
+void packed_scores_x8(const KT* Kb, const float* qs, int64_t t0, int64_t t1, int64_t d, int64_t rep, int64_t B,
+                      float* kf, float* sc) {
+  const int64_t n2 = 2 * d, n2v = n2 / W * W;
+  for (int64_t p0 = t0 / 2; p0 <= t1 / 2; p0 += 8) {
+    const int np = int(std::min<int64_t>(8, t1 / 2 - p0 + 1));
+    for (int i = 0; i < np; ++i) {
+      const KT* kp = Kb + (p0 + i) * n2;
+      for (int64_t c = 0; c < n2v; c += W) vstore(kf + i * n2 + c, kvload(kp + c));
+      for (int64_t c = n2v; c < n2; ++c) kf[i * n2 + c] = kvscalar(kp + c);
+    }
+    for (int64_t r = 0; r < rep; ++r) {
+      const float* qr = qs + r * n2;
+      VF acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = vzero();
+      for (int64_t c = 0; c < n2v; c += W) {
+        const VF qv = vload(qr + c);
+        for (int i = 0; i < np; ++i) acc[i] = vfma(vload(kf + i * n2 + c), qv, acc[i]);
+      }
+      alignas(64) float tok[16];                      // tokens 2 p0 .. 2 p0 + 15
+      vstore(tok, vsum_even_odd_x8(acc));
+      for (int i = 0; i < np; ++i)
+        for (int64_t c = n2v; c < n2; ++c) tok[2 * i + c % 2] += kf[i * n2 + c] * qr[c];
+      const int64_t a = std::max(t0, 2 * p0), e = std::min(t1, 2 * p0 + 2 * np - 1);
+      for (int64_t t = a; t <= e; ++t) sc[r * B + t - t0] = tok[t - 2 * p0];
+    }
+  }
+}
+#else
+template <typename KT>
+void packed_scores_x8(const KT*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*, float*) {}
+#endif
+
 // One (slot, kv head, block range) item: partial (o [rep, d] unnormalized, m [rep], l [rep]) into `part`.
 template <typename KT, typename VT>
 void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, const int64_t* table, int64_t lo,
@@ -73,7 +110,7 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
   const int64_t rep = s.rep, d = s.d, B = s.B;
   float* qs = scratch(0, rep * 2 * d);               // q · scale · k multiplier (packed: each dim twice)
   float* sc = scratch(1, rep * (B + 1));              // scores of one block
-  float* kf = scratch(3, 2 * d);                      // one token pair's (or token's) K in fp32
+  float* kf = scratch(3, 16 * d);                     // up to 8 token pairs' (or one token's) K in fp32
   float* vf = scratch(2, B * d);                      // the block's V rows in fp32 (slot 2: free until the merge)
   for (int64_t r = 0; r < rep; ++r) {
     const float* qr = q + (b * s.nh + h * rep + r) * d;
@@ -102,7 +139,9 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
       prefetch_rows(V + (nxt * s.kv + h) * B * d, B * d * int64_t(sizeof(VT)));
     }
     // scores sc[r][t - t0]: each K element converted once, then dotted with every q head of the group
-    if (s.packed) {
+    if (s.packed && W == 16) {
+      packed_scores_x8(Kb, qs, t0, t1, d, rep, B, kf, sc);
+    } else if (s.packed) {
       const int64_t n2 = 2 * d, n2v = n2 / W * W;
       for (int64_t p = t0 / 2; p <= t1 / 2; ++p) {
         const KT* kp = Kb + p * n2;                       // [d][2]: token 2p, 2p+1 interleaved per dim

@@ -58,6 +58,22 @@ inline void vsum_even_odd(VF a, float& even, float& odd) {
   even = _mm_cvtss_f32(q);
   odd = _mm_cvtss_f32(_mm_movehdup_ps(q));
 }
+// Eight vectors' even- and odd-lane sums at once: out lane 2i = Σ even lanes of v[i], 2i+1 = Σ odd lanes
+// (a transpose-add tree, 22 instructions for the 16 sums instead of ~8 for each pair with vsum_even_odd)
+inline VF vsum_even_odd_x8(const VF v[8]) {
+  __m512 s[4], t[2];
+  for (int i = 0; i < 4; ++i)                                        // 512 -> 256 per vector, two a register
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i].v, v[2 * i + 1].v, 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i].v, v[2 * i + 1].v, 0xEE));
+  for (int i = 0; i < 2; ++i)                                        // 256 -> 128: quarter k = vector 4i+k
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  // 128 -> 64: quarter k = [E_k, O_k, E_k+4, O_k+4]
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i order = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  return {_mm512_permutexvar_ps(order, u)};
+}
 // (even, odd) lanes -> the 2W values in element order: first = e0 o0 e1 o1 … (W lanes), second = the rest
 inline void vinterleave(VF even, VF odd, VF& first, VF& second) {
   const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
