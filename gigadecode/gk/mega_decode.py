@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..mxfp4 import _luts, decode_mxfp4
+from ..mxfp4 import _luts
 from ..kv.cache import write_kv
 from ..native.twins import decode_attention, paged_decode_attention_partial
 from ..ops import dense_expert, moe_routed, rms_norm, route, swiglu
