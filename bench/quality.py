@@ -82,10 +82,13 @@ def run_engine(model_dir: Path, ecfg: EngineConfig, batch: list[list[int]]) -> l
 
 def run_di(model_dir: Path, batch: list[list[int]], **kw) -> list[list[int]]:
     """Prefill (kv_producer) -> NIXL READ -> GK decode (kv_consumer), both engines in this process (one
-    thread each: they share the cores): all prompts prefilled as one batch, then decoded as one batch."""
+    thread each: they share the cores): all prompts prefilled as one batch, then decoded as one batch.
+    The transfer time limit is generous (60 s, not the serving default of 10 s): this scores accuracy, and on a
+    busy 2-core host the side channel's threads share the GIL with both engines' step loops."""
     key = secrets.token_hex(16)
     prod = build_engine(model_dir, EngineConfig(kv_role="kv_producer", kv_secret=key, threads=1, **kw))
-    cons = build_engine(model_dir, EngineConfig(kv_role="kv_consumer", kv_secret=key, threads=1, **kw))
+    cons = build_engine(model_dir, EngineConfig(kv_role="kv_consumer", kv_secret=key, threads=1,
+                                                kv_transfer_timeout_s=60.0, **kw))
     try:
         pids = [prod.add_request(p, SamplingParams(temperature=0.0, max_tokens=1),
                                  kv_transfer_params={"do_remote_decode": True}) for p in batch]
