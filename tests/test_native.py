@@ -309,6 +309,24 @@ def test_moe_mxfp4_edge_routing():
     _check_moe(x * 40, idx, torch.rand(6, 2, generator=g), weights, 1.702, 7.0, 0)
 
 
+@pytest.mark.parametrize("H,I", [(160, 96), (256, 128), (32, 288)])
+def test_moe_mxfp4_many_tokens_per_expert(H, I):
+    """bf16 experts hit by >= 8 tokens take the strip path (rows decoded once, scaled, then dense tiles);
+    a strip with a scale outside [2, 252] (whose scaled values bf16 cannot hold as normals) falls back to
+    the register tiles. Both against the twin, with a few tokens per expert (register tiles) alongside."""
+    g = gen(11)
+    E = 3
+    gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias = _moe_weights(g, E, H, I, BF16)
+    gu_s[1, :5] = 1                                    # expert 1: gate_up rows 0..4 scaled 2^-126 …
+    dn_s[2, 7, 0] = 0                                  # … expert 2: one group of a down row 2^-127 (subnormal)
+    T = 29
+    idx = torch.stack([torch.tensor([0, 1]) if t % 2 else torch.tensor([1, 2]) for t in range(T)])
+    idx[:3] = torch.tensor([2, 0])                      # expert 0: 17 tokens, 1: 29, 2: 15
+    gate_w = torch.softmax(torch.randn(T, 2, generator=g), -1)
+    x = randn(g, T, H, dtype=BF16, scale=2.0)
+    _check_moe(x, idx, gate_w, (gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias), 1.702, 7.0, 0)
+
+
 def test_moe_mxfp4_errors():
     g = gen(6)
     weights = _moe_weights(g, 2, 64, 32, F32)

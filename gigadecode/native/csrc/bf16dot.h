@@ -5,6 +5,9 @@
 // fma per four groups), so any E8M0 scale is handled as the fp32 path handles it.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+
 #include "vec.h"
 
 #if defined(__AVX512BF16__)
@@ -52,6 +55,73 @@ inline __m512 quad_scales(__m512 s16, int j) {
                                        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
   return _mm512_permutexvar_ps(idx, s16);
 }
+
+// The MXFP4 codes of `rows` rows (row r at blk + r*G*16, scales at scl + r*G) as bf16 values times their
+// group's power of two, each row `ld` values (G*32 rounded up to whole 128-value chunks, zero-padded) in the
+// lane order of decode_e2m1_bf16x4. Exact: e2m1 values have two significant bits and the power of two only
+// moves the exponent (added to the bf16 exponent field; zeros stay zero), as long as every scale is in
+// [2, 252], where 0.5 * 2^(s-127) .. 6 * 2^(s-127) are normal bf16 numbers; false (nothing usable) when one
+// is not, since `vdpbf16ps` would flush subnormals (the caller keeps the scale-after-dot tile then).
+inline bool decode_rows_scaled_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t rows, uint16_t* out,
+                                    int64_t ld) {
+  for (int64_t i = 0; i < rows * G; ++i)
+    if (scl[i] < 2 || scl[i] > 252) return false;
+  const int64_t chunks = (G + 3) / 4;
+  const __m512i lane_of = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int ng = int(std::min<int64_t>(4, G - 4 * c));
+      // exponent shift (s - 127) << 7 of group 4c+L in both 16-bit halves of lane L's words (0 past the row)
+      const __m512i s = _mm512_permutexvar_epi32(lane_of, _mm512_cvtepu8_epi32(
+          _mm_maskz_loadu_epi8(__mmask16((1u << ng) - 1), scl + r * G + 4 * c)));
+      __m512i k = _mm512_maskz_sub_epi32(__mmask16((1u << (4 * ng)) - 1), s, _mm512_set1_epi32(127));
+      k = _mm512_and_si512(_mm512_slli_epi32(k, 7), _mm512_set1_epi32(0xFFFF));
+      const __m512i shift = _mm512_or_si512(k, _mm512_slli_epi32(k, 16));
+      __m512i w[4];
+      decode_e2m1_bf16x4(blk + r * G * 16 + c * 64, ng * 16, w);
+      for (int q = 0; q < 4; ++q) {
+        const __m512i v = _mm512_mask_add_epi16(w[q], _mm512_test_epi16_mask(w[q], magnitude), w[q], shift);
+        _mm512_storeu_si512(out + r * ld + c * 128 + q * 32, v);
+      }
+    }
+  return true;
+}
+
+// out[t * ldo + r] = w row r · x[t] for RT rows (row r at w + r*ldw) and TT inputs of K bf16 values:
+// exact products, fp32 sums; all accumulators in registers (fully unrolled)
+template <int RT, int TT>
+struct DotTileBf16 {
+static void run(const uint16_t* w, int64_t ldw, int64_t K, const uint16_t* const* xs, float* out, int64_t ldo) {
+  __m512 acc[RT][TT];
+  const uint16_t* x[TT];
+#pragma GCC unroll 16
+  for (int t = 0; t < TT; ++t) x[t] = xs[t];
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t Kv = K / 32 * 32;
+  for (int64_t k = 0; k < Kv; k += 32) {
+    __m512i wv[RT];
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; ++r) wv[r] = _mm512_loadu_si512(w + r * ldw + k);
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 16
+      for (int r = 0; r < RT; ++r) acc[r][t] = dot_bf16(acc[r][t], wv[r], x[t] + k);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) {
+      float s = _mm512_reduce_add_ps(acc[r][t]);
+      for (int64_t k = Kv; k < K; ++k) s += bf16_to_f32(w[r * ldw + k]) * bf16_to_f32(x[t][k]);
+      out[t * ldo + r] = s;
+    }
+}
+};
+using DotFnBf16 = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t* const*, float*, int64_t);
 
 }  // namespace gd
 #endif

@@ -97,6 +97,19 @@ inline void prefetch_rows(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
+// act[i] <- (up[i] + 1) · g · sigmoid(alpha · g), g = act[i] (already clamped). `fast`: vectorized (`vexp`,
+// within a few ulp), for bf16 activations that round it away; else std::exp, as the fp32 model computes it
+inline void swiglu_inplace(float* act, const float* up, int64_t n, float alpha, bool fast) {
+  const VF one = vset1(1.f), na = vset1(-alpha);
+  int64_t i = 0;
+  for (; fast && i + W <= n; i += W) {
+    const VF g = vload(act + i);
+    const VF sig = vdiv(one, vadd(one, vexp(vmul(na, g))));
+    vstore(act + i, vmul(vadd(vload(up + i), one), vmul(g, sig)));
+  }
+  for (; i < n; ++i) act[i] = (up[i] + 1.f) * (act[i] / (1.f + std::exp(-alpha * act[i])));
+}
+
 // A table of register-tile kernels Tile<rt, tt>::run for every rt <= RT and tt <= TT, so a tail tile of any
 // size runs a fully unrolled kernel: tiles[rt - 1][tt - 1].
 template <typename Fn, template <int, int> class Tile, int RT, int... TTs>

@@ -3,6 +3,7 @@
 // inputs, fp32 accumulation, bf16 or fp32 weights). Many rows (prefill) go to oneDNN instead (Python side).
 #include <array>
 #include <utility>
+#include <vector>
 
 #include "bf16dot.h"
 #include "common.h"
@@ -62,9 +63,10 @@ static void run(const WT* w, int64_t K, const float* x, int64_t ldx, float* out,
 template <typename WT, typename XT>
 using DenseFn = void (*)(const WT*, int64_t, const XT*, int64_t, float*, int64_t);
 
-// y [M, N] = x [M, K] · w [N, K]^T: strips of 16 rows over the threads, register tiles inside
-template <typename WT, typename XT, typename Tiles>
-void dense_rows(const Tiles& tiles, const WT* w, int64_t N, int64_t K, const XT* x, int64_t M, float* y) {
+// y [M, N] = x [M, K] · w [N, K]^T: strips of 16 rows over the threads; `tile(rt, tt, r, t)` computes the
+// register tile of rt rows from row r and tt inputs from input t
+template <typename WT, typename TileCall>
+void dense_rows(const WT* w, int64_t N, int64_t K, int64_t M, const TileCall& tile) {
   const int64_t strip = 16, strips = (N + strip - 1) / strip;
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
@@ -72,10 +74,7 @@ void dense_rows(const Tiles& tiles, const WT* w, int64_t N, int64_t K, const XT*
       for (int64_t r = s * strip; r < r1; r += RT_MAX) {
         const int rt = int(std::min<int64_t>(RT_MAX, r1 - r));
         prefetch_rows(w + std::min(N, r + 12 * RT_MAX) * K, RT_MAX * K * int64_t(sizeof(*w)));
-        for (int64_t t = 0; t < M; t += TT_MAX) {
-          const int tt = int(std::min<int64_t>(TT_MAX, M - t));
-          tiles[rt - 1][tt - 1](w + r * K, K, x + t * K, K, y + t * N + r, N);
-        }
+        for (int64_t t = 0; t < M; t += TT_MAX) tile(rt, int(std::min<int64_t>(TT_MAX, M - t)), r, t);
       }
     }
   });
@@ -85,39 +84,8 @@ const auto TILES_F32 = make_tiles<DenseFn<float, float>, DenseTile<float>::Tile,
 const auto TILES_BF16W = make_tiles<DenseFn<uint16_t, float>, DenseTile<uint16_t>::Tile, RT_MAX, TT_MAX>();
 
 #ifdef GD_BF16DOT
-// bf16 weights × bf16 inputs: 32 products per instruction, exact, fp32 sums
-template <int RT, int TT>
-struct DenseTileBf16 {
-static void run(const uint16_t* w, int64_t K, const uint16_t* x, int64_t ldx, float* out, int64_t ldo) {
-  __m512 acc[RT][TT];                                 // all in registers (fully unrolled: no spills)
-#pragma GCC unroll 16
-  for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 16
-    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
-  const int64_t Kv = K / 32 * 32;
-  for (int64_t k = 0; k < Kv; k += 32) {
-    __m512i wv[RT];
-#pragma GCC unroll 16
-    for (int r = 0; r < RT; ++r) wv[r] = _mm512_loadu_si512(w + r * K + k);
-#pragma GCC unroll 16
-    for (int t = 0; t < TT; ++t) {
-      const uint16_t* xt = x + t * ldx + k;
-#pragma GCC unroll 16
-      for (int r = 0; r < RT; ++r) acc[r][t] = dot_bf16(acc[r][t], wv[r], xt);
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 16
-    for (int t = 0; t < TT; ++t) {
-      float s = _mm512_reduce_add_ps(acc[r][t]);
-      for (int64_t k = Kv; k < K; ++k) s += bf16_to_f32(w[r * K + k]) * bf16_to_f32(x[t * ldx + k]);
-      out[t * ldo + r] = s;
-    }
-}
-};
-
-const auto TILES_BF16 = make_tiles<DenseFn<uint16_t, uint16_t>, DenseTileBf16, RT_MAX, TT_MAX>();
+// bf16 weights × bf16 inputs: 32 exact products per instruction, fp32 sums
+const auto TILES_BF16 = make_tiles<DotFnBf16, DotTileBf16, RT_MAX, TT_MAX>();
 #endif
 
 }  // namespace
@@ -132,14 +100,24 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w, const c10::opt
   float* y = x.scalar_type() == at::kFloat ? out.data_ptr<float>() : shared_scratch(0, M * N);
 #ifdef GD_BF16DOT
   if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
-    dense_rows(TILES_BF16, reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K,
-               reinterpret_cast<const uint16_t*>(x.data_ptr()), M, y);
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    std::vector<const uint16_t*> xs(M);
+    for (int64_t t = 0; t < M; ++t) xs[t] = xp + t * K;
+    dense_rows(wp, N, K, M, [&](int rt, int tt, int64_t r, int64_t t) {
+      TILES_BF16[rt - 1][tt - 1](wp + r * K, K, K, xs.data() + t, y + t * N + r, N);
+    });
   } else
 #endif
   {
     const float* xf = rows_as_f32(x, 0);
-    if (w.scalar_type() == at::kFloat) dense_rows(TILES_F32, w.data_ptr<float>(), N, K, xf, M, y);
-    else dense_rows(TILES_BF16W, reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K, xf, M, y);
+    auto rows = [&](const auto& tiles, const auto* wp) {
+      dense_rows(wp, N, K, M, [&](int rt, int tt, int64_t r, int64_t t) {
+        tiles[rt - 1][tt - 1](wp + r * K, K, xf + t * K, K, y + t * N + r, N);
+      });
+    };
+    if (w.scalar_type() == at::kFloat) rows(TILES_F32, w.data_ptr<float>());
+    else rows(TILES_BF16W, reinterpret_cast<const uint16_t*>(w.data_ptr()));
   }
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " values for ", N, " rows");

@@ -1,5 +1,4 @@
-// MXFP4 expert kernels: the routed MoE for decode (grouped by expert) and the exact MXFP4 -> dense decode
-// used by prefill before its oneDNN GEMMs.
+// The routed MXFP4 MoE (grouped by expert), for decode batches and prefill chunks alike.
 //
 // Weights stay in the checkpoint's MXFP4 layout, which is already the streamed one: a row's groups are
 // contiguous (blocks [E, R, G, 16] bytes, two e2m1 codes per byte, low nibble first; scales [E, R, G] E8M0).
@@ -8,6 +7,7 @@
 // selected expert's bytes stream from memory once per step for all of its tokens. Inputs are stored
 // "deinterleaved" per W-byte chunk ([W even elements][W odd elements]) so the low/high nibbles of a chunk
 // meet their inputs without shuffles.
+#include <algorithm>
 #include <array>
 #include <utility>
 
@@ -91,8 +91,28 @@ const auto TILES = make_tiles<MxFn<float>, MxTile, RT_MAX, TT_MAX>();
 // zero-padded to whole chunks: out[c*128 + q*32 + L*8 + i] = x[c*128 + L*32 + {2i, 16+2i, 2i+1, 17+2i}[q]]
 inline void deinterleave_bf16(const float* x, int64_t K, uint16_t* out) {
   static constexpr int OFF[4] = {0, 16, 1, 17};
-  const int64_t chunks = (K + 127) / 128;
-  for (int64_t c = 0; c < chunks; ++c)
+  // word j of output vector q: from input vector 2h + (j / 8) % 2 (h = j / 16) at OFF[q] + 2 (j % 8);
+  // vector pairs (0, 1) fill words 0..15, (2, 3) words 16..31 (permutex2var: index 32+ = the second vector)
+  static const auto idx = [] {
+    std::array<std::array<int16_t, 32>, 4> v{};
+    for (int q = 0; q < 4; ++q)
+      for (int j = 0; j < 32; ++j) v[q][j] = int16_t(32 * ((j / 8) % 2) + OFF[q] + 2 * (j % 8));
+    return v;
+  }();
+  const int64_t full = K / 128, chunks = (K + 127) / 128;
+  for (int64_t c = 0; c < full; ++c) {
+    __m512i in[4];                                   // in[L] = x[c*128 + 32L ..][:32] as bf16 (RNE)
+    for (int L = 0; L < 4; ++L) {
+      const float* p = x + c * 128 + 32 * L;
+      in[L] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
+    }
+    for (int q = 0; q < 4; ++q) {
+      const __m512i ix = _mm512_loadu_si512(idx[q].data());
+      const __m512i lo = _mm512_permutex2var_epi16(in[0], ix, in[1]), hi = _mm512_permutex2var_epi16(in[2], ix, in[3]);
+      _mm512_storeu_si512(out + c * 128 + q * 32, _mm512_mask_mov_epi16(lo, 0xFFFF0000u, hi));
+    }
+  }
+  for (int64_t c = full; c < chunks; ++c)            // the zero-padded last chunk
     for (int q = 0; q < 4; ++q)
       for (int L = 0; L < 4; ++L)
         for (int i = 0; i < 8; ++i) {
@@ -160,27 +180,33 @@ const auto TILES_BF16 = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_MAX, TT_MAX>()
 constexpr int RT_WIDE = 2, TT_WIDE = 8;
 const auto TILES_BF16_WIDE = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_WIDE, TT_WIDE>();
 
+// Experts with at least this many inputs decode each strip of rows once, scaled, into a per-thread buffer and
+// run dense bf16 tiles over it (`DotTileBf16`, at the bf16 dot-product peak: the decode is paid once per
+// strip, not once per tile of inputs). Fewer inputs keep the register tiles above (no buffer round trip).
+constexpr int64_t STRIP_MIN_INPUTS = 8;
+const auto TILES_DOT = make_tiles<DotFnBf16, DotTileBf16, RT_MAX, TT_MAX>();
+
 void expert_rows_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
                       const uint16_t* const* xs, int64_t n, float* out, int64_t ldo) {
+  const int64_t ld = (G + 3) / 4 * 128;              // a row's values in whole 128-value chunks, like the inputs
+  if (n >= STRIP_MIN_INPUTS) {
+    uint16_t* wb = reinterpret_cast<uint16_t*>(scratch(0, (r1 - r0) * ld / 2 + 16));
+    if (decode_rows_scaled_bf16(blk + r0 * G * 16, scl + r0 * G, G, r1 - r0, wb, ld)) {
+      for (int64_t r = 0; r < r1 - r0; r += RT_MAX) {  // a tile's rows stay in L1 while the inputs pass
+        const int rt = int(std::min<int64_t>(RT_MAX, r1 - r0 - r));
+        for (int64_t t = 0; t < n; t += TT_MAX)
+          TILES_DOT[rt - 1][int(std::min<int64_t>(TT_MAX, n - t)) - 1](wb + r * ld, ld, ld, xs + t,
+                                                                      out + t * ldo + r0 + r, ldo);
+      }
+      return;
+    }
+  }
   if (n > TT_MAX)
     expert_rows<RT_WIDE, TT_WIDE>(TILES_BF16_WIDE, blk, scl, G, r0, r1, xs, n, out, ldo);
   else
     expert_rows(TILES_BF16, blk, scl, G, r0, r1, xs, n, out, ldo);
 }
 #endif
-
-// act[i] <- (up[i] + 1) · g · sigmoid(alpha · g), g = act[i] (already clamped). `fast`: vectorized (`vexp`,
-// within a few ulp), for bf16 activations that round it away; else std::exp, as the fp32 model computes it
-inline void swiglu_inplace(float* act, const float* up, int64_t n, float alpha, bool fast) {
-  const VF one = vset1(1.f), na = vset1(-alpha);
-  int64_t i = 0;
-  for (; fast && i + W <= n; i += W) {
-    const VF g = vload(act + i);
-    const VF sig = vdiv(one, vadd(one, vexp(vmul(na, g))));
-    vstore(act + i, vmul(vadd(vload(up + i), one), vmul(g, sig)));
-  }
-  for (; i < n; ++i) act[i] = (up[i] + 1.f) * (act[i] / (1.f + std::exp(-alpha * act[i])));
-}
 
 struct Routing {
   std::vector<int64_t> expert_start;   // [n_local + 1] first pair of each local expert (pairs sorted by expert)
@@ -215,6 +241,11 @@ Routing group_by_expert(const at::Tensor& idx, const at::Tensor& gate_w, int64_t
     r.pair_gate[fill[e]++] = g[i];
   }
   return r;
+}
+
+// W values of a float or bf16 bias from element o
+inline VF bias_vec(const FloatView& b, int64_t o) {
+  return b.e == Elem::F32 ? vload(static_cast<const float*>(b.p) + o) : vload_bf16(static_cast<const uint16_t*>(b.p) + o);
 }
 
 void check_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, const char* name) {
@@ -290,8 +321,18 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   auto run = [&](const uint8_t* blk, const uint8_t* scl, int64_t R, int64_t G, const std::vector<const float*>& in,
                  const std::vector<const uint16_t*>& in16, float* dst) {
     const int64_t strip = RT_MAX * 4, strips = (R + strip - 1) / strip;
-    at::parallel_for(0, n_act * strips, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
+    // threads take contiguous runs of work items of about equal cost (an item's cost: its expert's inputs
+    // plus a few for streaming its bytes), so one expert with many tokens does not leave a thread idle
+    std::vector<int64_t> done(n_act * strips + 1, 0);       // cumulative cost before item i
+    for (int64_t i = 0; i < n_act * strips; ++i) {
+      const int64_t e = rt.active[i / strips];
+      done[i + 1] = done[i] + rt.expert_start[e + 1] - rt.expert_start[e] + 4;
+    }
+    const int64_t parts = at::get_num_threads(), total = done.back();
+    at::parallel_for(0, parts, 1, [&](int64_t b0, int64_t b1) {
+      const int64_t i0 = std::lower_bound(done.begin(), done.end(), total * b0 / parts) - done.begin();
+      const int64_t i1 = std::lower_bound(done.begin(), done.end(), total * b1 / parts) - done.begin();
+      for (int64_t i = i0; i < std::min(i1, n_act * strips); ++i) {
         const int64_t e = rt.active[i / strips], r0 = (i % strips) * strip, r1 = std::min(R, r0 + strip);
         const int64_t p0 = rt.expert_start[e], n = rt.expert_start[e + 1] - p0;
 #ifdef GD_BF16DOT
@@ -316,9 +357,19 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
     float* up = act + I;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t e = pair_expert[p];
-      for (int64_t i = 0; i < I; ++i) {                // gate clamped above, up both ways, bias added
-        act[i] = std::min(gu[p * R1 + 2 * i] + b1[e * R1 + 2 * i], lim);
-        up[i] = std::min(std::max(gu[p * R1 + 2 * i + 1] + b1[e * R1 + 2 * i + 1], -lim), lim);
+      const float* g = gu + p * R1;
+      int64_t i = 0;                                   // gate clamped above, up both ways, bias added
+      for (; i + W <= I; i += W) {
+        VF gate, upv;
+        const int64_t o = e * R1 + 2 * i;
+        vdeinterleave(vadd(vload(g + 2 * i), bias_vec(b1, o)), vadd(vload(g + 2 * i + W), bias_vec(b1, o + W)),
+                      gate, upv);
+        vstore(act + i, vmin(vset1(lim), gate));
+        vstore(up + i, vmin(vset1(lim), vmax(vset1(-lim), upv)));
+      }
+      for (; i < I; ++i) {
+        act[i] = std::min(g[2 * i] + b1[e * R1 + 2 * i], lim);
+        up[i] = std::min(std::max(g[2 * i + 1] + b1[e * R1 + 2 * i + 1], -lim), lim);
       }
       swiglu_inplace(act, up, I, a, x.scalar_type() == at::kBFloat16);
 #ifdef GD_BF16DOT
@@ -345,82 +396,6 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
         for (int64_t j = 0; j < H; ++j) row[j] += (y[p * H + j] + b2[e * H + j]) * gt;
       }
       store_row(row, out, t * H, H);
-    }
-  });
-  return out;
-}
-
-// blocks [..., R, G, 16], scales [..., R, G] -> out [..., R, G*32] (float32 or bfloat16, contiguous; exact)
-void mxfp4_dequant_into(const at::Tensor& blocks, const at::Tensor& scales, at::Tensor out) {
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && scales.scalar_type() == at::kByte, "MXFP4 must be uint8");
-  TORCH_CHECK(blocks.dim() >= 2 && blocks.size(-1) == 16 && blocks.sizes().slice(0, blocks.dim() - 1) == scales.sizes(),
-              "MXFP4 shape mismatch: blocks ", blocks.sizes(), " vs scales ", scales.sizes());
-  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
-              "dequant dtype must be float32 or bfloat16");
-  TORCH_CHECK(out.is_contiguous() && out.numel() == scales.numel() * 32 && out.dim() == scales.dim() &&
-              out.size(-1) == scales.size(-1) * 32, "dequant out must be contiguous [..., R, G*32] for scales ",
-              scales.sizes(), " (got ", out.sizes(), ")");
-  at::Tensor b = blocks.contiguous(), s = scales.contiguous();
-  const int64_t groups = s.numel();
-  const uint8_t* bp = b.data_ptr<uint8_t>();
-  const uint8_t* sp = s.data_ptr<uint8_t>();
-  const float* e8 = e8m0_table();
-  const bool bf = out.scalar_type() == at::kBFloat16;
-  void* op = out.data_ptr();
-  at::parallel_for(0, groups, 256, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const VF sc = vset1(e8[sp[g]]);
-      for (int c = 0; c < 16 / W; ++c) {             // W bytes -> 2W values
-        VF even, odd, first, second;
-        vdecode_e2m1(bp + g * 16 + c * W, sc, even, odd);
-        vinterleave(even, odd, first, second);
-        const int64_t o = g * 32 + c * 2 * W;
-        if (bf) {
-          vstore_bf16_exact(static_cast<uint16_t*>(op) + o, first);
-          vstore_bf16_exact(static_cast<uint16_t*>(op) + o + W, second);
-        } else {
-          vstore(static_cast<float*>(op) + o, first);
-          vstore(static_cast<float*>(op) + o + W, second);
-        }
-      }
-    }
-  });
-}
-
-at::Tensor mxfp4_dequant(const at::Tensor& blocks, const at::Tensor& scales, at::ScalarType dtype) {
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequant dtype must be float32 or bfloat16");
-  TORCH_CHECK(scales.dim() >= 1, "MXFP4 scales must have a group dimension");
-  std::vector<int64_t> shape(scales.sizes().begin(), scales.sizes().end());
-  shape.back() *= 32;
-  at::Tensor out = at::empty(shape, blocks.options().dtype(dtype));
-  mxfp4_dequant_into(blocks, scales, out);
-  return out;
-}
-
-// gate_up [T, 2I] (bias added; gate = even, up = odd columns) -> (up + 1) · gate · sigmoid(alpha · gate) [T, I]
-// with gate clamped above at `limit` and up to [-limit, limit]; fp32 math, one rounding to x's dtype
-at::Tensor swiglu(const at::Tensor& gate_up, double alpha, double limit) {
-  check_float_like(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "swiglu: gate_up must be [T, 2I], got ", gate_up.sizes());
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({T, I}, gate_up.options());
-  const bool bf = gate_up.scalar_type() == at::kBFloat16;
-  const float a = float(alpha), lim = float(limit);
-  const void* src = gate_up.data_ptr();
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-    float* act = scratch(0, 2 * I + W);
-    float* up = act + I;
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t i = 0; i < I; ++i) {
-        const int64_t o = t * 2 * I + 2 * i;
-        const float g = bf ? bf16_to_f32(static_cast<const uint16_t*>(src)[o]) : static_cast<const float*>(src)[o];
-        const float u = bf ? bf16_to_f32(static_cast<const uint16_t*>(src)[o + 1])
-                           : static_cast<const float*>(src)[o + 1];
-        act[i] = std::min(g, lim);
-        up[i] = std::min(std::max(u, -lim), lim);
-      }
-      swiglu_inplace(act, up, I, a, bf);
-      store_row(act, out, t * I, I);
     }
   });
   return out;

@@ -81,6 +81,15 @@ inline void vinterleave(VF even, VF odd, VF& first, VF& second) {
   first.v = _mm512_permutex2var_ps(even.v, lo, odd.v);
   second.v = _mm512_permutex2var_ps(even.v, hi, odd.v);
 }
+// 2W values in element order (first, second) -> their even and odd elements
+inline void vdeinterleave(VF first, VF second, VF& even, VF& odd) {
+  const __m512i e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  even.v = _mm512_permutex2var_ps(first.v, e, second.v);
+  odd.v = _mm512_permutex2var_ps(first.v, _mm512_add_epi32(e, _mm512_set1_epi32(1)), second.v);
+}
+// min / max; NaN in b propagates (so vmin(vset1(limit), x) clamps like torch.clamp)
+inline VF vmin(VF a, VF b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline VF vmax(VF a, VF b) { return {_mm512_max_ps(a.v, b.v)}; }
 // W fp32 values that are exact in bf16 -> bf16 (truncation is then exact)
 inline void vstore_bf16_exact(uint16_t* p, VF a) {
   _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a.v), 16)));
@@ -152,6 +161,13 @@ inline void vinterleave(VF even, VF odd, VF& first, VF& second) {
   first.v = _mm256_permute2f128_ps(a, b, 0x20);
   second.v = _mm256_permute2f128_ps(a, b, 0x31);
 }
+inline void vdeinterleave(VF first, VF second, VF& even, VF& odd) {
+  const __m256 a = first.v, b = second.v;
+  even.v = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+  odd.v = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+}
+inline VF vmin(VF a, VF b) { return {_mm256_min_ps(a.v, b.v)}; }
+inline VF vmax(VF a, VF b) { return {_mm256_max_ps(a.v, b.v)}; }
 inline void vstore_bf16_exact(uint16_t* p, VF a) {
   const __m256i s = _mm256_srli_epi32(_mm256_castps_si256(a.v), 16);
   _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
