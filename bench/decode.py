@@ -8,6 +8,9 @@ tok/s, weight bytes read per token (from the config: attention + router + norms 
 number of distinct experts a batch hits, E·(1-(1-k/E)^B), at their stored size), and MBU = bytes read per
 second / the streaming-read bandwidth measured here (torch.sum over a 1 GiB fp32 tensor, median of 5); the
 bf16 compute peak (oneDNN's 2048^3 GEMM) is measured beside it, since large batches and prefill meet it first.
+`ceiling` is the step's limit on this machine from those two measurements (its weight bytes at the bandwidth
+or its multiply-adds at the GEMM peak, whichever is slower) and `of it` the share of it reached: a batch-B
+speedup over batch 1 can be no larger than the ratio of the two ceilings.
 Prefill: tokens/s of a 512- and a 4096-token prompt through the engine's chunked prefill (512 per chunk)
 against transformers' `GptOssForCausalLM` forward on the same checkpoint (bf16, when it fits in memory).
 Peak RSS is reported against the checkpoint's bytes.
@@ -77,6 +80,24 @@ def weight_bytes_per_step(cfg: GptOssConfig, w, batch: int) -> float:
     per_expert = sum(t[n][0, 0].numel() * t[n].element_size() for n in names + ("gate_up_bias", "down_bias"))
     hit = E * (1 - (1 - k / E) ** batch)
     return dense + cfg.num_hidden_layers * hit * per_expert + batch * cfg.hidden_size * t["embed"].element_size()
+
+
+def macs_per_token(cfg: GptOssConfig, context: int) -> float:
+    """Multiply-adds of one decode token: the projections, the k routed experts, the lm_head, and attention
+    over `context` keys (a sliding layer sees at most its window): QK and PV, 2 · heads · d per key."""
+    H, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    I, E, k = cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
+    per_layer = H * (nh + 2 * nkv) * d + nh * d * H + H * E + k * 3 * H * I
+    attn = sum(2 * nh * d * (min(context, cfg.sliding_window) if cfg.is_sliding(i) else context)
+               for i in range(cfg.num_hidden_layers))
+    return cfg.num_hidden_layers * per_layer + attn + cfg.vocab_size * H
+
+
+def ceiling_tok_s(cfg: GptOssConfig, w, batch: int, context: int, bw_gbs: float, gemm_gmacs: float) -> float:
+    """This machine's limit for a decode step, measured in the same run: the weight bytes at the streaming
+    bandwidth, or the multiply-adds at the bf16 GEMM peak, whichever takes longer (tokens per second)."""
+    t = max(weight_bytes_per_step(cfg, w, batch) / (bw_gbs * 1e9), batch * macs_per_token(cfg, context) / (gemm_gmacs * 1e9))
+    return batch / t
 
 
 class DecodeBench:
@@ -181,7 +202,8 @@ def main() -> int:
     results: dict = {"model": str(model_dir), "bandwidth_gbs": bw, "gemm_bf16_gmacs": gemm, "dtype": args.dtype,
                      "decode": [], "prefill": []}
 
-    print(f"{'batch':>5} {'ctx':>5} {'decoder':<11} {'ms/step':>8} {'tok/s':>8} {'MB/tok':>7} {'MBU':>5} {'x base':>7}")
+    print(f"{'batch':>5} {'ctx':>5} {'decoder':<11} {'ms/step':>8} {'tok/s':>8} {'MB/tok':>7} {'MBU':>5} {'x base':>7} "
+          f"{'ceiling':>8} {'of it':>5}")
     for context in args.context:
         for batch in args.batch:
             b = DecodeBench(cfg, w, model, args.dtype, batch, context, args.block_size, args.decoders)
@@ -193,14 +215,16 @@ def main() -> int:
                     times[d].append(_timed(lambda: b.step(d)))
             wbytes = weight_bytes_per_step(cfg, w, batch)
             base = statistics.median(times[args.decoders[-1]])
+            ceiling = ceiling_tok_s(cfg, w, batch, context, bw, gemm)
             for d in args.decoders:
                 med = statistics.median(times[d])
                 mbu = wbytes / med / 1e9 / bw
                 row = dict(batch=batch, context=context, decoder=d, ms_per_step=med * 1e3, tok_s=batch / med,
-                           mb_per_token=wbytes / batch / 1e6, mbu=mbu, vs_base=base / med)
+                           mb_per_token=wbytes / batch / 1e6, mbu=mbu, vs_base=base / med, ceiling_tok_s=ceiling)
                 results["decode"].append(row)
                 print(f"{batch:>5} {context:>5} {d:<11} {med * 1e3:>8.1f} {batch / med:>8.1f} "
-                      f"{wbytes / batch / 1e6:>7.1f} {100 * mbu:>4.0f}% {base / med:>7.2f}", flush=True)
+                      f"{wbytes / batch / 1e6:>7.1f} {100 * mbu:>4.0f}% {base / med:>7.2f} {ceiling:>8.0f} "
+                      f"{100 * batch / med / ceiling:>4.0f}%", flush=True)
             del b
             gc.collect()
 
