@@ -1,4 +1,4 @@
-"""Native CPU kernels for decode (and the MXFP4 decode prefill uses), each with a torch twin.
+"""Native CPU kernels for decode and bf16 prefill (the MXFP4 MoE, dense projections, paged attention), each with a torch twin.
 
 Ops (registered as `torch.ops.gigadecode_native.*`; fake implementations below so a compiled program
 treats each as one opaque node). Every function here calls the kernel when it is built (see `build.py`)
@@ -7,7 +7,7 @@ and its twin (`twins.py`, same signature) otherwise.
 - `moe_mxfp4(x [T, H], idx [T, k] int64, gate_w [T, k], gate_up_blocks [E, 2I, H/32, 16], gate_up_scales
   [E, 2I, H/32], gate_up_bias [E, 2I], down_blocks [E, H, I/32, 16], down_scales [E, H, I/32], down_bias [E, H],
   alpha, limit, expert_offset) -> [T, H]`: the routed MXFP4 MoE, each selected expert read once for all of
-  its tokens; global expert ids outside [expert_offset, expert_offset + E) contribute nothing (EP).
+  its tokens (a decode batch or a prefill chunk); global expert ids outside [expert_offset, expert_offset + E) contribute nothing (EP).
 - `mxfp4_dequant(blocks [..., R, G, 16], scales [..., R, G], dtype) -> [..., R, G*32]` (exact);
   `mxfp4_dequant_into(blocks, scales, out)` writes the same values into a contiguous `out` (prefill reuses
   one transient per expert shape, which stays in cache for the GEMM that reads it).
