@@ -74,7 +74,9 @@ inline const float* rows_as_f32(const at::Tensor& x, int slot) {
   if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
   float* out = scratch(slot, n);
   const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(p[i]);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) vstore(out + i, vload_bf16(p + i));
+  for (; i < n; ++i) out[i] = bf16_to_f32(p[i]);
   return out;
 }
 
@@ -83,7 +85,12 @@ inline void store_row(const float* src, at::Tensor& out, int64_t off, int64_t n)
     std::memcpy(out.data_ptr<float>() + off, src, n * sizeof(float));
   } else {
     uint16_t* d = reinterpret_cast<uint16_t*>(out.data_ptr()) + off;
-    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+    int64_t i = 0;
+#if defined(__AVX512BF16__)
+    for (; i + 16 <= n; i += 16)                    // round to nearest even, as f32_to_bf16
+      _mm256_storeu_si256((__m256i*)(d + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+#endif
+    for (; i < n; ++i) d[i] = f32_to_bf16(src[i]);
   }
 }
 

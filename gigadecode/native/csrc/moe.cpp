@@ -393,7 +393,11 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
       for (int64_t p : tok_pairs[t]) {
         const float gt = rt.pair_gate[p];
         const int64_t e = pair_expert[p];
-        for (int64_t j = 0; j < H; ++j) row[j] += (y[p * H + j] + b2[e * H + j]) * gt;
+        const float* yp = y + p * H;
+        int64_t j = 0;
+        for (; j + W <= H; j += W)
+          vstore(row + j, vfma(vadd(vload(yp + j), bias_vec(b2, e * H + j)), vset1(gt), vload(row + j)));
+        for (; j < H; ++j) row[j] += (yp[j] + b2[e * H + j]) * gt;
       }
       store_row(row, out, t * H, H);
     }
