@@ -64,8 +64,12 @@ inline __m512 quad_scales(__m512 s16, int j) {
 // is not, since `vdpbf16ps` would flush subnormals (the caller keeps the scale-after-dot tile then).
 inline bool decode_rows_scaled_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t rows, uint16_t* out,
                                     int64_t ld) {
-  for (int64_t i = 0; i < rows * G; ++i)
-    if (scl[i] < 2 || scl[i] > 252) return false;
+  const __m512i s_lo = _mm512_set1_epi8(2), s_hi = _mm512_set1_epi8(char(252));
+  for (int64_t i = 0; i < rows * G; i += 64) {           // the rows' scales are contiguous
+    const __mmask64 m = rows * G - i >= 64 ? ~0ull : (~0ull) >> (64 - (rows * G - i));
+    const __m512i v = _mm512_maskz_loadu_epi8(m, scl + i);
+    if ((_mm512_cmplt_epu8_mask(v, s_lo) | _mm512_cmpgt_epu8_mask(v, s_hi)) & m) return false;
+  }
   const int64_t chunks = (G + 3) / 4;
   const __m512i lane_of = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
