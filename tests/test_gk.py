@@ -269,7 +269,9 @@ def _check_bf16_against_fp32(ckpt, cfg, decoder: str, n: int, kv_dtype: str) -> 
     got = _decode_logits(ckpt, cfg, torch.bfloat16, decoder, prompt, kv_dtype)
     err = (got - ref).abs().max().item()
     assert err > 1e-4 * span, "no bf16 rounding: the program did not compute in bf16"
-    assert err <= 1.25 * base + 1e-3, (err, base)
+    # no worse than the per-layer model's own bf16 error; the eager program's attention scores go through bf16
+    # torch ops, which the per-layer model's native attention keeps in fp32, hence its wider margin
+    assert err <= (1.6 if decoder == "gk" else 1.25) * base + 1e-3, (err, base)
     assert err <= BF16_BOUND[kv_dtype] * span, (err, span)
 
 

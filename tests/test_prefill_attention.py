@@ -116,3 +116,49 @@ def test_empty_chunk():
     k = v = torch.zeros(5, 2, 16)
     out = flash_sink_attention(q, k, v, torch.zeros(0, dtype=torch.long), torch.arange(5), torch.zeros(4), 0.25)
     assert out.shape == (0, 4, 16)
+
+
+# ---- the native kernel (bf16 on AVX512-BF16 builds; the per-layer model's bf16 prefill attention) --------
+
+from gigadecode import native  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(not native.prefill_attention_supported(torch.bfloat16, 64),
+                                  reason="the native prefill attention needs an AVX512-BF16 build")
+
+
+@needs_kernel
+@pytest.mark.parametrize("T,S,nkv,rep,d,q_start,k_start,window", [
+    (1, 1, 1, 1, 16, 0, 0, None),          # one query, one key
+    (5, 9, 2, 2, 32, 4, 0, None),          # the chunk after 4 cached tokens
+    (33, 57, 1, 8, 48, 40, 16, 8),         # a window shorter than the chunk, keys from position 16 on
+    (17, 17, 2, 1, 128, 0, 0, None),       # d 128, no GQA
+    (64, 132, 4, 3, 80, 100, 32, 20),      # rep 3, d 80, keys past the chunk's last query
+    (40, 40, 2, 4, 64, 0, 0, 1000),        # a window longer than the context
+    (20, 70, 2, 2, 64, 30, 0, 1),          # window 1: each query sees only itself
+    (70, 100, 1, 4, 64, 0, 30, None),      # queries before the first key see nothing: 0
+    (300, 420, 4, 4, 64, 120, 0, 128),     # many query tiles and key chunks, GPT-OSS's window
+])
+def test_native_prefill_attention_matches_dense(T, S, nkv, rep, d, q_start, k_start, window):
+    q, k, v, q_pos, k_pos, sinks = make_case(T, S, nkv, rep, d, q_start, k_start, torch.bfloat16, seed=T + 7 * S)
+    scale = d ** -0.5
+    ours = native.prefill_attention(q, k, v, q_pos, k_start, sinks, scale, window or 0)
+    ref = dense_reference(q.float(), k.float(), v.float(), q_pos, k_pos, sinks.float(), scale, window)
+    assert ours.shape == q.shape and ours.dtype == torch.bfloat16
+    # bf16 inputs, fp32 scores and softmax, probabilities rounded to bf16 for PV (2^-9 of each weight), one
+    # bf16 rounding of the output
+    atol = 4 * 2.0 ** -9 * v.float().abs().max().item()
+    torch.testing.assert_close(ours.float(), ref, rtol=2.0 ** -7, atol=atol)
+    blind = (k_pos[None, :] > q_pos[:, None]).all(1)                 # rows that see no key
+    assert torch.equal(ours[blind].float(), torch.zeros_like(ref[blind]))
+
+
+@needs_kernel
+def test_native_prefill_attention_refuses_what_it_cannot_do():
+    q, k, v, q_pos, _, sinks = make_case(4, 4, 1, 2, 24, 0, 0, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="head dim 24"):
+        native.prefill_attention(q, k, v, q_pos, 0, sinks, 0.2, 0)
+    q, k, v, q_pos, _, sinks = make_case(4, 4, 1, 2, 32, 0, 0)
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        native.prefill_attention(q, k, v, q_pos, 0, sinks, 0.2, 0)
+    assert not native.prefill_attention_supported(torch.float32, 64)
+    assert not native.prefill_attention_supported(torch.bfloat16, 24)

@@ -24,6 +24,9 @@ and its twin (`twins.py`, same signature) otherwise.
 - `rope_kv_write(qkv [Bt, (nh + 2kv) d], cos, sin [Bt, d/2], k_cache, v_cache, slot [Bt], num_heads, k_scale,
   v_scale) -> q [Bt, nh, d] fp32`: RoPE on q and k, k and v stored at `slot` (FP8: x / scale, clamped).
 - `rms_norm(x [M, H], weight [H], eps) -> [M, H]`.
+- `prefill_attention(q [T, nh, d] bf16, k, v [S, nkv, d] bf16, q_pos [T], k_start, sinks [nh], scale, window)
+  -> [T, nh, d]`: a prefill chunk's causal GQA attention with the sink over the keys at positions k_start..
+  (window > 0: sliding), flash style on AVX512-BF16 (`prefill_attention_supported` says when it applies).
 All compute in fp32 and return x's dtype unless stated.
 """
 
@@ -36,7 +39,8 @@ from . import twins
 from .build import load, status
 
 __all__ = ["moe_mxfp4", "mxfp4_dequant", "mxfp4_dequant_into", "swiglu", "linear", "paged_decode_attention", "paged_decode_attention_partial",
-           "rope_kv_write", "rms_norm", "available", "status", "twins"]
+           "rope_kv_write", "rms_norm", "prefill_attention", "prefill_attention_supported", "available", "status",
+           "twins"]
 
 
 def available() -> bool:
@@ -106,3 +110,15 @@ def rope_kv_write(qkv, cos, sin, k_cache, v_cache, slot, num_heads: int, k_scale
 
 def rms_norm(x, weight, eps: float) -> torch.Tensor:
     return _op("rms_norm")(x.contiguous(), weight, float(eps))
+
+
+def prefill_attention(q, k, v, q_pos, k_start: int, sinks, scale: float, window: int = 0) -> torch.Tensor:
+    return _op("prefill_attention")(q.contiguous(), k.contiguous(), v.contiguous(), q_pos.contiguous(), int(k_start),
+                                    sinks, float(scale), int(window))
+
+
+def prefill_attention_supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """The kernel exists for bf16 on a build with AVX512-BF16, head dims 16..128 in steps of 16."""
+    ops = load()
+    return (ops is not None and dtype == torch.bfloat16 and "bf16" in ops.isa() and head_dim % 16 == 0
+            and 16 <= head_dim <= 128)

@@ -121,3 +121,19 @@ def paged_decode_attention_partial(q, k_cache, v_cache, table, pos, first, activ
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
     out = torch.einsum("bgrs,bgsd->bgrd", probs, v)
     return out.reshape(bt, nh, d).contiguous(), lse.reshape(bt, nh).contiguous()
+
+
+def prefill_attention(q, k, v, q_pos, k_start: int, sinks, scale: float, window: int = 0) -> torch.Tensor:
+    """q [T, nh, d] against k, v [S, nkv, d] at positions k_start.. (GQA, causal, the sliding window when
+    window > 0, the sink), dense in fp32: `sink_attention` over the visibility mask."""
+    T, nh, d = q.shape
+    S, nkv = k.shape[0], k.shape[1]
+    rep = nh // nkv
+    kpos = torch.arange(k_start, k_start + S)
+    vis = kpos[None, :] <= q_pos[:, None]
+    if window:
+        vis &= kpos[None, :] > q_pos[:, None] - window
+    qh = q.float().view(T, nkv, rep, d).permute(1, 2, 0, 3)                  # [nkv, rep, T, d]
+    kh, vh = k.float().permute(1, 0, 2)[:, None], v.float().permute(1, 0, 2)[:, None]   # [nkv, 1, S, d]
+    o = sink_attention(qh, kh, vh, vis, sinks.float().view(nkv, rep), scale)  # [nkv, rep, T, d]
+    return o.permute(2, 0, 1, 3).reshape(T, nh, d).to(q.dtype)

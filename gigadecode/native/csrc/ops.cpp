@@ -21,6 +21,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_partial(const at::Tens
 at::Tensor rope_kv_write(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor,
                          const at::Tensor&, int64_t, double, double);
 at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double);
+at::Tensor prefill_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                             const at::Tensor&, double, int64_t);
 
 std::string isa() { return GD_ISA; }
 }  // namespace gd
@@ -40,6 +42,8 @@ TORCH_LIBRARY(gigadecode_native, m) {
   m.def("rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot, "
         "int num_heads, float k_scale, float v_scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor q_pos, int k_start, Tensor sinks, float scale, "
+        "int window) -> Tensor");
   m.def("isa() -> str", &gd::isa);
 }
 
@@ -53,4 +57,5 @@ TORCH_LIBRARY_IMPL(gigadecode_native, CPU, m) {
   m.impl("paged_decode_attention_partial", &gd::paged_decode_attention_partial);
   m.impl("rope_kv_write", &gd::rope_kv_write);
   m.impl("rms_norm", &gd::rms_norm);
+  m.impl("prefill_attention", &gd::prefill_attention);
 }
