@@ -3,8 +3,9 @@
 It runs a flat batch of sequence chunks (prefill chunks and single-token decodes alike) layer by layer:
 attention writes the chunk's K/V into the paged cache through the layer's group block table, then
 reads back the keys it may see (sliding layers only the window, `q - W < k <= q`) and attends with
-sinks (`ops.flash_sink_attention`: tiled online softmax, GQA without repeated K/V, fully masked key
-tiles skipped); MoE decodes only the experts the tokens hit. Weights are views `stack[i]` of the stacks
+sinks, flash style (bf16: the native `prefill_attention` kernel; otherwise `ops.flash_sink_attention`:
+tiled online softmax, GQA without repeated K/V, fully masked key tiles skipped); MoE reads only the experts
+the tokens hit (bf16 MXFP4: the grouped native kernel). Weights are views `stack[i]` of the stacks
 that `weights.load_weights` filled, so this model and the GK program share one copy.
 """
 
