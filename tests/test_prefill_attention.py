@@ -162,3 +162,4 @@ def test_native_prefill_attention_refuses_what_it_cannot_do():
         native.prefill_attention(q, k, v, q_pos, 0, sinks, 0.2, 0)
     assert not native.prefill_attention_supported(torch.float32, 64)
     assert not native.prefill_attention_supported(torch.bfloat16, 24)
+
