@@ -93,10 +93,11 @@ def macs_per_token(cfg: GptOssConfig, context: int) -> float:
     return cfg.num_hidden_layers * per_layer + attn + cfg.vocab_size * H
 
 
-def ceiling_tok_s(cfg: GptOssConfig, w, batch: int, context: int, bw_gbs: float, gemm_gmacs: float) -> float:
-    """This machine's limit for a decode step, measured in the same run: the weight bytes at the streaming
-    bandwidth, or the multiply-adds at the bf16 GEMM peak, whichever takes longer (tokens per second)."""
-    t = max(weight_bytes_per_step(cfg, w, batch) / (bw_gbs * 1e9), batch * macs_per_token(cfg, context) / (gemm_gmacs * 1e9))
+def ceiling_tok_s(cfg: GptOssConfig, wbytes: float, batch: int, context: int, bw_gbs: float,
+                  gemm_gmacs: float) -> float:
+    """This machine's limit for a decode step, measured in the same run: its weight bytes (`wbytes`) at the
+    streaming bandwidth, or its multiply-adds at the bf16 GEMM peak, whichever takes longer (tokens per second)."""
+    t = max(wbytes / (bw_gbs * 1e9), batch * macs_per_token(cfg, context) / (gemm_gmacs * 1e9))
     return batch / t
 
 
@@ -215,7 +216,7 @@ def main() -> int:
                     times[d].append(_timed(lambda: b.step(d)))
             wbytes = weight_bytes_per_step(cfg, w, batch)
             base = statistics.median(times[args.decoders[-1]])
-            ceiling = ceiling_tok_s(cfg, w, batch, context, bw, gemm)
+            ceiling = ceiling_tok_s(cfg, wbytes, batch, context, bw, gemm)
             for d in args.decoders:
                 med = statistics.median(times[d])
                 mbu = wbytes / med / 1e9 / bw

@@ -128,7 +128,7 @@ def prefill_attention_fits(num_keys: int, num_kv_heads: int, head_dim: int) -> b
 
 
 def prefill_attention_supported(dtype: torch.dtype, head_dim: int) -> bool:
-    """The kernel exists for bf16 on a build with AVX512-BF16, head dims 16..128 in steps of 16."""
+    """The kernel runs bf16 on a build with AVX512-BF16, for the head dims the build says (16..128 in steps
+    of 16)."""
     ops = load()
-    return (ops is not None and dtype == torch.bfloat16 and "bf16" in ops.isa() and head_dim % 16 == 0
-            and 16 <= head_dim <= 128)
+    return ops is not None and dtype == torch.bfloat16 and bool(ops.prefill_attention_supported(head_dim))

@@ -24,6 +24,8 @@ at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double);
 at::Tensor prefill_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                              const at::Tensor&, double, int64_t);
 
+bool prefill_attention_supported(int64_t);
+
 std::string isa() { return GD_ISA; }
 }  // namespace gd
 
@@ -45,6 +47,7 @@ TORCH_LIBRARY(gigadecode_native, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor q_pos, int k_start, Tensor sinks, float scale, "
         "int window) -> Tensor");
   m.def("isa() -> str", &gd::isa);
+  m.def("prefill_attention_supported(int head_dim) -> bool", &gd::prefill_attention_supported);
 }
 
 TORCH_LIBRARY_IMPL(gigadecode_native, CPU, m) {

@@ -64,6 +64,7 @@ constexpr PvFn PV[9] = {nullptr, pv_for<1>(), pv_for<2>(), pv_for<3>(), pv_for<4
 
 }  // namespace
 
+// whether this build runs the kernel for head dim d (the Python side asks before it calls)
 bool prefill_attention_supported(int64_t d) { return d % 16 == 0 && d >= 16 && d <= 128; }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
@@ -117,10 +118,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const PvFn pv = PV[DV];
   at::parallel_for(0, nkv * tiles, 1, [&](int64_t w0, int64_t w1) {
     const int64_t Rmax = (QT * rep + RG - 1) / RG * RG;
-    float* acc = scratch(0, Rmax * d + Rmax * 3 + Rmax * KC / 2);     // [R][d] outputs, m, l, row positions
+    float* acc = scratch(0, Rmax * d + 2 * Rmax + Rmax * KC / 2);     // [R][d] outputs, max, sum, pairs
     float* mx = acc + Rmax * d;
     float* sum = mx + Rmax;
-    int64_t* rpos = reinterpret_cast<int64_t*>(scratch(1, 2 * Rmax));
+    int64_t* rpos = reinterpret_cast<int64_t*>(scratch(1, 2 * Rmax));   // [R] row positions
     uint32_t* pb = reinterpret_cast<uint32_t*>(sum + Rmax);          // [R][KC / 2] bf16 probability pairs
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t h = w / tiles, i = w % tiles;              // tiles alternate early / late (causal cost)
