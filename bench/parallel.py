@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
 from gigadecode.config import GptOssConfig  # noqa: E402
 from gigadecode.parallel.launch import run_parallel_generate  # noqa: E402
-from gigadecode.parallel.mesh import build_layout  # noqa: E402
+from gigadecode.distributed.mesh import build_layout  # noqa: E402
 from gigadecode.parallel.spawn import generate_job, run_world  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "gigadecode"

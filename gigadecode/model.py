@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from . import native
 from .config import GptOssConfig
+from .distributed.context import ParallelContext
 from .kv.cache import KVCache
 from .ops import flash_sink_attention, moe_tokens, rms_norm, route, swiglu
 from .rope import Rope, apply_rope
@@ -47,13 +48,13 @@ class ForwardOutput:
 class GptOssModel:
     """Per-layer reference model over `ModelWeights` and a `KVCache`.
 
-    `parallel` (a `gigadecode.parallel.ParallelContext`, None = one rank, no collectives): the weights are
+    `parallel` (this rank's `ParallelContext`, None = one rank, no collectives): the weights are
     this rank's shard; attention runs the local heads and all-reduces the o-proj over TP, the MoE runs the
     local experts and sums over EP, and the logits are this rank's vocabulary columns
     `[vocab_start, vocab_stop)` (use `parallel.greedy` / `parallel.gather_logits`)."""
 
     def __init__(self, cfg: GptOssConfig, weights: ModelWeights, dtype: torch.dtype,
-                 parallel=None) -> None:
+                 parallel: ParallelContext | None = None) -> None:
         self.cfg, self.w, self.dtype = cfg, weights, dtype
         self.parallel = parallel
         self.rope = Rope(cfg, dtype)

@@ -72,7 +72,7 @@ import torch
 from .config import GptOssConfig
 from .kv.dcp import TokenShard
 from .kv.spec import cdiv, get_kv_spec, group_kv_specs
-from .parallel.mesh import build_layout
+from .distributed.mesh import build_layout
 from .weights import Shard, build_stacked_weight_specs, local_heads
 
 GIB = 1024**3

@@ -22,6 +22,7 @@ import torch
 
 from . import native
 from .config import GptOssConfig
+from .distributed.context import ParallelContext
 from .engine_config import EngineConfig
 from .gk.attn_control import build_attention_control
 from .gk.model import GptOssGKDecodeModel
@@ -89,7 +90,7 @@ class GKDecoder:
 
 
 def build_decoder(cfg: GptOssConfig, weights: ModelWeights, model: GptOssModel, kv: KVCache, ecfg: EngineConfig,
-                  parallel=None) -> Decoder:
+                  parallel: ParallelContext | None = None) -> Decoder:
     """The factory gate: the GK model when `gk_decode`, the per-layer model otherwise (untouched)."""
     if not ecfg.gk_decode or ecfg.decoder == "reference":
         return ReferenceDecoder(model)
@@ -122,7 +123,7 @@ def _plain_greedy(p: SamplingParams, num_output: int) -> bool:
 class ModelRunner:
     def __init__(self, model_dir: str | Path, ecfg: EngineConfig, cfg: GptOssConfig | None = None,
                  weights: ModelWeights | None = None, progress: bool = False,
-                 parallel=None) -> None:
+                 parallel: ParallelContext | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.cfg = cfg or GptOssConfig.from_hf(self.model_dir)
         self.ecfg = ecfg
@@ -130,7 +131,7 @@ class ModelRunner:
         if ecfg.threads is not None:
             torch.set_num_threads(ecfg.threads)
         native.load()                     # build (once per machine) or load the kernels now, not on a request
-        self.parallel = parallel          # gigadecode.parallel.ParallelContext or None (one rank)
+        self.parallel = parallel          # None: one rank
         shard = parallel.shard if parallel is not None else Shard()
         self.weights = weights or load_weights(self.model_dir, self.cfg, self.dtype, shard, progress=progress)
         self.model = GptOssModel(self.cfg, self.weights, self.dtype, parallel=parallel)

@@ -23,7 +23,7 @@ from gigadecode.kv.manager import KVCacheManager
 from gigadecode.kv.spec import get_kv_spec, make_kv_cache_config
 from gigadecode.ops import flash_sink_attention
 from gigadecode.parallel.launch import run_parallel_generate
-from gigadecode.parallel.mesh import LayoutError, build_layout
+from gigadecode.distributed.mesh import LayoutError, build_layout
 from gigadecode.parallel.spawn import generate_job, run_world
 
 from .helpers import random_prompt

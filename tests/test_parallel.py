@@ -1,6 +1,6 @@
 """TP × DP × EP decode on torch.distributed (gloo on loopback, one torch thread per rank).
 
-- the rank layout (`parallel.mesh`): the seed's TP8 × DP16 × EP128 and small layouts, and the errors;
+- the rank layout (`distributed.mesh`): the seed's TP8 × DP16 × EP128 and small layouts, and the errors;
 - sharded loading: each rank's stacks are exact slices of the full model (kv heads replicated when
   tp > kv heads, uneven vocabulary shards zero-padded) and its resident bytes are its shard plus the
   replicated parts, never the full model;
@@ -23,9 +23,9 @@ import torch
 
 from gigadecode.checkpoint import make_checkpoint, preset_config
 from gigadecode.config import GptOssConfig
-from gigadecode.parallel.context import CollectiveStats
+from gigadecode.distributed.context import CollectiveStats
 from gigadecode.parallel.launch import run_parallel_generate
-from gigadecode.parallel.mesh import LayoutError, build_layout
+from gigadecode.distributed.mesh import LayoutError, build_layout
 from gigadecode.parallel.spawn import argmax_job, generate_job, run_world
 from gigadecode.weights import Shard, load_weights
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..distributed.context import ParallelContext
 from ..mxfp4 import _luts
 from ..kv.cache import write_kv
 from ..native.twins import decode_attention, paged_decode_attention_partial
@@ -270,7 +271,7 @@ class LayerBlocks:
 
 def dcp_attention(x: torch.Tensor, Wl: LayerWeights, kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                   cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor, slot: torch.Tensor, fpos: torch.Tensor,
-                  first: torch.Tensor, active: torch.Tensor, *, spec: KernelSpec, parallel,
+                  first: torch.Tensor, active: torch.Tensor, *, spec: KernelSpec, parallel: ParallelContext,
                   blocks: LayerBlocks
                   ) -> torch.Tensor:
     """One layer's attention on a DCP rank, up to the o-proj: x [Bt, H] -> [Bt, nh*d]. Writes the step's K/V
@@ -292,13 +293,13 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
                                k_bufs: tuple[torch.Tensor, ...] | None, v_bufs: tuple[torch.Tensor, ...] | None,
                                ctl: AttentionControl, *, spec: KernelSpec,
                                K_cache: torch.Tensor | None = None, V_cache: torch.Tensor | None = None,
-                               return_hidden: bool = False, parallel=None,
+                               return_hidden: bool = False, parallel: ParallelContext | None = None,
                                blocks: LayerBlocks | None = None,
                                kv_bufs: tuple[torch.Tensor, ...] | None = None,
                                layers: list[LayerWeights] | None = None) -> torch.Tensor:
     """One decode step over all layers. input_ids [Bt] -> logits [Bt, V] (or the final hidden [Bt, H]).
 
-    `parallel` (a `gigadecode.parallel.ParallelContext`; None = one rank, no collectives): W is this rank's
+    `parallel` (this rank's `ParallelContext`; None = one rank, no collectives): W is this rank's
     shard. Per layer: local heads, o-proj all-reduced over the TP group (bias added once), MoE on the local
     experts summed over the EP group (gathering the EP group's DP tokens first when it spans several: every
     DP group must pass the same batch bucket Bt). Returns this rank's vocabulary columns

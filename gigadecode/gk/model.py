@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..config import GptOssConfig
+from ..distributed.context import ParallelContext
 from ..kv.spec import KVCacheConfig, KVSpec, get_kv_spec
 from ..mxfp4 import _luts
 from ..weights import ModelWeights
@@ -60,9 +61,9 @@ class GptOssGKDecodeModel(torch.nn.Module):
 
     def __init__(self, cfg: GptOssConfig, weights: ModelWeights, kv_config: KVCacheConfig, block_size: int,
                  k_scale: float = 1.0, v_scale: float = 1.0, compiled: bool = False,
-                 parallel=None, native: bool = False) -> None:
+                 parallel: ParallelContext | None = None, native: bool = False) -> None:
         super().__init__()
-        self.parallel = parallel      # gigadecode.parallel.ParallelContext (None = one rank)
+        self.parallel = parallel      # None: one rank
         self.cfg, self.weights, self.kv_config = cfg, weights, kv_config
         self.block_size = block_size
         self.spec = kernel_spec(cfg, weights, kv_config, block_size, k_scale, v_scale)

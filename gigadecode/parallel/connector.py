@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..connector.base import KVConnectorBase
 from ..connector.dcp_reads import combine
 from ..connector.params import KVTransferParams, RemoteRank
-from .context import ParallelContext
+from ..distributed.context import ParallelContext
 
 
 class TPGroupConnector(KVConnectorBase):

@@ -44,8 +44,8 @@ from ..engine import LLMEngine, Request, RequestError, RequestOutput, Status
 from ..request import EngineStats
 from ..runner import ModelRunner
 from ..sampling import SamplingParams
-from .context import ParallelContext, init_distributed, make_parallel_context
-from .mesh import LayoutError
+from ..distributed.context import ParallelContext, init_distributed, make_parallel_context
+from ..distributed.mesh import LayoutError
 
 
 @dataclass

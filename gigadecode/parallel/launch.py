@@ -20,7 +20,7 @@ from ..engine import LLMEngine
 from ..runner import ModelRunner
 from ..sampling import SamplingParams
 from .engine import DistributedEngine, StepTrace, build_parallel_engine, run_worker
-from .mesh import build_layout
+from ..distributed.mesh import build_layout
 
 
 def run_parallel_generate(model_dir: str | Path, prompts: list[list[int]], tp: int = 1, dp: int = 1, ep: int = 1,

@@ -22,7 +22,7 @@ from ..sampling import MAX_LOGPROBS
 from . import deps
 from .outputs import (Choice, HarmonyRenderer, TextRenderer, chat_logprobs, run_to_end, sse_response, start,
                       stream_events, usage)
-from .protocol import APIError, ChatBody, read_body, sampling_params, stop_strings
+from .protocol import APIError, ChatBody, sampling_params, stop_strings
 
 router = APIRouter()
 
@@ -84,10 +84,8 @@ def _delta(pieces: list, include_reasoning: bool) -> dict[str, Any]:
 
 @router.post("/v1/chat/completions", dependencies=[Depends(deps.check_key)])
 async def chat_completions(request: Request) -> Response:
-    raw, req = await read_body(request, ChatBody, chat=True)
-    deps.check_model(request, req.model)
-    aeng = deps.engine(request)
-    codec, name = aeng.codec, deps.settings(request).served_model_name
+    raw, req, aeng, name = await deps.open_generation(request, ChatBody, chat=True)
+    codec = aeng.codec
     if codec is None:
         raise APIError(400, "this model has no tokenizer, so it cannot take chat messages; use "
                             "/v1/completions with token ids", param="messages")

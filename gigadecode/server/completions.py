@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from . import deps
 from .body import BodyError, load_object
 from .outputs import Choice, TextRenderer, completion_logprobs, run_to_end, sse_response, start, stream_events, usage
-from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, APIError, CompletionBody, read_body, sampling_params, stop_strings
+from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, APIError, CompletionBody, sampling_params, stop_strings
 
 router = APIRouter()
 
@@ -58,10 +58,8 @@ async def tokenize(request: Request) -> JSONResponse:
 
 @router.post("/v1/completions", dependencies=[Depends(deps.check_key)])
 async def completions(request: Request) -> Response:
-    raw, req = await read_body(request, CompletionBody, chat=False)
-    deps.check_model(request, req.model)
-    aeng = deps.engine(request)
-    codec, name = aeng.codec, deps.settings(request).served_model_name
+    raw, req, aeng, name = await deps.open_generation(request, CompletionBody, chat=False)
+    codec = aeng.codec
     prompts = completion_prompts(req.prompt, codec)
     params = sampling_params(raw, raw.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS), raw.get("logprobs"),
                              deps.sampling_defaults(aeng))

@@ -1,17 +1,20 @@
 """What every route of the API server needs from the app: its settings (`ServerSettings`, on
-`app.state.settings`), the engine (`engine`), the API-key check (`check_key`) and the model-name check."""
+`app.state.settings`), the engine (`engine`), the API-key check (`check_key`), the model-name check and a generation route's prologue
+(`open_generation`)."""
 
 from __future__ import annotations
 
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
+from pydantic import BaseModel
 
 from ..connector.params import KVTransferParams
 from .async_engine import AsyncEngine
-from .protocol import APIError
+from .protocol import APIError, read_body
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,15 @@ def check_model(request: Request, model: str | None) -> None:
     if model is not None and model != name:
         raise APIError(404, f"the model `{model}` does not exist (this server serves `{name}`)", param="model",
                        code="model_not_found")
+
+
+async def open_generation(request: Request, body: type[BaseModel], chat: bool
+                          ) -> tuple[dict[str, Any], Any, AsyncEngine, str]:
+    """A generation route's prologue: the body read and checked (strict JSON, parsed into `body`, unsupported
+    fields refused, the model name this server's) -> (raw dict, parsed body, engine, served model name)."""
+    raw, req = await read_body(request, body, chat=chat)
+    check_model(request, req.model)
+    return raw, req, engine(request), settings(request).served_model_name
 
 
 def advertised(request: Request, kv: KVTransferParams | None) -> KVTransferParams | None:

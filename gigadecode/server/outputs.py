@@ -25,12 +25,12 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..sampling import SamplingParams
 from .async_engine import AsyncEngine, RequestStream
+from .disconnect import ClientGone, unless_disconnected
 from .protocol import APIError, engine_error, error_body
 
 log = logging.getLogger("gigadecode.server")
 
 LOGPROB_FLOOR = -9999.0                     # JSON has no -inf
-DISCONNECT_POLL_S = 0.2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,26 +290,6 @@ async def merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, An
             t.cancel()
 
 
-class ClientGone(Exception):
-    pass
-
-
-async def _unless_disconnected(request: Request, coro: Any) -> Any:
-    """Await coro; cancel it (aborting its requests) when the client goes away first."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise ClientGone()
-    finally:
-        if not task.done():
-            task.cancel()
-
-
 async def _collect(choices: list[Choice]) -> None:
     async for i, out in merge([c.stream for c in choices]):
         choices[i].absorb(out)
@@ -328,7 +308,7 @@ def _final_error(choices: list[Choice]) -> None:
 async def run_to_end(request: Request, choices: list[Choice]) -> Response | None:
     """Non-streaming: every choice to its end (None), or 499 when the client left; failures raise."""
     try:
-        await _unless_disconnected(request, _collect(choices))
+        await unless_disconnected(request, _collect(choices))
     except ClientGone:
         return Response(status_code=499)
     _final_error(choices)

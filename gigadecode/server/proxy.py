@@ -36,12 +36,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .body import BodyError, BodyLimit, load_object
+from .disconnect import ClientGone, unless_disconnected
 
 log = logging.getLogger("gigadecode.proxy")
 
 FORWARD_HEADERS = ("authorization", "x-request-id")
 CONNECT_TIMEOUT_S = 10.0
-DISCONNECT_POLL_S = 0.2
 
 
 def _error(status: int, message: str, type: str = "server_error", code: str | None = None) -> JSONResponse:
@@ -167,33 +167,17 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
 
         stream = body.get("stream") is True
         if not stream:
-            task = asyncio.ensure_future(_prefill_and_decode(http, decodes, path, headers, prepare_decode))
             try:
-                while True:
-                    done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                    if done:
-                        return task.result()
-                    if await request.is_disconnected():
-                        task.cancel()
-                        return Response(status_code=499)
-            finally:
-                if not task.done():
-                    task.cancel()
+                return await unless_disconnected(request, _prefill_and_decode(http, decodes, path, headers,
+                                                                              prepare_decode))
+            except ClientGone:
+                return Response(status_code=499)
 
         # streaming: prefill (watching for disconnect), then relay the decode server's stream
-        ptask = asyncio.ensure_future(prepare_decode())
         try:
-            while True:
-                done, _ = await asyncio.wait({ptask}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    ptask.cancel()
-                    return Response(status_code=499)
-        finally:
-            if not ptask.done():
-                ptask.cancel()
-        dbody = ptask.result()
+            dbody = await unless_disconnected(request, prepare_decode())
+        except ClientGone:
+            return Response(status_code=499)
         if isinstance(dbody, Response):
             return dbody
         tried: list[Upstream] = []
