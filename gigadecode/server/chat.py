@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from ..sampling import MAX_LOGPROBS
 from . import deps
 from .outputs import (Choice, HarmonyRenderer, TextRenderer, chat_logprobs, run_to_end, sse_response, start,
-                      stream_events, usage)
+                      stream_chunk, stream_events, usage)
 from .protocol import APIError, ChatBody, sampling_params, stop_strings
 
 router = APIRouter()
@@ -122,12 +122,7 @@ async def chat_completions(request: Request) -> Response:
                                  "logprobs": chat_logprobs(codec, out.new_logprobs or ())
                                  if params.logprobs is not None else None,
                                  "finish_reason": c.finish_reason if c.done else None}
-            if req.return_token_ids:
-                d["token_ids"] = list(out.new_token_ids)
-            body = {**head, "choices": [d]}
-            if c.done:
-                body["kv_transfer_params"] = c.kv_transfer_params
-            return body
+            return stream_chunk(head, c, d, out.new_token_ids if req.return_token_ids else None)
         first = [{**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]} for c in choices]
         include = req.stream_options and req.stream_options.include_usage

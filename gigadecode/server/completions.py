@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse, Response
 
 from . import deps
 from .body import BodyError, load_object
-from .outputs import Choice, TextRenderer, completion_logprobs, run_to_end, sse_response, start, stream_events, usage
+from .outputs import (Choice, TextRenderer, completion_logprobs, run_to_end, sse_response, start, stream_chunk,
+                      stream_events, usage)
 from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, APIError, CompletionBody, sampling_params, stop_strings
 
 router = APIRouter()
@@ -80,12 +81,7 @@ async def completions(request: Request) -> Response:
                 return None
             d = choice_body(c, text, out.new_logprobs or (), c.text_offset)
             c.text_offset += len(text)
-            if req.return_token_ids:
-                d["token_ids"] = list(out.new_token_ids)
-            body = {**head, "choices": [d]}
-            if c.done:
-                body["kv_transfer_params"] = c.kv_transfer_params
-            return body
+            return stream_chunk(head, c, d, out.new_token_ids if req.return_token_ids else None)
         include = req.stream_options and req.stream_options.include_usage
         return sse_response(stream_events(choices, chunk, [], {**head, "choices": []} if include else None))
 

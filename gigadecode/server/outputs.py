@@ -215,6 +215,18 @@ def usage(choices: Sequence[Choice]) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
 
+def stream_chunk(head: dict[str, Any], c: Choice, d: dict[str, Any], token_ids: Sequence[int] | None
+                 ) -> dict[str, Any]:
+    """One SSE chunk of choice `c`: its choice body `d` (with the new token ids when the request asked for them),
+    and on its last chunk the request's `kv_transfer_params` (a prefill's answer for the decode side)."""
+    if token_ids is not None:
+        d["token_ids"] = list(token_ids)
+    body = {**head, "choices": [d]}
+    if c.done:
+        body["kv_transfer_params"] = c.kv_transfer_params
+    return body
+
+
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
