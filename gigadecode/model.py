@@ -163,7 +163,7 @@ class GptOssModel:
             lo = max(0, c.start - window + 1) if window else 0
             b0, b1 = lo // B, (c.start + n - 1) // B
             keys, vals = kv.gather(layer, torch.tensor(table[b0: b1 + 1], dtype=torch.long))  # [S, nkv, d]
-            if self._native_attention and native.prefill_attention_fits(keys.shape[0], keys.shape[1], d):
+            if self._native_attention:
                 o = native.prefill_attention(q[off: off + n], keys, vals, qpos, b0 * B, lw.sinks, self.scale,
                                              window or 0)
             else:

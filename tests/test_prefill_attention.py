@@ -137,6 +137,11 @@ needs_kernel = pytest.mark.skipif(not native.prefill_attention_supported(torch.b
     (20, 70, 2, 2, 64, 30, 0, 1),          # window 1: each query sees only itself
     (70, 100, 1, 4, 64, 0, 30, None),      # queries before the first key see nothing: 0
     (300, 420, 4, 4, 64, 120, 0, 128),     # many query tiles and key chunks, GPT-OSS's window
+    # more keys than one window of the kernel's pair layouts (4096): the softmax state carried across them
+    (40, 9000, 1, 2, 16, 8960, 0, None),   # full attention over two whole windows and a partial one
+    (33, 8300, 2, 1, 32, 8250, 100, 4200), # a sliding window wider than a key window, keys from 100 on
+    (50, 4200, 1, 3, 16, 4150, 0, 128),    # GPT-OSS's window straddling the first key-window edge
+    (300, 4400, 1, 2, 16, 4000, 0, None),  # query tiles on both sides of the edge, the first ones see keys
 ])
 def test_native_prefill_attention_matches_dense(T, S, nkv, rep, d, q_start, k_start, window):
     q, k, v, q_pos, k_pos, sinks = make_case(T, S, nkv, rep, d, q_start, k_start, torch.bfloat16, seed=T + 7 * S)

@@ -39,7 +39,7 @@ from . import twins
 from .build import load, status
 
 __all__ = ["moe_mxfp4", "mxfp4_dequant", "mxfp4_dequant_into", "swiglu", "linear", "paged_decode_attention", "paged_decode_attention_partial",
-           "rope_kv_write", "rms_norm", "prefill_attention", "prefill_attention_supported", "prefill_attention_fits",
+           "rope_kv_write", "rms_norm", "prefill_attention", "prefill_attention_supported",
            "available", "status", "twins"]
 
 
@@ -115,16 +115,6 @@ def rms_norm(x, weight, eps: float) -> torch.Tensor:
 def prefill_attention(q, k, v, q_pos, k_start: int, sinks, scale: float, window: int = 0) -> torch.Tensor:
     return _op("prefill_attention")(q.contiguous(), k.contiguous(), v.contiguous(), q_pos.contiguous(), int(k_start),
                                     sinks, float(scale), int(window))
-
-
-# The kernel lays K and V out per kv head in a scratch of 8 bytes per key, kv head and dim, kept for reuse;
-# past this many bytes (~16k keys at 8 kv heads of 64 dims) the torch form runs instead, so a long prompt's
-# later chunks do not leave a scratch the size of its whole KV behind.
-PREFILL_ATTENTION_MAX_SCRATCH = 64 * 2**20
-
-
-def prefill_attention_fits(num_keys: int, num_kv_heads: int, head_dim: int) -> bool:
-    return 8 * num_keys * num_kv_heads * head_dim <= PREFILL_ATTENTION_MAX_SCRATCH
 
 
 def prefill_attention_supported(dtype: torch.dtype, head_dim: int) -> bool:

@@ -9,6 +9,8 @@
 //   dims p is broadcast and meets 16 keys per instruction -> 16 scores in the lanes;
 // - values: per kv head, V as key pairs (Vp[j][i] = v[2j][i], v[2j+1][i]); a row's pair of probabilities is
 //   broadcast and meets 16 output dims per instruction.
+// Keys are taken in windows of KW (the layouts of one window at a time: scratch bounded by KW, not by the
+// context), each row's online-softmax state carried from one window to the next.
 // Work: (kv head, 16 query positions) items over the threads; the rep = nh / nkv query heads of a kv head are
 // its rows (row = t * rep + head), processed 8 at a time for the scores and in groups of 16 / (d / 16) for PV.
 // Key chunks of 32 are skipped for a row group none of whose queries sees them. Softmax in fp32, P rounded to
@@ -28,6 +30,7 @@ namespace {
 constexpr int QT = 16;         // query positions per work item
 constexpr int KC = 32;         // keys per chunk: two vectors of scores
 constexpr int RG = 8;          // rows per score group
+constexpr int64_t KW = 4096;   // keys per window of the pair layouts (a multiple of KC)
 
 // acc[r][j] += p(row r) · Vp rows [j0, j0 + 16) over one chunk's key pairs, RP rows, DV vectors of 16 dims
 template <int RP, int DV>
@@ -80,137 +83,168 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(q_pos.scalar_type() == at::kLong && q_pos.numel() == T && q_pos.is_contiguous(), "q_pos must be int64 [T]");
   TORCH_CHECK(sinks.numel() == nh, "sinks must have one value per q head");
   TORCH_CHECK(window >= 0, "window must be >= 0");
+  TORCH_CHECK(S < (int64_t(1) << 31), "prefill_attention: key indices must fit 32 bits");
   at::Tensor out = at::zeros({T, nh, d}, q.options());
   if (T == 0 || S == 0) return out;
   const int64_t rep = nh / nkv, half = d / 2, DV = d / 16;
-  const int64_t Sp = (S + KC - 1) / KC * KC;                          // keys padded to whole chunks (zeros)
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(k.data_ptr());
   const uint16_t* vptr = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const int64_t* qp = q_pos.data_ptr<int64_t>();
   at::Tensor sk = sinks.contiguous();
   const FloatView sv(sk);
+  const int64_t qlo = *std::min_element(qp, qp + T), qhi = *std::max_element(qp, qp + T);
 
-  // the two pair layouts, per kv head: Kt [nkv][half][Sp] and Vp [nkv][Sp / 2][d] 32-bit words
-  uint32_t* kt = reinterpret_cast<uint32_t*>(shared_scratch(0, nkv * half * Sp));
-  uint32_t* vpairs = reinterpret_cast<uint32_t*>(shared_scratch(1, nkv * (Sp / 2) * d));
-  at::parallel_for(0, nkv * (Sp / 2), 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t h = i / (Sp / 2), j = i % (Sp / 2);               // key pair j of kv head h
-      for (int e = 0; e < 2; ++e) {
-        const int64_t s = 2 * j + e;
-        if (s >= S) {
-          for (int64_t p = 0; p < half; ++p) kt[(h * half + p) * Sp + s] = 0;
-          continue;
-        }
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(kp + (s * nkv + h) * d);
-        for (int64_t p = 0; p < half; ++p) kt[(h * half + p) * Sp + s] = row[p];
-      }
-      uint32_t* dst = vpairs + (h * (Sp / 2) + j) * d;
-      const uint16_t* v0 = 2 * j < S ? vptr + ((2 * j) * nkv + h) * d : nullptr;
-      const uint16_t* v1 = 2 * j + 1 < S ? vptr + ((2 * j + 1) * nkv + h) * d : nullptr;
-      for (int64_t c = 0; c < d; ++c) dst[c] = uint32_t(v0 ? v0[c] : 0) | uint32_t(v1 ? v1[c] : 0) << 16;
-    }
-  });
+  // the softmax state of every row, kept across the key windows: [items][Rmax] rows of d outputs, max, sum
+  const int64_t tiles = (T + QT - 1) / QT, items = nkv * tiles;
+  const int64_t Rmax = (QT * rep + RG - 1) / RG * RG;
+  float* acc_all = shared_scratch(2, items * Rmax * (d + 2));
+  float* mx_all = acc_all + items * Rmax * d;
+  float* sum_all = mx_all + items * Rmax;
+  std::fill(acc_all, acc_all + items * Rmax * d, 0.f);
+  std::fill(mx_all, mx_all + items * Rmax, -INFINITY);
+  std::fill(sum_all, sum_all + items * Rmax, 0.f);
+  // item w: kv head w / tiles and 16 query positions from t0; tiles alternate early / late (causal cost)
+  auto tile_start = [&](int64_t w) {
+    const int64_t i = w % tiles;
+    return (i % 2 == 0 ? i / 2 : tiles - 1 - i / 2) * QT;
+  };
 
-  const int64_t tiles = (T + QT - 1) / QT;
+  // keys any query sees, in windows of KW: the pair layouts of one window at a time (scratch bounded by KW,
+  // not by the context), every item's rows carried through them
+  const int64_t k_first = window ? std::max<int64_t>(0, qlo - window + 1 - k_start) / KC * KC : 0;
+  const int64_t k_last = std::min<int64_t>(S - 1, qhi - k_start);
   const float sc = float(scale);
   const int rp = DV <= 4 ? 4 : 2;
   const PvFn pv = PV[DV];
-  at::parallel_for(0, nkv * tiles, 1, [&](int64_t w0, int64_t w1) {
-    const int64_t Rmax = (QT * rep + RG - 1) / RG * RG;
-    float* acc = scratch(0, Rmax * d + 2 * Rmax + Rmax * KC / 2);     // [R][d] outputs, max, sum, pairs
-    float* mx = acc + Rmax * d;
-    float* sum = mx + Rmax;
-    int64_t* rpos = reinterpret_cast<int64_t*>(scratch(1, 2 * Rmax));   // [R] row positions
-    uint32_t* pb = reinterpret_cast<uint32_t*>(sum + Rmax);          // [R][KC / 2] bf16 probability pairs
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t h = w / tiles, i = w % tiles;              // tiles alternate early / late (causal cost)
-      const int64_t t0 = (i % 2 == 0 ? i / 2 : tiles - 1 - i / 2) * QT, tq = std::min<int64_t>(QT, T - t0);
-      const int64_t R = tq * rep, Rp = (R + RG - 1) / RG * RG;
-      std::fill(acc, acc + Rp * d, 0.f);
-      std::fill(mx, mx + Rp, -INFINITY);
-      std::fill(sum, sum + Rp, 0.f);
-      int64_t qmin = INT64_MAX, qmax = INT64_MIN;
-      for (int64_t r = 0; r < Rp; ++r) {
-        rpos[r] = qp[t0 + std::min(r, R - 1) / rep];
-        qmin = std::min(qmin, rpos[r]);
-        qmax = std::max(qmax, rpos[r]);
+  for (int64_t ws = k_first; ws <= k_last; ws += KW) {
+    const int64_t we = std::min<int64_t>(std::min<int64_t>(S, k_last + 1), ws + KW);   // keys [ws, we)
+    const int64_t Sw = (we - ws + KC - 1) / KC * KC;                  // padded to whole chunks (zeros)
+    // Kt [nkv][half][Sw] and Vp [nkv][Sw / 2][d] 32-bit words of keys ws..
+    uint32_t* kt = reinterpret_cast<uint32_t*>(shared_scratch(0, nkv * half * Sw));
+    uint32_t* vpairs = reinterpret_cast<uint32_t*>(shared_scratch(1, nkv * (Sw / 2) * d));
+    at::parallel_for(0, nkv * (Sw / 2), 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t h = i / (Sw / 2), j = i % (Sw / 2);             // local key pair j of kv head h
+        for (int e = 0; e < 2; ++e) {
+          const int64_t s = ws + 2 * j + e, col = 2 * j + e;
+          if (s >= we) {
+            for (int64_t p = 0; p < half; ++p) kt[(h * half + p) * Sw + col] = 0;
+            continue;
+          }
+          const uint32_t* row = reinterpret_cast<const uint32_t*>(kp + (s * nkv + h) * d);
+          for (int64_t p = 0; p < half; ++p) kt[(h * half + p) * Sw + col] = row[p];
+        }
+        uint32_t* dst = vpairs + (h * (Sw / 2) + j) * d;
+        const int64_t s0 = ws + 2 * j;
+        const uint16_t* v0 = s0 < we ? vptr + (s0 * nkv + h) * d : nullptr;
+        const uint16_t* v1 = s0 + 1 < we ? vptr + ((s0 + 1) * nkv + h) * d : nullptr;
+        for (int64_t c = 0; c < d; ++c) dst[c] = uint32_t(v0 ? v0[c] : 0) | uint32_t(v1 ? v1[c] : 0) << 16;
       }
-      const uint32_t* kth = kt + h * half * Sp;
-      const uint32_t* vph = vpairs + h * (Sp / 2) * d;
-      const int64_t last = std::min<int64_t>(S - 1, qmax - k_start);
-      const int64_t first = window ? std::max<int64_t>(0, qmin - window + 1 - k_start) : 0;
-      for (int64_t c0 = first / KC * KC; c0 <= last; c0 += KC) {
-        for (int64_t g = 0; g < Rp; g += RG) {
-          int64_t gmin = INT64_MAX, gmax = INT64_MIN;
-          for (int r = 0; r < RG; ++r) gmin = std::min(gmin, rpos[g + r]), gmax = std::max(gmax, rpos[g + r]);
-          if (k_start + c0 > gmax || (window && k_start + c0 + KC - 1 <= gmin - window)) {
-            for (int r = 0; r < RG; ++r) std::fill(pb + (g + r) * (KC / 2), pb + (g + r + 1) * (KC / 2), 0u);
-            continue;                                              // no query of the group sees the chunk
-          }
-          // scores of RG rows × 32 keys: the query's dim pairs broadcast against 16 keys a vector
-          __m512 s[RG][2];
-          for (int r = 0; r < RG; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
-          const uint32_t* qrow[RG];
-          for (int r = 0; r < RG; ++r) {
-            const int64_t row = std::min<int64_t>(g + r, R - 1), t = t0 + row / rep, hq = h * rep + row % rep;
-            qrow[r] = reinterpret_cast<const uint32_t*>(reinterpret_cast<const uint16_t*>(q.data_ptr()) + (t * nh + hq) * d);
-          }
-          for (int64_t p = 0; p < half; ++p) {
-            const __m512i k0 = _mm512_loadu_si512(kth + p * Sp + c0), k1 = _mm512_loadu_si512(kth + p * Sp + c0 + 16);
+    });
+
+    at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {
+      uint32_t* pb = reinterpret_cast<uint32_t*>(scratch(0, Rmax * KC / 2));   // [R][KC / 2] bf16 prob. pairs
+      int64_t* rpos = reinterpret_cast<int64_t*>(scratch(1, 2 * Rmax));        // [R] row positions
+      for (int64_t w = w0; w < w1; ++w) {
+        const int64_t h = w / tiles, t0 = tile_start(w), tq = std::min<int64_t>(QT, T - t0);
+        const int64_t R = tq * rep, Rp = (R + RG - 1) / RG * RG;
+        float* acc = acc_all + w * Rmax * d;
+        float* mx = mx_all + w * Rmax;
+        float* sum = sum_all + w * Rmax;
+        int64_t qmin = INT64_MAX, qmax = INT64_MIN;
+        for (int64_t r = 0; r < Rp; ++r) {
+          rpos[r] = qp[t0 + std::min(r, R - 1) / rep];
+          qmin = std::min(qmin, rpos[r]);
+          qmax = std::max(qmax, rpos[r]);
+        }
+        const uint32_t* kth = kt + h * half * Sw;
+        const uint32_t* vph = vpairs + h * (Sw / 2) * d;
+        const int64_t last = std::min<int64_t>(we - 1, qmax - k_start);
+        const int64_t first = std::max<int64_t>(ws, window ? qmin - window + 1 - k_start : 0);
+        for (int64_t c0 = ws + (first - ws) / KC * KC; c0 <= last; c0 += KC) {
+          const int64_t lc = c0 - ws;                                // the chunk's column in the window
+          for (int64_t g = 0; g < Rp; g += RG) {
+            int64_t gmin = INT64_MAX, gmax = INT64_MIN;
+            for (int r = 0; r < RG; ++r) gmin = std::min(gmin, rpos[g + r]), gmax = std::max(gmax, rpos[g + r]);
+            if (k_start + c0 > gmax || (window && k_start + c0 + KC - 1 <= gmin - window)) {
+              for (int r = 0; r < RG; ++r) std::fill(pb + (g + r) * (KC / 2), pb + (g + r + 1) * (KC / 2), 0u);
+              continue;                                              // no query of the group sees the chunk
+            }
+            // scores of RG rows × 32 keys: the query's dim pairs broadcast against 16 keys a vector
+            __m512 s[RG][2];
+            for (int r = 0; r < RG; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+            const uint32_t* qrow[RG];
             for (int r = 0; r < RG; ++r) {
-              const __m512i qb = _mm512_set1_epi32(int(qrow[r][p]));
-              s[r][0] = _mm512_dpbf16_ps(s[r][0], (__m512bh)k0, (__m512bh)qb);
-              s[r][1] = _mm512_dpbf16_ps(s[r][1], (__m512bh)k1, (__m512bh)qb);
+              const int64_t row = std::min<int64_t>(g + r, R - 1), t = t0 + row / rep, hq = h * rep + row % rep;
+              qrow[r] = reinterpret_cast<const uint32_t*>(qd + (t * nh + hq) * d);
             }
+            for (int64_t p = 0; p < half; ++p) {
+              const __m512i k0 = _mm512_loadu_si512(kth + p * Sw + lc), k1 = _mm512_loadu_si512(kth + p * Sw + lc + 16);
+              for (int r = 0; r < RG; ++r) {
+                const __m512i qb = _mm512_set1_epi32(int(qrow[r][p]));
+                s[r][0] = _mm512_dpbf16_ps(s[r][0], (__m512bh)k0, (__m512bh)qb);
+                s[r][1] = _mm512_dpbf16_ps(s[r][1], (__m512bh)k1, (__m512bh)qb);
+              }
+            }
+            // online softmax per row; invisible keys (future, outside the window, padding) get probability 0
+            const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            for (int r = 0; r < RG; ++r) {
+              const int64_t row = g + r, pos = rpos[row];
+              __mmask16 vis[2];
+              for (int hlf = 0; hlf < 2; ++hlf) {
+                const int64_t base = c0 + 16 * hlf;                  // key index of lane 0
+                const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(int(base)), lane);
+                __mmask16 m = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(int(std::min<int64_t>(we, pos - k_start + 1))));
+                if (window)
+                  m &= _mm512_cmpgt_epi32_mask(idx, _mm512_set1_epi32(int(pos - window - k_start)));
+                vis[hlf] = m;
+                s[r][hlf] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, _mm512_mul_ps(s[r][hlf], _mm512_set1_ps(sc)));
+              }
+              uint32_t* prow = pb + row * (KC / 2);
+              const float cmax = _mm512_reduce_max_ps(_mm512_max_ps(s[r][0], s[r][1]));
+              if (!(vis[0] | vis[1]) || cmax == -INFINITY) {
+                std::fill(prow, prow + KC / 2, 0u);
+                continue;
+              }
+              const float mnew = std::max(mx[row], cmax);
+              const float corr = mx[row] == -INFINITY ? 0.f : std::exp(mx[row] - mnew);
+              const __m512 mv = _mm512_set1_ps(mnew);
+              const __m512 p0 = _mm512_maskz_mov_ps(vis[0], vexp({_mm512_sub_ps(s[r][0], mv)}).v);
+              const __m512 p1 = _mm512_maskz_mov_ps(vis[1], vexp({_mm512_sub_ps(s[r][1], mv)}).v);
+              sum[row] = sum[row] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+              mx[row] = mnew;
+              if (corr != 1.f) {
+                float* a = acc + row * d;
+                for (int64_t j = 0; j < d; j += 16) _mm512_storeu_ps(a + j, _mm512_mul_ps(_mm512_loadu_ps(a + j), _mm512_set1_ps(corr)));
+              }
+              // 32 probabilities -> 16 bf16 pairs (keys 2i, 2i+1): the pair order of Vp
+              const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+              _mm512_storeu_si512(prow, pairs);
+            }
+            for (int64_t r = g; r < g + RG; r += rp)
+              pv(pb + r * (KC / 2), KC / 2, vph + (lc / 2) * d, d, KC / 2, acc + r * d, d);
           }
-          // online softmax per row; invisible keys (future, outside the window, padding) get probability 0
-          const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-          for (int r = 0; r < RG; ++r) {
-            const int64_t row = g + r, pos = rpos[row];
-            __mmask16 vis[2];
-            for (int hlf = 0; hlf < 2; ++hlf) {
-              const int64_t base = c0 + 16 * hlf;                  // key index of lane 0
-              const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(int(base)), lane);
-              __mmask16 m = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(int(std::min<int64_t>(S, pos - k_start + 1))));
-              if (window)
-                m &= _mm512_cmpgt_epi32_mask(idx, _mm512_set1_epi32(int(pos - window - k_start)));
-              vis[hlf] = m;
-              s[r][hlf] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, _mm512_mul_ps(s[r][hlf], _mm512_set1_ps(sc)));
-            }
-            uint32_t* prow = pb + row * (KC / 2);
-            const float cmax = _mm512_reduce_max_ps(_mm512_max_ps(s[r][0], s[r][1]));
-            if (!(vis[0] | vis[1]) || cmax == -INFINITY) {
-              std::fill(prow, prow + KC / 2, 0u);
-              continue;
-            }
-            const float mnew = std::max(mx[row], cmax);
-            const float corr = mx[row] == -INFINITY ? 0.f : std::exp(mx[row] - mnew);
-            const __m512 mv = _mm512_set1_ps(mnew);
-            const __m512 p0 = _mm512_maskz_mov_ps(vis[0], vexp({_mm512_sub_ps(s[r][0], mv)}).v);
-            const __m512 p1 = _mm512_maskz_mov_ps(vis[1], vexp({_mm512_sub_ps(s[r][1], mv)}).v);
-            sum[row] = sum[row] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-            mx[row] = mnew;
-            if (corr != 1.f) {
-              float* a = acc + row * d;
-              for (int64_t j = 0; j < d; j += 16) _mm512_storeu_ps(a + j, _mm512_mul_ps(_mm512_loadu_ps(a + j), _mm512_set1_ps(corr)));
-            }
-            // 32 probabilities -> 16 bf16 pairs (keys 2i, 2i+1): the pair order of Vp
-            const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-            _mm512_storeu_si512(prow, pairs);
-          }
-          for (int64_t r = g; r < g + RG; r += rp)
-            pv(pb + r * (KC / 2), KC / 2, vph + (c0 / 2) * d, d, KC / 2, acc + r * d, d);
         }
       }
-      // normalize, apply the sink, store
+    });
+  }
+
+  // normalize, apply the sink, store
+  at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t h = w / tiles, t0 = tile_start(w), R = std::min<int64_t>(QT, T - t0) * rep;
+      const float* acc = acc_all + w * Rmax * d;
       for (int64_t row = 0; row < R; ++row) {
         const int64_t t = t0 + row / rep, hq = h * rep + row % rep;
+        const float l = sum_all[w * Rmax + row];
+        if (l <= 0.f) continue;                                      // saw no key: 0
         uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr()) + (t * nh + hq) * d;
-        if (sum[row] <= 0.f) continue;                             // saw no key: 0
-        const float lse = mx[row] + std::log(sum[row]);
-        const float f = 1.f / sum[row] / (1.f + std::exp(sv[hq] - lse));   // sigmoid(lse - sink) / l
-        for (int64_t j = 0; j < d; ++j) o[j] = f32_to_bf16(acc[row * d + j] * f);
+        const float lse = mx_all[w * Rmax + row] + std::log(l);
+        const float f = 1.f / l / (1.f + std::exp(sv[hq] - lse));    // sigmoid(lse - sink) / l
+        for (int64_t j = 0; j < d; j += 16)                           // round to nearest even, as f32_to_bf16
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + row * d + j), _mm512_set1_ps(f))));
       }
     }
   });
