@@ -111,11 +111,10 @@ class LLMEngine:
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
             raise RequestError("prompt is empty" if not prompt_ids else "prompt must be a list of token ids",
                                param="prompt")
-        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= self.cfg.vocab_size
-               for t in prompt_ids):
-            bad = next(t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0
-                       or t >= self.cfg.vocab_size)
-            raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.cfg.vocab_size})",
+        bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not
+               0 <= t < self.cfg.vocab_size][:1]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab_size})",
                                param="prompt")
         n = len(prompt_ids)
         if n >= self.max_model_len:

@@ -67,7 +67,7 @@ def test_pool_double_free_and_null_free():
         pool.free([a])
     with pytest.raises(KVBlockError, match="double free"):
         pool.free([b, b])                         # checked before anything changes
-    assert pool.ref_count(b) == 1 and pool.num_free == 2
+    assert pool.num_free == 2                     # b still held once
     with pytest.raises(KVBlockError, match="out of range"):
         pool.free([7])
 
@@ -77,9 +77,11 @@ def test_pool_ref_counts():
     (a,) = pool.allocate(1)
     pool.share([a])
     pool.free([a])
-    assert pool.ref_count(a) == 1 and pool.num_free == 1
+    assert pool.num_free == 1                     # the shared reference still holds it
     pool.free([a])
-    assert pool.ref_count(a) == 0 and pool.num_free == 2
+    assert pool.num_free == 2
+    with pytest.raises(KVBlockError, match="double free"):
+        pool.free([a])
 
 
 # -- single-type managers -------------------------------------------------------------------------
@@ -108,7 +110,6 @@ def test_sliding_frees_exactly_out_of_window_blocks(block, window, tokens, compu
     assert m.allocate_for("r", tokens, 0) == list(range(1, cdiv(tokens, block) + 1))
     free0 = m.pool.num_free
     expect_freed = sum(1 for b in table if b == 0)
-    assert m.num_freeable("r", computed) == expect_freed
     assert m.remove_skipped_blocks("r", computed) == expect_freed
     assert m.block_table("r") == table
     assert m.pool.num_free == free0 + expect_freed

@@ -71,10 +71,6 @@ class BlockPool:
         """Blocks a request can ever get (all but the null block)."""
         return self.num_blocks - 1
 
-    def ref_count(self, block_id: int) -> int:
-        self._check_id(block_id)
-        return self._ref[block_id]
-
     def allocate(self, n: int) -> list[int]:
         """n fresh block ids (ref count 1 each); raises NoFreeBlocks and allocates nothing if short."""
         if n < 0:
@@ -162,10 +158,6 @@ class SingleTypeManager:
         table = self.tables.get(req_id, [])
         target = self._target(num_tokens)
         return max(0, target - max(len(table), self.num_skipped_blocks(num_computed_tokens)))
-
-    def num_freeable(self, req_id: str, num_computed_tokens: int) -> int:
-        """Real blocks `remove_skipped_blocks(req_id, num_computed_tokens)` would return to the pool."""
-        return len(self._newly_dead(req_id, num_computed_tokens))
 
     def _newly_dead(self, req_id: str, num_computed_tokens: int) -> list[int]:
         """Table indices of the real blocks wholly before the first visible token: walking back from there
