@@ -129,7 +129,9 @@ class DecodeBench:
     def step(self, decoder: str) -> None:
         # every decoder re-writes the same position: the same work each sample, no growth
         tables = [self.mgr.block_tables(r) for r in self.rids]
-        ids = [7] * self.batch
+        # a different token per slot, so even the first layer routes the batch's tokens to different experts
+        # (one token id for all would send the whole batch to the same 4 there)
+        ids = [3 + (i * 7919) % (self.cfg.vocab_size - 3) for i in range(self.batch)]
         if decoder == "per-layer":
             self.model.forward([SeqChunk([t], self.pos, tb) for t, tb in zip(ids, tables)], self.kv)
             return
