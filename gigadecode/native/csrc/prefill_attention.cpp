@@ -100,10 +100,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t Rmax = (QT * rep + RG - 1) / RG * RG;
   float* acc_all = shared_scratch(2, items * Rmax * (d + 2));
   float* mx_all = acc_all + items * Rmax * d;
-  float* sum_all = mx_all + items * Rmax;
-  std::fill(acc_all, acc_all + items * Rmax * d, 0.f);
-  std::fill(mx_all, mx_all + items * Rmax, -INFINITY);
-  std::fill(sum_all, sum_all + items * Rmax, 0.f);
+  float* sum_all = mx_all + items * Rmax;          // each item zeroes its own rows in the first window
   // item w: kv head w / tiles and 16 query positions from t0; tiles alternate early / late (causal cost)
   auto tile_start = [&](int64_t w) {
     const int64_t i = w % tiles;
@@ -114,6 +111,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   // not by the context), every item's rows carried through them
   const int64_t k_first = window ? std::max<int64_t>(0, qlo - window + 1 - k_start) / KC * KC : 0;
   const int64_t k_last = std::min<int64_t>(S - 1, qhi - k_start);
+  if (k_last < k_first) return out;                                    // no query sees a key: all 0
   const float sc = float(scale);
   const int rp = DV <= 4 ? 4 : 2;
   const PvFn pv = PV[DV];
@@ -152,6 +150,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
         float* acc = acc_all + w * Rmax * d;
         float* mx = mx_all + w * Rmax;
         float* sum = sum_all + w * Rmax;
+        if (ws == k_first) {                                            // the item's state, once
+          std::fill(acc, acc + Rp * d, 0.f);
+          std::fill(mx, mx + Rp, -INFINITY);
+          std::fill(sum, sum + Rp, 0.f);
+        }
         int64_t qmin = INT64_MAX, qmax = INT64_MIN;
         for (int64_t r = 0; r < Rp; ++r) {
           rpos[r] = qp[t0 + std::min(r, R - 1) / rep];
