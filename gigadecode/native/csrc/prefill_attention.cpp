@@ -100,7 +100,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t Rmax = (QT * rep + RG - 1) / RG * RG;
   float* acc_all = shared_scratch(2, items * Rmax * (d + 2));
   float* mx_all = acc_all + items * Rmax * d;
-  float* sum_all = mx_all + items * Rmax;          // each item zeroes its own rows in the first window
+  float* sum_all = mx_all + items * Rmax;
   // item w: kv head w / tiles and 16 query positions from t0; tiles alternate early / late (causal cost)
   auto tile_start = [&](int64_t w) {
     const int64_t i = w % tiles;
@@ -112,6 +112,13 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t k_first = window ? std::max<int64_t>(0, qlo - window + 1 - k_start) / KC * KC : 0;
   const int64_t k_last = std::min<int64_t>(S - 1, qhi - k_start);
   if (k_last < k_first) return out;                                    // no query sees a key: all 0
+  at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {         // every item's state, zeroed once
+    for (int64_t w = w0; w < w1; ++w) {
+      std::fill(acc_all + w * Rmax * d, acc_all + (w + 1) * Rmax * d, 0.f);
+      std::fill(mx_all + w * Rmax, mx_all + (w + 1) * Rmax, -INFINITY);
+      std::fill(sum_all + w * Rmax, sum_all + (w + 1) * Rmax, 0.f);
+    }
+  });
   const float sc = float(scale);
   const int rp = DV <= 4 ? 4 : 2;
   const PvFn pv = PV[DV];
@@ -150,11 +157,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
         float* acc = acc_all + w * Rmax * d;
         float* mx = mx_all + w * Rmax;
         float* sum = sum_all + w * Rmax;
-        if (ws == k_first) {                                            // the item's state, once
-          std::fill(acc, acc + Rp * d, 0.f);
-          std::fill(mx, mx + Rp, -INFINITY);
-          std::fill(sum, sum + Rp, 0.f);
-        }
         int64_t qmin = INT64_MAX, qmax = INT64_MIN;
         for (int64_t r = 0; r < Rp; ++r) {
           rpos[r] = qp[t0 + std::min(r, R - 1) / rep];
