@@ -1,6 +1,6 @@
 """What every route of the API server needs from the app: its settings (`ServerSettings`, on
-`app.state.settings`), the engine (`engine`), the API-key check (`check_key`), the model-name check and a generation route's prologue
-(`open_generation`)."""
+`app.state.settings`), the engine (`engine`), the API-key check (`check_key`), the model-name check and a
+generation route's prologue (`open_generation`)."""
 
 from __future__ import annotations
 

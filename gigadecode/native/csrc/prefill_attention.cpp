@@ -247,9 +247,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
         uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr()) + (t * nh + hq) * d;
         const float lse = mx_all[w * Rmax + row] + std::log(l);
         const float f = 1.f / l / (1.f + std::exp(sv[hq] - lse));    // sigmoid(lse - sink) / l
-        for (int64_t j = 0; j < d; j += 16)                           // round to nearest even, as f32_to_bf16
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + row * d + j), _mm512_set1_ps(f))));
+        for (int64_t j = 0; j < d; j += 16) {                         // round to nearest even, as f32_to_bf16
+          const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(acc + row * d + j), _mm512_set1_ps(f));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), (__m256i)_mm512_cvtneps_pbh(y));
+        }
       }
     }
   });
