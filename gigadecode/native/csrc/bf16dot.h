@@ -93,10 +93,12 @@ inline bool decode_rows_scaled_bf16(const uint8_t* blk, const uint8_t* scl, int6
 }
 
 // out[t * ldo + r] = w row r · x[t] for RT rows (row r at w + r*ldw) and TT inputs of K bf16 values:
-// exact products, fp32 sums; all accumulators in registers (fully unrolled)
+// exact products, fp32 sums; all accumulators in registers (fully unrolled). `lead` > 0: each row's line
+// `lead` bytes ahead is prefetched as the row is read (`prefetch_l2`; 0 for rows already in cache).
 template <int RT, int TT>
 struct DotTileBf16 {
-static void run(const uint16_t* w, int64_t ldw, int64_t K, const uint16_t* const* xs, float* out, int64_t ldo) {
+static void run(const uint16_t* w, int64_t ldw, int64_t K, const uint16_t* const* xs, float* out, int64_t ldo,
+                int64_t lead) {
   __m512 acc[RT][TT];
   const uint16_t* x[TT];
 #pragma GCC unroll 16
@@ -109,7 +111,10 @@ static void run(const uint16_t* w, int64_t ldw, int64_t K, const uint16_t* const
   for (int64_t k = 0; k < Kv; k += 32) {
     __m512i wv[RT];
 #pragma GCC unroll 16
-    for (int r = 0; r < RT; ++r) wv[r] = _mm512_loadu_si512(w + r * ldw + k);
+    for (int r = 0; r < RT; ++r) {
+      wv[r] = _mm512_loadu_si512(w + r * ldw + k);
+      if (lead) prefetch_l2(w + r * ldw + k, lead);
+    }
 #pragma GCC unroll 16
     for (int t = 0; t < TT; ++t)
 #pragma GCC unroll 16
@@ -125,7 +130,7 @@ static void run(const uint16_t* w, int64_t ldw, int64_t K, const uint16_t* const
     }
 }
 };
-using DotFnBf16 = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t* const*, float*, int64_t);
+using DotFnBf16 = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t* const*, float*, int64_t, int64_t);
 
 }  // namespace gd
 #endif

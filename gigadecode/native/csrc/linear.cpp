@@ -1,6 +1,7 @@
 // Dense projections at small batch (qkv, o, router, lm_head): y [M, N] = x [M, K] · W [N, K]^T + b.
 // Memory-bound: each weight row streams once per call for all M inputs (register tiles of RT rows × TT
-// inputs, fp32 accumulation, bf16 or fp32 weights). Many rows (prefill) go to oneDNN instead (Python side).
+// inputs, fp32 accumulation, bf16 or fp32 weights), prefetched LINEAR_PREFETCH_LEAD bytes ahead as it is
+// read. Many rows (prefill) go to oneDNN instead (Python side).
 #include <array>
 #include <utility>
 #include <vector>
@@ -30,7 +31,7 @@ template <typename WT>
 struct DenseTile {
 template <int RT, int TT>
 struct Tile {
-static void run(const WT* w, int64_t K, const float* x, int64_t ldx, float* out, int64_t ldo) {
+static void run(const WT* w, int64_t K, const float* x, int64_t ldx, float* out, int64_t ldo, int64_t lead) {
   VF acc[RT][TT];
 #pragma GCC unroll 16
   for (int r = 0; r < RT; ++r)
@@ -44,6 +45,7 @@ static void run(const WT* w, int64_t K, const float* x, int64_t ldx, float* out,
 #pragma GCC unroll 16
     for (int r = 0; r < RT; ++r) {
       const VF wv = wload(w + r * K + k);
+      if (lead && (k * int64_t(sizeof(WT))) % 64 == 0) prefetch_l2(w + r * K + k, lead);   // once per line
 #pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) acc[r][t] = vfma(wv, xv[t], acc[r][t]);
     }
@@ -61,20 +63,21 @@ static void run(const WT* w, int64_t K, const float* x, int64_t ldx, float* out,
 };
 
 template <typename WT, typename XT>
-using DenseFn = void (*)(const WT*, int64_t, const XT*, int64_t, float*, int64_t);
+using DenseFn = void (*)(const WT*, int64_t, const XT*, int64_t, float*, int64_t, int64_t);
 
-// y [M, N] = x [M, K] · w [N, K]^T: strips of 16 rows over the threads; `tile(rt, tt, r, t)` computes the
-// register tile of rt rows from row r and tt inputs from input t
-template <typename WT, typename TileCall>
-void dense_rows(const WT* w, int64_t N, int64_t K, int64_t M, const TileCall& tile) {
+// y [M, N] = x [M, K] · w [N, K]^T: strips of 16 rows over the threads; `tile(rt, tt, r, t, lead)` computes
+// the register tile of rt rows from row r and tt inputs from input t, prefetching `lead` bytes ahead (only
+// the first tile of inputs streams the rows from memory; the others find them in cache)
+template <typename TileCall>
+void dense_rows(int64_t N, int64_t M, const TileCall& tile) {
   const int64_t strip = 16, strips = (N + strip - 1) / strip;
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t r1 = std::min(N, (s + 1) * strip);
       for (int64_t r = s * strip; r < r1; r += RT_MAX) {
         const int rt = int(std::min<int64_t>(RT_MAX, r1 - r));
-        prefetch_rows(w + std::min(N, r + 12 * RT_MAX) * K, RT_MAX * K * int64_t(sizeof(*w)));
-        for (int64_t t = 0; t < M; t += TT_MAX) tile(rt, int(std::min<int64_t>(TT_MAX, M - t)), r, t);
+        for (int64_t t = 0; t < M; t += TT_MAX)
+          tile(rt, int(std::min<int64_t>(TT_MAX, M - t)), r, t, t == 0 ? LINEAR_PREFETCH_LEAD : 0);
       }
     }
   });
@@ -104,16 +107,16 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w, const c10::opt
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
     std::vector<const uint16_t*> xs(M);
     for (int64_t t = 0; t < M; ++t) xs[t] = xp + t * K;
-    dense_rows(wp, N, K, M, [&](int rt, int tt, int64_t r, int64_t t) {
-      TILES_BF16[rt - 1][tt - 1](wp + r * K, K, K, xs.data() + t, y + t * N + r, N);
+    dense_rows(N, M, [&](int rt, int tt, int64_t r, int64_t t, int64_t lead) {
+      TILES_BF16[rt - 1][tt - 1](wp + r * K, K, K, xs.data() + t, y + t * N + r, N, lead);
     });
   } else
 #endif
   {
     const float* xf = rows_as_f32(x, 0);
     auto rows = [&](const auto& tiles, const auto* wp) {
-      dense_rows(wp, N, K, M, [&](int rt, int tt, int64_t r, int64_t t) {
-        tiles[rt - 1][tt - 1](wp + r * K, K, xf + t * K, K, y + t * N + r, N);
+      dense_rows(N, M, [&](int rt, int tt, int64_t r, int64_t t, int64_t lead) {
+        tiles[rt - 1][tt - 1](wp + r * K, K, xf + t * K, K, y + t * N + r, N, lead);
       });
     };
     if (w.scalar_type() == at::kFloat) rows(TILES_F32, w.data_ptr<float>());

@@ -50,7 +50,10 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const float* 
       const int64_t c = g * CPG + cc;
       VF we[RT], wo[RT];
 #pragma GCC unroll 16
-      for (int r = 0; r < RT; ++r) vdecode_e2m1(blk + r * G * 16 + c * W, s[r], we[r], wo[r]);
+      for (int r = 0; r < RT; ++r) {
+        vdecode_e2m1(blk + r * G * 16 + c * W, s[r], we[r], wo[r]);
+        if ((c * W) % 64 == 0) prefetch_l2(blk + r * G * 16 + c * W, MOE_PREFETCH_ROWS * G * 16);
+      }
 #pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) {
         const VF xe = vload(xs[t] + c * 2 * W), xo = vload(xs[t] + c * 2 * W + W);
@@ -75,7 +78,6 @@ template <int RTM = RT_MAX, int TTM = TT_MAX, typename XT, typename Tiles>
 void expert_rows(const Tiles& tiles, const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
                  const XT* const* xs, int64_t n, float* out, int64_t ldo) {
   for (int64_t r = r0; r < r1; r += RTM) {
-    prefetch_rows(blk + (r + PREFETCH_TILES * RTM) * G * 16, RTM * G * 16);
     const int rt = int(std::min<int64_t>(RTM, r1 - r));
     for (int64_t t = 0; t < n; t += TTM) {
       const int tt = int(std::min<int64_t>(TTM, n - t));
@@ -149,6 +151,8 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint16_
 #pragma GCC unroll 16
       for (int r = 0; r < RT; ++r) s16[r] = e8m0_x16(scl + r * G + 4 * c, int(std::min<int64_t>(16, G - 4 * c)));
     const int nbytes = int(std::min<int64_t>(64, (G - 4 * c) * 16));
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; ++r) prefetch_l2(blk + r * G * 16 + c * 64, MOE_PREFETCH_ROWS * G * 16);
     if constexpr (TT <= 2) {                          // few inputs: decode every row first (more ILP)
       __m512i w[RT][4];
 #pragma GCC unroll 16
@@ -196,7 +200,7 @@ void expert_rows_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t
         const int rt = int(std::min<int64_t>(RT_MAX, r1 - r0 - r));
         for (int64_t t = 0; t < n; t += TT_MAX)
           TILES_DOT[rt - 1][int(std::min<int64_t>(TT_MAX, n - t)) - 1](wb + r * ld, ld, ld, xs + t,
-                                                                      out + t * ldo + r0 + r, ldo);
+                                                                      out + t * ldo + r0 + r, ldo, 0);
       }
       return;
     }

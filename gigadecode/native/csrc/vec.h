@@ -11,6 +11,11 @@
 
 namespace gd {
 
+// The line `lead` bytes past p, into L2 (the prefetch of a weight stream; see common.h). Never faults.
+inline void prefetch_l2(const void* p, int64_t lead) {
+  _mm_prefetch(static_cast<const char*>(p) + lead, _MM_HINT_T1);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #if defined(__AVX512BF16__)
 #define GD_ISA "avx512-bf16"
