@@ -81,13 +81,16 @@ void packed_scores_x8(const KT* Kb, const float* qs, int64_t t0, int64_t t1, int
       for (int64_t c = 0; c < n2v; c += W) vstore(kf + i * n2 + c, kvload(kp + c));
       for (int64_t c = n2v; c < n2; ++c) kf[i * n2 + c] = kvscalar(kp + c);
     }
+    if (np < 8) std::fill(kf + np * n2, kf + 8 * n2, 0.f);   // a block's last pairs: all 8 rows are dotted
     for (int64_t r = 0; r < rep; ++r) {
       const float* qr = qs + r * n2;
-      VF acc[8];
+      VF acc[8];                                      // a fixed count, fully unrolled: kept in registers
+#pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) acc[i] = vzero();
       for (int64_t c = 0; c < n2v; c += W) {
         const VF qv = vload(qr + c);
-        for (int i = 0; i < np; ++i) acc[i] = vfma(vload(kf + i * n2 + c), qv, acc[i]);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) acc[i] = vfma(vload(kf + i * n2 + c), qv, acc[i]);
       }
       alignas(64) float tok[16];                      // tokens 2 p0 .. 2 p0 + 15
       vstore(tok, vsum_even_odd_x8(acc));
@@ -177,19 +180,31 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
     for (int64_t r = 0; r < rep; ++r) {
       float* sr = sc + r * B;
       float* orow = o + r * (d + 2);
-      float m_old = orow[d], m_new = m_old;
-      for (int64_t t = 0; t < nt; ++t) m_new = std::max(m_new, sr[t]);
-      const float corr = std::exp(m_old - m_new);     // 0 on the first block (m_old = -inf)
-      const VF mv = vset1(m_new);
+      const float m_old = orow[d];
+      float m_new = m_old;
       int64_t t = 0;
-      for (; t + W <= nt; t += W) vstore(sr + t, vexp(vadd(vload(sr + t), vmul(mv, vset1(-1.f)))));
-      for (; t < nt; ++t) sr[t] = std::exp(sr[t] - m_new);
-      float l = orow[d + 1] * corr;
-      for (int64_t i = 0; i < nt; ++i) l += sr[i];
+      VF mx = vset1(-INFINITY);
+      for (; t + W <= nt; t += W) mx = vmax(mx, vload(sr + t));
+      m_new = std::max(m_new, vmaxall(mx));
+      for (; t < nt; ++t) m_new = std::max(m_new, sr[t]);
+      const float corr = std::exp(m_old - m_new);     // 0 on the first block (m_old = -inf)
+      const VF nm = vset1(-m_new);
+      VF ls = vzero();                                // the block's sum of e^(s - m), vector lanes first
+      for (t = 0; t + W <= nt; t += W) {
+        const VF e = vexp(vadd(vload(sr + t), nm));
+        vstore(sr + t, e);
+        ls = vadd(ls, e);
+      }
+      float l = vsum(ls);
+      for (; t < nt; ++t) l += sr[t] = std::exp(sr[t] - m_new);
       orow[d] = m_new;
-      orow[d + 1] = l;
-      if (corr != 1.f)
-        for (int64_t j = 0; j < d; ++j) orow[j] *= corr;
+      orow[d + 1] = orow[d + 1] * corr + l;
+      if (corr != 1.f) {
+        const VF cv = vset1(corr);
+        int64_t j = 0;
+        for (; j + W <= d; j += W) vstore(orow + j, vmul(vload(orow + j), cv));
+        for (; j < d; ++j) orow[j] *= corr;
+      }
     }
     // the block's V rows in fp32 once, then o += p · V with the accumulators in registers
     for (int64_t t = 0; t < nt; ++t) {

@@ -33,6 +33,7 @@ inline VF vmul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline VF vadd(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline VF vdiv(VF a, VF b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline float vsum(VF a) { return _mm512_reduce_add_ps(a.v); }
+inline float vmaxall(VF a) { return _mm512_reduce_max_ps(a.v); }
 // W bf16 values -> fp32 (bf16 is the top half of an fp32)
 inline VF vload_bf16(const uint16_t* p) {
   __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
@@ -131,6 +132,12 @@ inline float vsum(VF a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float vmaxall(VF a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 inline VF vload_bf16(const uint16_t* p) {
