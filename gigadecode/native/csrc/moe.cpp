@@ -139,11 +139,9 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint16_
   // acc[RT][TT], the decoded chunks and the scales must stay within the 32 zmm registers (a spill costs more
   // than it saves): up to two inputs decode all RT rows first, more inputs decode one row at a time and
   // meet every input of the tile with it (inputs re-read from L1)
-  __m512 acc[RT][TT];
+  __m512 acc[RT * TT];                                // acc[r * TT + t]
 #pragma GCC unroll 16
-  for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 16
-    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int i = 0; i < RT * TT; ++i) acc[i] = _mm512_setzero_ps();
   __m512 s16[RT];
   for (int64_t c = 0; c < (G + 3) / 4; ++c) {
     const int j = int(c % 4);
@@ -160,7 +158,7 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint16_
 #pragma GCC unroll 16
       for (int t = 0; t < TT; ++t)
 #pragma GCC unroll 16
-        for (int r = 0; r < RT; ++r) acc[r][t] = chunk_dot(w[r], xs[t] + c * 128, quad_scales(s16[r], j), acc[r][t]);
+        for (int r = 0; r < RT; ++r) acc[r * TT + t] = chunk_dot(w[r], xs[t] + c * 128, quad_scales(s16[r], j), acc[r * TT + t]);
     } else {                                          // many: one row's chunk live at a time (no spills)
 #pragma GCC unroll 16
       for (int r = 0; r < RT; ++r) {
@@ -168,14 +166,16 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint16_
         decode_e2m1_bf16x4(blk + r * G * 16 + c * 64, nbytes, w);
         const __m512 sc = quad_scales(s16[r], j);
 #pragma GCC unroll 16
-        for (int t = 0; t < TT; ++t) acc[r][t] = chunk_dot(w, xs[t] + c * 128, sc, acc[r][t]);
+        for (int t = 0; t < TT; ++t) acc[r * TT + t] = chunk_dot(w, xs[t] + c * 128, sc, acc[r * TT + t]);
       }
     }
   }
+  float sums[RT * TT];
+  hsums(acc, sums);
 #pragma GCC unroll 16
   for (int r = 0; r < RT; ++r)
 #pragma GCC unroll 16
-    for (int t = 0; t < TT; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int t = 0; t < TT; ++t) out[t * ldo + r] = sums[r * TT + t];
 }
 };
 
