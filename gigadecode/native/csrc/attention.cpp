@@ -1,5 +1,5 @@
-// Decode attention over the paged KV, read in place, and the small fused pieces around it (RMSNorm,
-// RoPE + the KV write into the packed-FP8 or plain buffer).
+// Decode attention over the paged KV, read in place (the KV write and the other small pieces around it are
+// in rope_norm.cpp).
 //
 // KV layouts (one buffer half): plain [nb, kv, B, d] (fp32 / bf16 / fp8), packed-FP8 K [nb, kv, B/2, d, 2]
 // (element [b, h, p, j, s] = token 2p+s, dim j). FP8 is e4m3 with a per-tensor scale (stored = x / scale).
@@ -11,6 +11,7 @@
 // context parallelism) the merge also gives lse = M + log Σ_s l_s e^{m_s-M}, so ranks holding disjoint
 // parts of a sequence merge their partials exactly, adding the sink once.
 #include "common.h"
+#include "kv_layout.h"
 
 namespace gd {
 
@@ -39,12 +40,15 @@ struct AttnShape {
   bool packed;
 };
 
-// o[r] += Σ_t p[r][t] · V[t] for the rep heads of a group: NV = d / W vectors a row, as many heads at a time
-// as ACC accumulator registers hold
-template <int NV>
-void accumulate_v(const float* vf, int64_t nt, int64_t d, const float* sc, int64_t B, int64_t rep, float* o) {
-  constexpr int ACC = W == 16 ? 16 : 8;
-  constexpr int RG = NV >= ACC ? 1 : ACC / NV;
+// heads one pass of accumulate_v holds in its ACC accumulator registers, at NV = d / W vectors a row
+constexpr int ACC = W == 16 ? 16 : 8;
+constexpr int heads_per_pass(int NV) { return NV >= ACC ? 1 : ACC / NV; }
+
+// o[r] += Σ_t p[r][t] · V[t] for the rep heads of a group: NV = d / W vectors a row (rows `vr`, converted
+// as they are read: fp32 rows, or the cache's own when every head fits one pass, so each is converted once)
+template <int NV, typename VT>
+void accumulate_v(const VT* vr, int64_t nt, int64_t d, const float* sc, int64_t B, int64_t rep, float* o) {
+  constexpr int RG = heads_per_pass(NV);
   for (int64_t r0 = 0; r0 < rep; r0 += RG) {
     const int rn = int(std::min<int64_t>(RG, rep - r0));
     VF acc[RG][NV];
@@ -53,7 +57,7 @@ void accumulate_v(const float* vf, int64_t nt, int64_t d, const float* sc, int64
         for (int c = 0; c < NV; ++c) acc[i][c] = vload(o + (r0 + i) * (d + 2) + c * W);
     for (int64_t t = 0; t < nt; ++t) {
       VF v[NV];
-      for (int c = 0; c < NV; ++c) v[c] = vload(vf + t * d + c * W);
+      for (int c = 0; c < NV; ++c) v[c] = kvload(vr + t * d + c * W);
       for (int i = 0; i < RG; ++i)
         if (i < rn) {
           const VF p = vset1(sc[(r0 + i) * B + t]);
@@ -63,6 +67,22 @@ void accumulate_v(const float* vf, int64_t nt, int64_t d, const float* sc, int64
     for (int i = 0; i < RG; ++i)
       if (i < rn)
         for (int c = 0; c < NV; ++c) vstore(o + (r0 + i) * (d + 2) + c * W, acc[i][c]);
+  }
+}
+
+// accumulate_v for nv = d / W in 1..8
+template <typename VT>
+void accumulate_v_n(int64_t nv, const VT* vr, int64_t nt, int64_t d, const float* sc, int64_t B, int64_t rep,
+                    float* o) {
+  switch (nv) {
+    case 1: accumulate_v<1>(vr, nt, d, sc, B, rep, o); break;
+    case 2: accumulate_v<2>(vr, nt, d, sc, B, rep, o); break;
+    case 3: accumulate_v<3>(vr, nt, d, sc, B, rep, o); break;
+    case 4: accumulate_v<4>(vr, nt, d, sc, B, rep, o); break;
+    case 5: accumulate_v<5>(vr, nt, d, sc, B, rep, o); break;
+    case 6: accumulate_v<6>(vr, nt, d, sc, B, rep, o); break;
+    case 7: accumulate_v<7>(vr, nt, d, sc, B, rep, o); break;
+    default: accumulate_v<8>(vr, nt, d, sc, B, rep, o);
   }
 }
 
@@ -206,25 +226,24 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
         for (; j < d; ++j) orow[j] *= corr;
       }
     }
-    // the block's V rows in fp32 once, then o += p · V with the accumulators in registers
+    // o += p · V with the accumulators in registers: V read in place when every head fits one pass, else
+    // the block's V rows converted to fp32 once first
+    const int64_t nv = d % W ? 0 : d / W;
+    if (nv >= 1 && nv <= 8 && rep <= heads_per_pass(int(nv))) {
+      accumulate_v_n(nv, Vb + t0 * d, nt, d, sc, B, rep, o);
+      continue;
+    }
     for (int64_t t = 0; t < nt; ++t) {
       const VT* vt = Vb + (t0 + t) * d;
       for (int64_t c = 0; c < dv; c += W) vstore(vf + t * d + c, kvload(vt + c));
       for (int64_t c = dv; c < d; ++c) vf[t * d + c] = kvscalar(vt + c);
     }
-    switch (d % W ? 0 : d / W) {
-      case 1: accumulate_v<1>(vf, nt, d, sc, B, rep, o); break;
-      case 2: accumulate_v<2>(vf, nt, d, sc, B, rep, o); break;
-      case 3: accumulate_v<3>(vf, nt, d, sc, B, rep, o); break;
-      case 4: accumulate_v<4>(vf, nt, d, sc, B, rep, o); break;
-      case 5: accumulate_v<5>(vf, nt, d, sc, B, rep, o); break;
-      case 6: accumulate_v<6>(vf, nt, d, sc, B, rep, o); break;
-      case 7: accumulate_v<7>(vf, nt, d, sc, B, rep, o); break;
-      case 8: accumulate_v<8>(vf, nt, d, sc, B, rep, o); break;
-      default:
-        for (int64_t t = 0; t < nt; ++t)
-          for (int64_t r = 0; r < rep; ++r)
-            for (int64_t c = 0; c < d; ++c) o[r * (d + 2) + c] += sc[r * B + t] * vf[t * d + c];
+    if (nv >= 1 && nv <= 8) {
+      accumulate_v_n(nv, vf, nt, d, sc, B, rep, o);
+    } else {
+      for (int64_t t = 0; t < nt; ++t)
+        for (int64_t r = 0; r < rep; ++r)
+          for (int64_t c = 0; c < d; ++c) o[r * (d + 2) + c] += sc[r * B + t] * vf[t * d + c];
     }
   }
 }
@@ -306,20 +325,6 @@ void dispatch_kv(const at::Tensor& k, const at::Tensor& v, F&& f) {
     case Elem::BF16: with_v(static_cast<const uint16_t*>(k.data_ptr())); break;
     default: with_v(static_cast<const uint8_t*>(k.data_ptr()));
   }
-}
-
-// shape of one buffer half: returns (num_blocks, kv, B, d); packed K is [nb, kv, B/2, d, 2]
-std::array<int64_t, 4> kv_dims(const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(v.dim() == 4 && (k.dim() == 4 || (k.dim() == 5 && k.size(4) == 2)),
-              "KV: expected V [nb, kv, B, d] and K [nb, kv, B, d] or packed [nb, kv, B/2, d, 2], got K ", k.sizes(),
-              " V ", v.sizes());
-  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "KV buffers must be contiguous");
-  const int64_t nb = v.size(0), kv = v.size(1), B = v.size(2), d = v.size(3);
-  const bool packed = k.dim() == 5;
-  TORCH_CHECK(k.size(0) == nb && k.size(1) == kv && (packed ? (k.size(2) * 2 == B && k.size(3) == d) : (k.size(2) == B && k.size(3) == d)),
-              "K ", k.sizes(), " does not match V ", v.sizes());
-  TORCH_CHECK(!packed || elem_of(k) == Elem::FP8, "packed K must be FP8");
-  return {nb, kv, B, d};
 }
 
 // The checks both attention ops share; returns the shape (window / lower bounds are the caller's).
@@ -415,97 +420,6 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_partial(
   run_attention(s, q, k_cache, v_cache, tb, lo, ps, ac, nullptr, scale, k_scale, v_scale, out,
                 lse.data_ptr<float>());
   return {out, lse};
-}
-
-// qkv [Bt, (nh + 2 kv) d] -> q [Bt, nh, d] fp32 with RoPE; RoPE'd k and v written to slot[b] of the KV buffer
-at::Tensor rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-                         at::Tensor v_cache, const at::Tensor& slot, int64_t num_heads, double k_scale, double v_scale) {
-  check_float_like(qkv, "qkv");
-  const auto [nb, kv, B, d] = kv_dims(k_cache, v_cache);
-  const int64_t Bt = qkv.size(0), nh = num_heads, half = d / 2;
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (nh + 2 * kv) * d, "qkv ", qkv.sizes(), " does not match ", nh,
-              " q heads, ", kv, " kv heads of dim ", d);
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == Bt && cos.size(1) == half && sin.sizes() == cos.sizes(),
-              "cos/sin must be [Bt, d/2]");
-  TORCH_CHECK(slot.scalar_type() == at::kLong && slot.numel() == Bt, "slot must be int64 [Bt]");
-  const bool packed = k_cache.dim() == 5;
-  const Elem ke = elem_of(k_cache), ve = elem_of(v_cache);
-  const float* x = rows_as_f32(qkv, 0);
-  at::Tensor cc = cos.contiguous(), ss = sin.contiguous();
-  const FloatView cv(cc), sv(ss);
-  at::Tensor q = at::empty({Bt, nh, d}, qkv.options().dtype(at::kFloat));
-  float* qo = q.data_ptr<float>();
-  const int64_t* sl = slot.data_ptr<int64_t>();
-  const int64_t W3 = (nh + 2 * kv) * d;
-  auto store = [](void* base, Elem e, int64_t i, float val, float scale) {
-    if (e == Elem::F32) static_cast<float*>(base)[i] = val;
-    else if (e == Elem::BF16) static_cast<uint16_t*>(base)[i] = f32_to_bf16(val);
-    else static_cast<uint8_t*>(base)[i] = f32_to_fp8(std::min(std::max(val / scale, -448.f), 448.f));
-  };
-  TORCH_CHECK(d <= 1024, "head_dim > 1024");
-  for (int64_t b = 0; b < Bt; ++b)
-    TORCH_CHECK(sl[b] >= 0 && sl[b] / B < nb, "slot ", sl[b], " outside the KV buffer");
-  // slots in parallel (padding slots all write the null block 0, whose contents are never read)
-  at::parallel_for(0, Bt, 1, [&](int64_t b0, int64_t b1) {
-    float rk[1024];
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* xb = x + b * W3;
-      auto rope = [&](const float* src, float* dst) {
-        for (int64_t j = 0; j < half; ++j) {
-          const float c = cv[b * half + j], s = sv[b * half + j];
-          const float x1 = src[j], x2 = src[j + half];
-          dst[j] = x1 * c - x2 * s;
-          dst[j + half] = x2 * c + x1 * s;
-        }
-      };
-      for (int64_t h = 0; h < nh; ++h) rope(xb + h * d, qo + (b * nh + h) * d);
-      const int64_t blk = sl[b] / B, off = sl[b] % B;
-      for (int64_t h = 0; h < kv; ++h) {
-        rope(xb + (nh + h) * d, rk);
-        const float* vsrc = xb + (nh + kv + h) * d;
-        for (int64_t j = 0; j < d; ++j) {
-          const int64_t ki = packed ? (((blk * kv + h) * (B / 2) + off / 2) * d + j) * 2 + off % 2
-                                    : ((blk * kv + h) * B + off) * d + j;
-          store(k_cache.data_ptr(), ke, ki, rk[j], float(k_scale));
-          store(v_cache.data_ptr(), ve, ((blk * kv + h) * B + off) * d + j, vsrc[j], float(v_scale));
-        }
-      }
-    }
-  });
-  return q;
-}
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_float_like(x, "x");
-  TORCH_CHECK(x.dim() == 2 && weight.numel() == x.size(1), "rms_norm: x ", x.sizes(), " vs weight ", weight.sizes());
-  const int64_t M = x.size(0), H = x.size(1);
-  const float* xf = rows_as_f32(x, 0);
-  at::Tensor wc = weight.contiguous();
-  const FloatView w(wc);
-  at::Tensor out = at::empty_like(x);
-  const bool wf = weight.scalar_type() == at::kFloat;
-  const float* wp = wf ? wc.data_ptr<float>() : nullptr;
-  const int64_t Hv = H / W * W;
-  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
-    float* row = scratch(1, H);
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* xr = xf + m * H;
-      VF acc = vzero();
-      for (int64_t j = 0; j < Hv; j += W) acc = vfma(vload(xr + j), vload(xr + j), acc);
-      float ss = vsum(acc);
-      for (int64_t j = Hv; j < H; ++j) ss += xr[j] * xr[j];
-      const float inv = 1.f / std::sqrt(ss / float(H) + float(eps));
-      if (wf) {
-        const VF iv = vset1(inv);
-        for (int64_t j = 0; j < Hv; j += W) vstore(row + j, vmul(vload(wp + j), vmul(vload(xr + j), iv)));
-        for (int64_t j = Hv; j < H; ++j) row[j] = wp[j] * (xr[j] * inv);
-      } else {
-        for (int64_t j = 0; j < H; ++j) row[j] = w[j] * (xr[j] * inv);
-      }
-      store_row(row, out, m * H, H);
-    }
-  });
-  return out;
 }
 
 }  // namespace gd

@@ -1,0 +1,99 @@
+// The small fused pieces of a decode layer around attention: RoPE on q and k with the step's K/V written into
+// the paged buffer (packed-FP8 or plain, in place), and RMSNorm.
+#include "common.h"
+#include "kv_layout.h"
+
+namespace gd {
+
+// qkv [Bt, (nh + 2 kv) d] -> q [Bt, nh, d] fp32 with RoPE; RoPE'd k and v written to slot[b] of the KV buffer
+at::Tensor rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                         at::Tensor v_cache, const at::Tensor& slot, int64_t num_heads, double k_scale, double v_scale) {
+  check_float_like(qkv, "qkv");
+  const auto [nb, kv, B, d] = kv_dims(k_cache, v_cache);
+  const int64_t Bt = qkv.size(0), nh = num_heads, half = d / 2;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (nh + 2 * kv) * d, "qkv ", qkv.sizes(), " does not match ", nh,
+              " q heads, ", kv, " kv heads of dim ", d);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == Bt && cos.size(1) == half && sin.sizes() == cos.sizes(),
+              "cos/sin must be [Bt, d/2]");
+  TORCH_CHECK(slot.scalar_type() == at::kLong && slot.numel() == Bt, "slot must be int64 [Bt]");
+  const bool packed = k_cache.dim() == 5;
+  const Elem ke = elem_of(k_cache), ve = elem_of(v_cache);
+  const float* x = rows_as_f32(qkv, 0);
+  at::Tensor cc = cos.contiguous(), ss = sin.contiguous();
+  const FloatView cv(cc), sv(ss);
+  at::Tensor q = at::empty({Bt, nh, d}, qkv.options().dtype(at::kFloat));
+  float* qo = q.data_ptr<float>();
+  const int64_t* sl = slot.data_ptr<int64_t>();
+  const int64_t W3 = (nh + 2 * kv) * d;
+  auto store = [](void* base, Elem e, int64_t i, float val, float scale) {
+    if (e == Elem::F32) static_cast<float*>(base)[i] = val;
+    else if (e == Elem::BF16) static_cast<uint16_t*>(base)[i] = f32_to_bf16(val);
+    else static_cast<uint8_t*>(base)[i] = f32_to_fp8(std::min(std::max(val / scale, -448.f), 448.f));
+  };
+  TORCH_CHECK(d <= 1024, "head_dim > 1024");
+  for (int64_t b = 0; b < Bt; ++b)
+    TORCH_CHECK(sl[b] >= 0 && sl[b] / B < nb, "slot ", sl[b], " outside the KV buffer");
+  // slots in parallel (padding slots all write the null block 0, whose contents are never read)
+  at::parallel_for(0, Bt, 1, [&](int64_t b0, int64_t b1) {
+    float rk[1024];
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* xb = x + b * W3;
+      auto rope = [&](const float* src, float* dst) {
+        for (int64_t j = 0; j < half; ++j) {
+          const float c = cv[b * half + j], s = sv[b * half + j];
+          const float x1 = src[j], x2 = src[j + half];
+          dst[j] = x1 * c - x2 * s;
+          dst[j + half] = x2 * c + x1 * s;
+        }
+      };
+      for (int64_t h = 0; h < nh; ++h) rope(xb + h * d, qo + (b * nh + h) * d);
+      const int64_t blk = sl[b] / B, off = sl[b] % B;
+      for (int64_t h = 0; h < kv; ++h) {
+        rope(xb + (nh + h) * d, rk);
+        const float* vsrc = xb + (nh + kv + h) * d;
+        for (int64_t j = 0; j < d; ++j) {
+          const int64_t ki = packed ? (((blk * kv + h) * (B / 2) + off / 2) * d + j) * 2 + off % 2
+                                    : ((blk * kv + h) * B + off) * d + j;
+          store(k_cache.data_ptr(), ke, ki, rk[j], float(k_scale));
+          store(v_cache.data_ptr(), ve, ((blk * kv + h) * B + off) * d + j, vsrc[j], float(v_scale));
+        }
+      }
+    }
+  });
+  return q;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_float_like(x, "x");
+  TORCH_CHECK(x.dim() == 2 && weight.numel() == x.size(1), "rms_norm: x ", x.sizes(), " vs weight ", weight.sizes());
+  const int64_t M = x.size(0), H = x.size(1);
+  const float* xf = rows_as_f32(x, 0);
+  at::Tensor wc = weight.contiguous();
+  const FloatView w(wc);
+  at::Tensor out = at::empty_like(x);
+  const bool wf = weight.scalar_type() == at::kFloat;
+  const float* wp = wf ? wc.data_ptr<float>() : nullptr;
+  const int64_t Hv = H / W * W;
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+    float* row = scratch(1, H);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = xf + m * H;
+      VF acc = vzero();
+      for (int64_t j = 0; j < Hv; j += W) acc = vfma(vload(xr + j), vload(xr + j), acc);
+      float ss = vsum(acc);
+      for (int64_t j = Hv; j < H; ++j) ss += xr[j] * xr[j];
+      const float inv = 1.f / std::sqrt(ss / float(H) + float(eps));
+      if (wf) {
+        const VF iv = vset1(inv);
+        for (int64_t j = 0; j < Hv; j += W) vstore(row + j, vmul(vload(wp + j), vmul(vload(xr + j), iv)));
+        for (int64_t j = Hv; j < H; ++j) row[j] = wp[j] * (xr[j] * inv);
+      } else {
+        for (int64_t j = 0; j < H; ++j) row[j] = w[j] * (xr[j] * inv);
+      }
+      store_row(row, out, m * H, H);
+    }
+  });
+  return out;
+}
+
+}  // namespace gd
