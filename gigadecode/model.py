@@ -21,8 +21,9 @@ from . import native
 from .config import GptOssConfig
 from .distributed.context import ParallelContext
 from .kv.cache import KVCache
-from .ops import flash_sink_attention, moe_tokens, rms_norm, route, swiglu
+from .ops import flash_sink_attention, moe_tokens, rms_norm, swiglu
 from .rope import Rope, apply_rope
+from .routed_moe import native_routed_moe
 from .weights import ModelWeights
 
 
@@ -108,23 +109,13 @@ class GptOssModel:
         offset = par.expert_offset if par is not None else 0
         if self._native_moe:
             def local(t: torch.Tensor) -> torch.Tensor:
-                return self._moe_native(t, lw, offset)
+                return native_routed_moe(t, lw, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit,
+                                         offset, max_tokens=MOE_SLICE)
         else:
             def local(t: torch.Tensor) -> torch.Tensor:    # each hit expert decoded once per chunk (exact)
                 return moe_tokens(t, lw, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit, offset,
                                   decode=self._expert_transients, act=self._swiglu)
         return local(h) if par is None else par.ep_moe(h, local, counts)
-
-    def _moe_native(self, x: torch.Tensor, lw, offset: int) -> torch.Tensor:
-        """The grouped MXFP4 kernel over the chunk's tokens (routing as `moe_tokens`), in slices of at most
-        `MOE_SLICE` tokens: the kernel's per-pair scratch ([pairs, 2I] fp32) stays bounded for big chunks."""
-        cfg = self.cfg
-        idx, gate_w = route(x, lw.router_w, lw.router_b, cfg.num_experts_per_tok)
-        outs = [native.moe_mxfp4(x[s: s + MOE_SLICE], idx[s: s + MOE_SLICE], gate_w[s: s + MOE_SLICE],
-                                 lw.gate_up_blocks, lw.gate_up_scales, lw.gate_up_bias, lw.down_blocks,
-                                 lw.down_scales, lw.down_bias, cfg.swiglu_alpha, cfg.swiglu_limit, offset)
-                for s in range(0, x.shape[0], MOE_SLICE)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _expert_transients(self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """One expert matrix decoded into this model's reused transient of its shape: an expert's w1 [2I, H]

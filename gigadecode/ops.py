@@ -37,11 +37,14 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return torch.matmul(probs.to(v.dtype), v)
 
 
-def route(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (expert ids [T, k], weights [T, k]): softmax over the k chosen logits only."""
-    logits = F.linear(x, w, b)                                                 # [T, E]
+def route(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, top_k: int, linear=F.linear
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (expert ids [T, k], weights [T, k]): softmax over the k chosen logits only. `linear`: the
+    router projection (the GK program's native one at decode batch sizes)."""
+    logits = linear(x, w, b)                                                   # [T, E]
     top, idx = torch.topk(logits, top_k, dim=-1)
     return idx, torch.softmax(top, dim=-1)
+
 
 
 def swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import native
+from ..routed_moe import native_routed_moe
 from ..weights import LayerWeights
 from .mega_decode import KernelSpec, LayerBlocks, moe_decode, split_kv_buffer
 
@@ -34,12 +35,7 @@ def native_moe(h: torch.Tensor, Wl: LayerWeights, spec: KernelSpec, expert_offse
     """`mega_decode.moe_decode` on the kernels: h [Bt, H] -> [Bt, H] (this rank's experts' share under EP)."""
     if not spec.mxfp4:
         return moe_decode(h, Wl, spec, expert_offset)
-    logits = native.linear(h, Wl.router_w, Wl.router_b)                # [Bt, E]
-    top, idx = torch.topk(logits, spec.top_k, dim=-1)
-    gate_w = torch.softmax(top, dim=-1)
-    return native.moe_mxfp4(h, idx, gate_w, Wl.gate_up_blocks, Wl.gate_up_scales, Wl.gate_up_bias,
-                            Wl.down_blocks, Wl.down_scales, Wl.down_bias, spec.alpha, spec.limit,
-                            expert_offset)
+    return native_routed_moe(h, Wl, spec.top_k, spec.alpha, spec.limit, expert_offset, router_linear=native.linear)
 
 def native_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
                       v_buf: torch.Tensor, slot: torch.Tensor, spec: KernelSpec) -> torch.Tensor:
