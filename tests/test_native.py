@@ -327,6 +327,22 @@ def test_moe_mxfp4_many_tokens_per_expert(H, I):
     _check_moe(x, idx, gate_w, (gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias), 1.702, 7.0, 0)
 
 
+def test_moe_mxfp4_register_tile_paths():
+    """bf16 experts with 1, 2, 3, 4, 6 and 9 tokens in one call: every register tile (4 rows x 1-2 inputs,
+    2 rows x 3-4 inputs decoded first, 2 rows x 8) and the strip path, against the twin."""
+    g = gen(17)
+    E, H, I = 6, 160, 96
+    weights = _moe_weights(g, E, H, I, BF16)
+    counts = [1, 2, 3, 4, 6, 9]
+    ids = torch.tensor([e for e, c in enumerate(counts) for _ in range(c)])
+    idx = ids[torch.randperm(len(ids), generator=g)].view(-1, 1)
+    x = randn(g, len(ids), H, dtype=BF16, scale=2.0)
+    _check_moe(x, idx, torch.ones(len(ids), 1), weights, 1.702, 7.0, 0)
+    # two slots a token: expert hit counts mixed across the paths
+    idx2 = torch.stack([idx[:, 0], (idx[:, 0] + 1 + torch.arange(len(ids)) % 3) % E], 1)
+    _check_moe(x, idx2, torch.softmax(torch.randn(len(ids), 2, generator=g), -1), weights, 1.702, 7.0, 0)
+
+
 def test_moe_mxfp4_errors():
     g = gen(6)
     weights = _moe_weights(g, 2, 64, 32, F32)
@@ -542,6 +558,20 @@ def test_paged_decode_attention_split_long_context(form, threads):
                 table = make_tables(g, nb, B, pos, active, extra=0)
                 for window in (0, 8 * B + 1, 100):
                     check_attention(g, form, K, V, table, pos, active, 4, window)
+
+
+@pytest.mark.parametrize("form", KV_FORMS)
+@pytest.mark.parametrize("rep,d", [(4, 64), (5, 64), (8, 64), (8, 32), (3, 48)])
+def test_paged_decode_attention_v_paths(form, rep, d):
+    """V rows read in place (every head of a kv group fits one register pass: rep <= 16 / (d / 16)) and
+    through the block's fp32 copy (they do not), against the twin."""
+    g = gen("vpath", form, rep, d)
+    B, pos, active = 16, [5, 40, 130], [True, True, True]
+    nb = 130 // B + 8
+    buf, K, V = make_kv(g, form, nb, 2, B, d)
+    table = make_tables(g, nb, B, pos, active)
+    for window in (0, 20):
+        check_attention(g, form, K, V, table, pos, active, 2 * rep, window)
 
 
 def test_paged_decode_attention_sliding_window_null_blocks():
