@@ -103,7 +103,7 @@ inline void store_row(const float* src, at::Tensor& out, int64_t off, int64_t n)
 // DRAM latency would evict the tile's own lines from the 32 KB L1. Past-the-end is harmless (no fault).
 constexpr int64_t LINEAR_PREFETCH_LEAD = 32 * 1024;   // bytes ahead in a dense weight's row stream
 constexpr int64_t MOE_PREFETCH_ROWS = 16;             // rows ahead in an expert matrix (8 KB for H = 1024)
-// (`prefetch_l2`, in vec.h, is the one line.)
+// (`prefetch_l2`, in vec.h, issues the prefetch of one such line.)
 
 // A whole block at once (attention: the blocks of a table are scattered, so the next one is fetched by hand)
 inline void prefetch_rows(const void* p, int64_t bytes) {
