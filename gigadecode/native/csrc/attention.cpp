@@ -229,7 +229,8 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
     // o += p · V with the accumulators in registers: V read in place when every head fits one pass, else
     // the block's V rows converted to fp32 once first
     const int64_t nv = d % W ? 0 : d / W;
-    if (nv >= 1 && nv <= 8 && rep <= heads_per_pass(int(nv))) {
+    const bool vector_rows = nv >= 1 && nv <= 8;     // accumulate_v's sizes; else the scalar loop
+    if (vector_rows && rep <= heads_per_pass(int(nv))) {
       accumulate_v_n(nv, Vb + t0 * d, nt, d, sc, B, rep, o);
       continue;
     }
@@ -238,7 +239,7 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
       for (int64_t c = 0; c < dv; c += W) vstore(vf + t * d + c, kvload(vt + c));
       for (int64_t c = dv; c < d; ++c) vf[t * d + c] = kvscalar(vt + c);
     }
-    if (nv >= 1 && nv <= 8) {
+    if (vector_rows) {
       accumulate_v_n(nv, vf, nt, d, sc, B, rep, o);
     } else {
       for (int64_t t = 0; t < nt; ++t)
