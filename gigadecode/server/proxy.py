@@ -42,6 +42,10 @@ log = logging.getLogger("gigadecode.proxy")
 
 FORWARD_HEADERS = ("authorization", "x-request-id")
 CONNECT_TIMEOUT_S = 10.0
+# Pooled connections to the servers are dropped after this many idle seconds: below uvicorn's keep-alive
+# timeout (5 s), so the proxy never sends a request on a connection the server is closing at that moment
+# (httpx's default expiry is also 5 s: that race surfaced as a rare ReadError, "prefill server unreachable")
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 def _error(status: int, message: str, type: str = "server_error", code: str | None = None) -> JSONResponse:
@@ -95,7 +99,8 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         own = client is None
         app.state.client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S))
         try:
             yield
         finally:
