@@ -7,7 +7,9 @@ a decode step does not depend on the values), so long contexts need no prefill. 
 tok/s, weight bytes read per token (from the config: attention + router + norms + lm_head + the expected
 number of distinct experts a batch hits, E·(1-(1-k/E)^B), at their stored size), and MBU = bytes read per
 second / the streaming-read bandwidth measured here (torch.sum over a 1 GiB fp32 tensor, median of 5); the
-bf16 compute peak (oneDNN's 2048^3 GEMM) is measured beside it, since large batches and prefill meet it first.
+compute peak (oneDNN's 2048^3 GEMM, in bf16 where the CPU multiplies bf16 in hardware, else in fp32, which the
+bf16 model's products then run in: `gigadecode.gemm`) is measured beside it, since large batches and prefill
+meet it first.
 `ceiling` is the step's limit on this machine from those two measurements (its weight bytes at the bandwidth
 or its multiply-adds at the GEMM peak, whichever is slower) and `of it` the share of it reached: a batch-B
 speedup over batch 1 can be no larger than the ratio of the two ceilings.
@@ -37,6 +39,7 @@ from gigadecode import native  # noqa: E402
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
 from gigadecode.config import GptOssConfig  # noqa: E402
 from gigadecode.engine_config import EngineConfig  # noqa: E402
+from gigadecode.gemm import product_dtype  # noqa: E402
 from gigadecode.gk.attn_control import build_attention_control  # noqa: E402
 from gigadecode.gk.model import GptOssGKDecodeModel  # noqa: E402
 from gigadecode.kv.cache import KVCache  # noqa: E402
@@ -56,10 +59,10 @@ def streaming_read_gbs(gib: float = 1.0, reps: int = 5) -> float:
     return int(gib * 2**30) / statistics.median(t) / 1e9
 
 
-def gemm_peak_gmacs(n: int = 2048, reps: int = 5) -> float:
-    """This machine's bf16 compute peak as oneDNN reaches it: an n x n x n bf16 matmul, median of `reps`
+def gemm_peak_gmacs(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
+    """This machine's compute peak as oneDNN reaches it: an n x n x n matmul in `dtype`, median of `reps`
     (multiply-adds per second, in G). Batch-32 decode and prefill are bounded by it, not by bandwidth."""
-    a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     a @ b
     return n ** 3 / statistics.median([_timed(lambda: a @ b) for _ in range(reps)]) / 1e9
 
@@ -96,7 +99,7 @@ def macs_per_token(cfg: GptOssConfig, context: int) -> float:
 def ceiling_tok_s(cfg: GptOssConfig, wbytes: float, batch: int, context: int, bw_gbs: float,
                   gemm_gmacs: float) -> float:
     """This machine's limit for a decode step, measured in the same run: its weight bytes (`wbytes`) at the
-    streaming bandwidth, or its multiply-adds at the bf16 GEMM peak, whichever takes longer (tokens per second)."""
+    streaming bandwidth, or its multiply-adds at the GEMM peak, whichever takes longer (tokens per second)."""
     t = max(wbytes / (bw_gbs * 1e9), batch * macs_per_token(cfg, context) / (gemm_gmacs * 1e9))
     return batch / t
 
@@ -195,14 +198,16 @@ def main() -> int:
         make_checkpoint(model_dir, args.preset, seed=0)
     ckpt_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     bw = streaming_read_gbs()
-    gemm = gemm_peak_gmacs()
+    gemm_dtype = product_dtype(getattr(torch, args.dtype))
+    gemm = gemm_peak_gmacs(gemm_dtype)
+    gemm_name = str(gemm_dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
     print(f"model {model_dir} ({ckpt_bytes / 1e9:.2f} GB)  dtype {args.dtype}  threads {torch.get_num_threads()}  "
-          f"kernels {native.status()}  streaming read {bw:.1f} GB/s  bf16 GEMM {gemm:.0f} GMAC/s", flush=True)
+          f"kernels {native.status()}  streaming read {bw:.1f} GB/s  {gemm_name} GEMM {gemm:.0f} GMAC/s", flush=True)
     cfg = GptOssConfig.from_hf(model_dir)
     dt = getattr(torch, args.dtype)
     w = load_weights(model_dir, cfg, dt)
     model = GptOssModel(cfg, w, dt)
-    results: dict = {"model": str(model_dir), "bandwidth_gbs": bw, "gemm_bf16_gmacs": gemm, "dtype": args.dtype,
+    results: dict = {"model": str(model_dir), "bandwidth_gbs": bw, "gemm_gmacs": gemm, "gemm_dtype": gemm_name, "dtype": args.dtype,
                      "decode": [], "prefill": []}
 
     print(f"{'batch':>5} {'ctx':>5} {'decoder':<11} {'ms/step':>8} {'tok/s':>8} {'MB/tok':>7} {'MBU':>5} {'x base':>7} "

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from . import native
 from .config import GptOssConfig
 from .distributed.context import ParallelContext
+from .gemm import linear
 from .kv.cache import KVCache
 from .ops import flash_sink_attention, moe_tokens, rms_norm, swiglu
 from .rope import Rope, apply_rope
@@ -96,9 +96,9 @@ class GptOssModel:
         for c in chunks:
             n = len(c.token_ids)
             if c.want_logits == "all":
-                out.logits.append(F.linear(x[off: off + n], lm_head))
+                out.logits.append(linear(x[off: off + n], lm_head))
             elif c.want_logits == "last":
-                out.logits.append(F.linear(x[off + n - 1: off + n], lm_head))
+                out.logits.append(linear(x[off + n - 1: off + n], lm_head))
             else:
                 out.logits.append(torch.empty(0))
             off += n
@@ -132,7 +132,7 @@ class GptOssModel:
                   chunks: list[SeqChunk], kv: KVCache) -> torch.Tensor:
         cfg, lw, d = self.cfg, self.w.layers[layer], self.cfg.head_dim
         nh, nkv = self.num_heads, self.num_kv_heads
-        qkv = F.linear(h, lw.qkv_w, lw.qkv_b)                   # [N, (nh + 2 nkv) d]
+        qkv = linear(h, lw.qkv_w, lw.qkv_b)                   # [N, (nh + 2 nkv) d]
         q = qkv[:, : nh * d].view(-1, nh, d)
         k = qkv[:, nh * d: (nh + nkv) * d].view(-1, nkv, d)
         v = qkv[:, (nh + nkv) * d:].view(-1, nkv, d)
@@ -166,7 +166,7 @@ class GptOssModel:
         a = torch.cat(outs) if outs else h.new_zeros(0, nh * d)
         if self.parallel is not None:
             return self.parallel.row_parallel_linear(a, lw.o_w, lw.o_b)
-        return F.linear(a, lw.o_w, lw.o_b)
+        return linear(a, lw.o_w, lw.o_b)
 
     def _dcp_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        chunks: list[SeqChunk], kv: KVCache, group: int, window: int | None) -> torch.Tensor:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
+from .gemm import linear, product_dtype
 from .mxfp4 import decode_mxfp4
 from .weights import LayerWeights
 
@@ -37,7 +37,7 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return torch.matmul(probs.to(v.dtype), v)
 
 
-def route(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, top_k: int, linear=F.linear
+def route(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, top_k: int, linear=linear
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (expert ids [T, k], weights [T, k]): softmax over the k chosen logits only. `linear`: the
     router projection (the GK program's native one at decode batch sizes)."""
@@ -82,11 +82,11 @@ def moe_routed(x: torch.Tensor, idx: torch.Tensor, gate_w: torch.Tensor, dense_e
             continue
         tok, slot = torch.where(e == le)
         w1, w2 = dense_expert(le)
-        h = F.linear(x[tok], w1, gate_up_bias[le])
+        h = linear(x[tok], w1, gate_up_bias[le])
         a = act(h, alpha, limit)
         if act_dtype is not None:
             a = a.to(act_dtype).to(x.dtype)
-        h = F.linear(a, w2, down_bias[le])
+        h = linear(a, w2, down_bias[le])
         out.index_add_(0, tok, h * gate_w[tok, slot, None])
     return out
 
@@ -129,8 +129,9 @@ def flash_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
     tile sees is skipped (so a sliding layer costs O(T * W)), one all of them see whole is not masked. The
     sink enters once at the end: out (normalized over the real keys) * sigmoid(lse - sink), lse the
     log-sum-exp of the real scores (the sink is a softmax column with no value). Scores: bmm in the input
-    dtype (oneDNN for bf16; ~1.5-2x faster than `fp32_scores`, whose fp32 bmm is ~3x more accurate in bf16),
-    then fp32, softmax in base 2 (exp2 is ~2x cheaper than exp on CPU). -> [T, nh, d] in q's dtype.
+    dtype (oneDNN for bf16; ~1.5-2x faster than `fp32_scores`, whose fp32 bmm is ~3x more accurate in bf16;
+    fp32 for both products on a CPU without bf16 GEMMs, `gemm.product_dtype`), then fp32, softmax in base 2
+    (exp2 is ~2x cheaper than exp on CPU). -> [T, nh, d] in q's dtype.
 
     `sinks=None` (a DCP rank's partial attention over its own keys): no sink; -> (out [T, nh, d] fp32,
     normalized over the keys seen, 0 where none; lse [T, nh] fp32, -inf where none).
@@ -144,9 +145,9 @@ def flash_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
     lse_out = torch.full((T, nh), float("-inf")) if partial else None
     if T == 0 or S == 0:
         return (out, lse_out) if partial else out
-    sdt = torch.float32 if fp32_scores else dt
+    sdt = torch.float32 if fp32_scores else product_dtype(dt)             # fp32 where bf16 GEMMs are slow
     kh = k.transpose(0, 1).to(sdt)                                         # [nkv, S, d] (views when no cast)
-    vh = v.transpose(0, 1)
+    vh = v.transpose(0, 1).to(product_dtype(v.dtype))
     qh = q.view(T, nkv, rep, d).permute(1, 2, 0, 3).to(sdt)                # [nkv, rep, T, d]
     c = scale * _LOG2E                                                     # scores in log2 units
     sink = None if partial else sinks.float().view(nkv, rep, 1, 1)

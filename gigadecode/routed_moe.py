@@ -5,15 +5,15 @@ program's decode step (router on the native small-batch linear)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import native
+from .gemm import linear
 from .ops import route
 from .weights import LayerWeights
 
 
 def native_routed_moe(x: torch.Tensor, lw: LayerWeights, top_k: int, alpha: float, limit: float,
-                      expert_offset: int = 0, *, router_linear=F.linear, max_tokens: int | None = None
+                      expert_offset: int = 0, *, router_linear=linear, max_tokens: int | None = None
                       ) -> torch.Tensor:
     """x [T, H] -> [T, H]: each token through its top-k experts, gate-weighted (under EP, this rank's
     experts' share: global ids from `expert_offset` on). `max_tokens`: call the kernel on slices of at most

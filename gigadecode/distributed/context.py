@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import GptOssConfig
+from ..gemm import linear
 from ..kv.dcp import TokenShard
 from ..sampling import reduce_argmax, shard_argmax
 from .mesh import Mesh2D, ParallelLayout, build_layout
@@ -264,8 +265,8 @@ class ParallelContext:
     def row_parallel_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """o-proj over this rank's head columns, summed over TP, bias added once (after the sum)."""
         if self.tp_size == 1:
-            return F.linear(x, w, b)
-        y = self.all_reduce_tp(F.linear(x, w))
+            return linear(x, w, b)
+        y = self.all_reduce_tp(linear(x, w))
         return y if b is None else y + b
 
     def ep_token_counts(self, n: int) -> list[int] | None:
@@ -304,7 +305,7 @@ class ParallelContext:
 
     def local_logits(self, x: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """x [B, H] -> this rank's real vocabulary columns [B, vocab_len] (padding rows left out)."""
-        return F.linear(x, lm_head[: self.vocab_len])
+        return linear(x, lm_head[: self.vocab_len])
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """Distributed greedy argmax over local logits [B, vocab_len] -> global token ids [B] (int64),

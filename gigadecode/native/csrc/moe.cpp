@@ -13,6 +13,7 @@
 
 #include "bf16dot.h"
 #include "common.h"
+#include "mxfp4_avx2.h"
 
 namespace gd {
 
@@ -87,6 +88,48 @@ void expert_rows(const Tiles& tiles, const uint8_t* blk, const uint8_t* scl, int
 }
 
 const auto TILES = make_tiles<MxFn<float>, MxTile, RT_MAX, TT_MAX>();
+
+// Experts with at least this many inputs decode each strip of rows once, scaled, into a per-thread buffer and
+// run dense tiles over it (at the dot-product peak: the decode is paid once per strip, not once per tile of
+// inputs). Fewer inputs keep the register tiles (no buffer round trip).
+constexpr int64_t STRIP_MIN_INPUTS = 8;
+
+#ifdef GD_X64_DECODE
+// fp32 inputs in the x64 order of `mxfp4_avx2.h`, each row padded to whole 64-value chunks
+inline int64_t input_stride(int64_t K) { return (K + 63) / 64 * 64; }
+inline void arrange_inputs(const float* x, int64_t K, float* out) { arrange_x64(x, K, out); }
+
+const auto TILES_X64 = make_tiles<MxFn<float>, MxTileX64, RT_MAX, TT_MAX>();
+constexpr int DOT_RT = 3, DOT_TT = 3;                // 9 accumulators + 3 rows + 3 inputs: 15 of 16 registers
+const auto TILES_DOT_F32 = make_tiles<void (*)(const float*, int64_t, int64_t, const float* const*, float*, int64_t),
+                                      DotTileF32, DOT_RT, DOT_TT>();
+
+void expert_rows_f32(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
+                     const float* const* xs, int64_t n, float* out, int64_t ldo) {
+  const int64_t ld = input_stride(G * 32);
+  if (n >= STRIP_MIN_INPUTS) {
+    float* wb = scratch(0, (r1 - r0) * ld);
+    if (decode_rows_scaled_x64(blk + r0 * G * 16, scl + r0 * G, G, r1 - r0, wb, ld)) {
+      for (int64_t r = 0; r < r1 - r0; r += DOT_RT) {  // a tile's rows stay in L1 while the inputs pass
+        const int rt = int(std::min<int64_t>(DOT_RT, r1 - r0 - r));
+        for (int64_t t = 0; t < n; t += DOT_TT)
+          TILES_DOT_F32[rt - 1][int(std::min<int64_t>(DOT_TT, n - t)) - 1](wb + r * ld, ld, ld, xs + t,
+                                                                         out + t * ldo + r0 + r, ldo);
+      }
+      return;
+    }
+  }
+  expert_rows(TILES_X64, blk, scl, G, r0, r1, xs, n, out, ldo);
+}
+#else
+inline int64_t input_stride(int64_t K) { return K; }
+inline void arrange_inputs(const float* x, int64_t K, float* out) { deinterleave(x, K, out); }
+
+void expert_rows_f32(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
+                     const float* const* xs, int64_t n, float* out, int64_t ldo) {
+  expert_rows(TILES, blk, scl, G, r0, r1, xs, n, out, ldo);
+}
+#endif
 
 #ifdef GD_BF16DOT
 // bf16 inputs: x [K] -> chunks of 128 elements (four groups) in the lane order of decode_e2m1_bf16x4,
@@ -188,10 +231,7 @@ const auto TILES_BF16_MID = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_MID, TT_MA
 constexpr int RT_WIDE = 2, TT_WIDE = 8;
 const auto TILES_BF16_WIDE = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_WIDE, TT_WIDE>();
 
-// Experts with at least this many inputs decode each strip of rows once, scaled, into a per-thread buffer and
-// run dense bf16 tiles over it (`DotTileBf16`, at the bf16 dot-product peak: the decode is paid once per
-// strip, not once per tile of inputs). Fewer inputs keep the register tiles above (no buffer round trip).
-constexpr int64_t STRIP_MIN_INPUTS = 8;
+// bf16 strips (`STRIP_MIN_INPUTS`) run `DotTileBf16`
 const auto TILES_DOT = make_tiles<DotFnBf16, DotTileBf16, RT_MAX, TT_MAX>();
 
 void expert_rows_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
@@ -299,9 +339,10 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   const bool bf = false;
 #endif
   const int64_t H64 = (H + 127) / 128 * 128, I64 = (I + 127) / 128 * 128;   // bf16 inputs: whole chunks
-  float* xd = shared_scratch(0, bf ? T * H64 / 2 : T * H);        // [T, H] deinterleaved inputs
+  const int64_t HS = input_stride(H), IS = input_stride(I);                 // fp32 inputs
+  float* xd = shared_scratch(0, bf ? T * H64 / 2 : T * HS);       // [T, H] inputs in the tiles' order
   float* gu = shared_scratch(1, P * R1);                           // [P, 2I] gate_up outputs
-  float* ad = shared_scratch(2, bf ? P * I64 / 2 : P * I);         // [P, I] activations, deinterleaved
+  float* ad = shared_scratch(2, bf ? P * I64 / 2 : P * IS);        // [P, I] activations, likewise
   float* y = shared_scratch(3, P * H);                             // [P, H] down outputs
   uint16_t* xd16 = reinterpret_cast<uint16_t*>(xd);
   uint16_t* ad16 = reinterpret_cast<uint16_t*>(ad);
@@ -310,14 +351,14 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 #ifdef GD_BF16DOT
       if (bf) { deinterleave_bf16(xf + t * H, H, xd16 + t * H64); continue; }
 #endif
-      deinterleave(xf + t * H, H, xd + t * H);
+      arrange_inputs(xf + t * H, H, xd + t * HS);
     }
   });
   std::vector<const float*> xin(P), ain(P);
   std::vector<const uint16_t*> xin16(P), ain16(P);
   for (int64_t p = 0; p < P; ++p) {
-    xin[p] = xd + rt.pair_token[p] * H;
-    ain[p] = ad + p * I;
+    xin[p] = xd + rt.pair_token[p] * HS;
+    ain[p] = ad + p * IS;
     xin16[p] = xd16 + rt.pair_token[p] * H64;
     ain16[p] = ad16 + p * I64;
   }
@@ -351,7 +392,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
           continue;
         }
 #endif
-        expert_rows(TILES, blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in.data() + p0, n, dst + p0 * R, R);
+        expert_rows_f32(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in.data() + p0, n, dst + p0 * R, R);
       }
     });
   };
@@ -387,7 +428,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 #endif
       if (x.scalar_type() == at::kBFloat16)            // bf16 activations, as on the bf16 dot-product path
         for (int64_t i = 0; i < I; ++i) act[i] = bf16_to_f32(f32_to_bf16(act[i]));
-      deinterleave(act, I, ad + p * I);
+      arrange_inputs(act, I, ad + p * IS);
     }
   });
   run(dnb, dns, H, G2, ain, ain16, y);

@@ -1,0 +1,179 @@
+// The MXFP4 path of the AVX2 build (no AVX-512): codes become fp32 values by byte lookups, two groups at a
+// time. A 32-byte chunk of a row (groups 2c and 2c+1, one per 128-bit lane) is split into nibbles; one
+// `vpshufb` per nibble half and byte gives the low and the high byte of each value's bf16 bits (e2m1 values
+// have two significant bits: bf16-exact), byte unpacks make the bf16 words and a shift / a mask their fp32
+// (a bf16 is the top half of an fp32): 16 shuffles and logic ops for 64 values, against 48 for the fp32
+// table lookup. The values come out in a fixed order within the chunk (`X64_ELEM`), in which the inputs are
+// stored, so they meet without shuffles; the groups' powers of two multiply the chunk's partial sums.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+
+#include "common.h"
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define GD_X64_DECODE 1
+
+namespace gd {
+
+// element (within the 64 of a chunk) of vector v (0..7), lane i (0..7): lane i / 4 = the chunk's group,
+// vector v = (q, p): q the word vector (0: even elements 0..14, 1: even 16..30, 2: odd 1..15, 3: odd 17..31),
+// p the half of each 32-bit lane (0: low word, 1: high word); i % 4 = the lane within the group's half
+inline int x64_elem(int v, int i) {
+  const int q = v / 2, p = v % 2, j = i % 4;
+  return 32 * (i / 4) + 16 * (q & 1) + (q >> 1) + 4 * j + 2 * p;
+}
+
+// x [K] -> chunks of 64 values in decode order, the last one zero-padded: out[c*64 + v*8 + i] = x[c*64 + e(v, i)]
+inline void arrange_x64(const float* x, int64_t K, float* out) {
+  static const auto idx = [] {
+    std::array<int, 64> a{};
+    for (int v = 0; v < 8; ++v)
+      for (int i = 0; i < 8; ++i) a[v * 8 + i] = x64_elem(v, i);
+    return a;
+  }();
+  const int64_t chunks = (K + 63) / 64;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* xc = x + c * 64;
+    float* oc = out + c * 64;
+    if (c * 64 + 64 <= K)
+      for (int n = 0; n < 64; ++n) oc[n] = xc[idx[n]];
+    else
+      for (int n = 0; n < 64; ++n) oc[n] = c * 64 + idx[n] < K ? xc[idx[n]] : 0.f;
+  }
+}
+
+// 32 bytes of codes (`nbytes` = 16 for a row's last, single group) -> four vectors of 16 bf16 words:
+// w[q] lane L (group 2c+L) word k = the value of element {2k, 16+2k, 2k+1, 17+2k}[q]
+inline void decode_e2m1_words(const uint8_t* p, int nbytes, __m256i w[4]) {
+  // low and high bytes of the bf16 bits of 0, .5, 1, 1.5, 2, 3, 4, 6, -0, -.5, …, -6
+  const __m256i lut_lo = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 0, (char)0x80, (char)0xC0, 0, 0x40,
+      (char)0x80, (char)0xC0, 0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80, (char)0xC0));
+  const __m256i lut_hi = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+      (char)0x80, (char)0xBF, (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0));
+  const __m256i v = nbytes >= 32 ? _mm256_loadu_si256((const __m256i*)p)
+                                 : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)p));
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+  const __m256i ll = _mm256_shuffle_epi8(lut_lo, lo), lh = _mm256_shuffle_epi8(lut_hi, lo);
+  const __m256i hl = _mm256_shuffle_epi8(lut_lo, hi), hh = _mm256_shuffle_epi8(lut_hi, hi);
+  w[0] = _mm256_unpacklo_epi8(ll, lh);
+  w[1] = _mm256_unpackhi_epi8(ll, lh);
+  w[2] = _mm256_unpacklo_epi8(hl, hh);
+  w[3] = _mm256_unpackhi_epi8(hl, hh);
+}
+
+// the fp32 values of the low / high bf16 word of each 32-bit lane
+inline __m256 low_words_f32(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+inline __m256 high_words_f32(__m256i w) {
+  return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+// lanes 0..3 = the power of two of group 2c, 4..7 that of group 2c+1 (0 past the row's last group)
+inline __m256 chunk_scales(const float* e8, const uint8_t* s, int ngroups) {
+  return _mm256_set_m128(_mm_set1_ps(ngroups > 1 ? e8[s[1]] : 0.f), _mm_set1_ps(e8[s[0]]));
+}
+
+// out[t * ldo + r] = row r · input t for RT rows (row r at blk + r*G*16, scales at scl + r*G) and TT inputs in
+// the x64 order: per chunk, the 8 products of each (row, input) summed in fp32, times the chunk's scales
+template <int RT, int TT>
+struct MxTileX64 {
+static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const float* const* xs, float* out, int64_t ldo) {
+  const float* e8 = e8m0_table();
+  __m256 acc[RT * TT];                                 // acc[r * TT + t]
+#pragma GCC unroll 16
+  for (int i = 0; i < RT * TT; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t chunks = (G + 1) / 2;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int ng = int(std::min<int64_t>(2, G - 2 * c));
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; ++r) {
+      const uint8_t* p = blk + r * G * 16 + c * 32;
+      if (c % 2 == 0) prefetch_l2(p, MOE_PREFETCH_ROWS * G * 16);
+      __m256i w[4];
+      decode_e2m1_words(p, ng * 16, w);
+      __m256 part[TT][2];                              // two chains per input: even and odd vectors
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t) {
+        const float* x = xs[t] + c * 64;
+        part[t][0] = _mm256_mul_ps(low_words_f32(w[0]), _mm256_loadu_ps(x));
+        part[t][1] = _mm256_mul_ps(high_words_f32(w[0]), _mm256_loadu_ps(x + 8));
+      }
+#pragma GCC unroll 4
+      for (int q = 1; q < 4; ++q) {
+        const __m256 f0 = low_words_f32(w[q]), f1 = high_words_f32(w[q]);
+#pragma GCC unroll 16
+        for (int t = 0; t < TT; ++t) {
+          const float* x = xs[t] + c * 64 + q * 16;
+          part[t][0] = _mm256_fmadd_ps(f0, _mm256_loadu_ps(x), part[t][0]);
+          part[t][1] = _mm256_fmadd_ps(f1, _mm256_loadu_ps(x + 8), part[t][1]);
+        }
+      }
+      const __m256 sc = chunk_scales(e8, scl + r * G + 2 * c, ng);
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t)
+        acc[r * TT + t] = _mm256_fmadd_ps(_mm256_add_ps(part[t][0], part[t][1]), sc, acc[r * TT + t]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) out[t * ldo + r] = vsum(VF{acc[r * TT + t]});
+}
+};
+
+// The codes of `rows` rows as fp32 values times their group's power of two, each row `ld` values (whole
+// 64-value chunks, zero-padded) in the x64 order: exact (a power of two only moves the exponent) while every
+// scale keeps the products normal, i.e. is in [2, 252]; false (nothing written) when one is not, and the
+// caller keeps the scale-after-sum tile.
+inline bool decode_rows_scaled_x64(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t rows, float* out,
+                                   int64_t ld) {
+  for (int64_t i = 0; i < rows * G; ++i)
+    if (scl[i] < 2 || scl[i] > 252) return false;
+  const float* e8 = e8m0_table();
+  const int64_t chunks = (G + 1) / 2;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int ng = int(std::min<int64_t>(2, G - 2 * c));
+      __m256i w[4];
+      decode_e2m1_words(blk + r * G * 16 + c * 32, ng * 16, w);
+      const __m256 sc = chunk_scales(e8, scl + r * G + 2 * c, ng);
+      float* o = out + r * ld + c * 64;
+      for (int q = 0; q < 4; ++q) {
+        _mm256_storeu_ps(o + q * 16, _mm256_mul_ps(low_words_f32(w[q]), sc));
+        _mm256_storeu_ps(o + q * 16 + 8, _mm256_mul_ps(high_words_f32(w[q]), sc));
+      }
+    }
+  return true;
+}
+
+// out[t * ldo + r] = w row r · x[t] for RT rows (row r at w + r*ldw) and TT inputs of K fp32 values (K a
+// multiple of 8): fp32 products and sums, all accumulators in registers
+template <int RT, int TT>
+struct DotTileF32 {
+static void run(const float* w, int64_t ldw, int64_t K, const float* const* xs, float* out, int64_t ldo) {
+  __m256 acc[RT * TT];
+#pragma GCC unroll 16
+  for (int i = 0; i < RT * TT; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 x[TT];
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) x[t] = _mm256_loadu_ps(xs[t] + k);
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; ++r) {
+      const __m256 wv = _mm256_loadu_ps(w + r * ldw + k);
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t) acc[r * TT + t] = _mm256_fmadd_ps(wv, x[t], acc[r * TT + t]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) out[t * ldo + r] = vsum(VF{acc[r * TT + t]});
+}
+};
+
+}  // namespace gd
+#endif
