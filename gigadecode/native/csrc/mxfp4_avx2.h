@@ -45,6 +45,7 @@ inline void arrange_x64(const float* x, int64_t K, float* out) {
   }
 }
 
+// The 256-bit form of `decode_e2m1_bf16x4` (bf16dot.h), whose lanes hold one group each alike.
 // 32 bytes of codes (`nbytes` = 16 for a row's last, single group) -> four vectors of 16 bf16 words:
 // w[q] lane L (group 2c+L) word k = the value of element {2k, 16+2k, 2k+1, 17+2k}[q]
 inline void decode_e2m1_words(const uint8_t* p, int nbytes, __m256i w[4]) {
