@@ -69,15 +69,15 @@ using DenseFn = void (*)(const WT*, int64_t, const XT*, int64_t, float*, int64_t
 // the register tile of rt rows from row r and tt inputs from input t, prefetching `lead` bytes ahead (only
 // the first tile of inputs streams the rows from memory; the others find them in cache)
 template <typename TileCall>
-void dense_rows(int64_t N, int64_t M, const TileCall& tile) {
+void dense_rows(int64_t N, int64_t M, const TileCall& tile, int rt_max = RT_MAX, int tt_max = TT_MAX) {
   const int64_t strip = 16, strips = (N + strip - 1) / strip;
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t r1 = std::min(N, (s + 1) * strip);
-      for (int64_t r = s * strip; r < r1; r += RT_MAX) {
-        const int rt = int(std::min<int64_t>(RT_MAX, r1 - r));
-        for (int64_t t = 0; t < M; t += TT_MAX)
-          tile(rt, int(std::min<int64_t>(TT_MAX, M - t)), r, t, t == 0 ? LINEAR_PREFETCH_LEAD : 0);
+      for (int64_t r = s * strip; r < r1; r += rt_max) {
+        const int rt = int(std::min<int64_t>(rt_max, r1 - r));
+        for (int64_t t = 0; t < M; t += tt_max)
+          tile(rt, int(std::min<int64_t>(tt_max, M - t)), r, t, t == 0 ? LINEAR_PREFETCH_LEAD : 0);
       }
     }
   });
@@ -85,6 +85,10 @@ void dense_rows(int64_t N, int64_t M, const TileCall& tile) {
 
 const auto TILES_F32 = make_tiles<DenseFn<float, float>, DenseTile<float>::Tile, RT_MAX, TT_MAX>();
 const auto TILES_BF16W = make_tiles<DenseFn<uint16_t, float>, DenseTile<uint16_t>::Tile, RT_MAX, TT_MAX>();
+// AVX2 (16 registers), three or more inputs: 2 rows x 4 inputs (8 accumulators), each row converted once
+// for four inputs instead of twice for 2 x 2
+constexpr int RT_WIDE = 2, TT_WIDE = 4;
+const auto TILES_BF16W_WIDE = make_tiles<DenseFn<uint16_t, float>, DenseTile<uint16_t>::Tile, RT_WIDE, TT_WIDE>();
 
 #ifdef GD_BF16DOT
 // bf16 weights × bf16 inputs: 32 exact products per instruction, fp32 sums
@@ -120,7 +124,12 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w, const c10::opt
       });
     };
     if (w.scalar_type() == at::kFloat) rows(TILES_F32, w.data_ptr<float>());
-    else rows(TILES_BF16W, reinterpret_cast<const uint16_t*>(w.data_ptr()));
+    else if (W == 8 && M > 2) {             // 1.06-1.17x on the projections of 4-16 rows (alternated)
+      const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+      dense_rows(N, M, [&](int rt, int tt, int64_t r, int64_t t, int64_t lead) {
+        TILES_BF16W_WIDE[rt - 1][tt - 1](wp + r * K, K, xf + t * K, K, y + t * N + r, N, lead);
+      }, RT_WIDE, TT_WIDE);
+    } else rows(TILES_BF16W, reinterpret_cast<const uint16_t*>(w.data_ptr()));
   }
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " values for ", N, " rows");
