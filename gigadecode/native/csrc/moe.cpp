@@ -6,7 +6,8 @@
 // lookup, times the group's power of two: exact) and multiplies them with up to TT inputs at once, so each
 // selected expert's bytes stream from memory once per step for all of its tokens. Inputs are stored
 // "deinterleaved" per W-byte chunk ([W even elements][W odd elements]) so the low/high nibbles of a chunk
-// meet their inputs without shuffles.
+// meet their inputs without shuffles. bf16 inputs on AVX512-BF16 take `bf16dot.h`'s path, and the AVX2
+// build its own decode and input order (`mxfp4_avx2.h`).
 #include <algorithm>
 #include <array>
 #include <utility>
