@@ -19,7 +19,6 @@ import torch
 from . import native
 from .config import GptOssConfig
 from .distributed.context import ParallelContext
-from .gemm import linear
 from .kv.cache import KVCache
 from .ops import flash_sink_attention, moe_tokens, rms_norm, swiglu
 from .rope import Rope, apply_rope
@@ -69,9 +68,6 @@ class GptOssModel:
         fused = dtype != torch.float32
         self._norm = native.rms_norm if fused else rms_norm
         self._swiglu = native.swiglu if fused else swiglu
-        # projections: a decode step's few rows on the native small-batch kernel (each weight row read once),
-        # many rows as GEMMs (`gemm.linear`: bf16 in fp32 where the CPU has no bf16 GEMMs)
-        self._linear = native.linear if fused and native.available() else linear
         # bf16 MXFP4 experts: the grouped kernel (rows decoded once per strip into cache, fused gather, SwiGLU
         # and gate-weighted sum), ~1.05-1.15x the decode-then-oneDNN path at 512 tokens, ~3x at decode sizes
         self._native_moe = fused and weights.mxfp4 and native.available()
@@ -99,9 +95,9 @@ class GptOssModel:
         for c in chunks:
             n = len(c.token_ids)
             if c.want_logits == "all":
-                out.logits.append(self._linear(x[off: off + n], lm_head))
+                out.logits.append(native.projection(x[off: off + n], lm_head))
             elif c.want_logits == "last":
-                out.logits.append(self._linear(x[off + n - 1: off + n], lm_head))
+                out.logits.append(native.projection(x[off + n - 1: off + n], lm_head))
             else:
                 out.logits.append(torch.empty(0))
             off += n
@@ -113,7 +109,7 @@ class GptOssModel:
         if self._native_moe:
             def local(t: torch.Tensor) -> torch.Tensor:
                 return native_routed_moe(t, lw, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit,
-                                         offset, router_linear=self._linear, max_tokens=MOE_SLICE)
+                                         offset, router_linear=native.projection, max_tokens=MOE_SLICE)
         else:
             def local(t: torch.Tensor) -> torch.Tensor:    # each hit expert decoded once per chunk (exact)
                 return moe_tokens(t, lw, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit, offset,
@@ -135,7 +131,7 @@ class GptOssModel:
                   chunks: list[SeqChunk], kv: KVCache) -> torch.Tensor:
         cfg, lw, d = self.cfg, self.w.layers[layer], self.cfg.head_dim
         nh, nkv = self.num_heads, self.num_kv_heads
-        qkv = self._linear(h, lw.qkv_w, lw.qkv_b)             # [N, (nh + 2 nkv) d]
+        qkv = native.projection(h, lw.qkv_w, lw.qkv_b)        # [N, (nh + 2 nkv) d]
         q = qkv[:, : nh * d].view(-1, nh, d)
         k = qkv[:, nh * d: (nh + nkv) * d].view(-1, nkv, d)
         v = qkv[:, (nh + nkv) * d:].view(-1, nkv, d)
@@ -169,7 +165,7 @@ class GptOssModel:
         a = torch.cat(outs) if outs else h.new_zeros(0, nh * d)
         if self.parallel is not None:
             return self.parallel.row_parallel_linear(a, lw.o_w, lw.o_b)
-        return self._linear(a, lw.o_w, lw.o_b)
+        return native.projection(a, lw.o_w, lw.o_b)
 
     def _dcp_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        chunks: list[SeqChunk], kv: KVCache, group: int, window: int | None) -> torch.Tensor:

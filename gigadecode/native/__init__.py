@@ -85,6 +85,15 @@ def linear(x, weight, bias=None) -> torch.Tensor:
     return _op("linear")(x.contiguous(), weight, bias)
 
 
+def projection(x, weight, bias=None) -> torch.Tensor:
+    """The per-layer model's projection (qkv, o, router, lm_head): fp32 stays torch's own product (the
+    exact mode); other dtypes take `linear` when the kernels are built (decode-size row counts read each
+    weight row once), else `gemm.linear`."""
+    if x.dtype == torch.float32 or not available():
+        return gemm.linear(x, weight, bias)
+    return linear(x, weight, bias)
+
+
 def paged_decode_attention(q, k_cache, v_cache, table, pos, active, sinks, window: int, scale: float,
                            k_scale: float = 1.0, v_scale: float = 1.0, out_dtype: torch.dtype = torch.float32
                            ) -> torch.Tensor:
