@@ -327,6 +327,29 @@ def test_moe_mxfp4_many_tokens_per_expert(H, I):
     _check_moe(x, idx, gate_w, (gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias), 1.702, 7.0, 0)
 
 
+def test_moe_mxfp4_bf16_wide_range_and_nan():
+    """The products stay exact whatever a group's range: groups whose values span 2^12 (one value far above
+    the rest, which any shared-exponent fixed-point form of the inputs would round away), all-zero groups
+    and an odd group count (the tail chunk) stay within the bf16 bound of the twin; a NaN in one token's
+    input makes that token's output NaN and leaves the others as they were without it."""
+    g = gen(23)
+    E, H, I = 4, 96, 64                                # 3 groups of 32 per input row: an odd last chunk
+    weights = _moe_weights(g, E, H, I, BF16)
+    T = 5
+    x = randn(g, T, H, scale=0.01)
+    x[:, ::32] = 40.0                                  # each group: one value ~2^12 above the others
+    x[1, 32:64] = 0                                    # an all-zero group
+    x = x.to(BF16)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]])
+    gate_w = torch.softmax(torch.randn(T, 2, generator=g), -1)
+    out, _ = _check_moe(x, idx, gate_w, weights, 1.702, 7.0, 0)
+    bad = x.clone()
+    bad[2, 50] = float("nan")
+    out_nan = OPS.moe_mxfp4(bad, idx, gate_w, *weights, 1.702, 7.0, 0)
+    assert torch.isnan(out_nan[2]).all()
+    assert torch.equal(out_nan[[0, 1, 3, 4]], out[[0, 1, 3, 4]])
+
+
 def test_moe_mxfp4_register_tile_paths():
     """bf16 experts with 1, 2, 3, 4, 6 and 9 tokens in one call: every register tile (4 rows x 1-2 inputs,
     2 rows x 3-4 inputs decoded first, 2 rows x 8) and the strip path, against the twin."""

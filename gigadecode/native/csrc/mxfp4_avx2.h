@@ -74,50 +74,48 @@ inline __m256 high_words_f32(__m256i w) {
 
 // lanes 0..3 = the power of two of group 2c, 4..7 that of group 2c+1 (0 past the row's last group)
 inline __m256 chunk_scales(const float* e8, const uint8_t* s, int ngroups) {
-  return _mm256_set_m128(_mm_set1_ps(ngroups > 1 ? e8[s[1]] : 0.f), _mm_set1_ps(e8[s[0]]));
+  if (ngroups > 1) return _mm256_blend_ps(_mm256_broadcast_ss(e8 + s[0]), _mm256_broadcast_ss(e8 + s[1]), 0xF0);
+  return _mm256_set_m128(_mm_setzero_ps(), _mm_set1_ps(e8[s[0]]));
 }
 
 // out[t * ldo + r] = row r · input t for RT rows (row r at blk + r*G*16, scales at scl + r*G) and TT inputs in
-// the x64 order: per chunk, the 8 products of each (row, input) summed in fp32, times the chunk's scales
+// the x64 order: per chunk, the 8 products of each (row, input) summed in fp32 (four chains), times the
+// chunk's scales. Whole chunks run without branches; a row's odd last group is the tail.
 template <int RT, int TT>
 struct MxTileX64 {
+template <int NG>
+static void chunk(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t c, const float* e8,
+                  const float* const* xs, __m256* acc) {
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r) {
+    const uint8_t* p = blk + r * G * 16 + c * 32;
+    if (c % 2 == 0) prefetch_l2(p, MOE_PREFETCH_ROWS * G * 16);
+    __m256i w[4];
+    decode_e2m1_words(p, NG * 16, w);
+    const __m256 sc = chunk_scales(e8, scl + r * G + 2 * c, NG);
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) {
+      const float* x = xs[t] + c * 64;
+      __m256 p0 = _mm256_mul_ps(low_words_f32(w[0]), _mm256_loadu_ps(x));
+      __m256 p1 = _mm256_mul_ps(high_words_f32(w[0]), _mm256_loadu_ps(x + 8));
+      __m256 p2 = _mm256_mul_ps(low_words_f32(w[1]), _mm256_loadu_ps(x + 16));
+      __m256 p3 = _mm256_mul_ps(high_words_f32(w[1]), _mm256_loadu_ps(x + 24));
+      p0 = _mm256_fmadd_ps(low_words_f32(w[2]), _mm256_loadu_ps(x + 32), p0);
+      p1 = _mm256_fmadd_ps(high_words_f32(w[2]), _mm256_loadu_ps(x + 40), p1);
+      p2 = _mm256_fmadd_ps(low_words_f32(w[3]), _mm256_loadu_ps(x + 48), p2);
+      p3 = _mm256_fmadd_ps(high_words_f32(w[3]), _mm256_loadu_ps(x + 56), p3);
+      const __m256 part = _mm256_add_ps(_mm256_add_ps(p0, p1), _mm256_add_ps(p2, p3));
+      acc[r * TT + t] = _mm256_fmadd_ps(part, sc, acc[r * TT + t]);
+    }
+  }
+}
 static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const float* const* xs, float* out, int64_t ldo) {
   const float* e8 = e8m0_table();
   __m256 acc[RT * TT];                                 // acc[r * TT + t]
 #pragma GCC unroll 16
   for (int i = 0; i < RT * TT; ++i) acc[i] = _mm256_setzero_ps();
-  const int64_t chunks = (G + 1) / 2;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int ng = int(std::min<int64_t>(2, G - 2 * c));
-#pragma GCC unroll 16
-    for (int r = 0; r < RT; ++r) {
-      const uint8_t* p = blk + r * G * 16 + c * 32;
-      if (c % 2 == 0) prefetch_l2(p, MOE_PREFETCH_ROWS * G * 16);
-      __m256i w[4];
-      decode_e2m1_words(p, ng * 16, w);
-      __m256 part[TT][2];                              // two chains per input: even and odd vectors
-#pragma GCC unroll 16
-      for (int t = 0; t < TT; ++t) {
-        const float* x = xs[t] + c * 64;
-        part[t][0] = _mm256_mul_ps(low_words_f32(w[0]), _mm256_loadu_ps(x));
-        part[t][1] = _mm256_mul_ps(high_words_f32(w[0]), _mm256_loadu_ps(x + 8));
-      }
-#pragma GCC unroll 4
-      for (int q = 1; q < 4; ++q) {
-        const __m256 f0 = low_words_f32(w[q]), f1 = high_words_f32(w[q]);
-#pragma GCC unroll 16
-        for (int t = 0; t < TT; ++t) {
-          const float* x = xs[t] + c * 64 + q * 16;
-          part[t][0] = _mm256_fmadd_ps(f0, _mm256_loadu_ps(x), part[t][0]);
-          part[t][1] = _mm256_fmadd_ps(f1, _mm256_loadu_ps(x + 8), part[t][1]);
-        }
-      }
-      const __m256 sc = chunk_scales(e8, scl + r * G + 2 * c, ng);
-#pragma GCC unroll 16
-      for (int t = 0; t < TT; ++t)
-        acc[r * TT + t] = _mm256_fmadd_ps(_mm256_add_ps(part[t][0], part[t][1]), sc, acc[r * TT + t]);
-    }
-  }
+  for (int64_t c = 0; c < G / 2; ++c) chunk<2>(blk, scl, G, c, e8, xs, acc);
+  if (G % 2) chunk<1>(blk, scl, G, G / 2, e8, xs, acc);
 #pragma GCC unroll 16
   for (int r = 0; r < RT; ++r)
 #pragma GCC unroll 16
