@@ -19,7 +19,7 @@ from gigadecode.cli import build_parser
 from gigadecode.sampling import SamplingParams
 from gigadecode.server.api import engine_from_args
 
-from .helpers import hf_greedy, random_prompt, stop_process_tree
+from .helpers import assert_greedy_matches, hf_greedy, random_prompt, stop_process_tree
 from .test_server import assert_chat_equals_transformers, assert_completion_ids, free_port, metrics, stream_and_cancel, wait_health, wait_idle
 
 MODEL = "tiny"
@@ -85,6 +85,12 @@ def _greedy(engine, prompt, n):
     return engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].output_ids
 
 
+def _greedy_logprobs(engine, prompt, n):
+    """Greedy ids and each step's logprobs (top 2) of `prompt` run alone."""
+    r = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2))[0]
+    return r.output_ids, r.output_logprobs
+
+
 def test_di_completions_equal_single_node(di, single):
     client = openai.OpenAI(base_url=di["proxy"] + "/v1", api_key="x", max_retries=0, timeout=60)
     for n in (1, 15, 16, 17, 31, 47):
@@ -140,12 +146,13 @@ def _prefill_params(di, prompt):
 def test_bad_kv_params_while_others_stream(di, single):
     """Malformed, forged, unsigned and prompt-swapped kv_transfer_params sent straight to the decode server
     while 200-token completions stream through the proxy: each gets a 400 naming the field, the streams end
-    with exactly the tokens they get alone, and no KV block is left in use on either server."""
+    with the tokens they get alone (up to a near-tie: they are batched with each other on the decode server),
+    and no KV block is left in use on either server."""
     import asyncio
 
     import httpx
     streams = [random_prompt(10 + 3 * i, 1024, seed=800 + i) for i in range(3)]
-    want = [_greedy(single, p, 200) for p in streams]
+    want = [_greedy_logprobs(single, p, 200) for p in streams]
     a, b = random_prompt(21, 1024, seed=850), random_prompt(21, 1024, seed=851)
     params = _prefill_params(di, a)
     unsigned = {k: v for k, v in params.items() if k != "signature"}
@@ -174,7 +181,8 @@ def test_bad_kv_params_while_others_stream(di, single):
 
     EXTRA = {"ignore_eos": True, "return_token_ids": True}
     out = asyncio.run(main())
-    assert out[:len(streams)] == want
+    for i, (got, (ids, lps)) in enumerate(zip(out[:len(streams)], want)):     # batched with each other: near-ties
+        assert_greedy_matches(got, ids, lps, f"stream {i}")
     for r, (_, _, field) in zip(out[len(streams):], bad):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     ok = httpx.post(di["decode"] + "/v1/completions", timeout=60, json={      # A's own params still work
