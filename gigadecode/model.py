@@ -141,7 +141,7 @@ class GptOssModel:
         B = kv.block_size
         if self.parallel is not None and self.parallel.dcp_size > 1:
             a = self._dcp_attention(layer, q, k, v, chunks, kv, group, window)
-            return self.parallel.row_parallel_linear(a, lw.o_w, lw.o_b)
+            return self.parallel.row_parallel_linear(a, lw.o_w, lw.o_b, native.projection)
         rep = nh // nkv                                                      # local heads (TP shard)
         outs, off = [], 0
         for c in chunks:
@@ -164,7 +164,7 @@ class GptOssModel:
             off += n
         a = torch.cat(outs) if outs else h.new_zeros(0, nh * d)
         if self.parallel is not None:
-            return self.parallel.row_parallel_linear(a, lw.o_w, lw.o_b)
+            return self.parallel.row_parallel_linear(a, lw.o_w, lw.o_b, native.projection)
         return native.projection(a, lw.o_w, lw.o_b)
 
     def _dcp_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -262,8 +262,10 @@ class ParallelContext:
         return x
 
     # -- the model's parallel pieces -----------------------------------------------------------------
-    def row_parallel_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """o-proj over this rank's head columns, summed over TP, bias added once (after the sum)."""
+    def row_parallel_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                            linear: Callable[..., torch.Tensor] = linear) -> torch.Tensor:
+        """o-proj over this rank's head columns, summed over TP, bias added once (after the sum). `linear`: the
+        caller's projection (the native small-batch kernel in decode), the same one its single-rank path uses."""
         if self.tp_size == 1:
             return linear(x, w, b)
         y = self.all_reduce_tp(linear(x, w))
@@ -303,7 +305,8 @@ class ParallelContext:
             out = self.all_reduce_ep(ys)[lay.ep_slot(self.rank)]
         return out[:n]
 
-    def local_logits(self, x: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    def local_logits(self, x: torch.Tensor, lm_head: torch.Tensor,
+                     linear: Callable[..., torch.Tensor] = linear) -> torch.Tensor:
         """x [B, H] -> this rank's real vocabulary columns [B, vocab_len] (padding rows left out)."""
         return linear(x, lm_head[: self.vocab_len])
 

@@ -345,7 +345,7 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
         if parallel is None:
             x = x + blocks.linear(a, Wl.o_w, Wl.o_b)
         else:
-            x = x + parallel.row_parallel_linear(a, Wl.o_w, Wl.o_b)
+            x = x + parallel.row_parallel_linear(a, Wl.o_w, Wl.o_b, blocks.linear)
 
         h = blocks.norm(x, Wl.post_norm, spec.eps)
         if parallel is None:
@@ -356,5 +356,5 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
     if return_hidden:
         return x
     if parallel is not None:
-        return parallel.local_logits(x, W["lm_head"])
+        return parallel.local_logits(x, W["lm_head"], blocks.linear)
     return blocks.linear(x, W["lm_head"])
