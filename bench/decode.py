@@ -161,7 +161,9 @@ def prefill_tok_s(cfg, w, model, dtype: str, n: int, reps: int) -> float:
     return n / statistics.median(times)
 
 
-def transformers_prefill_tok_s(model_dir: Path, cfg, n: int, reps: int) -> float | None:
+def transformers_prefill_tok_s(model_dir: Path, cfg, n: int, reps: int, budget_s: float = 60.0) -> float | None:
+    """transformers' bf16 forward over an n-token prompt: median of up to `reps` runs, fewer once they have taken
+    `budget_s` (torch's bf16 matmul without bf16 hardware, AVX2 say, takes minutes a run)."""
     try:
         from transformers import GptOssForCausalLM
     except ImportError:
@@ -173,6 +175,8 @@ def transformers_prefill_tok_s(model_dir: Path, cfg, n: int, reps: int) -> float
         m(ids[:, :16])
         for _ in range(reps):
             times.append(_timed(lambda: m(ids, logits_to_keep=1)))
+            if sum(times) > budget_s:
+                break
     del m
     gc.collect()
     return n / statistics.median(times)
@@ -253,8 +257,13 @@ def main() -> int:
         if bf16_bytes > 0.8 * avail:
             print(f"transformers baseline skipped: a bf16 copy (~{bf16_bytes / 1e9:.0f} GB) does not fit in memory")
         else:
-            for row in results["prefill"]:
-                tf = transformers_prefill_tok_s(model_dir, cfg, row["tokens"], reps=3)
+            rate = None                                    # transformers' tok/s at the previous (shorter) prompt
+            for row in sorted(results["prefill"], key=lambda r: r["tokens"]):
+                if rate and row["tokens"] / rate > 600:       # a run would take over 10 minutes: say so, skip it
+                    print(f"prefill {row['tokens']:>5} tokens: transformers skipped (~{row['tokens'] / rate / 60:.0f}"
+                          f" min a run at its {rate:.1f} tok/s of the shorter prompt)", flush=True)
+                    continue
+                tf = rate = transformers_prefill_tok_s(model_dir, cfg, row["tokens"], reps=3)
                 if tf:
                     row["transformers_tok_s"] = tf
                     print(f"prefill {row['tokens']:>5} tokens: transformers bf16 {tf:8.1f} tok/s -> gigadecode "
