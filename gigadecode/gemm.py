@@ -35,7 +35,9 @@ def product_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear: x [M, K] · weight [N, K]^T + bias -> [M, N] in x's dtype; bf16 on a CPU without bf16 GEMMs
-    through `linear_fp32_blocks`."""
+    through `linear_fp32_blocks`, or straight in fp32 when the weight is already fp32 (a decoded expert)."""
+    if weight.dtype != x.dtype and weight.dtype == product_dtype(x.dtype):
+        return F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype)).to(x.dtype)
     if product_dtype(x.dtype) == x.dtype or weight.dtype != x.dtype:
         return F.linear(x, weight, bias)
     return linear_fp32_blocks(x, weight, bias)

@@ -96,7 +96,8 @@ def moe_tokens(x: torch.Tensor, Wl: LayerWeights, top_k: int, alpha: float, limi
     """The per-layer model's MoE over many tokens (the router sees every expert; this rank's stacks hold the
     experts from global id `expert_offset` on, see `moe_routed`). x [T, H] -> [T, H]."""
     idx, gate_w = route(x, Wl.router_w, Wl.router_b, top_k)
-    return moe_routed(x, idx, gate_w, lambda le: dense_expert(Wl, le, x.dtype, decode), Wl.gate_up_bias,
+    wdt = product_dtype(x.dtype)            # MXFP4 decoded straight into the GEMM's dtype (fp32 without bf16 GEMMs)
+    return moe_routed(x, idx, gate_w, lambda le: dense_expert(Wl, le, wdt, decode), Wl.gate_up_bias,
                       Wl.down_bias, alpha, limit, expert_offset, act=act)
 
 

@@ -60,6 +60,21 @@ def test_product_dtype_follows_the_hardware(monkeypatch):
     assert len(calls) == 1                                         # bf16 hardware: F.linear directly
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_with_an_fp32_weight_for_bf16_inputs(monkeypatch, bias):
+    """Without bf16 GEMMs a decoded expert comes as an fp32 weight: bf16 x times it in fp32, rounded once to
+    bf16 (the bf16 weight's result, whose values it holds exactly)."""
+    monkeypatch.setattr(gemm, "BF16_GEMM_IN_HARDWARE", False)
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(6, 96, generator=g).to(BF16), torch.randn(40, 96, generator=g).to(BF16)
+    b = torch.randn(40, generator=g).to(BF16) if bias else None
+    out = gemm.linear(x, w.float(), b)
+    assert out.dtype == BF16 and out.shape == (6, 40)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert _bf16_ulps(out, ref.to(BF16)) <= 1
+    assert _bf16_ulps(out, gemm.linear(x, w, b)) <= 1
+
+
 @pytest.mark.parametrize("hardware", [False, True])
 def test_flash_attention_products_in_either_dtype(monkeypatch, hardware):
     """bf16 flash attention without bf16 GEMMs multiplies in fp32: the fp32 attention of the same bf16
