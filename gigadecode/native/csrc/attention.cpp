@@ -30,6 +30,20 @@ inline float kvscalar(const T* p) {
   else if constexpr (std::is_same_v<T, uint16_t>) return bf16_to_f32(*p);
   else return fp8_to_f32(*p) * (1.f / 256.f);
 }
+// n cache elements -> fp32 (FP8 / 256, as kvload), two vectors at a time where the type has a wider load
+template <typename T>
+inline void convert_row(const T* src, int64_t n, float* dst) {
+  int64_t c = 0;
+  if constexpr (std::is_same_v<T, uint8_t>)
+    for (; c + 2 * W <= n; c += 2 * W) {
+      VF a, b;
+      vload2_fp8_div256(src + c, a, b);
+      vstore(dst + c, a);
+      vstore(dst + c + W, b);
+    }
+  for (; c + W <= n; c += W) vstore(dst + c, kvload(src + c));
+  for (; c < n; ++c) dst[c] = kvscalar(src + c);
+}
 // what a loaded element is multiplied by: FP8 carries its per-tensor scale (and the 256 of kvload); plain
 // fp32 / bf16 KV is stored unscaled
 template <typename T>
@@ -86,45 +100,43 @@ void accumulate_v_n(int64_t nv, const VT* vr, int64_t nt, int64_t d, const float
   }
 }
 
-#if defined(__AVX512F__)
-// Scores of packed K (token pairs [d][2]) against the rep q heads, eight pairs (16 tokens) at a time: each
-// pair's K converted once (kf [8][2d]), its per-head dot products reduced eight at a time
-// (vsum_even_odd_x8). sc[r * B + t - t0] for t in [t0, t1]; qs [rep][2d] (each dim twice).
+// Scores sc[r * B + t - t0] for t in [t0, t1] of one block's K against the rep q heads (qs [rep][2d]: packed,
+// each dim twice; plain, the first d). K is read in rows of n values, eight rows at a time, each converted
+// once (kf [8][n]) and dotted with every head through eight independent accumulators, reduced together
+// (vstore_sum_even_odd_x8): packed K's row is a token pair [d][2] (n = 2d; its even lanes are token 2p, its
+// odd lanes 2p+1), plain K's a token (n = d; both lanes' sums are its score).
 template <typename KT>
-void packed_scores_x8(const KT* Kb, const float* qs, int64_t t0, int64_t t1, int64_t d, int64_t rep, int64_t B,
-                      float* kf, float* sc) {
-  const int64_t n2 = 2 * d, n2v = n2 / W * W;
-  for (int64_t p0 = t0 / 2; p0 <= t1 / 2; p0 += 8) {
-    const int np = int(std::min<int64_t>(8, t1 / 2 - p0 + 1));
-    for (int i = 0; i < np; ++i) {
-      const KT* kp = Kb + (p0 + i) * n2;
-      for (int64_t c = 0; c < n2v; c += W) vstore(kf + i * n2 + c, kvload(kp + c));
-      for (int64_t c = n2v; c < n2; ++c) kf[i * n2 + c] = kvscalar(kp + c);
-    }
-    if (np < 8) std::fill(kf + np * n2, kf + 8 * n2, 0.f);   // a block's last pairs: all 8 rows are dotted
+void block_scores(const KT* Kb, const float* qs, int64_t t0, int64_t t1, int64_t d, int64_t rep, int64_t B,
+                  bool packed, float* kf, float* sc) {
+  const int64_t n = packed ? 2 * d : d, nv = n / W * W;
+  const int64_t r0 = packed ? t0 / 2 : t0, r1 = packed ? t1 / 2 : t1;   // rows (pairs or tokens)
+  for (int64_t q0 = r0; q0 <= r1; q0 += 8) {
+    const int nr = int(std::min<int64_t>(8, r1 - q0 + 1));
+    for (int i = 0; i < nr; ++i) convert_row(Kb + (q0 + i) * n, n, kf + i * n);
+    if (nr < 8) std::fill(kf + nr * n, kf + 8 * n, 0.f);   // a block's last rows: all 8 are dotted
     for (int64_t r = 0; r < rep; ++r) {
-      const float* qr = qs + r * n2;
+      const float* qr = qs + r * 2 * d;
       VF acc[8];                                      // a fixed count, fully unrolled: kept in registers
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) acc[i] = vzero();
-      for (int64_t c = 0; c < n2v; c += W) {
+      for (int64_t c = 0; c < nv; c += W) {
         const VF qv = vload(qr + c);
 #pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) acc[i] = vfma(vload(kf + i * n2 + c), qv, acc[i]);
+        for (int i = 0; i < 8; ++i) acc[i] = vfma(vload(kf + i * n + c), qv, acc[i]);
       }
-      alignas(64) float tok[16];                      // tokens 2 p0 .. 2 p0 + 15
-      vstore(tok, vsum_even_odd_x8(acc));
-      for (int i = 0; i < np; ++i)
-        for (int64_t c = n2v; c < n2; ++c) tok[2 * i + c % 2] += kf[i * n2 + c] * qr[c];
-      const int64_t a = std::max(t0, 2 * p0), e = std::min(t1, 2 * p0 + 2 * np - 1);
-      for (int64_t t = a; t <= e; ++t) sc[r * B + t - t0] = tok[t - 2 * p0];
+      alignas(64) float tok[16];                      // row i: even-lane sum 2i, odd-lane sum 2i + 1
+      vstore_sum_even_odd_x8(tok, acc);
+      for (int i = 0; i < nr; ++i)
+        for (int64_t c = nv; c < n; ++c) tok[2 * i + c % 2] += kf[i * n + c] * qr[c];
+      if (packed) {
+        const int64_t a = std::max(t0, 2 * q0), e = std::min(t1, 2 * q0 + 2 * nr - 1);
+        for (int64_t t = a; t <= e; ++t) sc[r * B + t - t0] = tok[t - 2 * q0];
+      } else {
+        for (int i = 0; i < nr; ++i) sc[r * B + q0 + i - t0] = tok[2 * i] + tok[2 * i + 1];
+      }
     }
   }
 }
-#else
-template <typename KT>
-void packed_scores_x8(const KT*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*, float*) {}
-#endif
 
 // One (slot, kv head, block range) item: partial (o [rep, d] unnormalized, m [rep], l [rep]) into `part`.
 template <typename KT, typename VT>
@@ -133,7 +145,7 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
   const int64_t rep = s.rep, d = s.d, B = s.B;
   float* qs = scratch(0, rep * 2 * d);               // q · scale · k multiplier (packed: each dim twice)
   float* sc = scratch(1, rep * (B + 1));              // scores of one block
-  float* kf = scratch(3, 16 * d);                     // up to 8 token pairs' (or one token's) K in fp32
+  float* kf = scratch(3, 16 * d);                     // 8 rows of K (token pairs or tokens) in fp32
   float* vf = scratch(2, B * d);                      // the block's V rows in fp32 (slot 2: free until the merge)
   for (int64_t r = 0; r < rep; ++r) {
     const float* qr = q + (b * s.nh + h * rep + r) * d;
@@ -148,7 +160,6 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
     o[r * (d + 2) + d] = -INFINITY;
     o[r * (d + 2) + d + 1] = 0.f;
   }
-  const int64_t dv = d / W * W;
   for (int64_t jb = jb0; jb <= jb1; ++jb) {
     const int64_t bid = table[b * s.n_table + jb];
     const int64_t t0 = std::max(lo, jb * B) - jb * B, t1 = std::min(pos, jb * B + B - 1) - jb * B;  // in-block
@@ -162,40 +173,7 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
       prefetch_rows(V + (nxt * s.kv + h) * B * d, B * d * int64_t(sizeof(VT)));
     }
     // scores sc[r][t - t0]: each K element converted once, then dotted with every q head of the group
-    if (s.packed && W == 16) {
-      packed_scores_x8(Kb, qs, t0, t1, d, rep, B, kf, sc);
-    } else if (s.packed) {
-      const int64_t n2 = 2 * d, n2v = n2 / W * W;
-      for (int64_t p = t0 / 2; p <= t1 / 2; ++p) {
-        const KT* kp = Kb + p * n2;                       // [d][2]: token 2p, 2p+1 interleaved per dim
-        for (int64_t c = 0; c < n2v; c += W) vstore(kf + c, kvload(kp + c));
-        for (int64_t c = n2v; c < n2; ++c) kf[c] = kvscalar(kp + c);
-        for (int64_t r = 0; r < rep; ++r) {
-          const float* qr = qs + r * 2 * d;
-          VF acc = vzero();
-          for (int64_t c = 0; c < n2v; c += W) acc = vfma(vload(kf + c), vload(qr + c), acc);
-          float se, so;
-          vsum_even_odd(acc, se, so);
-          for (int64_t c = n2v; c < n2; ++c) (c % 2 ? so : se) += kf[c] * qr[c];
-          if (2 * p >= t0) sc[r * B + 2 * p - t0] = se;
-          if (2 * p + 1 <= t1) sc[r * B + 2 * p + 1 - t0] = so;
-        }
-      }
-    } else {
-      for (int64_t t = t0; t <= t1; ++t) {
-        const KT* kt = Kb + t * d;
-        for (int64_t c = 0; c < dv; c += W) vstore(kf + c, kvload(kt + c));
-        for (int64_t c = dv; c < d; ++c) kf[c] = kvscalar(kt + c);
-        for (int64_t r = 0; r < rep; ++r) {
-          const float* qr = qs + r * 2 * d;
-          VF acc = vzero();
-          for (int64_t c = 0; c < dv; c += W) acc = vfma(vload(kf + c), vload(qr + c), acc);
-          float sum = vsum(acc);
-          for (int64_t c = dv; c < d; ++c) sum += kf[c] * qr[c];
-          sc[r * B + t - t0] = sum;
-        }
-      }
-    }
+    block_scores(Kb, qs, t0, t1, d, rep, B, s.packed, kf, sc);
     // online softmax update, then o += p · V
     for (int64_t r = 0; r < rep; ++r) {
       float* sr = sc + r * B;
@@ -234,11 +212,7 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
       accumulate_v_n(nv, Vb + t0 * d, nt, d, sc, B, rep, o);
       continue;
     }
-    for (int64_t t = 0; t < nt; ++t) {
-      const VT* vt = Vb + (t0 + t) * d;
-      for (int64_t c = 0; c < dv; c += W) vstore(vf + t * d + c, kvload(vt + c));
-      for (int64_t c = dv; c < d; ++c) vf[t * d + c] = kvscalar(vt + c);
-    }
+    convert_row(Vb + t0 * d, nt * d, vf);                // the block's rows are contiguous
     if (vector_rows) {
       accumulate_v_n(nv, vf, nt, d, sc, B, rep, o);
     } else {
