@@ -63,7 +63,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 # ---- linear ------------------------------------------------------------------------------------------
 
-LIN_M = (1, 2, 3, 5, 8, 17, 33)
+LIN_M = (1, 2, 3, 5, 8, 17, 33, 95)        # 95: past 32, where CPUs without bf16 GEMMs still take it
 LIN_N = (1, 3, 33, 130)
 
 
@@ -95,6 +95,25 @@ def test_linear_multithreaded_and_empty():
         out = OPS.linear(x, w, b)
     torch.testing.assert_close(out, twins.linear(x, w, b), rtol=1e-5, atol=2e-4)
     assert OPS.linear(torch.zeros(0, 200), w, b).shape == (0, 130)
+
+
+@pytest.mark.parametrize("bf16_gemm", [True, False])
+def test_linear_row_limit_follows_the_bf16_gemm(monkeypatch, bf16_gemm):
+    """`native.linear` hands rows past its limit to `gemm.linear`: past 32 where the CPU has bf16 GEMMs (or
+    the weight is fp32), past 96 for a bf16 weight where it has none (its GEMM converts the weight first)."""
+    from gigadecode import gemm
+    monkeypatch.setattr(gemm, "BF16_GEMM_IN_HARDWARE", bf16_gemm)
+    to_gemm = []
+    monkeypatch.setattr(gemm, "linear", lambda x, w, b=None: to_gemm.append(x.shape[0]) or twins.linear(x, w, b))
+    g = gen("limit")
+    w16, w32 = randn(g, 24, 40, dtype=BF16), randn(g, 24, 40)
+    for M in (32, 33, 96, 97):
+        x = randn(g, M, 40, dtype=BF16)
+        for w in (w16, w32):
+            assert_rounded(native.linear(x, w), twins.linear(x.float(), w), 1e-5 * math.sqrt(40))
+    past = 32 if bf16_gemm else 96
+    assert to_gemm == [M for M in (32, 33, 96, 97) for w_is_16 in (True, False)
+                       if M > (past if w_is_16 else 32)]
 
 
 def test_linear_shape_errors():

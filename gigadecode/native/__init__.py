@@ -77,10 +77,21 @@ def swiglu(gate_up, alpha: float, limit: float) -> torch.Tensor:
 # 8 / 16 / 32 rows 2.5 / 4.4 / 7.2 ms against oneDNN's 5.8 / 6.9 / 9.4, a [1536, 1024] qkv 0.09 / 0.19 / 0.32
 # against 0.21 / 0.26 / 0.39; at 64 rows even; fp32 2-4x faster than oneDNN throughout).
 LINEAR_MAX_ROWS = 32
+# Where the CPU has no bf16 GEMM (`gemm.BF16_GEMM_IN_HARDWARE` False: AVX2, say), a bf16 weight's GEMM first
+# converts it to fp32 block by block, and the kernel stays ahead further (2-core Zen 3, bf16: 2.2x at 48 rows,
+# 1.2-1.8x at 64, 0.93-1.17x at 128, 0.73-0.79x at 512 on the `small` lm_head, qkv and a 20b-shape qkv).
+LINEAR_MAX_ROWS_BF16_IN_FP32 = 96
+
+
+def linear_max_rows(weight: torch.Tensor) -> int:
+    """Up to how many rows `linear` runs the kernel for this weight (past it, `gemm.linear`)."""
+    if weight.dtype == torch.bfloat16 and not gemm.BF16_GEMM_IN_HARDWARE:
+        return LINEAR_MAX_ROWS_BF16_IN_FP32
+    return LINEAR_MAX_ROWS
 
 
 def linear(x, weight, bias=None) -> torch.Tensor:
-    if x.shape[0] > LINEAR_MAX_ROWS:
+    if x.shape[0] > linear_max_rows(weight):
         return gemm.linear(x, weight, bias)
     return _op("linear")(x.contiguous(), weight, bias)
 
