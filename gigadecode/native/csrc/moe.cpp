@@ -105,7 +105,8 @@ const auto TILES_X64 = make_tiles<MxFn<float>, MxTileX64, RT_MAX, TT_MAX>();
 // (1.1-1.3x the 2 x 2 tiles at 3-6 inputs on a Zen 3, the tile alone; the same sums in the same order)
 constexpr int TT_X64_WIDE = 4;
 const auto TILES_X64_WIDE = make_tiles<MxFn<float>, MxTileX64, RT_MAX, TT_X64_WIDE>();
-constexpr int DOT_RT = 3, DOT_TT = 3;                // 9 accumulators + 3 rows + 3 inputs: 15 of 16 registers
+// 12 accumulators + 3 inputs + the row being read: all 16 registers (1.2x the 3 x 3 tile alone on a Zen 3)
+constexpr int DOT_RT = 4, DOT_TT = 3;
 const auto TILES_DOT_F32 = make_tiles<void (*)(const float*, int64_t, int64_t, const float* const*, float*, int64_t),
                                       DotTileF32, DOT_RT, DOT_TT>();
 
