@@ -1,0 +1,147 @@
+"""Two builds of the native kernels in one process, alternated: decode steps of the GK program or prefill
+chunks of the per-layer model with the kernels of revision A, then of B, A, B, … (medians, and the median of
+the pair ratios), so both share the host's noise — on a busy 2-core machine whole runs minutes apart differ by
+more than most kernel changes do.
+
+Each revision's `gigadecode/native/csrc` (a git revision, or `worktree` for the files as they are now) is built
+under its own op namespace (`gigadecode_ab_a`, `gigadecode_ab_b`) into `~/.cache/gigadecode/ab/`, and the
+Python wrappers are pointed at one namespace or the other between steps. Everything else (the Python side,
+weights, KV) is the working tree's and shared.
+
+    .venv/bin/python bench/kernels_ab.py --a HEAD~1 --b worktree decode --preset small --batch 8 --context 4096
+    .venv/bin/python bench/kernels_ab.py --a HEAD~1 --b worktree prefill --preset small --tokens 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from decode import CACHE, DecodeBench  # noqa: E402
+from gigadecode.config import GptOssConfig  # noqa: E402
+from gigadecode.engine_config import EngineConfig  # noqa: E402
+from gigadecode.kv.cache import KVCache  # noqa: E402
+from gigadecode.kv.manager import KVCacheManager  # noqa: E402
+from gigadecode.model import GptOssModel, SeqChunk  # noqa: E402
+from gigadecode.native import build  # noqa: E402
+from gigadecode.weights import load_weights  # noqa: E402
+
+CSRC = "gigadecode/native/csrc"
+
+
+def sources(rev: str) -> dict[str, bytes]:
+    """The kernel sources of a git revision, or of the working tree (`worktree`)."""
+    if rev == "worktree":
+        return {p.name: p.read_bytes() for p in (ROOT / CSRC).iterdir() if p.is_file()}
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, CSRC], check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        return {Path(m.name).name: t.extractfile(m).read() for m in t.getmembers() if m.isfile()}
+
+
+def build_as(rev: str, namespace: str):
+    """Build `rev`'s kernels with their op namespace renamed; returns `torch.ops.<namespace>`."""
+    from torch.utils import cpp_extension
+
+    files = sources(rev)
+    files["ops.cpp"] = files["ops.cpp"].replace(b"gigadecode_native", namespace.encode())
+    isa = build.cpu_isa()
+    if isa is None:
+        raise SystemExit("this CPU has neither AVX-512 nor AVX2: no kernels to compare")
+    key = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(files.items())) + isa.encode()).hexdigest()[:16]
+    out = CACHE / "ab" / f"{namespace}-{key}"
+    src = out / "csrc"
+    src.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    lib = out / f"{namespace}.so"
+    if lib.exists():
+        torch.ops.load_library(str(lib))
+    else:
+        print(f"building {rev} as {namespace} ...", flush=True)
+        cpp_extension.load(name=namespace, sources=[str(src / s) for s in build.SOURCES], build_directory=str(out),
+                           extra_cflags=["-O3", "-fopenmp", "-std=c++17", *build.ISA_FLAGS[isa]],
+                           extra_ldflags=["-fopenmp"], is_python_module=False)
+    return getattr(torch.ops, namespace)
+
+
+def alternate(kernels: dict, run, rounds: int) -> dict[str, list[float]]:
+    """run() timed with each build's kernels in turn, `rounds` times (after one untimed round)."""
+    build.load()                                       # the wrappers' state exists; then point it at A or B
+    times = {k: [] for k in kernels}
+    for i in range(rounds + 1):
+        for name, ops in kernels.items():
+            build._state["ops"] = ops
+            t0 = time.perf_counter()
+            run()
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def report(what: str, times: dict[str, list[float]], unit: float, per: str) -> None:
+    a, b = times["A"], times["B"]
+    ratio = sorted(x / y for x, y in zip(a, b))[len(a) // 2]
+    print(f"{what}: A {statistics.median(a) * unit:.2f} {per}  B {statistics.median(b) * unit:.2f} {per}  "
+          f"B/A speed {statistics.median(a) / statistics.median(b):.3f}x (median of pair ratios {ratio:.3f}, "
+          f"{len(a)} pairs)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--a", default="HEAD", help="git revision of the baseline kernels (or 'worktree')")
+    ap.add_argument("--b", default="worktree", help="git revision of the kernels to compare (or 'worktree')")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--rounds", type=int, default=20)
+    sub = ap.add_subparsers(dest="what", required=True)
+    dec = sub.add_parser("decode", help="GK decode steps (random KV, full tables; as bench/decode.py)")
+    dec.add_argument("--batch", type=int, default=1)
+    dec.add_argument("--context", type=int, default=256)
+    pre = sub.add_parser("prefill", help="a prompt's chunked prefill through the per-layer model")
+    pre.add_argument("--tokens", type=int, default=512)
+    args = ap.parse_args()
+
+    kernels = {"A": build_as(args.a, "gigadecode_ab_a"), "B": build_as(args.b, "gigadecode_ab_b")}
+    model_dir = CACHE / args.preset
+    if not (model_dir / "config.json").exists():
+        raise SystemExit(f"no checkpoint at {model_dir}: run bench/decode.py --preset {args.preset} once")
+    cfg = GptOssConfig.from_hf(model_dir)
+    dt = getattr(torch, args.dtype)
+    w = load_weights(model_dir, cfg, dt)
+    model = GptOssModel(cfg, w, dt)
+    print(f"A = {args.a}, B = {args.b}; {args.preset} {args.dtype}, threads {torch.get_num_threads()}")
+    if args.what == "decode":
+        bench = DecodeBench(cfg, w, model, args.dtype, args.batch, args.context, 16, ["gk-native"])
+        times = alternate(kernels, lambda: bench.step("gk-native"), args.rounds)
+        report(f"decode batch {args.batch} context {args.context}", times, 1e3, "ms")
+    else:
+        n = args.tokens
+        kv = KVCache(cfg, EngineConfig(dtype=args.dtype, kv_dtype="fp8", block_size=16), -(-n // 16) * 2 + 2)
+        mgr = KVCacheManager(kv.config, 16)
+        prompt = torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+
+        def prefill() -> None:
+            assert mgr.allocate("p", n, 0)
+            for s in range(0, n, 512):
+                model.forward([SeqChunk(prompt[s: s + 512], s, mgr.block_tables("p"), "last")], kv)
+            mgr.free("p")
+        times = alternate(kernels, prefill, max(3, args.rounds // 4))
+        report(f"prefill of {n} tokens", times, 1e3, "ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
