@@ -53,8 +53,6 @@ def sources(rev: str) -> dict[str, bytes]:
 
 def build_as(rev: str, namespace: str):
     """Build `rev`'s kernels with their op namespace renamed; returns `torch.ops.<namespace>`."""
-    from torch.utils import cpp_extension
-
     files = sources(rev)
     files["ops.cpp"] = files["ops.cpp"].replace(b"gigadecode_native", namespace.encode())
     isa = build.cpu_isa()
@@ -66,14 +64,9 @@ def build_as(rev: str, namespace: str):
     src.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         (src / name).write_bytes(data)
-    lib = out / f"{namespace}.so"
-    if lib.exists():
-        torch.ops.load_library(str(lib))
-    else:
+    if not (out / f"{namespace}.so").exists():
         print(f"building {rev} as {namespace} ...", flush=True)
-        cpp_extension.load(name=namespace, sources=[str(src / s) for s in build.SOURCES], build_directory=str(out),
-                           extra_cflags=["-O3", "-fopenmp", "-std=c++17", *build.ISA_FLAGS[isa]],
-                           extra_ldflags=["-fopenmp"], is_python_module=False)
+    build.compile_or_load(namespace, src, out, isa)
     return getattr(torch.ops, namespace)
 
 

@@ -91,22 +91,27 @@ def load(verbose: bool = False):
     return ops
 
 
-def _build(isa: str, verbose: bool):
+def compile_or_load(name: str, src: Path, out: Path, isa: str, verbose: bool = False) -> None:
+    """Load `out/<name>.so`, compiling `src`'s SOURCES into it for `isa` first when it is not there."""
+    lib = out / f"{name}.so"
+    if lib.exists():
+        torch.ops.load_library(str(lib))
+        return
     from torch.utils import cpp_extension
 
+    cpp_extension.load(name=name, sources=[str(src / s) for s in SOURCES], build_directory=str(out),
+                       extra_cflags=["-O3", "-fopenmp", "-std=c++17", *ISA_FLAGS[isa]],
+                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
+
+
+def _build(isa: str, verbose: bool):
     key = build_key(isa)
     out = CACHE_DIR / f"{isa}-{key}"
     out.mkdir(parents=True, exist_ok=True)
     name = f"gigadecode_native_{isa.replace('-', '_')}"
-    lib = out / f"{name}.so"
-    if lib.exists():
-        torch.ops.load_library(str(lib))
-    else:
-        if not verbose:
-            print(f"gigadecode: building the native kernels ({isa}) once into {out} ...", file=sys.stderr, flush=True)
-        cpp_extension.load(name=name, sources=[str(SRC / s) for s in SOURCES], build_directory=str(out),
-                           extra_cflags=["-O3", "-fopenmp", "-std=c++17", *ISA_FLAGS[isa]],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
+    if not verbose and not (out / f"{name}.so").exists():
+        print(f"gigadecode: building the native kernels ({isa}) once into {out} ...", file=sys.stderr, flush=True)
+    compile_or_load(name, SRC, out, isa, verbose)
     ops = torch.ops.gigadecode_native
     _state["isa"] = ops.isa()
     from .fakes import register_fakes
