@@ -72,7 +72,7 @@ class GptOssGKDecodeModel(torch.nn.Module):
         self.native = native          # the layer pieces on the native kernels (gigadecode.native)
         self._stacked = False
         self._kv_allocs: tuple[torch.Tensor, ...] | None = None
-        self._local_moe = LocalPairsMoE()          # parallel + compiled: shared by every program
+        self._local_moe: LocalPairsMoE | None = None   # parallel + compiled: made with its first program
         self._programs: dict[tuple, object] = {}
         _luts(weights.embed.dtype)   # fill the MXFP4 tables now: filling them while tracing forces a recompile
 
@@ -140,6 +140,8 @@ class GptOssGKDecodeModel(torch.nn.Module):
                 prog = torch.compile(functools.partial(gpt_oss_decode_mega_kernel, spec=spec),
                                      fullgraph=True, dynamic=False)
             else:
+                if self._local_moe is None:          # shared by every program (torch.compile costs seconds:
+                    self._local_moe = LocalPairsMoE()   # never at the start of an engine that does not use it)
                 blocks = LayerBlocks(attention=torch.compile(attention_block, fullgraph=True, dynamic=False),
                                      moe=self._local_moe,
                                      partial_attention=torch.compile(paged_decode_attention_partial,
