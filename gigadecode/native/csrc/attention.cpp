@@ -61,7 +61,7 @@ constexpr int heads_per_pass(int NV) { return NV >= ACC ? 1 : ACC / NV; }
 // o[r] += Σ_t p[r][t] · V[t] for the rep heads of a group: NV = d / W vectors a row (rows `vr`, converted
 // as they are read: fp32 rows, or the cache's own when every head fits one pass, so each is converted once)
 template <int NV, typename VT>
-void accumulate_v(const VT* vr, int64_t nt, int64_t d, const float* sc, int64_t B, int64_t rep, float* o) {
+void accumulate_v(const VT* vr, int64_t nt, int64_t d, const float* sc, int64_t ld, int64_t rep, float* o) {
   constexpr int RG = heads_per_pass(NV);
   for (int64_t r0 = 0; r0 < rep; r0 += RG) {
     const int rn = int(std::min<int64_t>(RG, rep - r0));
@@ -74,7 +74,7 @@ void accumulate_v(const VT* vr, int64_t nt, int64_t d, const float* sc, int64_t 
       for (int c = 0; c < NV; ++c) v[c] = kvload(vr + t * d + c * W);
       for (int i = 0; i < RG; ++i)
         if (i < rn) {
-          const VF p = vset1(sc[(r0 + i) * B + t]);
+          const VF p = vset1(sc[(r0 + i) * ld + t]);
           for (int c = 0; c < NV; ++c) acc[i][c] = vfma(p, v[c], acc[i][c]);
         }
     }
@@ -86,27 +86,27 @@ void accumulate_v(const VT* vr, int64_t nt, int64_t d, const float* sc, int64_t 
 
 // accumulate_v for nv = d / W in 1..8
 template <typename VT>
-void accumulate_v_n(int64_t nv, const VT* vr, int64_t nt, int64_t d, const float* sc, int64_t B, int64_t rep,
+void accumulate_v_n(int64_t nv, const VT* vr, int64_t nt, int64_t d, const float* sc, int64_t ld, int64_t rep,
                     float* o) {
   switch (nv) {
-    case 1: accumulate_v<1>(vr, nt, d, sc, B, rep, o); break;
-    case 2: accumulate_v<2>(vr, nt, d, sc, B, rep, o); break;
-    case 3: accumulate_v<3>(vr, nt, d, sc, B, rep, o); break;
-    case 4: accumulate_v<4>(vr, nt, d, sc, B, rep, o); break;
-    case 5: accumulate_v<5>(vr, nt, d, sc, B, rep, o); break;
-    case 6: accumulate_v<6>(vr, nt, d, sc, B, rep, o); break;
-    case 7: accumulate_v<7>(vr, nt, d, sc, B, rep, o); break;
-    default: accumulate_v<8>(vr, nt, d, sc, B, rep, o);
+    case 1: accumulate_v<1>(vr, nt, d, sc, ld, rep, o); break;
+    case 2: accumulate_v<2>(vr, nt, d, sc, ld, rep, o); break;
+    case 3: accumulate_v<3>(vr, nt, d, sc, ld, rep, o); break;
+    case 4: accumulate_v<4>(vr, nt, d, sc, ld, rep, o); break;
+    case 5: accumulate_v<5>(vr, nt, d, sc, ld, rep, o); break;
+    case 6: accumulate_v<6>(vr, nt, d, sc, ld, rep, o); break;
+    case 7: accumulate_v<7>(vr, nt, d, sc, ld, rep, o); break;
+    default: accumulate_v<8>(vr, nt, d, sc, ld, rep, o);
   }
 }
 
-// Scores sc[r * B + t - t0] for t in [t0, t1] of one block's K against the rep q heads (qs [rep][2d]: packed,
+// Scores sc[r * ld + t - t0] for t in [t0, t1] of one block's K against the rep q heads (qs [rep][2d]: packed,
 // each dim twice; plain, the first d). K is read in rows of n values, eight rows at a time, each converted
 // once (kf [8][n]) and dotted with every head through eight independent accumulators, reduced together
 // (vstore_sum_even_odd_x8): packed K's row is a token pair [d][2] (n = 2d; its even lanes are token 2p, its
 // odd lanes 2p+1), plain K's a token (n = d; both lanes' sums are its score).
 template <typename KT>
-void block_scores(const KT* Kb, const float* qs, int64_t t0, int64_t t1, int64_t d, int64_t rep, int64_t B,
+void block_scores(const KT* Kb, const float* qs, int64_t t0, int64_t t1, int64_t d, int64_t rep, int64_t ld,
                   bool packed, float* kf, float* sc) {
   const int64_t n = packed ? 2 * d : d, nv = n / W * W;
   const int64_t r0 = packed ? t0 / 2 : t0, r1 = packed ? t1 / 2 : t1;   // rows (pairs or tokens)
@@ -130,23 +130,63 @@ void block_scores(const KT* Kb, const float* qs, int64_t t0, int64_t t1, int64_t
         for (int64_t c = nv; c < n; ++c) tok[2 * i + c % 2] += kf[i * n + c] * qr[c];
       if (packed) {
         const int64_t a = std::max(t0, 2 * q0), e = std::min(t1, 2 * q0 + 2 * nr - 1);
-        for (int64_t t = a; t <= e; ++t) sc[r * B + t - t0] = tok[t - 2 * q0];
+        for (int64_t t = a; t <= e; ++t) sc[r * ld + t - t0] = tok[t - 2 * q0];
       } else {
-        for (int i = 0; i < nr; ++i) sc[r * B + q0 + i - t0] = tok[2 * i] + tok[2 * i + 1];
+        for (int i = 0; i < nr; ++i) sc[r * ld + q0 + i - t0] = tok[2 * i] + tok[2 * i + 1];
       }
     }
   }
 }
 
+// Tokens scored before one softmax update: the blocks of a span are scored into one row of scores per head,
+// so the update's fixed cost (maxima, a scalar exp, rescaling o) is paid once per ~128 tokens, not per block.
+constexpr int64_t SPAN_TOKENS = 128;
+
+// online softmax over a span's scores sc[r * ld + t] (t < n): e^(s - m) in place, m and l of each head
+// updated in o ([rep][d + 2]: o, m, l) and o rescaled where the maximum moved
+inline void softmax_update(float* sc, int64_t ld, int64_t n, int64_t rep, int64_t d, float* o) {
+  for (int64_t r = 0; r < rep; ++r) {
+    float* sr = sc + r * ld;
+    float* orow = o + r * (d + 2);
+    const float m_old = orow[d];
+    int64_t t = 0;
+    VF mx = vset1(-INFINITY);
+    for (; t + W <= n; t += W) mx = vmax(mx, vload(sr + t));
+    float m_new = std::max(m_old, vmaxall(mx));
+    for (; t < n; ++t) m_new = std::max(m_new, sr[t]);
+    const float corr = std::exp(m_old - m_new);     // 0 on the first span (m_old = -inf)
+    const VF nm = vset1(-m_new);
+    VF ls = vzero();                                // the span's sum of e^(s - m), vector lanes first
+    for (t = 0; t + W <= n; t += W) {
+      const VF e = vexp(vadd(vload(sr + t), nm));
+      vstore(sr + t, e);
+      ls = vadd(ls, e);
+    }
+    float l = vsum(ls);
+    for (; t < n; ++t) l += sr[t] = std::exp(sr[t] - m_new);
+    orow[d] = m_new;
+    orow[d + 1] = orow[d + 1] * corr + l;
+    if (corr != 1.f) {
+      const VF cv = vset1(corr);
+      int64_t j = 0;
+      for (; j + W <= d; j += W) vstore(orow + j, vmul(vload(orow + j), cv));
+      for (; j < d; ++j) orow[j] *= corr;
+    }
+  }
+}
+
 // One (slot, kv head, block range) item: partial (o [rep, d] unnormalized, m [rep], l [rep]) into `part`.
+// The range is read in spans of blocks (`SPAN_TOKENS`): K of each block scored, one softmax update, then
+// o += p · V block by block.
 template <typename KT, typename VT>
 void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, const int64_t* table, int64_t lo,
                   int64_t pos, int64_t jb0, int64_t jb1, int64_t b, int64_t h, float qmul, float* part) {
   const int64_t rep = s.rep, d = s.d, B = s.B;
+  const int64_t span_blocks = std::max<int64_t>(1, SPAN_TOKENS / B), ld = span_blocks * B;
   float* qs = scratch(0, rep * 2 * d);               // q · scale · k multiplier (packed: each dim twice)
-  float* sc = scratch(1, rep * (B + 1));              // scores of one block
+  float* sc = scratch(1, rep * ld + W);              // scores of one span [rep][ld]
   float* kf = scratch(3, 16 * d);                     // 8 rows of K (token pairs or tokens) in fp32
-  float* vf = scratch(2, B * d);                      // the block's V rows in fp32 (slot 2: free until the merge)
+  float* vf = scratch(2, B * d);                      // a block's V rows in fp32 (slot 2: free until the merge)
   for (int64_t r = 0; r < rep; ++r) {
     const float* qr = q + (b * s.nh + h * rep + r) * d;
     for (int64_t j = 0; j < d; ++j) {
@@ -160,65 +200,55 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
     o[r * (d + 2) + d] = -INFINITY;
     o[r * (d + 2) + d + 1] = 0.f;
   }
-  for (int64_t jb = jb0; jb <= jb1; ++jb) {
-    const int64_t bid = table[b * s.n_table + jb];
-    const int64_t t0 = std::max(lo, jb * B) - jb * B, t1 = std::min(pos, jb * B + B - 1) - jb * B;  // in-block
-    const int64_t nt = t1 - t0 + 1;
-    if (nt <= 0) continue;
-    const KT* Kb = K + (bid * s.kv + h) * B * d;
-    const VT* Vb = V + (bid * s.kv + h) * B * d;
-    if (jb + 2 <= jb1) {                              // blocks are scattered: fetch two ahead by hand
-      const int64_t nxt = table[b * s.n_table + jb + 2];
-      prefetch_rows(K + (nxt * s.kv + h) * B * d, B * d * int64_t(sizeof(KT)));
-      prefetch_rows(V + (nxt * s.kv + h) * B * d, B * d * int64_t(sizeof(VT)));
-    }
-    // scores sc[r][t - t0]: each K element converted once, then dotted with every q head of the group
-    block_scores(Kb, qs, t0, t1, d, rep, B, s.packed, kf, sc);
-    // online softmax update, then o += p · V
-    for (int64_t r = 0; r < rep; ++r) {
-      float* sr = sc + r * B;
-      float* orow = o + r * (d + 2);
-      const float m_old = orow[d];
-      float m_new = m_old;
-      int64_t t = 0;
-      VF mx = vset1(-INFINITY);
-      for (; t + W <= nt; t += W) mx = vmax(mx, vload(sr + t));
-      m_new = std::max(m_new, vmaxall(mx));
-      for (; t < nt; ++t) m_new = std::max(m_new, sr[t]);
-      const float corr = std::exp(m_old - m_new);     // 0 on the first block (m_old = -inf)
-      const VF nm = vset1(-m_new);
-      VF ls = vzero();                                // the block's sum of e^(s - m), vector lanes first
-      for (t = 0; t + W <= nt; t += W) {
-        const VF e = vexp(vadd(vload(sr + t), nm));
-        vstore(sr + t, e);
-        ls = vadd(ls, e);
+  // block jb's visible in-block range [t0, t1]
+  auto in_block = [&](int64_t jb, int64_t& t0, int64_t& t1) {
+    t0 = std::max(lo, jb * B) - jb * B;
+    t1 = std::min(pos, jb * B + B - 1) - jb * B;
+    return t1 - t0 + 1;
+  };
+  const int64_t nv = d % W ? 0 : d / W;
+  const bool vector_rows = nv >= 1 && nv <= 8;       // accumulate_v's sizes; else the scalar loop
+  for (int64_t j0 = jb0; j0 <= jb1; j0 += span_blocks) {
+    const int64_t j1 = std::min(jb1, j0 + span_blocks - 1);
+    // scores sc[r][n ..): each K element converted once, then dotted with every q head of the group
+    int64_t n = 0;
+    for (int64_t jb = j0; jb <= j1; ++jb) {
+      int64_t t0, t1;
+      const int64_t nt = in_block(jb, t0, t1);
+      if (nt <= 0) continue;
+      if (jb + 2 <= jb1) {                            // blocks are scattered: fetch two ahead by hand
+        const int64_t nxt = table[b * s.n_table + jb + 2];
+        prefetch_rows(K + (nxt * s.kv + h) * B * d, B * d * int64_t(sizeof(KT)));
+        prefetch_rows(V + (nxt * s.kv + h) * B * d, B * d * int64_t(sizeof(VT)));
       }
-      float l = vsum(ls);
-      for (; t < nt; ++t) l += sr[t] = std::exp(sr[t] - m_new);
-      orow[d] = m_new;
-      orow[d + 1] = orow[d + 1] * corr + l;
-      if (corr != 1.f) {
-        const VF cv = vset1(corr);
-        int64_t j = 0;
-        for (; j + W <= d; j += W) vstore(orow + j, vmul(vload(orow + j), cv));
-        for (; j < d; ++j) orow[j] *= corr;
-      }
+      const int64_t bid = table[b * s.n_table + jb];
+      block_scores(K + (bid * s.kv + h) * B * d, qs, t0, t1, d, rep, ld, s.packed, kf, sc + n);
+      n += nt;
     }
+    if (n == 0) continue;
+    softmax_update(sc, ld, n, rep, d, o);
     // o += p · V with the accumulators in registers: V read in place when every head fits one pass, else
-    // the block's V rows converted to fp32 once first
-    const int64_t nv = d % W ? 0 : d / W;
-    const bool vector_rows = nv >= 1 && nv <= 8;     // accumulate_v's sizes; else the scalar loop
-    if (vector_rows && rep <= heads_per_pass(int(nv))) {
-      accumulate_v_n(nv, Vb + t0 * d, nt, d, sc, B, rep, o);
-      continue;
-    }
-    convert_row(Vb + t0 * d, nt * d, vf);                // the block's rows are contiguous
-    if (vector_rows) {
-      accumulate_v_n(nv, vf, nt, d, sc, B, rep, o);
-    } else {
-      for (int64_t t = 0; t < nt; ++t)
-        for (int64_t r = 0; r < rep; ++r)
-          for (int64_t c = 0; c < d; ++c) o[r * (d + 2) + c] += sc[r * B + t] * vf[t * d + c];
+    // each block's V rows converted to fp32 once first
+    n = 0;
+    for (int64_t jb = j0; jb <= j1; ++jb) {
+      int64_t t0, t1;
+      const int64_t nt = in_block(jb, t0, t1);
+      if (nt <= 0) continue;
+      const VT* Vr = V + (table[b * s.n_table + jb] * s.kv + h) * B * d + t0 * d;
+      const float* p = sc + n;
+      n += nt;
+      if (vector_rows && rep <= heads_per_pass(int(nv))) {
+        accumulate_v_n(nv, Vr, nt, d, p, ld, rep, o);
+        continue;
+      }
+      convert_row(Vr, nt * d, vf);                    // the block's rows are contiguous
+      if (vector_rows) {
+        accumulate_v_n(nv, vf, nt, d, p, ld, rep, o);
+      } else {
+        for (int64_t t = 0; t < nt; ++t)
+          for (int64_t r = 0; r < rep; ++r)
+            for (int64_t c = 0; c < d; ++c) o[r * (d + 2) + c] += p[r * ld + t] * vf[t * d + c];
+      }
     }
   }
 }
