@@ -63,7 +63,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 # ---- linear ------------------------------------------------------------------------------------------
 
-LIN_M = (1, 2, 3, 5, 8, 17, 33, 95)        # 95: past 32, where CPUs without bf16 GEMMs still take it
+# 40, 95, 130: past 32, where CPUs without bf16 GEMMs still take it (AVX2: strips of rows converted once from 40)
+LIN_M = (1, 2, 3, 5, 8, 17, 33, 40, 95, 130)
 LIN_N = (1, 3, 33, 130)
 
 
@@ -90,30 +91,33 @@ def test_linear(xdt, wdt, K):
 
 def test_linear_multithreaded_and_empty():
     g = gen(1)
-    x, w, b = randn(g, 5, 200), randn(g, 130, 200, dtype=BF16), randn(g, 130)
-    with num_threads(4):
-        out = OPS.linear(x, w, b)
-    torch.testing.assert_close(out, twins.linear(x, w, b), rtol=1e-5, atol=2e-4)
+    w, b = randn(g, 130, 200, dtype=BF16), randn(g, 130)
+    for M in (5, 41):                                 # 41: AVX2's strips of rows, over 4 threads
+        x = randn(g, M, 200)
+        with num_threads(4):
+            out = OPS.linear(x, w, b)
+        torch.testing.assert_close(out, twins.linear(x, w, b), rtol=1e-5, atol=2e-4)
     assert OPS.linear(torch.zeros(0, 200), w, b).shape == (0, 130)
 
 
 @pytest.mark.parametrize("bf16_gemm", [True, False])
 def test_linear_row_limit_follows_the_bf16_gemm(monkeypatch, bf16_gemm):
     """`native.linear` hands rows past its limit to `gemm.linear`: past 32 where the CPU has bf16 GEMMs (or
-    the weight is fp32), past 96 for a bf16 weight where it has none (its GEMM converts the weight first)."""
+    the weight is fp32), past 96 for a bf16 weight where it has none (its GEMM converts the weight first),
+    past 256 there on the AVX2 build (which converts the weight's rows once per strip itself)."""
     from gigadecode import gemm
     monkeypatch.setattr(gemm, "BF16_GEMM_IN_HARDWARE", bf16_gemm)
     to_gemm = []
     monkeypatch.setattr(gemm, "linear", lambda x, w, b=None: to_gemm.append(x.shape[0]) or twins.linear(x, w, b))
     g = gen("limit")
     w16, w32 = randn(g, 24, 40, dtype=BF16), randn(g, 24, 40)
-    for M in (32, 33, 96, 97):
+    rows = (32, 33, 96, 97, 256, 257)
+    for M in rows:
         x = randn(g, M, 40, dtype=BF16)
         for w in (w16, w32):
             assert_rounded(native.linear(x, w), twins.linear(x.float(), w), 1e-5 * math.sqrt(40))
-    past = 32 if bf16_gemm else 96
-    assert to_gemm == [M for M in (32, 33, 96, 97) for w_is_16 in (True, False)
-                       if M > (past if w_is_16 else 32)]
+    past = 32 if bf16_gemm else 256 if native.isa() == "avx2" else 96
+    assert to_gemm == [M for M in rows for w_is_16 in (True, False) if M > (past if w_is_16 else 32)]
 
 
 def test_linear_shape_errors():

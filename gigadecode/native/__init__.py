@@ -36,11 +36,11 @@ import torch
 
 from .. import gemm
 from . import twins
-from .build import load, status
+from .build import isa, load, status
 
 __all__ = ["moe_mxfp4", "mxfp4_dequant", "mxfp4_dequant_into", "swiglu", "linear", "paged_decode_attention", "paged_decode_attention_partial",
            "rope_kv_write", "rms_norm", "prefill_attention", "prefill_attention_supported",
-           "available", "status", "twins"]
+           "available", "isa", "status", "twins"]
 
 
 def available() -> bool:
@@ -81,12 +81,17 @@ LINEAR_MAX_ROWS = 32
 # converts it to fp32 block by block, and the kernel stays ahead further (2-core Zen 3, bf16: 2.2x at 48 rows,
 # 1.2-1.8x at 64, 0.93-1.17x at 128, 0.73-0.79x at 512 on the `small` lm_head, qkv and a 20b-shape qkv).
 LINEAR_MAX_ROWS_BF16_IN_FP32 = 96
+# The AVX2 build converts a bf16 weight to fp32 once per strip of rows for 40 rows or more (linear.cpp) and
+# stays level with or ahead of that GEMM up to ~256 rows (2-core Zen 3, the `small` lm_head and qkv and a
+# 20b-shape qkv: 1.19-1.59x at 96 rows, 1.05-1.21x at 128, 1.00-1.15x at 192, 0.99-1.02x at 256, 0.78-0.97x
+# at 384-512).
+LINEAR_MAX_ROWS_BF16_STRIPS = 256
 
 
 def linear_max_rows(weight: torch.Tensor) -> int:
     """Up to how many rows `linear` runs the kernel for this weight (past it, `gemm.linear`)."""
     if weight.dtype == torch.bfloat16 and not gemm.BF16_GEMM_IN_HARDWARE:
-        return LINEAR_MAX_ROWS_BF16_IN_FP32
+        return LINEAR_MAX_ROWS_BF16_STRIPS if isa() == "avx2" else LINEAR_MAX_ROWS_BF16_IN_FP32
     return LINEAR_MAX_ROWS
 
 

@@ -119,6 +119,11 @@ def _build(isa: str, verbose: bool):
     return ops
 
 
+def isa() -> str | None:
+    """The ISA of the loaded kernels ('avx512-bf16', 'avx512' or 'avx2'), or None where the twins run."""
+    return _state.get("isa") if load() is not None else None
+
+
 def status() -> str:
     """One line: which kernels run here."""
     ops = load()
