@@ -13,7 +13,6 @@ import json
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -21,11 +20,7 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .ports import free_port
 
 
 def wait_healthy(url: str, procs: subprocess.Popen | list[subprocess.Popen], timeout_s: float = 180.0) -> None:

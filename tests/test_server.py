@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gigadecode.cli import build_parser
+from gigadecode.ports import free_port
 from gigadecode.sampling import SamplingParams
 from gigadecode.engine import RequestOutput
 from gigadecode.request import EngineStats
@@ -48,12 +49,6 @@ METRIC_NAMES = ("gigadecode_time_to_first_token_seconds", "gigadecode_inter_toke
                 "gigadecode_requests_running", "gigadecode_requests_waiting", "gigadecode_kv_blocks_used",
                 "gigadecode_kv_blocks_total", "gigadecode_kv_bytes_transferred_total",
                 "gigadecode_kv_transfer_failures_total", "gigadecode_requests_total")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_health(url: str, proc: subprocess.Popen | None = None, timeout: float = 90.0) -> None:
