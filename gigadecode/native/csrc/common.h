@@ -68,15 +68,19 @@ inline const float* e8m0_table() {
   return t.data();
 }
 
+// n bf16 values -> fp32 (exact)
+inline void bf16_to_f32_row(const uint16_t* p, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) vstore(out + i, vload_bf16(p + i));
+  for (; i < n; ++i) out[i] = bf16_to_f32(p[i]);
+}
+
 // rows of `x` [M, K] (float or bf16) as contiguous fp32 [M, K]
 inline const float* rows_as_f32(const at::Tensor& x, int slot) {
   const int64_t n = x.numel();
   if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
   float* out = scratch(slot, n);
-  const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  int64_t i = 0;
-  for (; i + W <= n; i += W) vstore(out + i, vload_bf16(p + i));
-  for (; i < n; ++i) out[i] = bf16_to_f32(p[i]);
+  bf16_to_f32_row(reinterpret_cast<const uint16_t*>(x.data_ptr()), n, out);
   return out;
 }
 

@@ -98,13 +98,10 @@ const auto TILES_BF16 = make_tiles<DotFnBf16, DotTileBf16, RT_MAX, TT_MAX>();
 
 #ifdef GD_X64_DECODE
 // AVX2, bf16 weights, at least LINEAR_STRIP_MIN_ROWS inputs: each strip of 16 weight rows is converted to fp32
-// once into a per-thread buffer and multiplied in the dense fp32 tiles of the MoE's strip path (4 rows × 3
-// inputs, all 16 registers), instead of converting every row again for each tile of inputs (the 2 × 4 tiles
-// ran at ~22 GMAC/s a core at 32 inputs on a Zen 3; these at ~30)
+// once into a per-thread buffer and multiplied in the MoE strip path's dense fp32 tiles (`dot_rows_f32`),
+// instead of converting every row again for each tile of inputs (1.1-1.3x the 2 x 4 tiles at 48-96 rows on a
+// Zen 3, the op alone; even at 40, slower below)
 constexpr int64_t LINEAR_STRIP_MIN_ROWS = 40;
-constexpr int DOT_RT = 4, DOT_TT = 3;
-const auto TILES_DOT_F32 = make_tiles<void (*)(const float*, int64_t, int64_t, const float* const*, float*, int64_t),
-                                      DotTileF32, DOT_RT, DOT_TT>();
 
 // y [M, N] = x [M, K] · w [N, K]^T for bf16 w: the rows' and the inputs' fp32 copies padded to whole vectors
 void linear_strips_bf16(const uint16_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
@@ -125,22 +122,10 @@ void linear_strips_bf16(const uint16_t* w, int64_t N, int64_t K, const float* x,
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t r0 = s * strip, nr = std::min(strip, N - r0);
       for (int64_t r = 0; r < nr; ++r) {
-        const uint16_t* src = w + (r0 + r) * K;
-        float* dst = wf + r * K8;
-        int64_t k = 0;
-        for (; k + W <= K; k += W) {
-          if (k % 32 == 0) prefetch_l2(src + k, LINEAR_PREFETCH_LEAD);   // once per line
-          vstore(dst + k, vload_bf16(src + k));
-        }
-        for (; k < K; ++k) dst[k] = bf16_to_f32(src[k]);
-        std::fill(dst + K, dst + K8, 0.f);
+        bf16_to_f32_row(w + (r0 + r) * K, K, wf + r * K8);
+        std::fill(wf + r * K8 + K, wf + r * K8 + K8, 0.f);
       }
-      for (int64_t r = 0; r < nr; r += DOT_RT) {      // a tile's rows stay in L1 while the inputs pass
-        const int rt = int(std::min<int64_t>(DOT_RT, nr - r));
-        for (int64_t t = 0; t < M; t += DOT_TT)
-          TILES_DOT_F32[rt - 1][int(std::min<int64_t>(DOT_TT, M - t)) - 1](wf + r * K8, K8, K8, xr.data() + t,
-                                                                         y + t * N + r0 + r, N);
-      }
+      dot_rows_f32(wf, K8, nr, xr.data(), M, y + r0, N);
     }
   });
 }

@@ -105,23 +105,13 @@ const auto TILES_X64 = make_tiles<MxFn<float>, MxTileX64, RT_MAX, TT_MAX>();
 // (1.1-1.3x the 2 x 2 tiles at 3-6 inputs on a Zen 3, the tile alone; the same sums in the same order)
 constexpr int TT_X64_WIDE = 4;
 const auto TILES_X64_WIDE = make_tiles<MxFn<float>, MxTileX64, RT_MAX, TT_X64_WIDE>();
-// 12 accumulators + 3 inputs + the row being read: all 16 registers (1.2x the 3 x 3 tile alone on a Zen 3)
-constexpr int DOT_RT = 4, DOT_TT = 3;
-const auto TILES_DOT_F32 = make_tiles<void (*)(const float*, int64_t, int64_t, const float* const*, float*, int64_t),
-                                      DotTileF32, DOT_RT, DOT_TT>();
-
 void expert_rows_f32(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
                      const float* const* xs, int64_t n, float* out, int64_t ldo) {
   const int64_t ld = input_stride(G * 32);
   if (n >= STRIP_MIN_INPUTS) {
     float* wb = scratch(0, (r1 - r0) * ld);
     if (decode_rows_scaled_x64(blk + r0 * G * 16, scl + r0 * G, G, r1 - r0, wb, ld)) {
-      for (int64_t r = 0; r < r1 - r0; r += DOT_RT) {  // a tile's rows stay in L1 while the inputs pass
-        const int rt = int(std::min<int64_t>(DOT_RT, r1 - r0 - r));
-        for (int64_t t = 0; t < n; t += DOT_TT)
-          TILES_DOT_F32[rt - 1][int(std::min<int64_t>(DOT_TT, n - t)) - 1](wb + r * ld, ld, ld, xs + t,
-                                                                         out + t * ldo + r0 + r, ldo);
-      }
+      dot_rows_f32(wb, ld, r1 - r0, xs, n, out + r0, ldo);
       return;
     }
   }
