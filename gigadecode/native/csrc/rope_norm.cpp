@@ -25,38 +25,49 @@ at::Tensor rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at:
   float* qo = q.data_ptr<float>();
   const int64_t* sl = slot.data_ptr<int64_t>();
   const int64_t W3 = (nh + 2 * kv) * d;
-  auto store = [](void* base, Elem e, int64_t i, float val, float scale) {
-    if (e == Elem::F32) static_cast<float*>(base)[i] = val;
-    else if (e == Elem::BF16) static_cast<uint16_t*>(base)[i] = f32_to_bf16(val);
-    else static_cast<uint8_t*>(base)[i] = f32_to_fp8(std::min(std::max(val / scale, -448.f), 448.f));
+  void* kp = k_cache.data_ptr();
+  void* vp = v_cache.data_ptr();
+  const float ks = float(k_scale), vs = float(v_scale);
+  // n values into a buffer of element type e from index i0, `stride` elements apart (FP8: x / scale clamped)
+  auto store = [](void* base, Elem e, int64_t i0, int64_t stride, const float* val, int64_t n, float scale) {
+    if (e == Elem::F32) {
+      float* o = static_cast<float*>(base) + i0;
+      for (int64_t j = 0; j < n; ++j) o[j * stride] = val[j];
+    } else if (e == Elem::BF16) {
+      uint16_t* o = static_cast<uint16_t*>(base) + i0;
+      for (int64_t j = 0; j < n; ++j) o[j * stride] = f32_to_bf16(val[j]);
+    } else {
+      uint8_t* o = static_cast<uint8_t*>(base) + i0;
+      for (int64_t j = 0; j < n; ++j) o[j * stride] = f32_to_fp8(std::min(std::max(val[j] / scale, -448.f), 448.f));
+    }
   };
   TORCH_CHECK(d <= 1024, "head_dim > 1024");
   for (int64_t b = 0; b < Bt; ++b)
     TORCH_CHECK(sl[b] >= 0 && sl[b] / B < nb, "slot ", sl[b], " outside the KV buffer");
   // slots in parallel (padding slots all write the null block 0, whose contents are never read)
   at::parallel_for(0, Bt, 1, [&](int64_t b0, int64_t b1) {
-    float rk[1024];
+    float rk[1024], c[512], sn[512];
     for (int64_t b = b0; b < b1; ++b) {
       const float* xb = x + b * W3;
+      for (int64_t j = 0; j < half; ++j) {
+        c[j] = cv[b * half + j];
+        sn[j] = sv[b * half + j];
+      }
       auto rope = [&](const float* src, float* dst) {
         for (int64_t j = 0; j < half; ++j) {
-          const float c = cv[b * half + j], s = sv[b * half + j];
           const float x1 = src[j], x2 = src[j + half];
-          dst[j] = x1 * c - x2 * s;
-          dst[j + half] = x2 * c + x1 * s;
+          dst[j] = x1 * c[j] - x2 * sn[j];
+          dst[j + half] = x2 * c[j] + x1 * sn[j];
         }
       };
       for (int64_t h = 0; h < nh; ++h) rope(xb + h * d, qo + (b * nh + h) * d);
       const int64_t blk = sl[b] / B, off = sl[b] % B;
       for (int64_t h = 0; h < kv; ++h) {
         rope(xb + (nh + h) * d, rk);
-        const float* vsrc = xb + (nh + kv + h) * d;
-        for (int64_t j = 0; j < d; ++j) {
-          const int64_t ki = packed ? (((blk * kv + h) * (B / 2) + off / 2) * d + j) * 2 + off % 2
-                                    : ((blk * kv + h) * B + off) * d + j;
-          store(k_cache.data_ptr(), ke, ki, rk[j], float(k_scale));
-          store(v_cache.data_ptr(), ve, ((blk * kv + h) * B + off) * d + j, vsrc[j], float(v_scale));
-        }
+        // packed K: dim j of token off at ((pair * d) + j) * 2 + off % 2; plain: token-major rows
+        if (packed) store(kp, ke, (((blk * kv + h) * (B / 2) + off / 2) * d) * 2 + off % 2, 2, rk, d, ks);
+        else store(kp, ke, ((blk * kv + h) * B + off) * d, 1, rk, d, ks);
+        store(vp, ve, ((blk * kv + h) * B + off) * d, 1, xb + (nh + kv + h) * d, d, vs);
       }
     }
   });
