@@ -55,6 +55,11 @@ def build_as(rev: str, namespace: str):
     """Build `rev`'s kernels with their op namespace renamed; returns `torch.ops.<namespace>`."""
     files = sources(rev)
     files["ops.cpp"] = files["ops.cpp"].replace(b"gigadecode_native", namespace.encode())
+    # and the C++ namespace: inline functions' static locals (the scratch buffers) are process-wide unique
+    # symbols, which two builds loaded together would otherwise share, whatever their layout
+    for name in files:
+        if name.endswith(".cpp"):
+            files[name] = f"#define gd {namespace}_cc\n".encode() + files[name]
     isa = build.cpu_isa()
     if isa is None:
         raise SystemExit("this CPU has neither AVX-512 nor AVX2: no kernels to compare")

@@ -8,6 +8,8 @@ and its twin (`twins.py`, same signature) otherwise.
   [E, 2I, H/32], gate_up_bias [E, 2I], down_blocks [E, H, I/32, 16], down_scales [E, H, I/32], down_bias [E, H],
   alpha, limit, expert_offset) -> [T, H]`: the routed MXFP4 MoE, each selected expert read once for all of
   its tokens (a decode batch or a prefill chunk); global expert ids outside [expert_offset, expert_offset + E) contribute nothing (EP).
+  On the AVX2 build, bf16 x (and the bf16 activations between the matmuls) of experts with fewer than 8 tokens
+  are quantized to int16 per group of 32 (within 2^-16 of the group's largest |value|) before the products.
 - `mxfp4_dequant(blocks [..., R, G, 16], scales [..., R, G], dtype) -> [..., R, G*32]` (exact);
   `mxfp4_dequant_into(blocks, scales, out)` writes the same values into a contiguous `out` (prefill reuses
   one transient per expert shape, which stays in cache for the GEMM that reads it).

@@ -22,7 +22,7 @@ inline float* scratch(int slot, size_t n) {
 // Scratch shared by the workers of one op: the calling thread's (workers write disjoint parts). Apart from
 // `scratch`, which the calling thread also uses as a worker.
 inline float* shared_scratch(int slot, size_t n) {
-  thread_local std::vector<float> bufs[4];
+  thread_local std::vector<float> bufs[6];
   auto& b = bufs[slot];
   if (b.size() < n) b.resize(n);
   return b.data();

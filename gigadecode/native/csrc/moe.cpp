@@ -7,7 +7,8 @@
 // selected expert's bytes stream from memory once per step for all of its tokens. Inputs are stored
 // "deinterleaved" per W-byte chunk ([W even elements][W odd elements]) so the low/high nibbles of a chunk
 // meet their inputs without shuffles. bf16 inputs on AVX512-BF16 take `bf16dot.h`'s path, and the AVX2
-// build its own decode and input order (`mxfp4_avx2.h`).
+// build its own decode and input order (`mxfp4_avx2.h`; there bf16 inputs of experts with few tokens are
+// quantized to int16 per group of 32 and multiplied in integers: `MxTileI16`).
 #include <algorithm>
 #include <array>
 #include <utility>
@@ -105,6 +106,20 @@ const auto TILES_X64 = make_tiles<MxFn<float>, MxTileX64, RT_MAX, TT_MAX>();
 // (1.1-1.3x the 2 x 2 tiles at 3-6 inputs on a Zen 3, the tile alone; the same sums in the same order)
 constexpr int TT_X64_WIDE = 4;
 const auto TILES_X64_WIDE = make_tiles<MxFn<float>, MxTileX64, RT_MAX, TT_X64_WIDE>();
+// bf16 inputs: int16-quantized (`QChunk`) for every expert. Fewer than STRIP_MIN_INPUTS: register tiles
+// (`MxTileI16`), one row for one or two inputs, two rows for three or more (the fastest of 1-2 rows on a Zen 3,
+// the tile alone); more: the fp32 strip path (`expert_rows_f32`) over the same quantized values (faster there:
+// the decode is paid once a strip, and fp32 FMAs beat the int16 products' per-chunk scaling).
+const auto TILES_I16 = make_tiles<MxFn<QChunk>, MxTileI16, 1, 2>();
+const auto TILES_I16_WIDE = make_tiles<MxFn<QChunk>, MxTileI16, 2, TT_X64_WIDE>();
+void expert_rows_i16(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
+                     const QChunk* const* xs, int64_t n, float* out, int64_t ldo) {
+  if (n > 2)
+    expert_rows<2, TT_X64_WIDE>(TILES_I16_WIDE, blk, scl, G, r0, r1, xs, n, out, ldo);
+  else
+    expert_rows<1, 2>(TILES_I16, blk, scl, G, r0, r1, xs, n, out, ldo);
+}
+
 void expert_rows_f32(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
                      const float* const* xs, int64_t n, float* out, int64_t ldo) {
   const int64_t ld = input_stride(G * 32);
@@ -337,6 +352,12 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 #else
   const bool bf = false;
 #endif
+#ifdef GD_X64_DECODE
+  // bf16 activations on AVX2: the experts run on int16-quantized inputs (`expert_rows_i16`; strips on their values)
+  const bool q16 = x.scalar_type() == at::kBFloat16;
+#else
+  const bool q16 = false;
+#endif
   const int64_t H64 = (H + 127) / 128 * 128, I64 = (I + 127) / 128 * 128;   // bf16 inputs: whole chunks
   const int64_t HS = input_stride(H), IS = input_stride(I);                 // fp32 inputs
   float* xd = shared_scratch(0, bf ? T * H64 / 2 : T * HS);       // [T, H] inputs in the tiles' order
@@ -345,21 +366,35 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   float* y = shared_scratch(3, P * H);                             // [P, H] down outputs
   uint16_t* xd16 = reinterpret_cast<uint16_t*>(xd);
   uint16_t* ad16 = reinterpret_cast<uint16_t*>(ad);
+  constexpr int64_t QF = sizeof(QChunk) / sizeof(float);
+  const int64_t HQ = (H + 63) / 64, IQ = (I + 63) / 64;           // int16 inputs: chunks a row
+  QChunk* xq = reinterpret_cast<QChunk*>(shared_scratch(4, q16 ? T * HQ * QF : 0));
+  QChunk* aq = reinterpret_cast<QChunk*>(shared_scratch(5, q16 ? P * IQ * QF : 0));
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
 #ifdef GD_BF16DOT
       if (bf) { deinterleave_bf16(xf + t * H, H, xd16 + t * H64); continue; }
 #endif
+      if (q16) {                                       // the strips see the quantized values too
+        float* v = scratch(1, H);
+        quantize_x64(xf + t * H, H, xq + t * HQ);
+        dequantize_x64(xq + t * HQ, H, v);
+        arrange_inputs(v, H, xd + t * HS);
+        continue;
+      }
       arrange_inputs(xf + t * H, H, xd + t * HS);
     }
   });
   std::vector<const float*> xin(P), ain(P);
   std::vector<const uint16_t*> xin16(P), ain16(P);
+  std::vector<const QChunk*> xinq(P), ainq(P);
   for (int64_t p = 0; p < P; ++p) {
     xin[p] = xd + rt.pair_token[p] * HS;
     ain[p] = ad + p * IS;
     xin16[p] = xd16 + rt.pair_token[p] * H64;
     ain16[p] = ad16 + p * I64;
+    xinq[p] = xq + rt.pair_token[p] * HQ;
+    ainq[p] = aq + p * IQ;
   }
   const uint8_t* gub = gu_blocks.data_ptr<uint8_t>();
   const uint8_t* gus = gu_scales.data_ptr<uint8_t>();
@@ -369,7 +404,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 
   // one work item = a strip of RT_MAX * 4 rows of one active expert, for all of that expert's pairs
   auto run = [&](const uint8_t* blk, const uint8_t* scl, int64_t R, int64_t G, const std::vector<const float*>& in,
-                 const std::vector<const uint16_t*>& in16, float* dst) {
+                 const std::vector<const uint16_t*>& in16, const std::vector<const QChunk*>& inq, float* dst) {
     const int64_t strip = RT_MAX * 4, strips = (R + strip - 1) / strip;
     // threads take contiguous runs of work items of about equal cost (an item's cost: its expert's inputs
     // plus a few for streaming its bytes), so one expert with many tokens does not leave a thread idle
@@ -391,11 +426,17 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
           continue;
         }
 #endif
+#ifdef GD_X64_DECODE
+        if (q16 && n < STRIP_MIN_INPUTS) {
+          expert_rows_i16(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, inq.data() + p0, n, dst + p0 * R, R);
+          continue;
+        }
+#endif
         expert_rows_f32(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in.data() + p0, n, dst + p0 * R, R);
       }
     });
   };
-  run(gub, gus, R1, G1, xin, xin16, gu);
+  run(gub, gus, R1, G1, xin, xin16, xinq, gu);
 
   // swiglu on (gate, up) = (even, odd) columns with the gate_up bias, written deinterleaved for `down`
   std::vector<int64_t> pair_expert(P);
@@ -427,10 +468,14 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 #endif
       if (x.scalar_type() == at::kBFloat16)            // bf16 activations, as on the bf16 dot-product path
         for (int64_t i = 0; i < I; ++i) act[i] = bf16_to_f32(f32_to_bf16(act[i]));
+      if (q16) {
+        quantize_x64(act, I, aq + p * IQ);
+        dequantize_x64(aq + p * IQ, I, act);
+      }
       arrange_inputs(act, I, ad + p * IS);
     }
   });
-  run(dnb, dns, H, G2, ain, ain16, y);
+  run(dnb, dns, H, G2, ain, ain16, ainq, y);
 
   // out[t] = sum of its pairs (expert order) gate · (y + b2)
   std::vector<std::vector<int64_t>> tok_pairs(T);
