@@ -7,8 +7,8 @@
 // selected expert's bytes stream from memory once per step for all of its tokens. Inputs are stored
 // "deinterleaved" per W-byte chunk ([W even elements][W odd elements]) so the low/high nibbles of a chunk
 // meet their inputs without shuffles. bf16 inputs on AVX512-BF16 take `bf16dot.h`'s path, and the AVX2
-// build its own decode and input order (`mxfp4_avx2.h`; there bf16 inputs of experts with few tokens are
-// quantized to int16 per group of 32 and multiplied in integers: `MxTileI16`).
+// build its own decode and input order (`mxfp4_avx2.h`; there bf16 inputs are quantized to int16 per group
+// of 32, and experts with few tokens multiply them in integers: `MxTileI16`).
 #include <algorithm>
 #include <array>
 #include <utility>
@@ -352,12 +352,8 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 #else
   const bool bf = false;
 #endif
-#ifdef GD_X64_DECODE
   // bf16 activations on AVX2: the experts run on int16-quantized inputs (`expert_rows_i16`; strips on their values)
-  const bool q16 = x.scalar_type() == at::kBFloat16;
-#else
-  const bool q16 = false;
-#endif
+  const bool q16 = X64_DECODE && x.scalar_type() == at::kBFloat16;
   const int64_t H64 = (H + 127) / 128 * 128, I64 = (I + 127) / 128 * 128;   // bf16 inputs: whole chunks
   const int64_t HS = input_stride(H), IS = input_stride(I);                 // fp32 inputs
   float* xd = shared_scratch(0, bf ? T * H64 / 2 : T * HS);       // [T, H] inputs in the tiles' order
@@ -387,14 +383,13 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   });
   std::vector<const float*> xin(P), ain(P);
   std::vector<const uint16_t*> xin16(P), ain16(P);
-  std::vector<const QChunk*> xinq(P), ainq(P);
+  std::vector<const QChunk*> xinq(q16 ? P : 0), ainq(q16 ? P : 0);
   for (int64_t p = 0; p < P; ++p) {
     xin[p] = xd + rt.pair_token[p] * HS;
     ain[p] = ad + p * IS;
     xin16[p] = xd16 + rt.pair_token[p] * H64;
     ain16[p] = ad16 + p * I64;
-    xinq[p] = xq + rt.pair_token[p] * HQ;
-    ainq[p] = aq + p * IQ;
+    if (q16) xinq[p] = xq + rt.pair_token[p] * HQ, ainq[p] = aq + p * IQ;
   }
   const uint8_t* gub = gu_blocks.data_ptr<uint8_t>();
   const uint8_t* gus = gu_scales.data_ptr<uint8_t>();

@@ -76,12 +76,18 @@ inline void dequantize_x64(const QChunk* in, int64_t K, float* x) {
         }
 }
 
+#if !(defined(__AVX2__) && !defined(__AVX512F__))
+constexpr bool X64_DECODE = false;             // the AVX2 build's decode and input order (below) are not built
+#endif
+
 }  // namespace gd
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define GD_X64_DECODE 1
 
 namespace gd {
+
+constexpr bool X64_DECODE = true;
 
 // element (within the 64 of a chunk) of vector v (0..7), lane i (0..7): lane i / 4 = the chunk's group,
 // vector v = (q, p): q the word vector (0: even elements 0..14, 1: even 16..30, 2: odd 1..15, 3: odd 17..31),
