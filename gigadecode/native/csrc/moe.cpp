@@ -149,13 +149,12 @@ void expert_rows_f32(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t 
 // bf16 inputs: x [K] -> chunks of 128 elements (four groups) in the lane order of decode_e2m1_bf16x4,
 // zero-padded to whole chunks: out[c*128 + q*32 + L*8 + i] = x[c*128 + L*32 + {2i, 16+2i, 2i+1, 17+2i}[q]]
 inline void deinterleave_bf16(const float* x, int64_t K, uint16_t* out) {
-  static constexpr int OFF[4] = {0, 16, 1, 17};
-  // word j of output vector q: from input vector 2h + (j / 8) % 2 (h = j / 16) at OFF[q] + 2 (j % 8);
+  // word j of output vector q: from input vector 2h + (j / 8) % 2 (h = j / 16) at WORD_ELEM[q] + 2 (j % 8);
   // vector pairs (0, 1) fill words 0..15, (2, 3) words 16..31 (permutex2var: index 32+ = the second vector)
   static const auto idx = [] {
     std::array<std::array<int16_t, 32>, 4> v{};
     for (int q = 0; q < 4; ++q)
-      for (int j = 0; j < 32; ++j) v[q][j] = int16_t(32 * ((j / 8) % 2) + OFF[q] + 2 * (j % 8));
+      for (int j = 0; j < 32; ++j) v[q][j] = int16_t(32 * ((j / 8) % 2) + WORD_ELEM[q] + 2 * (j % 8));
     return v;
   }();
   const int64_t full = K / 128, chunks = (K + 127) / 128;
@@ -175,7 +174,7 @@ inline void deinterleave_bf16(const float* x, int64_t K, uint16_t* out) {
     for (int q = 0; q < 4; ++q)
       for (int L = 0; L < 4; ++L)
         for (int i = 0; i < 8; ++i) {
-          const int64_t e = c * 128 + L * 32 + OFF[q] + 2 * i;
+          const int64_t e = c * 128 + L * 32 + WORD_ELEM[q] + 2 * i;
           out[c * 128 + q * 32 + L * 8 + i] = e < K ? f32_to_bf16(x[e]) : 0;
         }
 }

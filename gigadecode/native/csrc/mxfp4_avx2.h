@@ -31,10 +31,13 @@ struct QChunk {
   float s[8];             // lanes 0..3: s / 2 of group 2c, 4..7: of group 2c+1 (the weights' words are 2 x value)
 };
 
+// The decode's word order (bf16dot.h and decode_e2m1_lut alike): word k of a group's word vector q holds the
+// group's element WORD_ELEM[q] + 2k
+constexpr int WORD_ELEM[4] = {0, 16, 1, 17};
+
 // x [K] -> (K + 63) / 64 chunks, zero-padded (a missing group: q 0, s 0). A group holding a NaN or an infinity
 // gets s = NaN, so every sum it enters is NaN, as with the exact values.
 inline void quantize_x64(const float* x, int64_t K, QChunk* out) {
-  static constexpr int OFF[4] = {0, 16, 1, 17};
   const int64_t chunks = (K + 63) / 64;
   for (int64_t c = 0; c < chunks; ++c) {
     QChunk& o = out[c];
@@ -55,7 +58,7 @@ inline void quantize_x64(const float* x, int64_t K, QChunk* out) {
       const float inv = m > 0.f ? 32767.f / m : 0.f;
       for (int q = 0; q < 4; ++q)
         for (int k = 0; k < 8; ++k) {
-          const int e = OFF[q] + 2 * k;
+          const int e = WORD_ELEM[q] + 2 * k;
           const float v = e < n ? std::nearbyint(x[g0 + e] * inv) : 0.f;
           o.q[q * 16 + L * 8 + k] = int16_t(std::max(-32767.f, std::min(32767.f, v)));
         }
@@ -66,12 +69,11 @@ inline void quantize_x64(const float* x, int64_t K, QChunk* out) {
 
 // The values a QChunk stands for, in element order: x [K] (the inverse of quantize_x64 up to its rounding)
 inline void dequantize_x64(const QChunk* in, int64_t K, float* x) {
-  static constexpr int OFF[4] = {0, 16, 1, 17};
   for (int64_t c = 0; c < (K + 63) / 64; ++c)
     for (int L = 0; L < 2; ++L)
       for (int q = 0; q < 4; ++q)
         for (int k = 0; k < 8; ++k) {
-          const int64_t e = c * 64 + 32 * L + OFF[q] + 2 * k;
+          const int64_t e = c * 64 + 32 * L + WORD_ELEM[q] + 2 * k;
           if (e < K) x[e] = float(in[c].q[q * 16 + L * 8 + k]) * (2.f * in[c].s[4 * L]);
         }
 }
