@@ -365,16 +365,17 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   const int64_t HQ = (H + 63) / 64, IQ = (I + 63) / 64;           // int16 inputs: chunks a row
   QChunk* xq = reinterpret_cast<QChunk*>(shared_scratch(4, q16 ? T * HQ * QF : 0));
   QChunk* aq = reinterpret_cast<QChunk*>(shared_scratch(5, q16 ? P * IQ * QF : 0));
+  bool f32_inputs = !q16;                          // int16 inputs: fp32 copies only for the strip path's experts
+  for (int64_t e : rt.active) f32_inputs |= rt.expert_start[e + 1] - rt.expert_start[e] >= STRIP_MIN_INPUTS;
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
 #ifdef GD_BF16DOT
       if (bf) { deinterleave_bf16(xf + t * H, H, xd16 + t * H64); continue; }
 #endif
-      if (q16) {                                       // the strips see the quantized values too
-        float* v = scratch(1, H);
+      if (q16) {
         quantize_x64(xf + t * H, H, xq + t * HQ);
-        dequantize_x64(xq + t * HQ, H, v);
-        arrange_inputs(v, H, xd + t * HS);
+        float* v = f32_inputs ? scratch(1, H) : nullptr;   // the values, for the strips
+        if (v) { dequantize_x64(xq + t * HQ, H, v); arrange_inputs(v, H, xd + t * HS); }
         continue;
       }
       arrange_inputs(xf + t * H, H, xd + t * HS);
@@ -464,6 +465,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
         for (int64_t i = 0; i < I; ++i) act[i] = bf16_to_f32(f32_to_bf16(act[i]));
       if (q16) {
         quantize_x64(act, I, aq + p * IQ);
+        if (!f32_inputs) continue;
         dequantize_x64(aq + p * IQ, I, act);
       }
       arrange_inputs(act, I, ad + p * IS);
