@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gigadecode.checkpoint import make_checkpoint, preset_config
 from gigadecode.config import GptOssConfig
+from gigadecode import native
 from gigadecode.engine_config import EngineConfig
 from gigadecode.gk.attn_control import build_attention_control
 from gigadecode.gk.model import GptOssGKDecodeModel
@@ -216,6 +217,81 @@ def test_decode_step_allocates_no_weight_sized_tensor(tmp_path, decoder):
     with _MaxAlloc() as m:
         gk.decode(ids, ctl)
     assert m.biggest < smallest_stack, (m.biggest, m.where, smallest_stack)
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels not built")
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, "auto"), (torch.bfloat16, "fp8"), (torch.bfloat16, "bf16")])
+def test_native_all_layers_equals_the_per_op_loop(tmp_path, monkeypatch, dtype, kv_dtype):
+    """Every layer in one native call (`gk_decode_layers`) against the Python loop over the same kernels, one
+    op at a time: bit-equal logits and KV writes on a padded batch over both layer kinds (a window shorter
+    than some contexts, blocks of 4, 5 layers), with random KV already in the cache. In fp32 its torch twin
+    (the same loop on the twins) agrees to 1e-4 of the largest value."""
+    from gigadecode.gk import model as gk_model
+    from gigadecode.gk.native_blocks import NATIVE_BLOCKS, NATIVE_BLOCKS_PER_OP
+    from gigadecode.kv.manager import KVCacheManager
+    from gigadecode.kv.spec import SlidingWindowSpec
+
+    cfg = preset_config("tiny").with_(num_hidden_layers=5, layer_types=(), sliding_window=8)
+    d = make_checkpoint(tmp_path / "m", cfg=cfg, seed=3)
+    cfg = GptOssConfig.from_hf(d)
+    w = load_weights(d, cfg, dtype)
+    kv = KVCache(cfg, EngineConfig(dtype="float32" if dtype == torch.float32 else "bfloat16", kv_dtype=kv_dtype,
+                                   block_size=4), 40)
+    g = torch.Generator().manual_seed(0)
+    for t in kv.group_bufs:                                  # random finite KV everywhere
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).copy_(torch.randint(0, 120, t.shape, dtype=torch.uint8, generator=g))
+        else:
+            t.copy_(torch.randn(t.shape, generator=g))
+    mgr = KVCacheManager(kv.config, 4)
+    lengths = [3, 12, 21]
+    for i, n in enumerate(lengths):
+        assert mgr.allocate(f"r{i}", n, 0)
+    sliding = [isinstance(grp.spec, SlidingWindowSpec) for grp in kv.config.groups]
+    ctl = build_attention_control([n - 1 for n in lengths], [mgr.block_tables(f"r{i}") for i in range(3)], sliding,
+                                  Rope(cfg, torch.float32), 4, cfg.sliding_window, batch_bucket=4)
+    gk = GptOssGKDecodeModel(cfg, w, kv.config, 4, kv.k_scale, kv.v_scale, native=True)
+    gk.bind_kv_cache(kv.bind_map())
+    ids = torch.tensor([5, 6, 7, 0])
+    start = [t.clone() for t in kv.group_bufs]
+    calls = []
+    real = native.gk_decode_layers
+    monkeypatch.setattr(native, "gk_decode_layers", lambda *a: calls.append(1) or real(*a))
+    one_call = gk.decode(ids, ctl)
+    kv_one_call = [t.clone() for t in kv.group_bufs]
+    assert calls, "the one-call layer loop did not run"
+    for t, s0 in zip(kv.group_bufs, start):
+        t.copy_(s0)
+    monkeypatch.setattr(gk_model, "NATIVE_BLOCKS", NATIVE_BLOCKS_PER_OP)
+    per_op = gk.decode(ids, ctl)
+    assert len(calls) == 1
+    assert torch.equal(one_call, per_op)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(kv_one_call, kv.group_bufs))
+    assert not torch.equal(kv_one_call[0].view(torch.uint8), start[0].view(torch.uint8))   # it wrote the step's KV
+
+    if dtype != torch.float32:       # bf16: a near-tie in the router may pick another expert than the twin's
+        return
+    # the twin: the same loop on the torch twins, from the same start
+    for t, s0 in zip(kv.group_bufs, start):
+        t.copy_(s0)
+    spec = gk.spec
+    ks, vs = gk.kv_buffers()
+    x = w.tensors["embed"][ids]
+    got = native.gk_decode_layers(x, [w.tensors[n] for n in native.GK_STACKS], ks, vs, spec.layer_buffer,
+                                  spec.layer_sliding, spec.layer_kind_group, ctl.cos, ctl.sin, ctl.full_table,
+                                  ctl.swa_table, ctl.kv_cache_update_idx, ctl.kv_cache_update_idx_swa, ctl.pos,
+                                  ctl.pos_swa, ctl.active, spec.num_heads, spec.window, spec.eps, spec.scale,
+                                  spec.k_scale, spec.v_scale, spec.top_k, spec.alpha, spec.limit)
+    for t, s0 in zip(kv.group_bufs, start):
+        t.copy_(s0)
+    want = native.twins.gk_decode_layers(x, [w.tensors[n] for n in native.GK_STACKS], ks, vs, spec.layer_buffer,
+                                         spec.layer_sliding, spec.layer_kind_group, ctl.cos, ctl.sin,
+                                         ctl.full_table, ctl.swa_table, ctl.kv_cache_update_idx,
+                                         ctl.kv_cache_update_idx_swa, ctl.pos, ctl.pos_swa, ctl.active,
+                                         spec.num_heads, spec.window, spec.eps, spec.scale, spec.k_scale,
+                                         spec.v_scale, spec.top_k, spec.alpha, spec.limit)
+    act = ctl.active
+    assert (got[act] - want[act]).abs().max() <= 1e-4 * want[act].abs().max()
 
 
 def _decode_logits(ckpt, cfg, dtype: torch.dtype, decoder: str, prompt: list[int], kv_dtype: str) -> torch.Tensor:

@@ -267,6 +267,9 @@ class LayerBlocks:
     norm: Callable[..., torch.Tensor] = rms_norm
     rope_write: Callable[..., torch.Tensor] = rope_write_kv
     partial_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]] = paged_decode_attention_partial
+    # every layer in one call, where it applies (one rank, no DCP): (x, W, K buffers, V buffers, ctl, spec) ->
+    # the hidden state after the last layer, or None to run the loop below
+    all_layers: Callable[..., torch.Tensor | None] | None = None
 
 
 def dcp_attention(x: torch.Tensor, Wl: LayerWeights, kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -323,7 +326,14 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
     assert cos.shape[0] == bt and kv_cache_update_idx.shape[-1] == bt and kv_cache_update_idx_swa.shape[-1] == bt
     blocks = blocks or LayerBlocks(moe=moe_decode_fused if spec.fused_moe else moe_decode)
     x = W["embed"][input_ids]                                              # [Bt, H]
-    for i in range(spec.num_layers):
+    y = None
+    if blocks.all_layers is not None and parallel is None and kv_first is None:
+        if kv_bufs is not None:
+            k_bufs, v_bufs = zip(*(split_kv_buffer(b, spec.packed_k) for b in kv_bufs))
+        elif K_cache is not None:
+            k_bufs, v_bufs = tuple(K_cache), tuple(V_cache)
+        y = blocks.all_layers(x, W, k_bufs, v_bufs, ctl, spec)
+    for i in range(spec.num_layers if y is None else 0):
         buf = spec.layer_buffer[i]
         if kv_bufs is not None:
             kv = kv_bufs[buf]                                              # [2, nb, kv, B, d]
@@ -352,7 +362,7 @@ def gpt_oss_decode_mega_kernel(input_ids: torch.Tensor, W: dict[str, torch.Tenso
             x = x + blocks.moe(h, Wl, spec)
         else:
             x = x + parallel.ep_moe(h, lambda t, Wl=Wl: blocks.moe(t, Wl, spec, parallel.expert_offset))
-    x = blocks.norm(x, W["norm"], spec.eps)
+    x = blocks.norm(x if y is None else y, W["norm"], spec.eps)
     if return_hidden:
         return x
     if parallel is not None:

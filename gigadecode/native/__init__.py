@@ -41,7 +41,8 @@ from . import twins
 from .build import isa, load, status
 
 __all__ = ["moe_mxfp4", "mxfp4_dequant", "mxfp4_dequant_into", "swiglu", "linear", "paged_decode_attention", "paged_decode_attention_partial",
-           "rope_kv_write", "rms_norm", "prefill_attention", "prefill_attention_supported",
+           "rope_kv_write", "rms_norm", "prefill_attention", "prefill_attention_supported", "gk_decode_layers",
+           "GK_STACKS",
            "available", "isa", "status", "twins"]
 
 
@@ -149,3 +150,26 @@ def prefill_attention_supported(dtype: torch.dtype, head_dim: int) -> bool:
     of 16)."""
     ops = load()
     return ops is not None and dtype == torch.bfloat16 and bool(ops.prefill_attention_supported(head_dim))
+
+
+# the per-layer stacks `gk_decode_layers` takes, in its order (`LayerWeights` field names)
+GK_STACKS = ("input_norm", "qkv_w", "qkv_b", "o_w", "o_b", "sinks", "post_norm", "router_w", "router_b",
+             "gate_up_blocks", "gate_up_scales", "gate_up_bias", "down_blocks", "down_scales", "down_bias")
+
+
+def gk_decode_layers(x, stacks, k_bufs, v_bufs, layer_buffer, layer_sliding, layer_group, cos, sin, full_table,
+                     swa_table, full_slot, swa_slot, pos, pos_swa, active, num_heads: int, window: int, eps: float,
+                     scale: float, k_scale: float, v_scale: float, top_k: int, alpha: float, limit: float
+                     ) -> torch.Tensor:
+    """Every layer of a GK decode step in one call (MXFP4 experts, one rank): x [Bt, H] embedded tokens ->
+    the hidden state after the last layer. `stacks`: the `GK_STACKS` tensors [L, ...]; layer i attends over KV
+    buffer `layer_buffer[i]` with the sliding (window) or full tables [G, Bt, n] and write slots [G, Bt] of
+    group `layer_group[i]`. The same kernels in the same order as the Python layer loop over the ops (bit-equal
+    to it), without its host work between them. Every projection must take the kernel (rows within
+    `linear_max_rows`)."""
+    return _op("gk_decode_layers")(x.contiguous(), list(stacks), list(k_bufs), list(v_bufs),
+                                   [int(b) for b in layer_buffer], [int(s) for s in layer_sliding],
+                                   [int(g) for g in layer_group], cos, sin, full_table.contiguous(),
+                                   swa_table.contiguous(), full_slot.contiguous(), swa_slot.contiguous(), pos, pos_swa,
+                                   active.contiguous(), int(num_heads), int(window or 0), float(eps), float(scale),
+                                   float(k_scale), float(v_scale), int(top_k), float(alpha), float(limit))

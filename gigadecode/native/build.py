@@ -22,7 +22,8 @@ import torch
 log = logging.getLogger("gigadecode.native")
 
 SRC = Path(__file__).with_name("csrc")
-SOURCES = ("ops.cpp", "moe.cpp", "dequant.cpp", "linear.cpp", "attention.cpp", "rope_norm.cpp", "prefill_attention.cpp")
+SOURCES = ("ops.cpp", "moe.cpp", "dequant.cpp", "linear.cpp", "attention.cpp", "rope_norm.cpp", "prefill_attention.cpp",
+           "gk_program.cpp")
 ISA_FLAGS = {
     "avx512-bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -92,14 +93,15 @@ def load(verbose: bool = False):
 
 
 def compile_or_load(name: str, src: Path, out: Path, isa: str, verbose: bool = False) -> None:
-    """Load `out/<name>.so`, compiling `src`'s SOURCES into it for `isa` first when it is not there."""
+    """Load `out/<name>.so`, compiling `src`'s SOURCES into it for `isa` first when it is not there (those
+    present: an older revision's sources, as `bench/kernels_ab.py` builds, may lack a later one)."""
     lib = out / f"{name}.so"
     if lib.exists():
         torch.ops.load_library(str(lib))
         return
     from torch.utils import cpp_extension
 
-    cpp_extension.load(name=name, sources=[str(src / s) for s in SOURCES], build_directory=str(out),
+    cpp_extension.load(name=name, sources=[str(src / s) for s in SOURCES if (src / s).exists()], build_directory=str(out),
                        extra_cflags=["-O3", "-fopenmp", "-std=c++17", *ISA_FLAGS[isa]],
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
 

@@ -50,3 +50,8 @@ def register_fakes() -> None:
     @torch.library.register_fake(lib + "prefill_attention")
     def _(q, k, v, q_pos, k_start, sinks, scale, window):
         return torch.empty_like(q)
+
+    @torch.library.register_fake(lib + "gk_decode_layers")
+    def _(x, stacks, k_bufs, v_bufs, layer_buffer, layer_sliding, layer_group, cos, sin, full_table, swa_table,
+          full_slot, swa_slot, pos, pos_swa, active, num_heads, window, eps, scale, ks, vs, top_k, alpha, limit):
+        return torch.empty_like(x)

@@ -137,3 +137,25 @@ def prefill_attention(q, k, v, q_pos, k_start: int, sinks, scale: float, window:
     kh, vh = k.float().permute(1, 0, 2)[:, None], v.float().permute(1, 0, 2)[:, None]   # [nkv, 1, S, d]
     o = sink_attention(qh, kh, vh, vis, sinks.float().view(nkv, rep), scale)  # [nkv, rep, T, d]
     return o.permute(2, 0, 1, 3).reshape(T, nh, d).to(q.dtype)
+
+
+def gk_decode_layers(x, stacks, k_bufs, v_bufs, layer_buffer, layer_sliding, layer_group, cos, sin, full_table,
+                     swa_table, full_slot, swa_slot, pos, pos_swa, active, num_heads: int, window: int, eps: float,
+                     scale: float, k_scale: float, v_scale: float, top_k: int, alpha: float, limit: float
+                     ) -> torch.Tensor:
+    """Every layer of a decode step on the twins (stacks in `gigadecode.native.GK_STACKS` order) -> [Bt, H]."""
+    (input_norm, qkv_w, qkv_b, o_w, o_b, sinks, post_norm, router_w, router_b, gub, gus, gubias, dnb, dns,
+     dnbias) = stacks
+    for i, (buf, sliding, g) in enumerate(zip(layer_buffer, layer_sliding, layer_group)):
+        k, v = k_bufs[buf], v_bufs[buf]
+        table, slot, p = (swa_table[g], swa_slot[g], pos_swa) if sliding else (full_table[g], full_slot[g], pos)
+        qkv = linear(rms_norm(x, input_norm[i], eps), qkv_w[i], qkv_b[i])
+        q = rope_kv_write(qkv, cos, sin, k, v, slot, num_heads, k_scale, v_scale)
+        a = paged_decode_attention(q, k, v, table, p, active, sinks[i], window if sliding else 0, scale, k_scale,
+                                   v_scale, x.dtype)
+        x = x + linear(a, o_w[i], o_b[i])
+        h = rms_norm(x, post_norm[i], eps)
+        top, idx = torch.topk(linear(h, router_w[i], router_b[i]), top_k, dim=-1)
+        x = x + moe_mxfp4(h, idx, torch.softmax(top, dim=-1), gub[i], gus[i], gubias[i], dnb[i], dns[i], dnbias[i],
+                          alpha, limit, 0)
+    return x

@@ -3,29 +3,9 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace gd {
-at::Tensor moe_mxfp4(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, int64_t);
-at::Tensor mxfp4_dequant(const at::Tensor&, const at::Tensor&, at::ScalarType);
-void mxfp4_dequant_into(const at::Tensor&, const at::Tensor&, at::Tensor);
-at::Tensor swiglu(const at::Tensor&, double, double);
-at::Tensor linear_small(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&);
-at::Tensor paged_decode_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, double,
-                                  double, at::ScalarType);
-std::tuple<at::Tensor, at::Tensor> paged_decode_attention_partial(const at::Tensor&, const at::Tensor&,
-                                                                  const at::Tensor&, const at::Tensor&,
-                                                                  const at::Tensor&, const at::Tensor&,
-                                                                  const at::Tensor&, double, double, double);
-at::Tensor rope_kv_write(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor,
-                         const at::Tensor&, int64_t, double, double);
-at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double);
-at::Tensor prefill_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                             const at::Tensor&, double, int64_t);
-
-bool prefill_attention_supported(int64_t);
-
 std::string isa() { return GD_ISA; }
 }  // namespace gd
 
@@ -46,6 +26,10 @@ TORCH_LIBRARY(gigadecode_native, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor q_pos, int k_start, Tensor sinks, float scale, "
         "int window) -> Tensor");
+  m.def("gk_decode_layers(Tensor x, Tensor[] stacks, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, int[] layer_buffer, "
+        "int[] layer_sliding, int[] layer_group, Tensor cos, Tensor sin, Tensor full_table, Tensor swa_table, "
+        "Tensor full_slot, Tensor swa_slot, Tensor pos, Tensor pos_swa, Tensor active, int num_heads, int window, "
+        "float eps, float scale, float k_scale, float v_scale, int top_k, float alpha, float limit) -> Tensor");
   m.def("isa() -> str", &gd::isa);
   m.def("prefill_attention_supported(int head_dim) -> bool", &gd::prefill_attention_supported);
 }
@@ -61,4 +45,5 @@ TORCH_LIBRARY_IMPL(gigadecode_native, CPU, m) {
   m.impl("rope_kv_write", &gd::rope_kv_write);
   m.impl("rms_norm", &gd::rms_norm);
   m.impl("prefill_attention", &gd::prefill_attention);
+  m.impl("gk_decode_layers", &gd::gk_decode_layers);
 }
