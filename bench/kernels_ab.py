@@ -33,6 +33,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from decode import CACHE, DecodeBench  # noqa: E402
 from gigadecode.config import GptOssConfig  # noqa: E402
 from gigadecode.engine_config import EngineConfig  # noqa: E402
+from gigadecode.gk import model as gk_model  # noqa: E402
+from gigadecode.gk.native_blocks import NATIVE_BLOCKS_PER_OP  # noqa: E402
 from gigadecode.kv.cache import KVCache  # noqa: E402
 from gigadecode.kv.manager import KVCacheManager  # noqa: E402
 from gigadecode.model import GptOssModel, SeqChunk  # noqa: E402
@@ -122,6 +124,9 @@ def main() -> int:
     model = GptOssModel(cfg, w, dt)
     print(f"A = {args.a}, B = {args.b}; {args.preset} {args.dtype}, threads {torch.get_num_threads()}")
     if args.what == "decode":
+        if not all(hasattr(k, "gk_decode_layers") for k in kernels.values()):
+            gk_model.NATIVE_BLOCKS = NATIVE_BLOCKS_PER_OP    # an older revision: no one-call layer loop to time
+            print("one revision has no gk_decode_layers: both run the per-op layer loop")
         bench = DecodeBench(cfg, w, model, args.dtype, args.batch, args.context, 16, ["gk-native"])
         times = alternate(kernels, lambda: bench.step("gk-native"), args.rounds)
         report(f"decode batch {args.batch} context {args.context}", times, 1e3, "ms")
