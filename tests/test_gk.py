@@ -277,21 +277,42 @@ def test_native_all_layers_equals_the_per_op_loop(tmp_path, monkeypatch, dtype, 
     spec = gk.spec
     ks, vs = gk.kv_buffers()
     x = w.tensors["embed"][ids]
-    got = native.gk_decode_layers(x, [w.tensors[n] for n in native.GK_STACKS], ks, vs, spec.layer_buffer,
-                                  spec.layer_sliding, spec.layer_kind_group, ctl.cos, ctl.sin, ctl.full_table,
-                                  ctl.swa_table, ctl.kv_cache_update_idx, ctl.kv_cache_update_idx_swa, ctl.pos,
-                                  ctl.pos_swa, ctl.active, spec.num_heads, spec.window, spec.eps, spec.scale,
-                                  spec.k_scale, spec.v_scale, spec.top_k, spec.alpha, spec.limit)
+    args = (x, [w.tensors[n] for n in native.GK_STACKS], ks, vs, spec.layer_buffer, spec.layer_sliding,
+            spec.layer_kind_group, ctl.cos, ctl.sin, ctl.full_table, ctl.swa_table, ctl.kv_cache_update_idx,
+            ctl.kv_cache_update_idx_swa, ctl.pos, ctl.pos_swa, ctl.active, spec.num_heads, spec.window, spec.eps,
+            spec.scale, spec.k_scale, spec.v_scale, spec.top_k, spec.alpha, spec.limit)
+    got = native.gk_decode_layers(*args)
     for t, s0 in zip(kv.group_bufs, start):
         t.copy_(s0)
-    want = native.twins.gk_decode_layers(x, [w.tensors[n] for n in native.GK_STACKS], ks, vs, spec.layer_buffer,
-                                         spec.layer_sliding, spec.layer_kind_group, ctl.cos, ctl.sin,
-                                         ctl.full_table, ctl.swa_table, ctl.kv_cache_update_idx,
-                                         ctl.kv_cache_update_idx_swa, ctl.pos, ctl.pos_swa, ctl.active,
-                                         spec.num_heads, spec.window, spec.eps, spec.scale, spec.k_scale,
-                                         spec.v_scale, spec.top_k, spec.alpha, spec.limit)
+    want = native.twins.gk_decode_layers(*args)
     act = ctl.active
     assert (got[act] - want[act]).abs().max() <= 1e-4 * want[act].abs().max()
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels not built")
+def test_native_all_layers_refuses_inconsistent_arguments():
+    """The one-call layer loop names what does not fit before any layer runs (and writes KV) instead of reading
+    out of range: a missing stack, a stack with another layer count, per-layer lists of different lengths, a
+    layer's KV buffer past the list, a layer's table group past the tables."""
+    L, x = 2, torch.zeros(1, 8)
+    stacks = [torch.zeros(L, 4) for _ in native.GK_STACKS]
+    kvb = [torch.zeros(2, 1, 4, 8)]
+    t2, t1, b1 = torch.zeros(1, 1, 2, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.bool)
+
+    def call(stacks=stacks, buffers=(0, 0), sliding=(0, 1), groups=(0, 0)):
+        return native.gk_decode_layers(x, stacks, kvb, kvb, buffers, sliding, groups, torch.ones(1, 4),
+                                       torch.zeros(1, 4), t2, t2, t1, t1, t1[0], t1[0], b1, 1, 4, 1e-5, 1.0, 1.0,
+                                       1.0, 1, 1.0, 7.0)
+    with pytest.raises(RuntimeError, match="expected 15 stacks"):
+        call(stacks=stacks[:-1])
+    with pytest.raises(RuntimeError, match=r"a stack is not \[L, ...\]"):
+        call(stacks=stacks[:-1] + [torch.zeros(L + 1, 4)])
+    with pytest.raises(RuntimeError, match="one buffer, kind and group per layer"):
+        call(sliding=(0,))
+    with pytest.raises(RuntimeError, match="layer 1 buffer 3 out of range"):
+        call(buffers=(0, 3))
+    with pytest.raises(RuntimeError, match=r"layer 1 group 1 has no table \[G, Bt, n\]"):
+        call(groups=(0, 1))
 
 
 def _decode_logits(ckpt, cfg, dtype: torch.dtype, decoder: str, prompt: list[int], kv_dtype: str) -> torch.Tensor:

@@ -35,11 +35,19 @@ at::Tensor gk_decode_layers(at::Tensor x, at::TensorList stacks, at::TensorList 
               "gk_decode_layers: one buffer, kind and group per layer");
   for (const auto& t : stacks) TORCH_CHECK(t.dim() >= 1 && t.size(0) == L, "gk_decode_layers: a stack is not [L, ...]");
   TORCH_CHECK(k_bufs.size() == v_bufs.size(), "gk_decode_layers: one V buffer per K buffer");
+  for (int64_t i = 0; i < L; ++i) {            // before any layer writes its KV
+    TORCH_CHECK(layer_buffer[i] >= 0 && layer_buffer[i] < int64_t(k_bufs.size()), "gk_decode_layers: layer ", i,
+                " buffer ", layer_buffer[i], " out of range");
+    const at::Tensor& tables = layer_sliding[i] ? swa_table : full_table;
+    const at::Tensor& slots = layer_sliding[i] ? swa_slot : full_slot;
+    TORCH_CHECK(tables.dim() == 3 && slots.dim() == 2 && layer_group[i] >= 0 && layer_group[i] < tables.size(0) &&
+                layer_group[i] < slots.size(0), "gk_decode_layers: layer ", i, " group ", layer_group[i],
+                " has no table [G, Bt, n] and write slots [G, Bt]");
+  }
   const at::Tensor pos_c = pos.contiguous(), pos_swa_c = pos_swa.contiguous();
   for (int64_t i = 0; i < L; ++i) {
     auto W = [&](Stack s) { return stacks[s].select(0, i); };
     const int64_t buf = layer_buffer[i], g = layer_group[i];
-    TORCH_CHECK(buf >= 0 && buf < int64_t(k_bufs.size()), "gk_decode_layers: layer ", i, " buffer ", buf, " out of range");
     at::Tensor k = k_bufs[buf], v = v_bufs[buf];
     const bool sliding = layer_sliding[i] != 0;
     const at::Tensor table = (sliding ? swa_table : full_table).select(0, g).contiguous();
