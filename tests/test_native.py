@@ -440,6 +440,37 @@ def test_moe_mxfp4_register_tile_paths():
     _check_moe(x, idx2, torch.softmax(torch.randn(len(ids), 2, generator=g), -1), weights, 1.702, 7.0, 0)
 
 
+@pytest.mark.parametrize("xdt", [F32, BF16])
+def test_moe_mxfp4_long_rows_scales(xdt):
+    """Rows of 19 and 13 groups: the register tiles take the scales of four chunks (8 groups) at once, then
+    single chunks, then the odd last group. Every group its own power of two, so a scale applied to the wrong
+    group shows; scale byte 0 (the subnormal 2^-127, made visible by inputs near 2^120) and 255 (inf: the
+    row's outputs not finite wherever the twin's are not), with 1, 2 and 3 tokens an expert (the tiles of one
+    and two inputs, and the wide ones), against the twin."""
+    g = gen(41)
+    E, H, I = 2, 32 * 19, 32 * 13
+    gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias = _moe_weights(g, E, H, I, F32)
+    gu_s = torch.randint(118, 132, gu_s.shape, generator=g, dtype=torch.uint8)
+    dn_s = torch.randint(118, 132, dn_s.shape, generator=g, dtype=torch.uint8)
+    for T in (1, 2, 3, 6):
+        idx = (torch.arange(T) % E).view(T, 1)
+        x = randn(g, T, H, dtype=xdt, scale=2.0)
+        _check_moe(x, idx, torch.ones(T, 1), (gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias), 1.702, 7.0, 0)
+        # every gate_up group at 2^-127: with inputs ~2^120 its sums are ~2^-7, not 0
+        huge = (x.float() * 2.0 ** 120).to(xdt)
+        _check_moe(huge, idx, torch.ones(T, 1), (gu_b, torch.zeros_like(gu_s), gu_bias, dn_b, dn_s, dn_bias),
+                   1.702, 7.0, 0)
+        # one group of one down row at inf, inside the first eight groups and in a single chunk after them
+        for grp in (5, 9):
+            inf_s = dn_s.clone()
+            inf_s[:, 3, grp] = 255
+            w = (gu_b, gu_s, gu_bias, dn_b, inf_s, dn_bias)
+            out = OPS.moe_mxfp4(x, idx, torch.ones(T, 1), *w, 1.702, 7.0, 0)
+            ref = twins.moe_mxfp4(x, idx, torch.ones(T, 1), *w, 1.702, 7.0, 0)
+            assert not torch.isfinite(ref[:, 3]).any()
+            assert torch.equal(torch.isfinite(out), torch.isfinite(ref)), (T, grp)
+
+
 def test_moe_mxfp4_batch_invariant():
     """On AVX2 a bf16 token's output is the same to the bit whatever else its expert is given up to 7 tokens (the
     one- and two-input tiles and the 2 x 4 tiles: one int16 arithmetic) and whichever thread computes it; from 8
