@@ -30,10 +30,17 @@ inline float kvscalar(const T* p) {
   else if constexpr (std::is_same_v<T, uint16_t>) return bf16_to_f32(*p);
   else return fp8_to_f32(*p) * (1.f / 256.f);
 }
-// n cache elements -> fp32 (FP8 / 256, as kvload), two vectors at a time where the type has a wider load
+// n cache elements -> fp32 (FP8 / 256, as kvload), four or two vectors at a time where the type has a wider load
 template <typename T>
 inline void convert_row(const T* src, int64_t n, float* dst) {
   int64_t c = 0;
+  if constexpr (std::is_same_v<T, uint8_t>) {
+    for (; c + 4 * W <= n; c += 4 * W) {
+      VF v[4];
+      vload4_fp8_div256(src + c, v);
+      for (int i = 0; i < 4; ++i) vstore(dst + c + i * W, v[i]);
+    }
+  }
   if constexpr (std::is_same_v<T, uint8_t>)
     for (; c + 2 * W <= n; c += 2 * W) {
       VF a, b;
