@@ -40,14 +40,13 @@ inline void convert_row(const T* src, int64_t n, float* dst) {
       vload4_fp8_div256(src + c, v);
       for (int i = 0; i < 4; ++i) vstore(dst + c + i * W, v[i]);
     }
-  }
-  if constexpr (std::is_same_v<T, uint8_t>)
     for (; c + 2 * W <= n; c += 2 * W) {
       VF a, b;
       vload2_fp8_div256(src + c, a, b);
       vstore(dst + c, a);
       vstore(dst + c + W, b);
     }
+  }
   for (; c + W <= n; c += W) vstore(dst + c, kvload(src + c));
   for (; c < n; ++c) dst[c] = kvscalar(src + c);
 }
