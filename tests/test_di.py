@@ -15,7 +15,7 @@ from gigadecode.engine_config import EngineConfig
 from gigadecode.engine import build_engine
 from gigadecode.kv.manager import KVCacheManager
 from gigadecode.kv.spec import get_kv_spec, make_kv_cache_config
-from gigadecode.checkpoint import preset_config
+from gigadecode.checkpoint import make_checkpoint, preset_config
 from gigadecode.sampling import SamplingParams
 
 from .di_peer import Consumer, Producer
@@ -73,6 +73,44 @@ def test_di_equals_single_node(producer, single, consumer):
     assert consumer.stats.kv_bytes_transferred > 0
     assert consumer.kv_manager.num_free_blocks == NUM_BLOCKS - 1
     assert producer.wait_free(NUM_BLOCKS - 1) == NUM_BLOCKS - 1      # freed on the READ notifications
+
+
+F, S = "full_attention", "sliding_attention"
+# configs unlike tiny: q heads 9 over 3 kv heads of dim 12, a hidden size off 64, 5 experts top-2, window 5,
+# sliding and full layers mixed; FP8 KV in blocks of 2, model-dtype KV in blocks of 3
+UNUSUAL = {
+    "fp8-block2": (dict(layer_types=(S, F, S), num_hidden_layers=3, hidden_size=96, intermediate_size=64,
+                        num_attention_heads=9, num_key_value_heads=3, head_dim=12, num_local_experts=5,
+                        num_experts_per_tok=2, sliding_window=5, vocab_size=997), "fp8", 2),
+    "auto-block3": (dict(layer_types=(F, S), num_hidden_layers=2, hidden_size=160, intermediate_size=96,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=40, num_local_experts=3,
+                         num_experts_per_tok=3, sliding_window=4, vocab_size=613), "auto", 3),
+}
+
+
+@pytest.mark.parametrize("name", UNUSUAL)
+def test_di_equals_single_node_on_unusual_configs(tmp_path, name):
+    """fp32: the decode engine's tokens from transferred KV equal a single node's, for prompts across blocks
+    and the window, on layouts tiny does not have (head dim, GQA ratio, block size, layer mix)."""
+    over, kv_dtype, block = UNUSUAL[name]
+    ckpt = make_checkpoint(tmp_path / "c", cfg=preset_config("tiny").with_(**over), seed=5, experts="mxfp4")
+    base = dict(kv_dtype=kv_dtype, block_size=block, num_blocks=120, kv_secret=KV_SECRET)
+    single = build_engine(ckpt, EngineConfig(**base))
+    consumer = build_engine(ckpt, EngineConfig(kv_role="kv_consumer", kv_transfer_timeout_s=10.0, **base))
+    producer = Producer(ckpt, **base)
+    try:
+        for n in (1, 2, block + 1, 5, 6, 11, 31):
+            prompt = random_prompt(n, over["vocab_size"], seed=70 + n)
+            params = producer.prefill(prompt)
+            assert params["num_computed_tokens"] == n - 1
+            got = run(consumer, prompt, kv=params)
+            assert got.error is None, got.error
+            assert got.output_ids == run(single, prompt).output_ids, n
+        assert consumer.stats.kv_bytes_transferred > 0
+        assert consumer.kv_manager.num_free_blocks == 119
+    finally:
+        producer.close()
+        consumer.connector.close()
 
 
 def test_sliding_list_is_clipped_to_the_window(producer, consumer):
