@@ -229,11 +229,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------
+def add(sub, name: str, text: str) -> argparse.ArgumentParser:
+    """A subcommand whose one-line summary is also the head of its own --help."""
+    return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="gigadecode", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="gigadecode",
+        description="GPT-OSS inference: one fused decode program over every layer, packed-FP8 KV, and prefill "
+                    "and decode as separate servers with the KV sent over NIXL. `gigadecode COMMAND --help` "
+                    "for a command's flags.")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-checkpoint", help="write a GPT-OSS checkpoint (HF layout) from a decisive random init")
+    p = add(sub, "make-checkpoint", "write a GPT-OSS checkpoint (HF layout) from a seeded random init whose top "
+                                     "logit clears the second by far more than float error")
     p.add_argument("--preset", required=True, choices=["tiny", "small", "20b-shape", "120b-shape", "demo"],
                    help="demo: the trained demo model (it adds; --seed and --experts do not apply)")
     p.add_argument("--out", required=True)
@@ -241,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", default="mxfp4", choices=["mxfp4", "bf16"])
     p.set_defaults(func=cmd_make_checkpoint)
 
-    p = sub.add_parser("generate", help="generate from prompts (continuous batching, GK decode)")
+    p = add(sub, "generate", "generate from prompts (continuous batching, GK decode)")
     p.add_argument("--model", required=True)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
@@ -252,12 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per request")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("plan", help="the KV memory plan for a config and parallel layout")
+    p = add(sub, "plan", "the KV memory plan for a config and parallel layout")
     from .plan import add_plan_arguments
     add_plan_arguments(p)
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (prefill, decode, or both)")
+    p = add(sub, "serve", "OpenAI-compatible HTTP server (prefill, decode, or both)")
     p.add_argument("--model", required=True)
     p.add_argument("--role", default="both", choices=["prefill", "decode", "both"],
                    help="DI role: prefill = kv_producer, decode = kv_consumer, both = kv_both (single node)")
@@ -288,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("proxy", help="DI router: prefill on one server, decode on another")
+    p = add(sub, "proxy", "DI router: prefill on one server, decode on another")
     p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="gigadecode prefill servers")
     p.add_argument("--prefill-vllm", nargs="+", default=[], metavar="URL",
                    help="stock vLLM prefill servers (NixlConnector kv_producer; /v1/completions only): the proxy "
@@ -307,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request bodies larger than this get 413 before they are parsed (default 4 MiB)")
     p.set_defaults(func=cmd_proxy)
 
-    p = sub.add_parser("demo", help="the main job: DI (prefill -> decode over NIXL) on the built-in demo model")
+    p = add(sub, "demo", "the main job: DI (prefill -> decode over NIXL) on the built-in demo model")
     p.add_argument("--model", default=None, help=f"where the demo model lives (default {DEFAULT_DEMO_DIR})")
     p.add_argument("--prompt", default="What is 37 + 45?",
                    help="the demo model answers `What is A + B?` (0 <= A, B <= 99)")
