@@ -1,12 +1,12 @@
 """The engine as users run it (default decoder: the GK program on the native kernels; fp32, model-dtype KV) on
 GPT-OSS configs unlike the presets, against transformers on the same files.
 
-Each case mixes what the presets do not have: a hidden size that is not a multiple of 64, head dims of 12 to 80,
-1 to 12 q heads over 1 to 3 kv heads, 2 to 9 experts with top-1 to top-4, odd vocabularies, sliding windows of
-1 to 33 tokens, block sizes of 1 to 32, and prefill chunks shorter than the prompt. Three prompts (1 token,
-across a window and a few blocks, longer) decode together, greedily. Every generated token must be transformers'
-argmax on the same sequence (teacher-forced: its uncached forward over prompt + our tokens), wherever its top
-two logits are clear of float noise.
+Each case mixes what the presets do not have: a hidden size that is not a multiple of 64 (with bf16 experts, not
+even of 8), head dims of 6 to 80, 1 to 12 q heads over 1 to 3 kv heads, 2 to 9 experts with top-1 to top-4, odd
+vocabularies, sliding windows of 1 to 33 tokens, block sizes of 1 to 32, and prefill chunks shorter than the
+prompt. Three prompts (1 token, across a window and a few blocks, longer) decode together, greedily. Every
+generated token must be transformers' argmax on the same sequence (teacher-forced: its uncached forward over
+prompt + our tokens), wherever its top two logits are clear of float noise.
 
 The oracle is the uncached forward, not `generate`: with a sliding window of 1, transformers' cached `generate`
 disagrees with its own forward (its sliding cache keeps no earlier token), while the forward's mask is the
@@ -48,6 +48,11 @@ CASES = {
     "head12": (dict(layer_types=(S,), hidden_size=64, intermediate_size=32, num_attention_heads=9,
                     num_key_value_heads=3, head_dim=12, num_local_experts=3, num_experts_per_tok=3, sliding_window=2,
                     vocab_size=1500), "mxfp4", 2, 512),
+    # bf16 experts need no MXFP4 groups: a hidden size of 50 and an intermediate size of 18 (no multiple of 8:
+    # every native kernel's tail path), head dim 6
+    "odd-hidden": (dict(layer_types=(F, S), hidden_size=50, intermediate_size=18, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=6, num_local_experts=5, num_experts_per_tok=2, sliding_window=4,
+                        vocab_size=389), "bf16", 4, 16),
 }
 NEW_TOKENS = 8
 CLEAR = 1e-4                     # top-2 gap (relative to max |logit|) below which a position is a near-tie
@@ -56,7 +61,7 @@ CLEAR = 1e-4                     # top-2 gap (relative to max |logit|) below whi
 @pytest.mark.parametrize("name", CASES)
 def test_engine_matches_transformers_on_unusual_configs(tmp_path, name):
     over, experts, block_size, chunk = CASES[name]
-    cfg = preset_config("tiny").with_(num_hidden_layers=len(over["layer_types"]), **over)
+    cfg = preset_config("tiny", experts).with_(num_hidden_layers=len(over["layer_types"]), **over)
     ckpt = make_checkpoint(tmp_path / name, cfg=cfg, seed=7, experts=experts)
     rnd = random.Random(name)
     prompts = [[rnd.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (1, 37, 70)]
@@ -65,7 +70,12 @@ def test_engine_matches_transformers_on_unusual_configs(tmp_path, name):
     rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)) for p in prompts]
     while not all(eng.requests[r].finished for r in rids):
         eng.step()
-    hf = load_hf(str(ckpt), torch.float32)
+    if over["hidden_size"] % 8:
+        # transformers' grouped expert GEMM needs 16-byte strides; its eager experts compute the same thing
+        from transformers import GptOssForCausalLM
+        hf = GptOssForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, experts_implementation="eager").eval()
+    else:
+        hf = load_hf(str(ckpt), torch.float32)
     checked = 0
     for p, r in zip(prompts, rids):
         got = list(eng.requests[r].output_ids)
