@@ -76,8 +76,9 @@ def test_di_equals_single_node(producer, single, consumer):
 
 
 F, S = "full_attention", "sliding_attention"
-# configs unlike tiny: q heads 9 over 3 kv heads of dim 12, a hidden size off 64, 5 experts top-2, window 5,
-# sliding and full layers mixed; FP8 KV in blocks of 2, model-dtype KV in blocks of 3
+# configs unlike tiny: head dims 12 and 40, 3 and 2 q heads a kv head, hidden sizes that are not multiples of 64,
+# 5 experts top-2 and 3 experts top-3, windows 5 and 4, sliding and full layers mixed; FP8 KV in blocks of 2,
+# model-dtype KV in blocks of 3
 UNUSUAL = {
     "fp8-block2": (dict(layer_types=(S, F, S), num_hidden_layers=3, hidden_size=96, intermediate_size=64,
                         num_attention_heads=9, num_key_value_heads=3, head_dim=12, num_local_experts=5,
