@@ -127,6 +127,21 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
+def assert_teacher_forced_argmax(hf, prompts: list[list[int]], outputs: list[list[int]], clear: float,
+                                 what: str = "") -> int:
+    """Each generated token is transformers' argmax on prompt + the tokens before it (its uncached forward over
+    the whole sequence), wherever its top two logits are more than `clear` × max |logit| apart; -> how many
+    positions were that clear (the caller checks the comparison was not vacuous)."""
+    checked = 0
+    for p, got in zip(prompts, outputs):
+        ref = hf_logits(hf, p + got)[len(p) - 1: len(p) - 1 + len(got)]
+        top2 = ref.topk(2, -1).values
+        ok = (top2[:, 0] - top2[:, 1]) > clear * ref.abs().max()
+        assert ref.argmax(-1)[ok].tolist() == torch.tensor(got)[ok].tolist(), (what, len(p), got)
+        checked += int(ok.sum())
+    return checked
+
+
 def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
     """transformers' greedy `generate` with eos disabled, so exactly `new_tokens` tokens come out.
 

@@ -22,7 +22,7 @@ from gigadecode.engine import build_engine
 from gigadecode.engine_config import EngineConfig
 from gigadecode.sampling import SamplingParams
 
-from .helpers import hf_logits, load_hf
+from .helpers import assert_teacher_forced_argmax, load_hf
 
 F, S = "full_attention", "sliding_attention"
 NEW_TOKENS = 8
@@ -80,14 +80,8 @@ def test_fp8_kv_engine_matches_transformers_with_fp8_rounded_kv(tmp_path, tiny_c
     rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)) for p in prompts]
     while not all(eng.requests[r].finished for r in rids):
         eng.step()
-    checked = 0
+    outputs = [list(eng.requests[r].output_ids) for r in rids]
+    assert all(len(got) == NEW_TOKENS for got in outputs)
     with fp8_rounded_kv(load_hf(ckpt, torch.float32), k_scale, v_scale) as hf:
-        for p, r in zip(prompts, rids):
-            got = list(eng.requests[r].output_ids)
-            assert len(got) == NEW_TOKENS
-            ref = hf_logits(hf, p + got)[len(p) - 1: len(p) - 1 + NEW_TOKENS]
-            top2 = ref.topk(2, -1).values
-            clear = (top2[:, 0] - top2[:, 1]) > CLEAR * ref.abs().max()
-            assert ref.argmax(-1)[clear].tolist() == torch.tensor(got)[clear].tolist(), (name, len(p), got)
-            checked += int(clear.sum())
+        checked = assert_teacher_forced_argmax(hf, prompts, outputs, CLEAR, name)
     assert checked >= 3 * NEW_TOKENS                 # the check is not vacuous

@@ -25,7 +25,7 @@ from gigadecode.engine import build_engine
 from gigadecode.engine_config import EngineConfig
 from gigadecode.sampling import SamplingParams
 
-from .helpers import hf_logits, load_hf
+from .helpers import assert_teacher_forced_argmax, load_hf
 
 F, S = "full_attention", "sliding_attention"
 CASES = {
@@ -76,13 +76,7 @@ def test_engine_matches_transformers_on_unusual_configs(tmp_path, name):
         hf = GptOssForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, experts_implementation="eager").eval()
     else:
         hf = load_hf(str(ckpt), torch.float32)
-    checked = 0
-    for p, r in zip(prompts, rids):
-        got = list(eng.requests[r].output_ids)
-        assert len(got) == NEW_TOKENS
-        ref = hf_logits(hf, p + got)[len(p) - 1: len(p) - 1 + NEW_TOKENS]
-        top2 = ref.topk(2, -1).values
-        clear = (top2[:, 0] - top2[:, 1]) > CLEAR * ref.abs().max()
-        assert ref.argmax(-1)[clear].tolist() == torch.tensor(got)[clear].tolist(), (name, len(p), got)
-        checked += int(clear.sum())
+    outputs = [list(eng.requests[r].output_ids) for r in rids]
+    assert all(len(got) == NEW_TOKENS for got in outputs)
+    checked = assert_teacher_forced_argmax(hf, prompts, outputs, CLEAR, name)
     assert checked >= 2 * NEW_TOKENS                 # the check is not vacuous
