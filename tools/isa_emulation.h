@@ -1,0 +1,94 @@
+// The AVX-512 (F/BW/VL/DQ/BF16) intrinsics the native kernels use, for a build that runs on an AVX2 CPU
+// (tools/isa_check.py): GCC's own vector types first, then SIMDe's portable implementations under the
+// intrinsics' names, then the few SIMDe 0.8.2 lacks, written here after the instructions' definitions.
+// For checking the AVX-512 code paths' results where no AVX-512 CPU is at hand; never for speed.
+#pragma once
+#include <x86intrin.h>
+#include <cstdint>
+#include <cstring>
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+
+namespace gd_emu {
+
+template <class To, class From> inline To bits(const From& x) {
+  static_assert(sizeof(To) == sizeof(From));
+  To y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
+}
+struct F32x16 { float v[16]; };
+struct I32x16 { int32_t v[16]; };
+struct U8x16 { uint8_t v[16]; };
+struct U8x64 { uint8_t v[64]; };
+struct I16x16 { int16_t v[16]; };
+struct U16x16 { uint16_t v[16]; };
+struct U16x32 { uint16_t v[32]; };
+
+// vmovdqu8 with a zero mask: bytes whose mask bit is clear are neither read nor kept
+inline __m512i maskz_loadu_epi8_512(uint64_t k, const void* p) {
+  U8x64 b{};
+  for (int i = 0; i < 64; ++i) if ((k >> i) & 1) b.v[i] = static_cast<const uint8_t*>(p)[i];
+  return bits<__m512i>(b);
+}
+inline __m128i maskz_loadu_epi8_128(uint16_t k, const void* p) {
+  U8x16 b{};
+  for (int i = 0; i < 16; ++i) if ((k >> i) & 1) b.v[i] = static_cast<const uint8_t*>(p)[i];
+  return bits<__m128i>(b);
+}
+// GCC's order: the 256-bit halves, then the 128-bit halves, then pairs
+inline float reduce_add_ps(__m512 a) {
+  const F32x16 f = bits<F32x16>(a);
+  float s8[8], s4[4];
+  for (int i = 0; i < 8; ++i) s8[i] = f.v[i] + f.v[i + 8];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+inline __m256i cvtepi32_epi16(__m512i a) {                         // truncation
+  const I32x16 x = bits<I32x16>(a);
+  I16x16 y;
+  for (int i = 0; i < 16; ++i) y.v[i] = int16_t(x.v[i]);
+  return bits<__m256i>(y);
+}
+inline __m512i cvtepu8_epi32(__m128i a) {
+  const U8x16 x = bits<U8x16>(a);
+  I32x16 y;
+  for (int i = 0; i < 16; ++i) y.v[i] = x.v[i];
+  return bits<__m512i>(y);
+}
+inline uint16_t cmplt_epi32_mask(__m512i a, __m512i b) {
+  const I32x16 x = bits<I32x16>(a), y = bits<I32x16>(b);
+  uint16_t m = 0;
+  for (int i = 0; i < 16; ++i) m |= uint16_t(x.v[i] < y.v[i]) << i;
+  return m;
+}
+// vcvtneps2bf16: round to nearest even, denormal inputs as zero, NaN quieted
+inline uint16_t to_bf16(float f) {
+  const uint32_t u = bits<uint32_t>(f);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return uint16_t((u >> 16) | 0x40);
+  if ((u & 0x7f800000u) == 0) return uint16_t((u >> 16) & 0x8000);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+inline __m256bh cvtneps_pbh(__m512 a) {
+  const F32x16 f = bits<F32x16>(a);
+  U16x16 y;
+  for (int i = 0; i < 16; ++i) y.v[i] = to_bf16(f.v[i]);
+  return bits<__m256bh>(y);
+}
+inline __m512bh cvtne2ps_pbh(__m512 a, __m512 b) {                   // low half from b, high half from a
+  const F32x16 fa = bits<F32x16>(a), fb = bits<F32x16>(b);
+  U16x32 y;
+  for (int i = 0; i < 16; ++i) y.v[i] = to_bf16(fb.v[i]), y.v[16 + i] = to_bf16(fa.v[i]);
+  return bits<__m512bh>(y);
+}
+
+}  // namespace gd_emu
+
+#define _mm512_maskz_loadu_epi8(k, p) gd_emu::maskz_loadu_epi8_512((k), (p))
+#define _mm_maskz_loadu_epi8(k, p) gd_emu::maskz_loadu_epi8_128((k), (p))
+#define _mm512_reduce_add_ps(a) gd_emu::reduce_add_ps(a)
+#define _mm512_cvtepi32_epi16(a) gd_emu::cvtepi32_epi16(a)
+#define _mm512_cvtepu8_epi32(a) gd_emu::cvtepu8_epi32(a)
+#define _mm512_cmplt_epi32_mask(a, b) gd_emu::cmplt_epi32_mask((a), (b))
+#define _mm512_cvtneps_pbh(a) gd_emu::cvtneps_pbh(a)
+#define _mm512_cvtne2ps_pbh(a, b) gd_emu::cvtne2ps_pbh((a), (b))
