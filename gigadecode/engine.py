@@ -73,15 +73,10 @@ class LLMEngine:
         """The longest sequence one request can hold alone: at every moment of its life (prefill chunks of
         `max_prefill_tokens`, a sliding group's window on top of them) its blocks fit the pool, so a request
         the engine admits can always finish."""
-        usable, chunk = self.runner.kv.num_blocks - 1, self.ecfg.max_prefill_tokens
-        specs = [g.spec for g in self.runner.kv.config.groups]
-
-        def fits(n: int) -> bool:
-            return sum(s.peak_blocks(n, min(chunk, n), self.runner.tokens) for s in specs) <= usable
         lo, hi = 0, self.runner.max_model_len            # fits(lo); find the largest such n
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            lo, hi = (mid, hi) if self._fits_pool(mid) else (lo, mid - 1)
         return lo
 
     # -- public API ------------------------------------------------------------------------------------
@@ -126,9 +121,6 @@ class LLMEngine:
                                f"requested {n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} "
                                f"in the completion). Please reduce the length of the prompt or completion.",
                                param="max_tokens", code="context_length_exceeded")
-        if not self._fits_pool(n + 1):
-            raise RequestError(f"prompt of {n} tokens can never fit the KV pool "
-                               f"({self.runner.kv.num_blocks - 1} blocks of {self.runner.block_size})", param="prompt")
         if kv_transfer_params:
             self._admit_di(Request("check", list(prompt_ids), params), self._parse_kv(kv_transfer_params),
                            lease_margin_s=LEASE_MARGIN_S)
@@ -213,7 +205,12 @@ class LLMEngine:
 
     # -- scheduling --------------------------------------------------------------------------------------
     def _fits_pool(self, num_tokens: int) -> bool:
-        return sum(self.kv_manager.blocks_needed(num_tokens)) <= self.runner.kv.num_blocks - 1
+        """Whether a request of `num_tokens` tokens alone fits the pool at every step of its life: its prompt
+        prefilled `max_prefill_tokens` a step, so a sliding group holds a chunk and the window before it, not
+        the whole prompt (the scheduler frees the blocks behind the window before it allocates a chunk's)."""
+        chunk = min(self.ecfg.max_prefill_tokens, num_tokens)
+        peak = sum(g.spec.peak_blocks(num_tokens, chunk, self.runner.tokens) for g in self.runner.kv.config.groups)
+        return peak <= self.runner.kv.num_blocks - 1
 
     # -- execution ---------------------------------------------------------------------------------------
     def _run_prefill(self, prefills: list[tuple[Request, int]], outputs: dict[str, RequestOutput]) -> None:

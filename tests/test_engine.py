@@ -14,7 +14,7 @@ from gigadecode.runner import ModelRunner
 from gigadecode.sampling import SamplingError, SamplingParams
 from gigadecode.weights import load_weights
 
-from .helpers import random_prompt
+from .helpers import cdiv, random_prompt
 
 LENGTHS = [1, 2, 3, 4, 5, 7, 9, 15, 16, 17, 19, 23, 30, 41, 50, 64]
 MAX_TOKENS = [20, 5, 12, 30, 8, 17, 25, 3, 14, 22, 9, 28, 11, 6, 19, 13]
@@ -80,6 +80,21 @@ def test_preemption_keeps_outputs(tiny_ckpt, prompts, alone):
     assert eng.stats.preemptions > 0
     assert list(out.values()) == alone
     assert eng.kv_manager.num_free_blocks == 64
+
+
+def test_a_prompt_as_long_as_the_context_runs_in_a_small_pool(tiny_ckpt):
+    """The engine admits what its max_model_len advertises: a sliding group holds a prefill chunk and the
+    window before it, not the whole prompt, so a prompt filling the context runs in a pool far smaller than
+    the whole prompt in every group, with the tokens of a roomy pool. (The admission check once counted the
+    whole prompt in every group and refused prompts shorter than max_model_len.)"""
+    eng = make_engine(tiny_ckpt, num_blocks=41, max_prefill_tokens=16)
+    n = eng.max_model_len - 2
+    assert n > 100 and len(eng.runner.kv.config.groups) * cdiv(n + 1, 4) > 40
+    prompt = random_prompt(n, 1024, seed=77)
+    assert eng.generate([prompt], greedy(2))[0].output_ids == run_alone(tiny_ckpt, prompt, greedy(2))
+    assert eng.kv_manager.num_free_blocks == 40
+    with pytest.raises(RequestError, match="maximum context length"):
+        eng.add_request(prompt + [5], greedy(2))
 
 
 def test_seeded_sampling_is_per_request(tiny_ckpt, prompts):
