@@ -73,7 +73,7 @@ class LLMEngine:
         """The longest sequence one request can hold alone: at every moment of its life (prefill chunks of
         `max_prefill_tokens`, a sliding group's window on top of them) its blocks fit the pool, so a request
         the engine admits can always finish."""
-        lo, hi = 0, self.runner.max_model_len            # fits(lo); find the largest such n
+        lo, hi = 0, self.runner.max_model_len            # _fits_pool(lo); find the largest such n
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if self._fits_pool(mid) else (lo, mid - 1)

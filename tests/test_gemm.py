@@ -45,6 +45,12 @@ def test_linear_fp32_blocks_keeps_leading_dims_and_fp32_is_untouched():
     assert torch.equal(gemm.linear(xf, wf), F.linear(xf, wf))     # fp32: torch's own product, unchanged
 
 
+@pytest.mark.parametrize("value, want", [("1", True), ("0", False)])
+def test_bf16_gemm_override(monkeypatch, value, want):
+    monkeypatch.setenv("GIGADECODE_BF16_GEMM", value)
+    assert gemm._bf16_gemm_in_hardware() is want
+
+
 def test_product_dtype_follows_the_hardware(monkeypatch):
     monkeypatch.setattr(gemm, "BF16_GEMM_IN_HARDWARE", False)
     assert gemm.product_dtype(BF16) == torch.float32

@@ -10,7 +10,8 @@ lacks is compiled for AVX2 with the AVX-512 intrinsics supplied by SIMDe (header
 downloaded once into the cache) and `tools/isa_emulation.h` (the few SIMDe lacks), so the AVX-512 paths'
 results are checked on an AVX2 machine (their speed is not: emulated, they are only correct). Each build lives
 in its own cache root, `~/.cache/gigadecode/isa-check/<isa>` (under `GIGADECODE_CACHE` when set), never in
-the one the package loads, and its tests run with `GIGADECODE_NATIVE_ISA=<isa>` pointing at it.
+the one the package loads, and its tests run with `GIGADECODE_NATIVE_ISA=<isa>` pointing at it and with
+`GIGADECODE_BF16_GEMM` set as on a CPU of that kind (bf16 products in oneDNN on AVX-512, in fp32 on AVX2).
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ def check(isa: str, pytest_args: list[str]) -> int:
     if host is None:
         sys.exit("isa_check: this CPU has no AVX2")
     cache = BASE / isa
-    env = {**os.environ, "GIGADECODE_CACHE": str(cache), "GIGADECODE_NATIVE_ISA": isa, "GIGADECODE_NATIVE": "1"}
+    # and the torch side as such a CPU runs it: oneDNN has bf16 GEMMs on every AVX-512 CPU, none on AVX2
+    env = {**os.environ, "GIGADECODE_CACHE": str(cache), "GIGADECODE_NATIVE_ISA": isa, "GIGADECODE_NATIVE": "1",
+           "GIGADECODE_BF16_GEMM": "0" if isa == "avx2" else "1"}
     emulated = ISAS.index(isa) > ISAS.index(host)
     print(f"== {isa}: {'emulated on ' + host if emulated else 'native'}", flush=True)
     if emulated and not any((cache / "native").glob(f"{isa}-{build.build_key(isa)}/*.so")):
