@@ -9,6 +9,7 @@ GEMM with fp32 accumulation gives, rounded once to bf16 at the end.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -16,12 +17,15 @@ import torch.nn.functional as F
 
 # weight rows converted to fp32 per block: a bounded transient (4 MiB of fp32), never a copy of the weight
 _BLOCK_ELEMS = 1 << 20
+log = logging.getLogger("gigadecode.gemm")
 
 
 def _bf16_gemm_in_hardware() -> bool:
     forced = os.environ.get("GIGADECODE_BF16_GEMM")      # "1" / "0" overrides torch's answer
     if forced in ("0", "1"):
         return forced == "1"
+    if forced:
+        log.warning("gigadecode: GIGADECODE_BF16_GEMM=%r ignored (1 or 0); asking torch", forced)
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):

@@ -51,6 +51,14 @@ def test_bf16_gemm_override(monkeypatch, value, want):
     assert gemm._bf16_gemm_in_hardware() is want
 
 
+def test_bf16_gemm_override_ignores_other_values_with_a_warning(monkeypatch, caplog):
+    monkeypatch.delenv("GIGADECODE_BF16_GEMM", raising=False)
+    torch_says = gemm._bf16_gemm_in_hardware()
+    monkeypatch.setenv("GIGADECODE_BF16_GEMM", "yes")
+    assert gemm._bf16_gemm_in_hardware() is torch_says
+    assert "GIGADECODE_BF16_GEMM='yes' ignored" in caplog.text
+
+
 def test_product_dtype_follows_the_hardware(monkeypatch):
     monkeypatch.setattr(gemm, "BF16_GEMM_IN_HARDWARE", False)
     assert gemm.product_dtype(BF16) == torch.float32

@@ -9,14 +9,15 @@ all three and runs the tests against each. An ISA this CPU has is compiled as th
 lacks is compiled for AVX2 with the AVX-512 intrinsics supplied by SIMDe (header-only, PyPI `simde-py`,
 downloaded once into the cache) and `tools/isa_emulation.h` (the few SIMDe lacks), so the AVX-512 paths'
 results are checked on an AVX2 machine (their speed is not: emulated, they are only correct). Each build lives
-in its own cache root, `~/.cache/gigadecode/isa-check/<isa>` (under `GIGADECODE_CACHE` when set), never in
-the one the package loads, and its tests run with `GIGADECODE_NATIVE_ISA=<isa>` pointing at it and with
+in its own cache root under `~/.cache/gigadecode/isa-check/` (under `GIGADECODE_CACHE` when set), never in
+the one the package loads (an emulated one keyed by the emulation's header and SIMDe's version as well), and its tests run with `GIGADECODE_NATIVE_ISA=<isa>` pointing at it and with
 `GIGADECODE_BF16_GEMM` set as on a CPU of that kind (bf16 products in oneDNN on AVX-512, in fp32 on AVX2).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import subprocess
@@ -68,6 +69,10 @@ def simde_include() -> Path:
     return inc
 
 
+def emulation_key() -> str:
+    return hashlib.sha256(f"{SIMDE}|".encode() + (ROOT / "tools" / "isa_emulation.h").read_bytes()).hexdigest()[:12]
+
+
 def build_emulated(isa: str, cache: Path, simde: Path) -> None:
     """Compile the kernels' `isa` paths for AVX2 into the slot `gigadecode.native` loads for `isa` (run in a
     process of its own: loading the library registers the op namespace)."""
@@ -98,11 +103,12 @@ def check(isa: str, pytest_args: list[str]) -> int:
     host = host_isa()
     if host is None:
         sys.exit("isa_check: this CPU has no AVX2")
-    cache = BASE / isa
+    emulated = ISAS.index(isa) > ISAS.index(host)
+    # an emulated build is keyed by the emulation too (the package's key covers the kernel sources only)
+    cache = BASE / (f"{isa}-emulated-{emulation_key()}" if emulated else isa)
     # and the torch side as such a CPU runs it: oneDNN has bf16 GEMMs on every AVX-512 CPU, none on AVX2
     env = {**os.environ, "GIGADECODE_CACHE": str(cache), "GIGADECODE_NATIVE_ISA": isa, "GIGADECODE_NATIVE": "1",
            "GIGADECODE_BF16_GEMM": "0" if isa == "avx2" else "1"}
-    emulated = ISAS.index(isa) > ISAS.index(host)
     print(f"== {isa}: {'emulated on ' + host if emulated else 'native'}", flush=True)
     if emulated and not any((cache / "native").glob(f"{isa}-{build.build_key(isa)}/*.so")):
         subprocess.run([sys.executable, __file__, "--build-emulated", isa, "--simde", str(simde_include())],
