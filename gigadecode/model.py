@@ -71,7 +71,8 @@ class GptOssModel:
         # bf16 MXFP4 experts: the grouped kernel (rows decoded once per strip into cache, fused gather, SwiGLU
         # and gate-weighted sum), ~1.05-1.15x the decode-then-oneDNN path at 512 tokens, ~3x at decode sizes
         self._native_moe = fused and weights.mxfp4 and native.available()
-        # bf16 attention over the gathered keys on the flash kernel (pair layouts for `vdpbf16ps`, fp32 softmax)
+        # bf16 attention over the gathered keys on the native flash kernel (fp32 softmax; bf16 pair products
+        # where the CPU has `vdpbf16ps`, fp32 products elsewhere)
         self._native_attention = fused and native.prefill_attention_supported(dtype, cfg.head_dim)
 
     # ----------------------------------------------------------------------------------------------

@@ -118,12 +118,14 @@ def test_empty_chunk():
     assert out.shape == (0, 4, 16)
 
 
-# ---- the native kernel (bf16 on AVX512-BF16 builds; the per-layer model's bf16 prefill attention) --------
+# ---- the native kernel (bf16; the per-layer model's bf16 prefill attention). On AVX512-BF16 builds head dims
+# that are multiples of 16 up to 128 run the bf16 pair kernel, every other case (and every case on AVX2 and
+# AVX-512 builds) the fp32-product kernel: the cases below take both where both exist.
 
 from gigadecode import native  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(not native.prefill_attention_supported(torch.bfloat16, 64),
-                                  reason="the native prefill attention needs an AVX512-BF16 build")
+                                  reason="the native kernels are not built here")
 
 
 @needs_kernel
@@ -137,11 +139,20 @@ needs_kernel = pytest.mark.skipif(not native.prefill_attention_supported(torch.b
     (20, 70, 2, 2, 64, 30, 0, 1),          # window 1: each query sees only itself
     (70, 100, 1, 4, 64, 0, 30, None),      # queries before the first key see nothing: 0
     (300, 420, 4, 4, 64, 120, 0, 128),     # many query tiles and key chunks, GPT-OSS's window
-    # more keys than one window of the kernel's pair layouts (4096): the softmax state carried across them
-    (40, 9000, 1, 2, 16, 8960, 0, None),   # full attention over two whole windows and a partial one
+    # more keys than one window of the kernels' layouts (2,048 / 4,096): the softmax state carried across them
+    (40, 9000, 1, 2, 16, 8960, 0, None),   # full attention over whole windows and a partial one
     (33, 8300, 2, 1, 32, 8250, 100, 4200), # a sliding window wider than a key window, keys from 100 on
     (50, 4200, 1, 3, 16, 4150, 0, 128),    # GPT-OSS's window straddling the first key-window edge
     (300, 4400, 1, 2, 16, 4000, 0, None),  # query tiles on both sides of the edge, the first ones see keys
+    (30, 2100, 2, 2, 64, 2060, 0, 40),     # a window straddling the 2,048-key edge
+    # head dims the pair kernel does not take (the fp32-product kernel on every build)
+    (7, 7, 1, 1, 1, 0, 0, None),           # d 1
+    (9, 21, 2, 3, 2, 12, 0, 5),            # d 2, rep 3, sliding
+    (33, 45, 1, 2, 24, 12, 0, None),       # d 24: a partial vector of outputs
+    (19, 40, 3, 1, 34, 21, 0, 7),          # d 34, three kv heads
+    (25, 60, 2, 5, 72, 30, 10, None),      # d 72, rep 5
+    (12, 30, 1, 2, 130, 18, 0, None),      # d 130: past the pair kernel's 128
+    (16, 40, 1, 1, 256, 24, 0, 16),        # d 256
 ])
 def test_native_prefill_attention_matches_dense(T, S, nkv, rep, d, q_start, k_start, window):
     q, k, v, q_pos, k_pos, sinks = make_case(T, S, nkv, rep, d, q_start, k_start, torch.bfloat16, seed=T + 7 * S)
@@ -149,22 +160,27 @@ def test_native_prefill_attention_matches_dense(T, S, nkv, rep, d, q_start, k_st
     ours = native.prefill_attention(q, k, v, q_pos, k_start, sinks, scale, window or 0)
     ref = dense_reference(q.float(), k.float(), v.float(), q_pos, k_pos, sinks.float(), scale, window)
     assert ours.shape == q.shape and ours.dtype == torch.bfloat16
-    # bf16 inputs, fp32 scores and softmax, probabilities rounded to bf16 for PV (2^-9 of each weight), one
-    # bf16 rounding of the output
+    # bf16 inputs, fp32 scores and softmax, probabilities rounded to bf16 for PV by the pair kernel (2^-9 of
+    # each weight; the fp32-product kernel keeps them fp32), one bf16 rounding of the output
     atol = 4 * 2.0 ** -9 * v.float().abs().max().item()
     torch.testing.assert_close(ours.float(), ref, rtol=2.0 ** -7, atol=atol)
     blind = (k_pos[None, :] > q_pos[:, None]).all(1)                 # rows that see no key
     assert torch.equal(ours[blind].float(), torch.zeros_like(ref[blind]))
+    # the twin (what runs where no kernel is built) agrees too
+    twin = native.twins.prefill_attention(q, k, v, q_pos, k_start, sinks, scale, window or 0)
+    torch.testing.assert_close(ours.float(), twin.float(), rtol=2.0 ** -7, atol=atol)
 
 
 @needs_kernel
 def test_native_prefill_attention_refuses_what_it_cannot_do():
-    q, k, v, q_pos, _, sinks = make_case(4, 4, 1, 2, 24, 0, 0, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="head dim 24"):
-        native.prefill_attention(q, k, v, q_pos, 0, sinks, 0.2, 0)
     q, k, v, q_pos, _, sinks = make_case(4, 4, 1, 2, 32, 0, 0)
     with pytest.raises(RuntimeError, match="must be bfloat16"):
         native.prefill_attention(q, k, v, q_pos, 0, sinks, 0.2, 0)
+    q, k, v, q_pos, _, sinks = make_case(4, 4, 2, 2, 32, 0, 0, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="q heads over"):
+        native.prefill_attention(q[:, :3].contiguous(), k, v, q_pos, 0, sinks[:3], 0.2, 0)
+    with pytest.raises(RuntimeError, match="head dim 0"):
+        native.prefill_attention(q[..., :0].contiguous(), k[..., :0].contiguous(), v[..., :0].contiguous(), q_pos,
+                                 0, sinks, 0.2, 0)
     assert not native.prefill_attention_supported(torch.float32, 64)
-    assert not native.prefill_attention_supported(torch.bfloat16, 24)
-
+    assert native.prefill_attention_supported(torch.bfloat16, 24)

@@ -28,7 +28,8 @@ and its twin (`twins.py`, same signature) otherwise.
 - `rms_norm(x [M, H], weight [H], eps) -> [M, H]`.
 - `prefill_attention(q [T, nh, d] bf16, k, v [S, nkv, d] bf16, q_pos [T], k_start, sinks [nh], scale, window)
   -> [T, nh, d]`: a prefill chunk's causal GQA attention with the sink over the keys at positions k_start..
-  (window > 0: sliding), flash style on AVX512-BF16 (`prefill_attention_supported` says when it applies).
+  (window > 0: sliding), flash style: bf16 pair products on AVX512-BF16 for head dims that are multiples of
+  16 up to 128, fp32 products everywhere else (`prefill_attention_supported` says when it applies).
 All compute in fp32 and return x's dtype unless stated.
 """
 
@@ -146,8 +147,7 @@ def prefill_attention(q, k, v, q_pos, k_start: int, sinks, scale: float, window:
 
 
 def prefill_attention_supported(dtype: torch.dtype, head_dim: int) -> bool:
-    """The kernel runs bf16 on a build with AVX512-BF16, for the head dims the build says (16..128 in steps
-    of 16)."""
+    """The kernel runs bf16 inputs on every build, any head dim (the native kernels loaded)."""
     ops = load()
     return ops is not None and dtype == torch.bfloat16 and bool(ops.prefill_attention_supported(head_dim))
 

@@ -27,6 +27,9 @@ at::Tensor prefill_attention(const at::Tensor&, const at::Tensor&, const at::Ten
                              const at::Tensor&, double, int64_t);
 
 bool prefill_attention_supported(int64_t);
+// the fp32-product form `prefill_attention` runs where the AVX512-BF16 pair kernel does not (its inputs checked)
+at::Tensor prefill_attention_f32(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                 const at::Tensor&, double, int64_t);
 
 at::Tensor gk_decode_layers(at::Tensor x, at::TensorList stacks, at::TensorList k_bufs, at::TensorList v_bufs,
                             at::IntArrayRef layer_buffer, at::IntArrayRef layer_sliding, at::IntArrayRef layer_group,

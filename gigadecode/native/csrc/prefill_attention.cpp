@@ -1,5 +1,7 @@
-// Prefill attention on bf16 (AVX512-BF16): a chunk's queries against the keys they may see, flash style,
-// with the sink, GQA and a sliding window; the native form of `ops.flash_sink_attention` (sinks given).
+// Prefill attention on bf16: a chunk's queries against the keys they may see, flash style, with the sink, GQA
+// and a sliding window; the native form of `ops.flash_sink_attention` (sinks given). The op (`prefill_attention`,
+// at the end) checks its inputs and runs the pair kernel below on AVX512-BF16 builds for head dims that are
+// multiples of 16 up to 128, and the fp32-product kernel (prefill_attention_f32.cpp) everywhere else.
 //
 // q [T, nh, d], k / v [S, nkv, d] bf16 token-major (key s at position k_start + s), q_pos [T] -> [T, nh, d].
 // Query q sees key kp iff kp <= q and (window == 0 or kp > q - window); a row that sees no key gives 0.
@@ -21,11 +23,12 @@
 
 #include "bf16dot.h"
 #include "common.h"
+#include "kernels.h"
 
 namespace gd {
 
 #ifdef GD_BF16DOT
-namespace {
+namespace {     // the pair kernel (AVX512-BF16)
 
 constexpr int QT = 16;         // query positions per work item
 constexpr int KC = 32;         // keys per chunk: two vectors of scores
@@ -65,25 +68,13 @@ constexpr PvFn pv_for() { return &pv_rows<(DV <= 4 ? 4 : 2), DV>; }
 constexpr PvFn PV[9] = {nullptr, pv_for<1>(), pv_for<2>(), pv_for<3>(), pv_for<4>(), pv_for<5>(), pv_for<6>(),
                         pv_for<7>(), pv_for<8>()};
 
-}  // namespace
+// the head dims the pair kernel takes (d / 2 pairs, 16 output dims a vector, up to 8 vectors in registers)
+bool pair_kernel_takes(int64_t d) { return d % 16 == 0 && d >= 16 && d <= 128; }
 
-// whether this build runs the kernel for head dim d (the Python side asks before it calls)
-bool prefill_attention_supported(int64_t d) { return d % 16 == 0 && d >= 16 && d <= 128; }
-
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
-                             int64_t k_start, const at::Tensor& sinks, double scale, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-              v.scalar_type() == at::kBFloat16, "prefill_attention: q, k, v must be bfloat16");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2),
-              "prefill_attention: q [T, nh, d], k and v [S, nkv, d] (got ", q.sizes(), ", ", k.sizes(), ")");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "prefill_attention: contiguous inputs");
+at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& q_pos, int64_t k_start, const at::Tensor& sinks, double scale,
+                                   int64_t window) {
   const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), S = k.size(0), nkv = k.size(1);
-  TORCH_CHECK(nkv > 0 && nh % nkv == 0, "prefill_attention: ", nh, " q heads over ", nkv, " kv heads");
-  TORCH_CHECK(prefill_attention_supported(d), "prefill_attention: head dim ", d, " not a multiple of 16 in [16, 128]");
-  TORCH_CHECK(q_pos.scalar_type() == at::kLong && q_pos.numel() == T && q_pos.is_contiguous(), "q_pos must be int64 [T]");
-  TORCH_CHECK(sinks.numel() == nh, "sinks must have one value per q head");
-  TORCH_CHECK(window >= 0, "window must be >= 0");
-  TORCH_CHECK(S < (int64_t(1) << 31), "prefill_attention: key indices must fit 32 bits");
   at::Tensor out = at::zeros({T, nh, d}, q.options());
   if (T == 0 || S == 0) return out;
   const int64_t rep = nh / nkv, half = d / 2, DV = d / 16;
@@ -256,12 +247,31 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   });
   return out;
 }
-#else
-bool prefill_attention_supported(int64_t) { return false; }
-at::Tensor prefill_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                             const at::Tensor&, double, int64_t) {
-  TORCH_CHECK(false, "prefill_attention needs AVX512-BF16 (this build has none)");
-}
+
+}  // namespace
 #endif
+
+// whether this build runs the kernel for head dim d (every build, every head dim; the Python side asks)
+bool prefill_attention_supported(int64_t d) { return d >= 1; }
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_pos,
+                             int64_t k_start, const at::Tensor& sinks, double scale, int64_t window) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+              v.scalar_type() == at::kBFloat16, "prefill_attention: q, k, v must be bfloat16");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2),
+              "prefill_attention: q [T, nh, d], k and v [S, nkv, d] (got ", q.sizes(), ", ", k.sizes(), ")");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "prefill_attention: contiguous inputs");
+  const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), S = k.size(0), nkv = k.size(1);
+  TORCH_CHECK(nkv > 0 && nh % nkv == 0, "prefill_attention: ", nh, " q heads over ", nkv, " kv heads");
+  TORCH_CHECK(prefill_attention_supported(d), "prefill_attention: head dim ", d, " (must be >= 1)");
+  TORCH_CHECK(q_pos.scalar_type() == at::kLong && q_pos.numel() == T && q_pos.is_contiguous(), "q_pos must be int64 [T]");
+  TORCH_CHECK(sinks.numel() == nh, "sinks must have one value per q head");
+  TORCH_CHECK(window >= 0, "window must be >= 0");
+  TORCH_CHECK(S < (int64_t(1) << 31), "prefill_attention: key indices must fit 32 bits");
+#ifdef GD_BF16DOT
+  if (pair_kernel_takes(d)) return prefill_attention_pairs(q, k, v, q_pos, k_start, sinks, scale, window);
+#endif
+  return prefill_attention_f32(q, k, v, q_pos, k_start, sinks, scale, window);
+}
 
 }  // namespace gd
