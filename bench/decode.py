@@ -14,7 +14,8 @@ meet it first.
 or its multiply-adds at the GEMM peak, whichever is slower) and `of it` the share of it reached: a batch-B
 speedup over batch 1 can be no larger than the ratio of the two ceilings.
 Prefill: tokens/s of a 512- and a 4096-token prompt through the engine's chunked prefill (512 per chunk)
-against transformers' `GptOssForCausalLM` forward on the same checkpoint (bf16, when it fits in memory).
+against transformers' `GptOssForCausalLM` forward on the same checkpoint, when it fits in memory: in bf16
+where the CPU has bf16 GEMMs, else in fp32 (what a transformers user runs there).
 Peak RSS is reported against the checkpoint's bytes.
 
     .venv/bin/python bench/decode.py [--preset small] [--batch 1 8 32] [--context 256 4096] [--dtype bfloat16]
@@ -161,14 +162,20 @@ def prefill_tok_s(cfg, w, model, dtype: str, n: int, reps: int) -> float:
     return n / statistics.median(times)
 
 
+def transformers_dtype() -> torch.dtype:
+    """What a transformers user runs on this CPU: bf16 where it has bf16 GEMMs; fp32 where it has not (AVX2,
+    say: torch's bf16 matmul there is ~100x slower than its fp32 one, so nobody would)."""
+    return product_dtype(torch.bfloat16)
+
+
 def transformers_prefill_tok_s(model_dir: Path, cfg, n: int, reps: int, budget_s: float = 60.0) -> float | None:
-    """transformers' bf16 forward over an n-token prompt: median of up to `reps` runs, fewer once they have taken
-    `budget_s` (torch's bf16 matmul without bf16 hardware, AVX2 say, takes minutes a run)."""
+    """transformers' forward (in `transformers_dtype()`) over an n-token prompt: median of up to `reps` runs,
+    fewer once they have taken `budget_s`."""
     try:
         from transformers import GptOssForCausalLM
     except ImportError:
         return None
-    m = GptOssForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).eval()
+    m = GptOssForCausalLM.from_pretrained(model_dir, torch_dtype=transformers_dtype()).eval()
     ids = torch.randint(3, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
     times = []
     with torch.inference_mode():
@@ -252,10 +259,14 @@ def main() -> int:
     if args.prefill and not args.no_transformers:
         del model, w
         gc.collect()
-        bf16_bytes = ckpt_bytes * 4                        # experts dequantized to bf16 at load (~4x MXFP4)
+        tf_dtype = transformers_dtype()
+        tf_name = str(tf_dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32")
+        results["transformers_dtype"] = tf_name
+        # experts dequantized at load: ~4x MXFP4's bytes in bf16, ~8x in fp32
+        tf_bytes = ckpt_bytes * (4 if tf_dtype == torch.bfloat16 else 8)
         avail = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
-        if bf16_bytes > 0.8 * avail:
-            print(f"transformers baseline skipped: a bf16 copy (~{bf16_bytes / 1e9:.0f} GB) does not fit in memory")
+        if tf_bytes > 0.8 * avail:
+            print(f"transformers baseline skipped: a {tf_name} copy (~{tf_bytes / 1e9:.0f} GB) does not fit in memory")
         else:
             rate = None                                    # transformers' tok/s at the previous (shorter) prompt
             for row in sorted(results["prefill"], key=lambda r: r["tokens"]):
@@ -266,7 +277,7 @@ def main() -> int:
                 tf = rate = transformers_prefill_tok_s(model_dir, cfg, row["tokens"], reps=3)
                 if tf:
                     row["transformers_tok_s"] = tf
-                    print(f"prefill {row['tokens']:>5} tokens: transformers bf16 {tf:8.1f} tok/s -> gigadecode "
+                    print(f"prefill {row['tokens']:>5} tokens: transformers {tf_name} {tf:8.1f} tok/s -> gigadecode "
                           f"{row['gigadecode_tok_s'] / tf:.2f}x", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
