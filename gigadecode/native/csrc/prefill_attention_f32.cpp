@@ -16,8 +16,7 @@
 // SPAN = 16W (the online softmax's max, rescale and sums once a span and row), scored in chunks of KC = 2W (a
 // register tile of RG rows × KC keys); a row group skips the chunks none of its queries sees (causal and
 // window). Softmax in fp32 with the probabilities kept in fp32 for PV (as the torch form's on a CPU without
-// bf16 GEMMs), the sink applied at the end as
-// out * sigmoid(lse - sink), one rounding to bf16.
+// bf16 GEMMs), the sink applied at the end as out * sigmoid(lse - sink), one rounding to bf16.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,9 +30,9 @@ namespace {
 constexpr int QT = 16;                  // query positions per work item
 constexpr int KC = 2 * W;               // keys per chunk: two vectors of scores
 constexpr int RG = W == 16 ? 8 : 6;     // rows per score group: 2 RG accumulators + 2 keys + a broadcast
-constexpr int RP = RG;                  // rows per PV tile (RG a multiple of it)
+constexpr int RP = RG;                  // rows per PV tile: the score group's (a divisor of RG would do)
 constexpr int CB = W == 16 ? 3 : 2;     // output vectors per PV tile: RP · CB accumulators, each V vector loaded
-                                        // once for RP rows
+                                        // once for RP rows (2 rows × 4 vectors: GCC re-loaded V for each row)
 constexpr int SPAN = 8 * KC;            // keys per online-softmax update (its max, rescale and sums)
 constexpr int64_t KW = 2048;            // keys per window of the fp32 layouts (a multiple of SPAN)
 static_assert(RG % RP == 0 && KW % SPAN == 0, "tiles must nest");
