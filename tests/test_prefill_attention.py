@@ -238,6 +238,7 @@ def test_model_prefill_with_the_native_kernel(tmp_path, name):
     torch_form = prefill_logits(ckpt, cfg, torch.bfloat16, prompt, block, chunk, native_attention=False)
     span = float(ref.max() - ref.min())
     err, err_torch = float((ours - ref).abs().max()) / span, float((torch_form - ref).abs().max()) / span
-    # both bf16 models round the same activations; the two attentions differ in sum order and exp only
+    # both bf16 models round the same activations; the two attentions differ in sum order, exp and (where the
+    # CPU has bf16 GEMMs) the torch form's bf16 products: bf16 noise, which the layers after them amplify
+    # alike, so the native kernel's model must be as close to the fp32 model as the torch form's
     assert err <= 1.25 * err_torch + 2e-3, (err, err_torch)
-    assert float((ours - torch_form).abs().max()) / span <= 0.05

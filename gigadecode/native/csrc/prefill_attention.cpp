@@ -23,6 +23,7 @@
 
 #include "bf16dot.h"
 #include "common.h"
+#include "flash_rows.h"
 #include "kernels.h"
 
 namespace gd {
@@ -30,7 +31,6 @@ namespace gd {
 #ifdef GD_BF16DOT
 namespace {     // the pair kernel (AVX512-BF16)
 
-constexpr int QT = 16;         // query positions per work item
 constexpr int KC = 32;         // keys per chunk: two vectors of scores
 constexpr int RG = 8;          // rows per score group
 constexpr int64_t KW = 4096;   // keys per window of the pair layouts (a multiple of KC)
@@ -77,39 +77,17 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
   const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), S = k.size(0), nkv = k.size(1);
   at::Tensor out = at::zeros({T, nh, d}, q.options());
   if (T == 0 || S == 0) return out;
-  const int64_t rep = nh / nkv, half = d / 2, DV = d / 16;
+  const int64_t half = d / 2, DV = d / 16;
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(k.data_ptr());
   const uint16_t* vptr = reinterpret_cast<const uint16_t*>(v.data_ptr());
   const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const int64_t* qp = q_pos.data_ptr<int64_t>();
   at::Tensor sk = sinks.contiguous();
-  const FloatView sv(sk);
-  const int64_t qlo = *std::min_element(qp, qp + T), qhi = *std::max_element(qp, qp + T);
-
-  // the softmax state of every row, kept across the key windows: [items][Rmax] rows of d outputs, max, sum
-  const int64_t tiles = (T + QT - 1) / QT, items = nkv * tiles;
-  const int64_t Rmax = (QT * rep + RG - 1) / RG * RG;
-  float* acc_all = shared_scratch(2, items * Rmax * (d + 2));
-  float* mx_all = acc_all + items * Rmax * d;
-  float* sum_all = mx_all + items * Rmax;
-  // item w: kv head w / tiles and 16 query positions from t0; tiles alternate early / late (causal cost)
-  auto tile_start = [&](int64_t w) {
-    const int64_t i = w % tiles;
-    return (i % 2 == 0 ? i / 2 : tiles - 1 - i / 2) * QT;
-  };
-
   // keys any query sees, in windows of KW: the pair layouts of one window at a time (scratch bounded by KW,
   // not by the context), every item's rows carried through them
-  const int64_t k_first = window ? std::max<int64_t>(0, qlo - window + 1 - k_start) / KC * KC : 0;
-  const int64_t k_last = std::min<int64_t>(S - 1, qhi - k_start);
+  const auto [k_first, k_last] = seen_keys(qp, T, S, k_start, window, KC);
   if (k_last < k_first) return out;                                    // no query sees a key: all 0
-  at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {         // every item's state, zeroed once
-    for (int64_t w = w0; w < w1; ++w) {
-      std::fill(acc_all + w * Rmax * d, acc_all + (w + 1) * Rmax * d, 0.f);
-      std::fill(mx_all + w * Rmax, mx_all + (w + 1) * Rmax, -INFINITY);
-      std::fill(sum_all + w * Rmax, sum_all + (w + 1) * Rmax, 0.f);
-    }
-  });
+  FlashRows st(T, nh, nkv, d, RG);                                     // every row's softmax state
   const float sc = float(scale);
   const int rp = DV <= 4 ? 4 : 2;
   const PvFn pv = PV[DV];
@@ -139,18 +117,17 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
       }
     });
 
-    at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {
-      uint32_t* pb = reinterpret_cast<uint32_t*>(scratch(0, Rmax * KC / 2));   // [R][KC / 2] bf16 prob. pairs
-      int64_t* rpos = reinterpret_cast<int64_t*>(scratch(1, 2 * Rmax));        // [R] row positions
+    at::parallel_for(0, st.items, 1, [&](int64_t w0, int64_t w1) {
+      uint32_t* pb = reinterpret_cast<uint32_t*>(scratch(0, st.Rmax * KC / 2));   // [R][KC / 2] bf16 prob. pairs
+      int64_t* rpos = reinterpret_cast<int64_t*>(scratch(1, 2 * st.Rmax));        // [R] row positions
       for (int64_t w = w0; w < w1; ++w) {
-        const int64_t h = w / tiles, t0 = tile_start(w), tq = std::min<int64_t>(QT, T - t0);
-        const int64_t R = tq * rep, Rp = (R + RG - 1) / RG * RG;
-        float* acc = acc_all + w * Rmax * d;
-        float* mx = mx_all + w * Rmax;
-        float* sum = sum_all + w * Rmax;
+        const int64_t h = st.head(w), R = st.rows(w), Rp = (R + RG - 1) / RG * RG;
+        float* acc = st.acc + w * st.Rmax * d;
+        float* mx = st.mx + w * st.Rmax;
+        float* sum = st.sum + w * st.Rmax;
         int64_t qmin = INT64_MAX, qmax = INT64_MIN;
         for (int64_t r = 0; r < Rp; ++r) {
-          rpos[r] = qp[t0 + std::min(r, R - 1) / rep];
+          rpos[r] = qp[st.token(w, std::min(r, R - 1))];
           qmin = std::min(qmin, rpos[r]);
           qmax = std::max(qmax, rpos[r]);
         }
@@ -172,7 +149,7 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
             for (int r = 0; r < RG; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
             const uint32_t* qrow[RG];
             for (int r = 0; r < RG; ++r) {
-              const int64_t row = std::min<int64_t>(g + r, R - 1), t = t0 + row / rep, hq = h * rep + row % rep;
+              const int64_t row = std::min<int64_t>(g + r, R - 1), t = st.token(w, row), hq = st.q_head(w, row);
               qrow[r] = reinterpret_cast<const uint32_t*>(qd + (t * nh + hq) * d);
             }
             for (int64_t p = 0; p < half; ++p) {
@@ -226,25 +203,7 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
     });
   }
 
-  // normalize, apply the sink, store
-  at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t h = w / tiles, t0 = tile_start(w), R = std::min<int64_t>(QT, T - t0) * rep;
-      const float* acc = acc_all + w * Rmax * d;
-      for (int64_t row = 0; row < R; ++row) {
-        const int64_t t = t0 + row / rep, hq = h * rep + row % rep;
-        const float l = sum_all[w * Rmax + row];
-        if (l <= 0.f) continue;                                      // saw no key: 0
-        uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr()) + (t * nh + hq) * d;
-        const float lse = mx_all[w * Rmax + row] + std::log(l);
-        const float f = 1.f / l / (1.f + std::exp(sv[hq] - lse));    // sigmoid(lse - sink) / l
-        for (int64_t j = 0; j < d; j += 16) {                         // round to nearest even, as f32_to_bf16
-          const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(acc + row * d + j), _mm512_set1_ps(f));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), (__m256i)_mm512_cvtneps_pbh(y));
-        }
-      }
-    }
-  });
+  st.store(out, FloatView(sk));
   return out;
 }
 

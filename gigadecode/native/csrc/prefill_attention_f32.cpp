@@ -22,12 +22,12 @@
 #include <cstdint>
 
 #include "common.h"
+#include "flash_rows.h"
 #include "kernels.h"
 
 namespace gd {
 namespace {
 
-constexpr int QT = 16;                  // query positions per work item
 constexpr int KC = 2 * W;               // keys per chunk: two vectors of scores
 constexpr int RG = W == 16 ? 8 : 6;     // rows per score group: 2 RG accumulators + 2 keys + a broadcast
 constexpr int RP = RG;                  // rows per PV tile: the score group's (a divisor of RG would do)
@@ -75,37 +75,15 @@ at::Tensor prefill_attention_f32(const at::Tensor& q, const at::Tensor& k, const
   const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), S = k.size(0), nkv = k.size(1);
   at::Tensor out = at::zeros({T, nh, d}, q.options());
   if (T == 0 || S == 0) return out;
-  const int64_t rep = nh / nkv, dp = (d + W - 1) / W * W, DVp = dp / W;
+  const int64_t dp = (d + W - 1) / W * W, DVp = dp / W;               // rows padded to dp outputs
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(k.data_ptr());
   const uint16_t* vptr = reinterpret_cast<const uint16_t*>(v.data_ptr());
   const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const int64_t* qp = q_pos.data_ptr<int64_t>();
   at::Tensor sk = sinks.contiguous();
-  const FloatView sv(sk);
-  const int64_t qlo = *std::min_element(qp, qp + T), qhi = *std::max_element(qp, qp + T);
-
-  // the softmax state of every row, kept across the key windows: [items][Rmax] rows of dp outputs, max, sum
-  const int64_t tiles = (T + QT - 1) / QT, items = nkv * tiles;
-  const int64_t Rmax = (QT * rep + RG - 1) / RG * RG;
-  float* acc_all = shared_scratch(2, items * Rmax * (dp + 2));
-  float* mx_all = acc_all + items * Rmax * dp;
-  float* sum_all = mx_all + items * Rmax;
-  // item w: kv head w / tiles and 16 query positions from t0; tiles alternate early / late (causal cost)
-  auto tile_start = [&](int64_t w) {
-    const int64_t i = w % tiles;
-    return (i % 2 == 0 ? i / 2 : tiles - 1 - i / 2) * QT;
-  };
-
-  const int64_t k_first = window ? std::max<int64_t>(0, qlo - window + 1 - k_start) / KC * KC : 0;
-  const int64_t k_last = std::min<int64_t>(S - 1, qhi - k_start);
+  const auto [k_first, k_last] = seen_keys(qp, T, S, k_start, window, KC);
   if (k_last < k_first) return out;                                    // no query sees a key: all 0
-  at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {         // every item's state, zeroed once
-    for (int64_t w = w0; w < w1; ++w) {
-      std::fill(acc_all + w * Rmax * dp, acc_all + (w + 1) * Rmax * dp, 0.f);
-      std::fill(mx_all + w * Rmax, mx_all + (w + 1) * Rmax, -INFINITY);
-      std::fill(sum_all + w * Rmax, sum_all + (w + 1) * Rmax, 0.f);
-    }
-  });
+  FlashRows st(T, nh, nkv, dp, RG);                                    // every row's softmax state
   const float sc = float(scale);
   for (int64_t ws = k_first; ws <= k_last; ws += KW) {
     const int64_t we = std::min<int64_t>(std::min<int64_t>(S, k_last + 1), ws + KW);   // keys [ws, we)
@@ -130,19 +108,18 @@ at::Tensor prefill_attention_f32(const at::Tensor& q, const at::Tensor& k, const
       }
     });
 
-    at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {
-      float* pb = scratch(0, Rmax * SPAN);                              // [R][SPAN] scores, then probabilities
-      float* qf = scratch(1, Rmax * d);                                 // [R][d] the rows' queries in fp32
-      int64_t* rpos = reinterpret_cast<int64_t*>(scratch(2, 2 * Rmax)); // [R] row positions
+    at::parallel_for(0, st.items, 1, [&](int64_t w0, int64_t w1) {
+      float* pb = scratch(0, st.Rmax * SPAN);                           // [R][SPAN] scores, then probabilities
+      float* qf = scratch(1, st.Rmax * d);                              // [R][d] the rows' queries in fp32
+      int64_t* rpos = reinterpret_cast<int64_t*>(scratch(2, 2 * st.Rmax));   // [R] row positions
       for (int64_t w = w0; w < w1; ++w) {
-        const int64_t h = w / tiles, t0 = tile_start(w), tq = std::min<int64_t>(QT, T - t0);
-        const int64_t R = tq * rep, Rp = (R + RG - 1) / RG * RG;
-        float* acc = acc_all + w * Rmax * dp;
-        float* mx = mx_all + w * Rmax;
-        float* sum = sum_all + w * Rmax;
+        const int64_t h = st.head(w), R = st.rows(w), Rp = (R + RG - 1) / RG * RG;
+        float* acc = st.acc + w * st.Rmax * dp;
+        float* mx = st.mx + w * st.Rmax;
+        float* sum = st.sum + w * st.Rmax;
         int64_t qmin = INT64_MAX, qmax = INT64_MIN;
         for (int64_t r = 0; r < Rp; ++r) {                           // padding rows repeat the last real one
-          const int64_t row = std::min(r, R - 1), t = t0 + row / rep, hq = h * rep + row % rep;
+          const int64_t row = std::min(r, R - 1), t = st.token(w, row), hq = st.q_head(w, row);
           rpos[r] = qp[t];
           qmin = std::min(qmin, rpos[r]);
           qmax = std::max(qmax, rpos[r]);
@@ -235,23 +212,7 @@ at::Tensor prefill_attention_f32(const at::Tensor& q, const at::Tensor& k, const
     });
   }
 
-  // normalize, apply the sink, store
-  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t h = w / tiles, t0 = tile_start(w), R = std::min<int64_t>(QT, T - t0) * rep;
-      const float* acc = acc_all + w * Rmax * dp;
-      for (int64_t row = 0; row < R; ++row) {
-        const int64_t t = t0 + row / rep, hq = h * rep + row % rep;
-        const float l = sum_all[w * Rmax + row];
-        if (l <= 0.f) continue;                                       // saw no key: 0
-        const float lse = mx_all[w * Rmax + row] + std::log(l);
-        const float f = 1.f / l / (1.f + std::exp(sv[hq] - lse));    // sigmoid(lse - sink) / l
-        uint16_t* dst = o + (t * nh + hq) * d;
-        for (int64_t j = 0; j < d; ++j) dst[j] = f32_to_bf16(acc[row * dp + j] * f);
-      }
-    }
-  });
+  st.store(out, FloatView(sk));
   return out;
 }
 

@@ -1,0 +1,80 @@
+// What both prefill attention kernels (prefill_attention.cpp: bf16 pairs; prefill_attention_f32.cpp: fp32)
+// share: their work items — (kv head, 16 query positions), whose rep = nh / nkv query heads are the item's
+// rows (row = t * rep + head) — the online-softmax state of every row, carried from one key window to the
+// next (fp32 output row, running max, running sum), the range of keys any query sees, and the final store:
+// out = acc / sum · sigmoid(lse − sink), rounded once to bf16.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#include "common.h"
+
+namespace gd {
+
+struct FlashRows {
+  static constexpr int64_t QT = 16;            // query positions per work item
+  int64_t T, nh, rep, ld, tiles, items, Rmax;
+  float* acc;                                  // [items][Rmax][ld] output rows (ld >= d)
+  float* mx;                                   // [items][Rmax] running max
+  float* sum;                                  // [items][Rmax] running sum
+
+  // rows of an item padded to a multiple of `row_group`; the state zeroed (max -inf) over the threads
+  FlashRows(int64_t T_, int64_t nh_, int64_t nkv, int64_t ld_, int64_t row_group)
+      : T(T_), nh(nh_), rep(nh_ / nkv), ld(ld_), tiles((T_ + QT - 1) / QT), items(nkv * tiles),
+        Rmax((QT * rep + row_group - 1) / row_group * row_group) {
+    acc = shared_scratch(2, items * Rmax * (ld + 2));
+    mx = acc + items * Rmax * ld;
+    sum = mx + items * Rmax;
+    at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {
+      for (int64_t w = w0; w < w1; ++w) {
+        std::fill(acc + w * Rmax * ld, acc + (w + 1) * Rmax * ld, 0.f);
+        std::fill(mx + w * Rmax, mx + (w + 1) * Rmax, -INFINITY);
+        std::fill(sum + w * Rmax, sum + (w + 1) * Rmax, 0.f);
+      }
+    });
+  }
+  // item w: kv head w / tiles and QT query positions from tile_start(w); tiles alternate early / late, so
+  // consecutive items (a thread's share) mix cheap and costly causal rows
+  int64_t head(int64_t w) const { return w / tiles; }
+  int64_t tile_start(int64_t w) const {
+    const int64_t i = w % tiles;
+    return (i % 2 == 0 ? i / 2 : tiles - 1 - i / 2) * QT;
+  }
+  int64_t rows(int64_t w) const { return std::min<int64_t>(QT, T - tile_start(w)) * rep; }
+  // the query position and q head of row r of item w
+  int64_t token(int64_t w, int64_t r) const { return tile_start(w) + r / rep; }
+  int64_t q_head(int64_t w, int64_t r) const { return head(w) * rep + r % rep; }
+
+  // out [T, nh, d] bf16 (zeros): each row normalized, times sigmoid(lse - sink); rows that saw no key stay 0
+  void store(at::Tensor& out, const FloatView& sinks) const {
+    const int64_t d = out.size(2);
+    uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+    at::parallel_for(0, items, 1, [&](int64_t w0, int64_t w1) {
+      for (int64_t w = w0; w < w1; ++w)
+        for (int64_t r = 0; r < rows(w); ++r) {
+          const float l = sum[w * Rmax + r];
+          if (l <= 0.f) continue;
+          const int64_t hq = q_head(w, r);
+          const float lse = mx[w * Rmax + r] + std::log(l);
+          const float f = 1.f / l / (1.f + std::exp(sinks[hq] - lse));      // sigmoid(lse - sink) / l
+          const float* a = acc + (w * Rmax + r) * ld;
+          uint16_t* dst = o + (token(w, r) * nh + hq) * d;
+          for (int64_t j = 0; j < d; ++j) dst[j] = f32_to_bf16(a[j] * f);   // round to nearest even
+        }
+    });
+  }
+};
+
+// The keys (indices from the first, key s at position k_start + s) any of the queries sees: [first, last],
+// first rounded down to a multiple of `align`; first > last when none sees any
+inline std::pair<int64_t, int64_t> seen_keys(const int64_t* q_pos, int64_t T, int64_t S, int64_t k_start,
+                                             int64_t window, int64_t align) {
+  const int64_t qlo = *std::min_element(q_pos, q_pos + T), qhi = *std::max_element(q_pos, q_pos + T);
+  const int64_t first = window ? std::max<int64_t>(0, qlo - window + 1 - k_start) / align * align : 0;
+  return {first, std::min<int64_t>(S - 1, qhi - k_start)};
+}
+
+}  // namespace gd
