@@ -38,6 +38,7 @@ from gigadecode.gk.native_blocks import NATIVE_BLOCKS_PER_OP  # noqa: E402
 from gigadecode.kv.cache import KVCache  # noqa: E402
 from gigadecode.kv.manager import KVCacheManager  # noqa: E402
 from gigadecode.model import GptOssModel, SeqChunk  # noqa: E402
+from gigadecode import gemm  # noqa: E402
 from gigadecode.native import build  # noqa: E402
 from gigadecode.weights import load_weights  # noqa: E402
 
@@ -53,8 +54,9 @@ def sources(rev: str) -> dict[str, bytes]:
         return {Path(m.name).name: t.extractfile(m).read() for m in t.getmembers() if m.isfile()}
 
 
-def build_as(rev: str, namespace: str):
-    """Build `rev`'s kernels with their op namespace renamed; returns `torch.ops.<namespace>`."""
+def build_as(rev: str, namespace: str, isa: str | None = None):
+    """Build `rev`'s kernels for `isa` (default: this CPU's) with their op namespace renamed; returns
+    `torch.ops.<namespace>`."""
     files = sources(rev)
     files["ops.cpp"] = files["ops.cpp"].replace(b"gigadecode_native", namespace.encode())
     # and the C++ namespace: inline functions' static locals (the scratch buffers) are process-wide unique
@@ -62,7 +64,7 @@ def build_as(rev: str, namespace: str):
     for name in files:
         if name.endswith(".cpp"):
             files[name] = f"#define gd {namespace}_cc\n".encode() + files[name]
-    isa = build.cpu_isa()
+    isa = isa or build.cpu_isa()
     if isa is None:
         raise SystemExit("this CPU has neither AVX-512 nor AVX2: no kernels to compare")
     key = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(files.items())) + isa.encode()).hexdigest()[:16]
@@ -77,13 +79,18 @@ def build_as(rev: str, namespace: str):
     return getattr(torch.ops, namespace)
 
 
-def alternate(kernels: dict, run, rounds: int) -> dict[str, list[float]]:
-    """run() timed with each build's kernels in turn, `rounds` times (after one untimed round)."""
+def alternate(kernels: dict, run, rounds: int, bf16_gemm: dict | None = None) -> dict[str, list[float]]:
+    """run() timed with each build's kernels in turn, `rounds` times (after one untimed round); `bf16_gemm`
+    (per build: True, False or None for this CPU's answer) sets whether bf16 GEMMs run in oneDNN's bf16 or in
+    fp32 (`gemm.BF16_GEMM_IN_HARDWARE`) while that build runs."""
     build.load()                                       # the wrappers' state exists; then point it at A or B
     times = {k: [] for k in kernels}
+    native_gemm = gemm.BF16_GEMM_IN_HARDWARE
     for i in range(rounds + 1):
         for name, ops in kernels.items():
-            build._state["ops"] = ops
+            build._state["ops"], build._state["isa"] = ops, ops.isa()
+            choice = (bf16_gemm or {}).get(name)
+            gemm.BF16_GEMM_IN_HARDWARE = native_gemm if choice is None else choice
             t0 = time.perf_counter()
             run()
             if i:
@@ -106,6 +113,12 @@ def main() -> int:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--rounds", type=int, default=20)
+    for side in ("a", "b"):
+        ap.add_argument(f"--isa-{side}", choices=sorted(build.ISA_FLAGS),
+                        help=f"build {side.upper()}'s kernels for this ISA (default: this CPU's)")
+        ap.add_argument(f"--bf16-gemm-{side}", choices=["auto", "bf16", "fp32"], default="auto",
+                        help=f"{side.upper()}'s bf16 GEMMs (prefill projections): oneDNN bf16, fp32, or this CPU's "
+                             "default")
     sub = ap.add_subparsers(dest="what", required=True)
     dec = sub.add_parser("decode", help="GK decode steps (random KV, full tables; as bench/decode.py)")
     dec.add_argument("--batch", type=int, default=1)
@@ -114,7 +127,9 @@ def main() -> int:
     pre.add_argument("--tokens", type=int, default=512)
     args = ap.parse_args()
 
-    kernels = {"A": build_as(args.a, "gigadecode_ab_a"), "B": build_as(args.b, "gigadecode_ab_b")}
+    kernels = {"A": build_as(args.a, "gigadecode_ab_a", args.isa_a), "B": build_as(args.b, "gigadecode_ab_b", args.isa_b)}
+    bf16_gemm = {k: {"auto": None, "bf16": True, "fp32": False}[v]
+                 for k, v in (("A", args.bf16_gemm_a), ("B", args.bf16_gemm_b))}
     model_dir = CACHE / args.preset
     if not (model_dir / "config.json").exists():
         raise SystemExit(f"no checkpoint at {model_dir}: run bench/decode.py --preset {args.preset} once")
@@ -122,13 +137,14 @@ def main() -> int:
     dt = getattr(torch, args.dtype)
     w = load_weights(model_dir, cfg, dt)
     model = GptOssModel(cfg, w, dt)
-    print(f"A = {args.a}, B = {args.b}; {args.preset} {args.dtype}, threads {torch.get_num_threads()}")
+    print(f"A = {args.a} ({kernels['A'].isa()}, bf16 GEMMs {args.bf16_gemm_a}), B = {args.b} ({kernels['B'].isa()}, "
+          f"bf16 GEMMs {args.bf16_gemm_b}); {args.preset} {args.dtype}, threads {torch.get_num_threads()}")
     if args.what == "decode":
         if not all(hasattr(k, "gk_decode_layers") for k in kernels.values()):
             gk_model.NATIVE_BLOCKS = NATIVE_BLOCKS_PER_OP    # an older revision: no one-call layer loop to time
             print("one revision has no gk_decode_layers: both run the per-op layer loop")
         bench = DecodeBench(cfg, w, model, args.dtype, args.batch, args.context, 16, ["gk-native"])
-        times = alternate(kernels, lambda: bench.step("gk-native"), args.rounds)
+        times = alternate(kernels, lambda: bench.step("gk-native"), args.rounds, bf16_gemm)
         report(f"decode batch {args.batch} context {args.context}", times, 1e3, "ms")
     else:
         n = args.tokens
@@ -141,7 +157,7 @@ def main() -> int:
             for s in range(0, n, 512):
                 model.forward([SeqChunk(prompt[s: s + 512], s, mgr.block_tables("p"), "last")], kv)
             mgr.free("p")
-        times = alternate(kernels, prefill, max(3, args.rounds // 4))
+        times = alternate(kernels, prefill, max(3, args.rounds // 4), bf16_gemm)
         report(f"prefill of {n} tokens", times, 1e3, "ms")
     return 0
 

@@ -129,4 +129,7 @@ def isa() -> str | None:
 def status() -> str:
     """One line: which kernels run here."""
     ops = load()
-    return f"native ({_state['isa']})" if ops is not None else f"torch twins ({_state.get('reason')})"
+    if ops is None:
+        return f"torch twins ({_state.get('reason')})"
+    strips = f", MoE strips {ops.moe_strips('')}" if _state["isa"] == "avx512-bf16" else ""
+    return f"native ({_state['isa']}{strips})"

@@ -125,7 +125,7 @@ void linear_strips_bf16(const uint16_t* w, int64_t N, int64_t K, const float* x,
         bf16_to_f32_row(w + (r0 + r) * K, K, wf + r * K8);
         std::fill(wf + r * K8 + K, wf + r * K8 + K8, 0.f);
       }
-      dot_rows_f32(wf, K8, nr, xr.data(), M, y + r0, N);
+      dot_rows_f32(wf, K8, K8, nr, xr.data(), M, y + r0, N);
     }
   });
 }

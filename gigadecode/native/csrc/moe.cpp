@@ -11,6 +11,10 @@
 // of 32, and experts with few tokens multiply them in integers: `MxTileI16`).
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "bf16dot.h"
@@ -99,7 +103,12 @@ constexpr int64_t STRIP_MIN_INPUTS = 8;
 #ifdef GD_X64_DECODE
 // fp32 inputs in the x64 order of `mxfp4_avx2.h`, each row padded to whole 64-value chunks
 inline int64_t input_stride(int64_t K) { return (K + 63) / 64 * 64; }
+inline int64_t dot_length(int64_t K) { return input_stride(K); }   // the padding: zeros on both sides
 inline void arrange_inputs(const float* x, int64_t K, float* out) { arrange_x64(x, K, out); }
+inline bool decode_rows_scaled_f32(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t rows, float* out,
+                                   int64_t ld) {
+  return decode_rows_scaled_x64(blk, scl, G, rows, out, ld);
+}
 
 const auto TILES_X64 = make_tiles<MxFn<float>, MxTileX64, RT_MAX, TT_MAX>();
 // experts with 3 to 7 inputs: 2 rows x 4 inputs, so each row's chunk is decoded once for four inputs
@@ -119,31 +128,59 @@ void expert_rows_i16(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t 
   else
     expert_rows<1, 2>(TILES_I16, blk, scl, G, r0, r1, xs, n, out, ldo);
 }
+#else
+// fp32 inputs deinterleaved, each row one vector longer than its K values: rows 4 KB apart (K = 1024) would
+// fall in the same L1 sets, as would the strip path's decoded rows (laid out alike)
+inline int64_t input_stride(int64_t K) { return K + W; }
+inline int64_t dot_length(int64_t K) { return K; }
+inline void arrange_inputs(const float* x, int64_t K, float* out) { deinterleave(x, K, out); }
 
+// The codes of `rows` rows as fp32 values times their group's power of two, each row `ld` values in the
+// inputs' deinterleaved order (per W-byte chunk: the low nibbles' values, then the high nibbles'): exact while
+// every scale keeps the values normal, i.e. is in [2, 252]; false (nothing written) when one is not, and the
+// caller keeps the register tiles (which scale each group's products instead).
+inline bool decode_rows_scaled_f32(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t rows, float* out,
+                                   int64_t ld) {
+  for (int64_t i = 0; i < rows * G; ++i)
+    if (scl[i] < 2 || scl[i] > 252) return false;
+  const float* e8 = e8m0_table();
+  constexpr int CPG = 16 / W;                           // chunks of W bytes per 32-value group
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const VF s = vset1(e8[scl[r * G + g]]);
+      for (int cc = 0; cc < CPG; ++cc) {
+        const int64_t c = g * CPG + cc;
+        VF even, odd;
+        vdecode_e2m1(blk + r * G * 16 + c * W, s, even, odd);
+        vstore(out + r * ld + c * 2 * W, even);
+        vstore(out + r * ld + c * 2 * W + W, odd);
+      }
+    }
+  return true;
+}
+#endif
+
+// fp32 inputs (`arrange_inputs`' order). Experts with STRIP_MIN_INPUTS or more: each strip of rows decoded once,
+// scaled, into a per-thread buffer and multiplied in dense fp32 tiles (`dot_rows_f32`); fewer: register tiles
 void expert_rows_f32(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
                      const float* const* xs, int64_t n, float* out, int64_t ldo) {
   const int64_t ld = input_stride(G * 32);
   if (n >= STRIP_MIN_INPUTS) {
     float* wb = scratch(0, (r1 - r0) * ld);
-    if (decode_rows_scaled_x64(blk + r0 * G * 16, scl + r0 * G, G, r1 - r0, wb, ld)) {
-      dot_rows_f32(wb, ld, r1 - r0, xs, n, out + r0, ldo);
+    if (decode_rows_scaled_f32(blk + r0 * G * 16, scl + r0 * G, G, r1 - r0, wb, ld)) {
+      dot_rows_f32(wb, ld, dot_length(G * 32), r1 - r0, xs, n, out + r0, ldo);
       return;
     }
   }
+#ifdef GD_X64_DECODE
   if (n > 2)
     expert_rows<RT_MAX, TT_X64_WIDE>(TILES_X64_WIDE, blk, scl, G, r0, r1, xs, n, out, ldo);
   else
     expert_rows(TILES_X64, blk, scl, G, r0, r1, xs, n, out, ldo);
-}
 #else
-inline int64_t input_stride(int64_t K) { return K; }
-inline void arrange_inputs(const float* x, int64_t K, float* out) { deinterleave(x, K, out); }
-
-void expert_rows_f32(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
-                     const float* const* xs, int64_t n, float* out, int64_t ldo) {
   expert_rows(TILES, blk, scl, G, r0, r1, xs, n, out, ldo);
-}
 #endif
+}
 
 #ifdef GD_BF16DOT
 // bf16 inputs: x [K] -> chunks of 128 elements (four groups) in the lane order of decode_e2m1_bf16x4,
@@ -244,6 +281,57 @@ const auto TILES_BF16_MID = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_MID, TT_MA
 constexpr int RT_WIDE = 2, TT_WIDE = 8;
 const auto TILES_BF16_WIDE = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_WIDE, TT_WIDE>();
 
+// The form of the bf16 strips (experts with STRIP_MIN_INPUTS inputs or more): exact bf16 dot products
+// (`vdpbf16ps`, 32 products an instruction) or the fp32 strips (`expert_rows_f32`: the same exact products, as
+// fp32 FMAs, 16 an instruction). CPUs with AVX512-BF16 differ by 4x in the ratio of the two: a Zen 4 issues one
+// 512-bit vdpbf16ps and one 512-bit FMA a cycle (bf16: 2x the products), an Intel Xeon of the Sapphire Rapids
+// line measured 0.45 vdpbf16ps against 1.8 FMAs a cycle (fp32: 2x). So it is measured once, at first use: both
+// instructions' throughput over independent chains, alternated, best of five (~1 ms), and fp32 chosen when its
+// products come 1.25x faster. GIGADECODE_MOE_STRIPS=bf16|fp32 (or the `moe_strips` op) sets it.
+enum StripForm : int { STRIPS_AUTO = 0, STRIPS_BF16 = 1, STRIPS_F32 = 2 };
+
+// seconds for `iters` rounds of eight independent vdpbf16ps (or FMA) chains
+__attribute__((noinline)) double seconds_of(bool bf16_dot, int64_t iters) {
+  volatile uint16_t one_bf16 = 0x3F80;                  // opaque operands: nothing folds at compile time
+  volatile float tiny = 1e-9f;
+  const __m512i a = _mm512_set1_epi16(int16_t(one_bf16));
+  const __m512 f = _mm512_set1_ps(tiny);
+  __m512 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t n = 0; n < iters; ++n)
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i)
+      acc[i] = bf16_dot ? _mm512_dpbf16_ps(acc[i], (__m512bh)a, (__m512bh)a) : _mm512_fmadd_ps(f, f, acc[i]);
+  const auto t1 = std::chrono::steady_clock::now();
+  volatile float sink = 0;
+  for (int i = 0; i < 8; ++i) sink = sink + _mm512_reduce_add_ps(acc[i]);
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+StripForm measured_strip_form() {
+  if (const char* env = std::getenv("GIGADECODE_MOE_STRIPS")) {
+    if (std::strcmp(env, "bf16") == 0) return STRIPS_BF16;
+    if (std::strcmp(env, "fp32") == 0) return STRIPS_F32;
+  }
+  double dot = 1e9, fma = 1e9;
+  for (int round = 0; round < 5; ++round) {
+    dot = std::min(dot, seconds_of(true, 4096));      // 32 products per instruction
+    fma = std::min(fma, seconds_of(false, 4096));     // 16
+  }
+  return fma * 2 * 1.25 < dot ? STRIPS_F32 : STRIPS_BF16;
+}
+
+std::atomic<int> strip_form{STRIPS_AUTO};
+StripForm strips() {
+  int f = strip_form.load(std::memory_order_relaxed);
+  if (f == STRIPS_AUTO) {
+    f = measured_strip_form();
+    strip_form.store(f, std::memory_order_relaxed);
+  }
+  return StripForm(f);
+}
+
 // bf16 strips (`STRIP_MIN_INPUTS`) run `DotTileBf16`
 const auto TILES_DOT = make_tiles<DotFnBf16, DotTileBf16, RT_MAX, TT_MAX>();
 
@@ -320,6 +408,19 @@ void check_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, const char*
 
 }  // namespace
 
+std::string moe_strips(const std::string& form) {
+#ifdef GD_BF16DOT
+  TORCH_CHECK(form.empty() || form == "auto" || form == "bf16" || form == "fp32",
+              "moe_strips: expected '', 'auto', 'bf16' or 'fp32', got '", form, "'");
+  if (!form.empty()) strip_form.store(form == "auto" ? STRIPS_AUTO : form == "bf16" ? STRIPS_BF16 : STRIPS_F32);
+  return strips() == STRIPS_F32 ? "fp32" : "bf16";
+#else
+  TORCH_CHECK(form.empty() || form == "auto" || form == "fp32",
+              "moe_strips: this build (", GD_ISA, ") has no bf16 dot products; its strips are fp32");
+  return "fp32";
+#endif
+}
+
 // out [T, H] = sum over the (token, slot) pairs routed to local experts of gate · expert(x[token]).
 // expert(x) = W2 · swiglu(W1 · x + b1) + b2, with W1 = gate_up (rows interleaved gate, up), W2 = down.
 at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& gate_w,
@@ -347,30 +448,37 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 
   const float* xf = rows_as_f32(x, 0);
 #ifdef GD_BF16DOT
-  const bool bf = x.scalar_type() == at::kBFloat16;   // bf16 activations: the exact bf16 dot-product path
+  const bool bf = x.scalar_type() == at::kBFloat16;   // bf16 activations: the exact bf16 dot-product path,
+  const bool bf_f32_strips = bf && strips() == STRIPS_F32;   // its strips in fp32 where FMAs are faster
 #else
-  const bool bf = false;
+  const bool bf = false, bf_f32_strips = false;
 #endif
   // bf16 activations on AVX2: the experts run on int16-quantized inputs (`expert_rows_i16`; strips on their values)
   const bool q16 = X64_DECODE && x.scalar_type() == at::kBFloat16;
+  // fp32 inputs: for every expert, or (bf16 and int16 inputs) only for the fp32 strips' experts
+  bool f32_inputs = !q16 && !bf;
+  for (int64_t e : rt.active)
+    f32_inputs |= (q16 || bf_f32_strips) && rt.expert_start[e + 1] - rt.expert_start[e] >= STRIP_MIN_INPUTS;
   const int64_t H64 = (H + 127) / 128 * 128, I64 = (I + 127) / 128 * 128;   // bf16 inputs: whole chunks
   const int64_t HS = input_stride(H), IS = input_stride(I);                 // fp32 inputs
-  float* xd = shared_scratch(0, bf ? T * H64 / 2 : T * HS);       // [T, H] inputs in the tiles' order
+  float* xd = shared_scratch(0, f32_inputs ? T * HS : 0);         // [T, H] fp32 inputs in the tiles' order
   float* gu = shared_scratch(1, P * R1);                           // [P, 2I] gate_up outputs
-  float* ad = shared_scratch(2, bf ? P * I64 / 2 : P * IS);        // [P, I] activations, likewise
+  float* ad = shared_scratch(2, f32_inputs ? P * IS : 0);          // [P, I] activations, likewise
   float* y = shared_scratch(3, P * H);                             // [P, H] down outputs
-  uint16_t* xd16 = reinterpret_cast<uint16_t*>(xd);
-  uint16_t* ad16 = reinterpret_cast<uint16_t*>(ad);
+  uint16_t* xd16 = reinterpret_cast<uint16_t*>(shared_scratch(6, bf ? T * H64 / 2 : 0));   // bf16 inputs
+  uint16_t* ad16 = reinterpret_cast<uint16_t*>(shared_scratch(7, bf ? P * I64 / 2 : 0));
   constexpr int64_t QF = sizeof(QChunk) / sizeof(float);
   const int64_t HQ = (H + 63) / 64, IQ = (I + 63) / 64;           // int16 inputs: chunks a row
   QChunk* xq = reinterpret_cast<QChunk*>(shared_scratch(4, q16 ? T * HQ * QF : 0));
   QChunk* aq = reinterpret_cast<QChunk*>(shared_scratch(5, q16 ? P * IQ * QF : 0));
-  bool f32_inputs = !q16;                          // int16 inputs: fp32 copies only for the strip path's experts
-  for (int64_t e : rt.active) f32_inputs |= rt.expert_start[e + 1] - rt.expert_start[e] >= STRIP_MIN_INPUTS;
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
 #ifdef GD_BF16DOT
-      if (bf) { deinterleave_bf16(xf + t * H, H, xd16 + t * H64); continue; }
+      if (bf) {
+        deinterleave_bf16(xf + t * H, H, xd16 + t * H64);
+        if (f32_inputs) arrange_inputs(xf + t * H, H, xd + t * HS);   // bf16 values: exact in fp32
+        continue;
+      }
 #endif
       if (q16) {
         quantize_x64(xf + t * H, H, xq + t * HQ);
@@ -416,7 +524,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
         const int64_t e = rt.active[i / strips], r0 = (i % strips) * strip, r1 = std::min(R, r0 + strip);
         const int64_t p0 = rt.expert_start[e], n = rt.expert_start[e + 1] - p0;
 #ifdef GD_BF16DOT
-        if (bf) {
+        if (bf && !(bf_f32_strips && n >= STRIP_MIN_INPUTS)) {
           expert_rows_bf16(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in16.data() + p0, n, dst + p0 * R, R);
           continue;
         }
@@ -459,7 +567,10 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
       }
       swiglu_inplace(act, up, I, a, x.scalar_type() == at::kBFloat16);
 #ifdef GD_BF16DOT
-      if (bf) { deinterleave_bf16(act, I, ad16 + p * I64); continue; }
+      if (bf) {
+        deinterleave_bf16(act, I, ad16 + p * I64);
+        if (!f32_inputs) continue;
+      }
 #endif
       if (x.scalar_type() == at::kBFloat16)            // bf16 activations, as on the bf16 dot-product path
         for (int64_t i = 0; i < I; ++i) act[i] = bf16_to_f32(f32_to_bf16(act[i]));

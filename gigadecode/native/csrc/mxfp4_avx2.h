@@ -9,8 +9,6 @@
 // the value), multiplied with int16-quantized inputs by `_mm256_madd_epi16` (16 products an instruction, no
 // widening to fp32): ~1.5x the fp32 tile at one or two inputs per expert, for a rounding of the inputs to
 // 2^-16 of their group's largest value. fp32 activations keep the exact fp32 tile.
-// Also here: the dense fp32 tiles (`dot_rows_f32`) that the MoE's strip path and the bf16 projection's strips
-// run on.
 #pragma once
 
 #include <algorithm>
@@ -307,48 +305,6 @@ inline bool decode_rows_scaled_x64(const uint8_t* blk, const uint8_t* scl, int64
       }
     }
   return true;
-}
-
-// out[t * ldo + r] = w row r · x[t] for RT rows (row r at w + r*ldw) and TT inputs of K fp32 values (K a
-// multiple of 8): fp32 products and sums, all accumulators in registers
-template <int RT, int TT>
-struct DotTileF32 {
-static void run(const float* w, int64_t ldw, int64_t K, const float* const* xs, float* out, int64_t ldo) {
-  __m256 acc[RT * TT];
-#pragma GCC unroll 16
-  for (int i = 0; i < RT * TT; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 x[TT];
-#pragma GCC unroll 16
-    for (int t = 0; t < TT; ++t) x[t] = _mm256_loadu_ps(xs[t] + k);
-#pragma GCC unroll 16
-    for (int r = 0; r < RT; ++r) {
-      const __m256 wv = _mm256_loadu_ps(w + r * ldw + k);
-#pragma GCC unroll 16
-      for (int t = 0; t < TT; ++t) acc[r * TT + t] = _mm256_fmadd_ps(wv, x[t], acc[r * TT + t]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 16
-    for (int t = 0; t < TT; ++t) out[t * ldo + r] = vsum(VF{acc[r * TT + t]});
-}
-};
-
-// out[t * ldo + r] = row r · input t for `rows` fp32 rows (row r at w + r*ld, ld a multiple of 8, zero-padded)
-// and n inputs of ld values: DotTileF32 tiles of 4 rows × 3 inputs (12 accumulators + 3 inputs + the row being
-// read: all 16 registers; 1.2x the 3 x 3 tile alone on a Zen 3), each tile's rows staying in L1 while the
-// inputs pass. The strip paths of the MoE (decoded expert rows) and of the bf16 projection run on it.
-inline void dot_rows_f32(const float* w, int64_t ld, int64_t rows, const float* const* xs, int64_t n, float* out,
-                         int64_t ldo) {
-  constexpr int RT = 4, TT = 3;
-  static const auto tiles = make_tiles<void (*)(const float*, int64_t, int64_t, const float* const*, float*,
-                                                int64_t), DotTileF32, RT, TT>();
-  for (int64_t r = 0; r < rows; r += RT) {
-    const int rt = int(std::min<int64_t>(RT, rows - r));
-    for (int64_t t = 0; t < n; t += TT)
-      tiles[rt - 1][int(std::min<int64_t>(TT, n - t)) - 1](w + r * ld, ld, ld, xs + t, out + t * ldo + r, ldo);
-  }
 }
 
 }  // namespace gd
