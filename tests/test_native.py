@@ -294,19 +294,19 @@ def _routing(g, T, E, k, offset, n_global):
 # The AVX2 build's MoE takes bf16 activations as int16 per group of 32 (mxfp4_avx2.h `QChunk`); fp32
 # activations and the AVX-512 builds compute on the exact values.
 QUANTIZED_BF16_MOE = native.isa() == "avx2"
-# the forms of the strips (experts with >= 8 tokens) a bf16 input can take on this build
-STRIP_FORMS = ["bf16", "fp32"] if native.isa() == "avx512-bf16" else ["fp32"]
+# the forms the MoE's products of bf16 inputs can take on this build (`native.moe_products`)
+PRODUCT_FORMS = ["bf16", "fp32"] if native.isa() == "avx512-bf16" else ["fp32"]
 
 
 @contextlib.contextmanager
-def strips(form: str):
-    """moe_mxfp4's strips in `form` for bf16 inputs ('bf16' dot products or 'fp32' FMAs), restored after."""
-    before = native.moe_strips()
-    native.moe_strips(form)
+def products(form: str):
+    """moe_mxfp4 multiplying bf16 inputs in `form` ('bf16' dot products or 'fp32' FMAs), restored after."""
+    before = native.moe_products()
+    native.moe_products(form)
     try:
         yield
     finally:
-        native.moe_strips(before)
+        native.moe_products(before)
 
 
 def quantize_groups_i16(x: torch.Tensor) -> torch.Tensor:
@@ -392,7 +392,7 @@ def test_moe_mxfp4_edge_routing():
     _check_moe(x * 40, idx, torch.rand(6, 2, generator=g), weights, 1.702, 7.0, 0)
 
 
-@pytest.mark.parametrize("form", STRIP_FORMS)
+@pytest.mark.parametrize("form", PRODUCT_FORMS)
 @pytest.mark.parametrize("H,I,xdt", [(160, 96, BF16), (256, 128, BF16), (32, 288, BF16), (1024, 64, BF16),
                                      (160, 96, F32), (1024, 64, F32)])
 def test_moe_mxfp4_many_tokens_per_expert(H, I, xdt, form):
@@ -411,33 +411,35 @@ def test_moe_mxfp4_many_tokens_per_expert(H, I, xdt, form):
     idx[:3] = torch.tensor([2, 0])                      # expert 0: 17 tokens, 1: 29, 2: 15
     gate_w = torch.softmax(torch.randn(T, 2, generator=g), -1)
     x = randn(g, T, H, dtype=xdt, scale=2.0)
-    with strips(form):
+    with products(form):
         _check_moe(x, idx, gate_w, (gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias), 1.702, 7.0, 0)
 
 
-def test_moe_strips_forms_agree():
-    """The strip forms multiply the same exact products (bf16 values, MXFP4 values times a power of two) and
-    sum them in fp32 in different orders: their outputs agree to a bf16 rounding; the form can be set, asked
-    and measured again ('auto'), and anything else is refused."""
+def test_moe_product_forms_agree():
+    """The product forms multiply the same exact products (bf16 values, MXFP4 values times a power of two) and
+    sum them in fp32 in different orders: their outputs agree to a bf16 rounding, with 1, 2, 5 and 12 tokens an
+    expert (the bf16 tile of one input; fp32 register tiles; strips); the form can be set, asked and measured
+    again ('auto'), and anything else is refused."""
     g = gen(13)
-    E, H, I, T = 2, 256, 160, 24
+    E, H, I = 4, 256, 160
     weights = _moe_weights(g, E, H, I, BF16)
-    idx = (torch.arange(T) % E).view(T, 1)             # 12 tokens an expert: strips
+    idx = torch.tensor([0] + [1] * 2 + [2] * 5 + [3] * 12).view(-1, 1)
+    T = len(idx)
     x = randn(g, T, H, dtype=BF16, scale=2.0)
     outs = {}
-    for form in STRIP_FORMS:
-        with strips(form):
-            assert native.moe_strips() == form
+    for form in PRODUCT_FORMS:
+        with products(form):
+            assert native.moe_products() == form
             outs[form] = OPS.moe_mxfp4(x, idx, torch.ones(T, 1), *weights, 1.702, 7.0, 0)
-    torch.testing.assert_close(outs["fp32"].float(), outs[STRIP_FORMS[0]].float(), rtol=2 * BF16_RTOL, atol=1e-4)
-    before = native.moe_strips()
-    assert native.moe_strips("auto") in STRIP_FORMS
-    native.moe_strips(before)
-    with pytest.raises(RuntimeError, match="moe_strips"):
-        native.moe_strips("int8")
-    if "bf16" not in STRIP_FORMS:
+    torch.testing.assert_close(outs["fp32"].float(), outs[PRODUCT_FORMS[0]].float(), rtol=2 * BF16_RTOL, atol=1e-4)
+    before = native.moe_products()
+    assert native.moe_products("auto") in PRODUCT_FORMS
+    native.moe_products(before)
+    with pytest.raises(RuntimeError, match="moe_products"):
+        native.moe_products("int8")
+    if "bf16" not in PRODUCT_FORMS:
         with pytest.raises(RuntimeError, match="no bf16 dot products"):
-            native.moe_strips("bf16")
+            native.moe_products("bf16")
 
 
 def test_moe_mxfp4_bf16_wide_range_and_nan():
@@ -467,10 +469,11 @@ def test_moe_mxfp4_bf16_wide_range_and_nan():
     assert torch.equal(out_nan[[0, 1, 3, 4]], out[[0, 1, 3, 4]])
 
 
-@pytest.mark.parametrize("form", STRIP_FORMS)
+@pytest.mark.parametrize("form", PRODUCT_FORMS)
 def test_moe_mxfp4_register_tile_paths(form):
     """bf16 experts with 1, 2, 3, 4, 6 and 9 tokens in one call: every register tile (4 rows x 1-2 inputs,
-    2 rows x 3-4 inputs decoded first, 2 rows x 8) and the strip path (in `form`), against the twin."""
+    2 rows x 3-4 inputs decoded first, 2 rows x 8; in the fp32 form, fp32 tiles from 2 inputs) and the strip
+    path, against the twin."""
     g = gen(17)
     E, H, I = 6, 160, 96
     weights = _moe_weights(g, E, H, I, BF16)
@@ -478,7 +481,7 @@ def test_moe_mxfp4_register_tile_paths(form):
     ids = torch.tensor([e for e, c in enumerate(counts) for _ in range(c)])
     idx = ids[torch.randperm(len(ids), generator=g)].view(-1, 1)
     x = randn(g, len(ids), H, dtype=BF16, scale=2.0)
-    with strips(form):
+    with products(form):
         _check_moe(x, idx, torch.ones(len(ids), 1), weights, 1.702, 7.0, 0)
         # two slots a token: expert hit counts mixed across the paths
         idx2 = torch.stack([idx[:, 0], (idx[:, 0] + 1 + torch.arange(len(ids)) % 3) % E], 1)

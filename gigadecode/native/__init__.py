@@ -10,9 +10,9 @@ and its twin (`twins.py`, same signature) otherwise.
   its tokens (a decode batch or a prefill chunk); global expert ids outside [expert_offset, expert_offset + E) contribute nothing (EP).
   On the AVX2 build, bf16 x (and the bf16 activations between the matmuls) of experts with fewer than 8 tokens
   are quantized to int16 per group of 32 (within 2^-16 of the group's largest |value|) before the products.
-  Experts with 8 tokens or more decode each strip of rows once and multiply it in dense tiles; `moe_strips`
-  says (or sets) whether bf16 inputs' strips multiply as bf16 dot products or as fp32 FMAs (the same exact
-  products; sums in another order).
+  Experts with 8 tokens or more decode each strip of rows once and multiply it in dense tiles. On the
+  AVX512-BF16 build, `moe_products` says (or sets) whether bf16 inputs meet the experts as bf16 dot products or,
+  for experts with 2 tokens or more, as fp32 FMAs (the same exact products, summed in another order).
 - `mxfp4_dequant(blocks [..., R, G, 16], scales [..., R, G], dtype) -> [..., R, G*32]` (exact);
   `mxfp4_dequant_into(blocks, scales, out)` writes the same values into a contiguous `out` (prefill reuses
   one transient per expert shape, which stays in cache for the GEMM that reads it).
@@ -46,7 +46,7 @@ from .build import isa, load, status
 
 __all__ = ["moe_mxfp4", "mxfp4_dequant", "mxfp4_dequant_into", "swiglu", "linear", "paged_decode_attention", "paged_decode_attention_partial",
            "rope_kv_write", "rms_norm", "prefill_attention", "prefill_attention_supported", "gk_decode_layers",
-           "GK_STACKS", "moe_strips",
+           "GK_STACKS", "moe_products",
            "available", "isa", "status", "twins"]
 
 
@@ -66,15 +66,15 @@ def moe_mxfp4(x, idx, gate_w, gate_up_blocks, gate_up_scales, gate_up_bias, down
                             float(limit), int(expert_offset))
 
 
-def moe_strips(form: str = "") -> str:
-    """The form of `moe_mxfp4`'s strips for bf16 inputs: 'bf16' (`vdpbf16ps`) or 'fp32' (FMAs). Builds with
-    AVX512-BF16 measure which multiplies faster on this CPU at first use (GIGADECODE_MOE_STRIPS=bf16|fp32
-    chooses instead); other builds have fp32 strips only, and the twins none. `form` ('auto', 'bf16' or
-    'fp32') sets it first; '' only asks."""
+def moe_products(form: str = "") -> str:
+    """How `moe_mxfp4` multiplies bf16 inputs by the experts' values: 'bf16' (`vdpbf16ps`) or 'fp32' (FMAs,
+    for experts with 2 tokens or more). The AVX512-BF16 build measures which multiplies faster on this CPU at
+    first use (GIGADECODE_MOE_PRODUCTS=bf16|fp32 chooses instead); other builds multiply in fp32 only, and the
+    twins have no such choice ('none'). `form` ('auto', 'bf16' or 'fp32') sets it first; '' only asks."""
     ops = load()
     if ops is None:
         return "none"
-    return str(ops.moe_strips(form))
+    return str(ops.moe_products(form))
 
 
 def mxfp4_dequant(blocks, scales, dtype: torch.dtype = torch.float32) -> torch.Tensor:

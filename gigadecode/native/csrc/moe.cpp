@@ -281,14 +281,19 @@ const auto TILES_BF16_MID = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_MID, TT_MA
 constexpr int RT_WIDE = 2, TT_WIDE = 8;
 const auto TILES_BF16_WIDE = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_WIDE, TT_WIDE>();
 
-// The form of the bf16 strips (experts with STRIP_MIN_INPUTS inputs or more): exact bf16 dot products
-// (`vdpbf16ps`, 32 products an instruction) or the fp32 strips (`expert_rows_f32`: the same exact products, as
-// fp32 FMAs, 16 an instruction). CPUs with AVX512-BF16 differ by 4x in the ratio of the two: a Zen 4 issues one
-// 512-bit vdpbf16ps and one 512-bit FMA a cycle (bf16: 2x the products), an Intel Xeon of the Sapphire Rapids
-// line measured 0.45 vdpbf16ps against 1.8 FMAs a cycle (fp32: 2x). So it is measured once, at first use: both
-// instructions' throughput over independent chains, alternated, best of five (~1 ms), and fp32 chosen when its
-// products come 1.25x faster. GIGADECODE_MOE_STRIPS=bf16|fp32 (or the `moe_strips` op) sets it.
-enum StripForm : int { STRIPS_AUTO = 0, STRIPS_BF16 = 1, STRIPS_F32 = 2 };
+// How bf16 inputs meet the experts' values: as exact bf16 dot products (`vdpbf16ps`, 32 products an
+// instruction) or as fp32 FMAs on the same values (`expert_rows_f32`: the same exact products, 16 an
+// instruction, summed in another order). CPUs with AVX512-BF16 differ by 4x in the ratio of the two: a Zen 4
+// issues one 512-bit vdpbf16ps and one 512-bit FMA a cycle (bf16: 2x the products), an Intel Xeon of the
+// Sapphire Rapids line measured 0.45 vdpbf16ps against 1.8 FMAs a cycle (fp32: 2x). So it is measured once, at
+// first use: both instructions' throughput over independent chains, alternated, best of five (~1 ms), and
+// fp32 chosen when its products come 1.25x faster. GIGADECODE_MOE_PRODUCTS=bf16|fp32 (or the `moe_products`
+// op) sets it. Where fp32 is chosen, experts with F32_FORM_MIN_INPUTS inputs or more take it (the strips from
+// STRIP_MIN_INPUTS, the fp32 register tiles below): on that Xeon 1.10x / 1.12x decode steps of `small` at
+// batch 8 / 32 against the bf16 form; from one input, batch 1 lost 3% (a lone input's bf16 tile reads its
+// expert's bytes faster), from three or five, batch 8 gained less (1.04x / 1.0x).
+enum ProductForm : int { PRODUCTS_AUTO = 0, PRODUCTS_BF16 = 1, PRODUCTS_F32 = 2 };
+constexpr int64_t F32_FORM_MIN_INPUTS = 2;
 
 // seconds for `iters` rounds of eight independent vdpbf16ps (or FMA) chains
 __attribute__((noinline)) double seconds_of(bool bf16_dot, int64_t iters) {
@@ -309,27 +314,27 @@ __attribute__((noinline)) double seconds_of(bool bf16_dot, int64_t iters) {
   return std::chrono::duration<double>(t1 - t0).count();
 }
 
-StripForm measured_strip_form() {
-  if (const char* env = std::getenv("GIGADECODE_MOE_STRIPS")) {
-    if (std::strcmp(env, "bf16") == 0) return STRIPS_BF16;
-    if (std::strcmp(env, "fp32") == 0) return STRIPS_F32;
+ProductForm measured_product_form() {
+  if (const char* env = std::getenv("GIGADECODE_MOE_PRODUCTS")) {
+    if (std::strcmp(env, "bf16") == 0) return PRODUCTS_BF16;
+    if (std::strcmp(env, "fp32") == 0) return PRODUCTS_F32;
   }
   double dot = 1e9, fma = 1e9;
   for (int round = 0; round < 5; ++round) {
     dot = std::min(dot, seconds_of(true, 4096));      // 32 products per instruction
     fma = std::min(fma, seconds_of(false, 4096));     // 16
   }
-  return fma * 2 * 1.25 < dot ? STRIPS_F32 : STRIPS_BF16;
+  return fma * 2 * 1.25 < dot ? PRODUCTS_F32 : PRODUCTS_BF16;
 }
 
-std::atomic<int> strip_form{STRIPS_AUTO};
-StripForm strips() {
-  int f = strip_form.load(std::memory_order_relaxed);
-  if (f == STRIPS_AUTO) {
-    f = measured_strip_form();
-    strip_form.store(f, std::memory_order_relaxed);
+std::atomic<int> product_form{PRODUCTS_AUTO};
+ProductForm products() {
+  int f = product_form.load(std::memory_order_relaxed);
+  if (f == PRODUCTS_AUTO) {
+    f = measured_product_form();
+    product_form.store(f, std::memory_order_relaxed);
   }
-  return StripForm(f);
+  return ProductForm(f);
 }
 
 // bf16 strips (`STRIP_MIN_INPUTS`) run `DotTileBf16`
@@ -408,15 +413,15 @@ void check_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, const char*
 
 }  // namespace
 
-std::string moe_strips(const std::string& form) {
+std::string moe_products(const std::string& form) {
 #ifdef GD_BF16DOT
   TORCH_CHECK(form.empty() || form == "auto" || form == "bf16" || form == "fp32",
-              "moe_strips: expected '', 'auto', 'bf16' or 'fp32', got '", form, "'");
-  if (!form.empty()) strip_form.store(form == "auto" ? STRIPS_AUTO : form == "bf16" ? STRIPS_BF16 : STRIPS_F32);
-  return strips() == STRIPS_F32 ? "fp32" : "bf16";
+              "moe_products: expected '', 'auto', 'bf16' or 'fp32', got '", form, "'");
+  if (!form.empty()) product_form.store(form == "auto" ? PRODUCTS_AUTO : form == "bf16" ? PRODUCTS_BF16 : PRODUCTS_F32);
+  return products() == PRODUCTS_F32 ? "fp32" : "bf16";
 #else
   TORCH_CHECK(form.empty() || form == "auto" || form == "fp32",
-              "moe_strips: this build (", GD_ISA, ") has no bf16 dot products; its strips are fp32");
+              "moe_products: this build (", GD_ISA, ") has no bf16 dot products; its products are fp32");
   return "fp32";
 #endif
 }
@@ -449,16 +454,17 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   const float* xf = rows_as_f32(x, 0);
 #ifdef GD_BF16DOT
   const bool bf = x.scalar_type() == at::kBFloat16;   // bf16 activations: the exact bf16 dot-product path,
-  const bool bf_f32_strips = bf && strips() == STRIPS_F32;   // its strips in fp32 where FMAs are faster
+  const bool bf_f32 = bf && products() == PRODUCTS_F32;   // or fp32 FMAs where they are faster (2+ inputs)
 #else
-  const bool bf = false, bf_f32_strips = false;
+  const bool bf = false, bf_f32 = false;
 #endif
   // bf16 activations on AVX2: the experts run on int16-quantized inputs (`expert_rows_i16`; strips on their values)
   const bool q16 = X64_DECODE && x.scalar_type() == at::kBFloat16;
-  // fp32 inputs: for every expert, or (bf16 and int16 inputs) only for the fp32 strips' experts
+  // fp32 inputs: for every expert, or (bf16 and int16 inputs) only for the experts that multiply in fp32
+  const int64_t f32_min = q16 ? STRIP_MIN_INPUTS : bf ? F32_FORM_MIN_INPUTS : 0;
   bool f32_inputs = !q16 && !bf;
   for (int64_t e : rt.active)
-    f32_inputs |= (q16 || bf_f32_strips) && rt.expert_start[e + 1] - rt.expert_start[e] >= STRIP_MIN_INPUTS;
+    f32_inputs |= (q16 || bf_f32) && rt.expert_start[e + 1] - rt.expert_start[e] >= f32_min;
   const int64_t H64 = (H + 127) / 128 * 128, I64 = (I + 127) / 128 * 128;   // bf16 inputs: whole chunks
   const int64_t HS = input_stride(H), IS = input_stride(I);                 // fp32 inputs
   float* xd = shared_scratch(0, f32_inputs ? T * HS : 0);         // [T, H] fp32 inputs in the tiles' order
@@ -524,7 +530,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
         const int64_t e = rt.active[i / strips], r0 = (i % strips) * strip, r1 = std::min(R, r0 + strip);
         const int64_t p0 = rt.expert_start[e], n = rt.expert_start[e + 1] - p0;
 #ifdef GD_BF16DOT
-        if (bf && !(bf_f32_strips && n >= STRIP_MIN_INPUTS)) {
+        if (bf && !(bf_f32 && n >= F32_FORM_MIN_INPUTS)) {
           expert_rows_bf16(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in16.data() + p0, n, dst + p0 * R, R);
           continue;
         }
