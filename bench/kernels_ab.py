@@ -127,7 +127,8 @@ def main() -> int:
     pre.add_argument("--tokens", type=int, default=512)
     args = ap.parse_args()
 
-    kernels = {"A": build_as(args.a, "gigadecode_ab_a", args.isa_a), "B": build_as(args.b, "gigadecode_ab_b", args.isa_b)}
+    kernels = {"A": build_as(args.a, "gigadecode_ab_a", args.isa_a),
+               "B": build_as(args.b, "gigadecode_ab_b", args.isa_b)}
     bf16_gemm = {k: {"auto": None, "bf16": True, "fp32": False}[v]
                  for k, v in (("A", args.bf16_gemm_a), ("B", args.bf16_gemm_b))}
     model_dir = CACHE / args.preset

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "mxfp4_avx2.h"   // WORD_ELEM: the lane order of the decoded words
 #include "vec.h"
 
 #if defined(__AVX512BF16__)
@@ -18,6 +19,11 @@ namespace gd {
 inline __m512 dot_bf16(__m512 acc, __m512i w, const uint16_t* x) {
   return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_loadu_si512(x));
 }
+
+// How the MoE multiplies bf16 activations: bf16 dot products or fp32 FMAs on the same exact values, whichever
+// this CPU runs faster, measured at first use (product_form.cpp)
+enum ProductForm : int { PRODUCTS_AUTO = 0, PRODUCTS_BF16 = 1, PRODUCTS_F32 = 2 };
+ProductForm bf16_products();
 
 // Horizontal sums of many accumulators at once (a tile's epilogue): reducing 16 vectors one by one takes
 // ~8 shuffles and adds each, on the pipe the dot products need; transposing as they are added takes ~3.
@@ -161,6 +167,48 @@ static void run(const uint16_t* w, int64_t ldw, int64_t K, const uint16_t* const
 }
 };
 using DotFnBf16 = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t* const*, float*, int64_t, int64_t);
+
+// bf16 inputs: x [K] -> chunks of 128 elements (four groups) in the lane order of decode_e2m1_bf16x4,
+// zero-padded to whole chunks: out[c*128 + q*32 + L*8 + i] = x[c*128 + L*32 + {2i, 16+2i, 2i+1, 17+2i}[q]]
+inline void deinterleave_bf16(const float* x, int64_t K, uint16_t* out) {
+  // word j of output vector q: from input vector 2h + (j / 8) % 2 (h = j / 16) at WORD_ELEM[q] + 2 (j % 8);
+  // vector pairs (0, 1) fill words 0..15, (2, 3) words 16..31 (permutex2var: index 32+ = the second vector)
+  static const auto idx = [] {
+    std::array<std::array<int16_t, 32>, 4> v{};
+    for (int q = 0; q < 4; ++q)
+      for (int j = 0; j < 32; ++j) v[q][j] = int16_t(32 * ((j / 8) % 2) + WORD_ELEM[q] + 2 * (j % 8));
+    return v;
+  }();
+  const int64_t full = K / 128, chunks = (K + 127) / 128;
+  for (int64_t c = 0; c < full; ++c) {
+    __m512i in[4];                                   // in[L] = x[c*128 + 32L ..][:32] as bf16 (RNE)
+    for (int L = 0; L < 4; ++L) {
+      const float* p = x + c * 128 + 32 * L;
+      in[L] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
+    }
+    for (int q = 0; q < 4; ++q) {
+      const __m512i ix = _mm512_loadu_si512(idx[q].data());
+      const __m512i lo = _mm512_permutex2var_epi16(in[0], ix, in[1]), hi = _mm512_permutex2var_epi16(in[2], ix, in[3]);
+      _mm512_storeu_si512(out + c * 128 + q * 32, _mm512_mask_mov_epi16(lo, 0xFFFF0000u, hi));
+    }
+  }
+  for (int64_t c = full; c < chunks; ++c)            // the zero-padded last chunk
+    for (int q = 0; q < 4; ++q)
+      for (int L = 0; L < 4; ++L)
+        for (int i = 0; i < 8; ++i) {
+          const int64_t e = c * 128 + L * 32 + WORD_ELEM[q] + 2 * i;
+          out[c * 128 + q * 32 + L * 8 + i] = e < K ? f32_to_bf16(x[e]) : 0;
+        }
+}
+
+// acc + scale · (one 128-value chunk of a row · the input's chunk): four exact bf16 dot products, fp32 sums
+inline __m512 chunk_dot(const __m512i w[4], const uint16_t* x, __m512 scale, __m512 acc) {
+  __m512 part = dot_bf16(_mm512_setzero_ps(), w[0], x);
+  part = dot_bf16(part, w[1], x + 32);
+  part = dot_bf16(part, w[2], x + 64);
+  part = dot_bf16(part, w[3], x + 96);
+  return _mm512_fmadd_ps(part, scale, acc);
+}
 
 }  // namespace gd
 #endif

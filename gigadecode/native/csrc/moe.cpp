@@ -11,10 +11,6 @@
 // of 32, and experts with few tokens multiply them in integers: `MxTileI16`).
 #include <algorithm>
 #include <array>
-#include <atomic>
-#include <chrono>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include "bf16dot.h"
@@ -183,48 +179,6 @@ void expert_rows_f32(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t 
 }
 
 #ifdef GD_BF16DOT
-// bf16 inputs: x [K] -> chunks of 128 elements (four groups) in the lane order of decode_e2m1_bf16x4,
-// zero-padded to whole chunks: out[c*128 + q*32 + L*8 + i] = x[c*128 + L*32 + {2i, 16+2i, 2i+1, 17+2i}[q]]
-inline void deinterleave_bf16(const float* x, int64_t K, uint16_t* out) {
-  // word j of output vector q: from input vector 2h + (j / 8) % 2 (h = j / 16) at WORD_ELEM[q] + 2 (j % 8);
-  // vector pairs (0, 1) fill words 0..15, (2, 3) words 16..31 (permutex2var: index 32+ = the second vector)
-  static const auto idx = [] {
-    std::array<std::array<int16_t, 32>, 4> v{};
-    for (int q = 0; q < 4; ++q)
-      for (int j = 0; j < 32; ++j) v[q][j] = int16_t(32 * ((j / 8) % 2) + WORD_ELEM[q] + 2 * (j % 8));
-    return v;
-  }();
-  const int64_t full = K / 128, chunks = (K + 127) / 128;
-  for (int64_t c = 0; c < full; ++c) {
-    __m512i in[4];                                   // in[L] = x[c*128 + 32L ..][:32] as bf16 (RNE)
-    for (int L = 0; L < 4; ++L) {
-      const float* p = x + c * 128 + 32 * L;
-      in[L] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
-    }
-    for (int q = 0; q < 4; ++q) {
-      const __m512i ix = _mm512_loadu_si512(idx[q].data());
-      const __m512i lo = _mm512_permutex2var_epi16(in[0], ix, in[1]), hi = _mm512_permutex2var_epi16(in[2], ix, in[3]);
-      _mm512_storeu_si512(out + c * 128 + q * 32, _mm512_mask_mov_epi16(lo, 0xFFFF0000u, hi));
-    }
-  }
-  for (int64_t c = full; c < chunks; ++c)            // the zero-padded last chunk
-    for (int q = 0; q < 4; ++q)
-      for (int L = 0; L < 4; ++L)
-        for (int i = 0; i < 8; ++i) {
-          const int64_t e = c * 128 + L * 32 + WORD_ELEM[q] + 2 * i;
-          out[c * 128 + q * 32 + L * 8 + i] = e < K ? f32_to_bf16(x[e]) : 0;
-        }
-}
-
-// acc + scale · (one 128-value chunk of a row · the input's chunk): four exact bf16 dot products, fp32 sums
-inline __m512 chunk_dot(const __m512i w[4], const uint16_t* x, __m512 scale, __m512 acc) {
-  __m512 part = dot_bf16(_mm512_setzero_ps(), w[0], x);
-  part = dot_bf16(part, w[1], x + 32);
-  part = dot_bf16(part, w[2], x + 64);
-  part = dot_bf16(part, w[3], x + 96);
-  return _mm512_fmadd_ps(part, scale, acc);
-}
-
 template <int RT, int TT>
 struct MxTileBf16 {
 static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const uint16_t* const* xs, float* out,
@@ -281,61 +235,12 @@ const auto TILES_BF16_MID = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_MID, TT_MA
 constexpr int RT_WIDE = 2, TT_WIDE = 8;
 const auto TILES_BF16_WIDE = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_WIDE, TT_WIDE>();
 
-// How bf16 inputs meet the experts' values: as exact bf16 dot products (`vdpbf16ps`, 32 products an
-// instruction) or as fp32 FMAs on the same values (`expert_rows_f32`: the same exact products, 16 an
-// instruction, summed in another order). CPUs with AVX512-BF16 differ by 4x in the ratio of the two: a Zen 4
-// issues one 512-bit vdpbf16ps and one 512-bit FMA a cycle (bf16: 2x the products), an Intel Xeon of the
-// Sapphire Rapids line measured 0.45 vdpbf16ps against 1.8 FMAs a cycle (fp32: 2x). So it is measured once, at
-// first use: both instructions' throughput over independent chains, alternated, best of five (~1 ms), and
-// fp32 chosen when its products come 1.25x faster. GIGADECODE_MOE_PRODUCTS=bf16|fp32 (or the `moe_products`
-// op) sets it. Where fp32 is chosen, experts with F32_FORM_MIN_INPUTS inputs or more take it (the strips from
-// STRIP_MIN_INPUTS, the fp32 register tiles below): on that Xeon 1.10x / 1.12x decode steps of `small` at
-// batch 8 / 32 against the bf16 form; from one input, batch 1 lost 3% (a lone input's bf16 tile reads its
-// expert's bytes faster), from three or five, batch 8 gained less (1.04x / 1.0x).
-enum ProductForm : int { PRODUCTS_AUTO = 0, PRODUCTS_BF16 = 1, PRODUCTS_F32 = 2 };
+// Where the CPU's fp32 FMAs multiply faster than its vdpbf16ps (`bf16_products()`, measured once), experts with
+// F32_FORM_MIN_INPUTS inputs or more take the fp32 form (the strips from STRIP_MIN_INPUTS, the fp32 register
+// tiles below): on an Intel Xeon (Emerald Rapids) 1.10x / 1.12x decode steps of `small` at batch 8 / 32
+// against the bf16 form; from one input, batch 1 lost 3% (a lone input's bf16 tile reads its expert's bytes
+// faster), from three or five, batch 8 gained less (1.04x / 1.0x).
 constexpr int64_t F32_FORM_MIN_INPUTS = 2;
-
-// seconds for `iters` rounds of eight independent vdpbf16ps (or FMA) chains
-__attribute__((noinline)) double seconds_of(bool bf16_dot, int64_t iters) {
-  volatile uint16_t one_bf16 = 0x3F80;                  // opaque operands: nothing folds at compile time
-  volatile float tiny = 1e-9f;
-  const __m512i a = _mm512_set1_epi16(int16_t(one_bf16));
-  const __m512 f = _mm512_set1_ps(tiny);
-  __m512 acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t n = 0; n < iters; ++n)
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i)
-      acc[i] = bf16_dot ? _mm512_dpbf16_ps(acc[i], (__m512bh)a, (__m512bh)a) : _mm512_fmadd_ps(f, f, acc[i]);
-  const auto t1 = std::chrono::steady_clock::now();
-  volatile float sink = 0;
-  for (int i = 0; i < 8; ++i) sink = sink + _mm512_reduce_add_ps(acc[i]);
-  return std::chrono::duration<double>(t1 - t0).count();
-}
-
-ProductForm measured_product_form() {
-  if (const char* env = std::getenv("GIGADECODE_MOE_PRODUCTS")) {
-    if (std::strcmp(env, "bf16") == 0) return PRODUCTS_BF16;
-    if (std::strcmp(env, "fp32") == 0) return PRODUCTS_F32;
-  }
-  double dot = 1e9, fma = 1e9;
-  for (int round = 0; round < 5; ++round) {
-    dot = std::min(dot, seconds_of(true, 4096));      // 32 products per instruction
-    fma = std::min(fma, seconds_of(false, 4096));     // 16
-  }
-  return fma * 2 * 1.25 < dot ? PRODUCTS_F32 : PRODUCTS_BF16;
-}
-
-std::atomic<int> product_form{PRODUCTS_AUTO};
-ProductForm products() {
-  int f = product_form.load(std::memory_order_relaxed);
-  if (f == PRODUCTS_AUTO) {
-    f = measured_product_form();
-    product_form.store(f, std::memory_order_relaxed);
-  }
-  return ProductForm(f);
-}
 
 // bf16 strips (`STRIP_MIN_INPUTS`) run `DotTileBf16`
 const auto TILES_DOT = make_tiles<DotFnBf16, DotTileBf16, RT_MAX, TT_MAX>();
@@ -413,19 +318,6 @@ void check_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, const char*
 
 }  // namespace
 
-std::string moe_products(const std::string& form) {
-#ifdef GD_BF16DOT
-  TORCH_CHECK(form.empty() || form == "auto" || form == "bf16" || form == "fp32",
-              "moe_products: expected '', 'auto', 'bf16' or 'fp32', got '", form, "'");
-  if (!form.empty()) product_form.store(form == "auto" ? PRODUCTS_AUTO : form == "bf16" ? PRODUCTS_BF16 : PRODUCTS_F32);
-  return products() == PRODUCTS_F32 ? "fp32" : "bf16";
-#else
-  TORCH_CHECK(form.empty() || form == "auto" || form == "fp32",
-              "moe_products: this build (", GD_ISA, ") has no bf16 dot products; its products are fp32");
-  return "fp32";
-#endif
-}
-
 // out [T, H] = sum over the (token, slot) pairs routed to local experts of gate · expert(x[token]).
 // expert(x) = W2 · swiglu(W1 · x + b1) + b2, with W1 = gate_up (rows interleaved gate, up), W2 = down.
 at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& gate_w,
@@ -454,7 +346,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   const float* xf = rows_as_f32(x, 0);
 #ifdef GD_BF16DOT
   const bool bf = x.scalar_type() == at::kBFloat16;   // bf16 activations: the exact bf16 dot-product path,
-  const bool bf_f32 = bf && products() == PRODUCTS_F32;   // or fp32 FMAs where they are faster (2+ inputs)
+  const bool bf_f32 = bf && bf16_products() == PRODUCTS_F32;   // or fp32 FMAs where they are faster (2+ inputs)
 #else
   const bool bf = false, bf_f32 = false;
 #endif

@@ -1,0 +1,84 @@
+// How the MoE multiplies bf16 activations by the experts' values on AVX512-BF16 builds, chosen once a process:
+// as exact bf16 dot products (`vdpbf16ps`, 32 products an instruction) or as fp32 FMAs on the same values
+// (`expert_rows_f32` in moe.cpp: the same exact products, 16 an instruction, summed in another order). CPUs
+// with AVX512-BF16 differ by 4x in the ratio of the two: a Zen 4 issues one 512-bit vdpbf16ps and one 512-bit
+// FMA a cycle (bf16: 2x the products), an Intel Xeon (Emerald Rapids) ran 1.3 vdpbf16ps against 5.3 FMAs a
+// nanosecond (fp32: 2x). So it is measured at first use: both instructions' throughput over independent
+// chains, alternated, best of five (~1 ms), and fp32 chosen when its products come 1.25x faster.
+// GIGADECODE_MOE_PRODUCTS=bf16|fp32 (or the `moe_products` op) sets it; moe.cpp says which experts take it.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "bf16dot.h"
+#include "common.h"
+#include "kernels.h"
+
+namespace gd {
+
+#ifdef GD_BF16DOT
+namespace {
+
+// seconds for `iters` rounds of eight independent vdpbf16ps (or FMA) chains
+__attribute__((noinline)) double seconds_of(bool bf16_dot, int64_t iters) {
+  volatile uint16_t one_bf16 = 0x3F80;                  // opaque operands: nothing folds at compile time
+  volatile float tiny = 1e-9f;
+  const __m512i a = _mm512_set1_epi16(int16_t(one_bf16));
+  const __m512 f = _mm512_set1_ps(tiny);
+  __m512 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t n = 0; n < iters; ++n)
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i)
+      acc[i] = bf16_dot ? _mm512_dpbf16_ps(acc[i], (__m512bh)a, (__m512bh)a) : _mm512_fmadd_ps(f, f, acc[i]);
+  const auto t1 = std::chrono::steady_clock::now();
+  volatile float sink = 0;
+  for (int i = 0; i < 8; ++i) sink = sink + _mm512_reduce_add_ps(acc[i]);
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+ProductForm measured_product_form() {
+  if (const char* env = std::getenv("GIGADECODE_MOE_PRODUCTS")) {
+    if (std::strcmp(env, "bf16") == 0) return PRODUCTS_BF16;
+    if (std::strcmp(env, "fp32") == 0) return PRODUCTS_F32;
+  }
+  double dot = 1e9, fma = 1e9;
+  for (int round = 0; round < 5; ++round) {
+    dot = std::min(dot, seconds_of(true, 4096));      // 32 products per instruction
+    fma = std::min(fma, seconds_of(false, 4096));     // 16
+  }
+  return fma * 2 * 1.25 < dot ? PRODUCTS_F32 : PRODUCTS_BF16;
+}
+
+std::atomic<int> product_form{PRODUCTS_AUTO};
+}  // namespace
+
+ProductForm bf16_products() {
+  int f = product_form.load(std::memory_order_relaxed);
+  if (f == PRODUCTS_AUTO) {
+    f = measured_product_form();
+    product_form.store(f, std::memory_order_relaxed);
+  }
+  return ProductForm(f);
+}
+#endif
+
+std::string moe_products(const std::string& form) {
+#ifdef GD_BF16DOT
+  TORCH_CHECK(form.empty() || form == "auto" || form == "bf16" || form == "fp32",
+              "moe_products: expected '', 'auto', 'bf16' or 'fp32', got '", form, "'");
+  if (!form.empty())
+    product_form.store(form == "auto" ? PRODUCTS_AUTO : form == "bf16" ? PRODUCTS_BF16 : PRODUCTS_F32);
+  return bf16_products() == PRODUCTS_F32 ? "fp32" : "bf16";
+#else
+  TORCH_CHECK(form.empty() || form == "auto" || form == "fp32",
+              "moe_products: this build (", GD_ISA, ") has no bf16 dot products; its products are fp32");
+  return "fp32";
+#endif
+}
+
+}  // namespace gd
