@@ -96,6 +96,13 @@ const auto TILES = make_tiles<MxFn<float>, MxTile, RT_MAX, TT_MAX>();
 // inputs). Fewer inputs keep the register tiles (no buffer round trip).
 constexpr int64_t STRIP_MIN_INPUTS = 8;
 
+// bf16 inputs, where the CPU's fp32 FMAs multiply faster than its vdpbf16ps (`bf16_products()`, measured once):
+// experts with at least this many inputs take the fp32 form (`expert_rows_f32`: its strips from
+// STRIP_MIN_INPUTS, its register tiles below that). On an Intel Xeon (Emerald Rapids) decode steps of `small`
+// at batch 8 / 32 ran 1.10x / 1.12x against the bf16 form; from one input, batch 1 lost 3% (a lone input's
+// bf16 tile reads its expert's bytes faster), from three or five, batch 8 gained less (1.04x / 1.0x).
+constexpr int64_t F32_FORM_MIN_INPUTS = 2;
+
 #ifdef GD_X64_DECODE
 // fp32 inputs in the x64 order of `mxfp4_avx2.h`, each row padded to whole 64-value chunks
 inline int64_t input_stride(int64_t K) { return (K + 63) / 64 * 64; }
@@ -234,13 +241,6 @@ const auto TILES_BF16_MID = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_MID, TT_MA
 // experts with more inputs than TT_MAX: 2 rows x 8 inputs, so each row's MXFP4 is decoded once for 8 inputs
 constexpr int RT_WIDE = 2, TT_WIDE = 8;
 const auto TILES_BF16_WIDE = make_tiles<MxFn<uint16_t>, MxTileBf16, RT_WIDE, TT_WIDE>();
-
-// Where the CPU's fp32 FMAs multiply faster than its vdpbf16ps (`bf16_products()`, measured once), experts with
-// F32_FORM_MIN_INPUTS inputs or more take the fp32 form (the strips from STRIP_MIN_INPUTS, the fp32 register
-// tiles below): on an Intel Xeon (Emerald Rapids) 1.10x / 1.12x decode steps of `small` at batch 8 / 32
-// against the bf16 form; from one input, batch 1 lost 3% (a lone input's bf16 tile reads its expert's bytes
-// faster), from three or five, batch 8 gained less (1.04x / 1.0x).
-constexpr int64_t F32_FORM_MIN_INPUTS = 2;
 
 // bf16 strips (`STRIP_MIN_INPUTS`) run `DotTileBf16`
 const auto TILES_DOT = make_tiles<DotFnBf16, DotTileBf16, RT_MAX, TT_MAX>();
