@@ -10,6 +10,10 @@ weights, KV) is the working tree's and shared.
 
     .venv/bin/python bench/kernels_ab.py --a HEAD~1 --b worktree decode --preset small --batch 8 --context 4096
     .venv/bin/python bench/kernels_ab.py --a HEAD~1 --b worktree prefill --preset small --tokens 512
+
+`--isa-a` / `--isa-b` build a side for another ISA this CPU runs (one revision's AVX-512 build against its
+AVX512-BF16 one, say), and `--bf16-gemm-a` / `--bf16-gemm-b` run that side's bf16 prefill projections in
+oneDNN's bf16 GEMM or in fp32.
 """
 
 from __future__ import annotations
