@@ -352,11 +352,13 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 #endif
   // bf16 activations on AVX2: the experts run on int16-quantized inputs (`expert_rows_i16`; strips on their values)
   const bool q16 = X64_DECODE && x.scalar_type() == at::kBFloat16;
-  // fp32 inputs: for every expert, or (bf16 and int16 inputs) only for the experts that multiply in fp32
-  const int64_t f32_min = q16 ? STRIP_MIN_INPUTS : bf ? F32_FORM_MIN_INPUTS : 0;
-  bool f32_inputs = !q16 && !bf;
-  for (int64_t e : rt.active)
-    f32_inputs |= (q16 || bf_f32) && rt.expert_start[e + 1] - rt.expert_start[e] >= f32_min;
+  // whether an expert with n inputs multiplies fp32 inputs: every expert of fp32 activations; of bf16 ones,
+  // those the fp32 form takes (AVX512-BF16) or the strips (AVX2's int16 inputs); the rest bf16 or int16 inputs
+  const auto fp32_expert = [&](int64_t n) {
+    return q16 ? n >= STRIP_MIN_INPUTS : bf ? bf_f32 && n >= F32_FORM_MIN_INPUTS : true;
+  };
+  bool f32_inputs = false;                         // fp32 copies of the inputs: for those experts only
+  for (int64_t e : rt.active) f32_inputs |= fp32_expert(rt.expert_start[e + 1] - rt.expert_start[e]);
   const int64_t H64 = (H + 127) / 128 * 128, I64 = (I + 127) / 128 * 128;   // bf16 inputs: whole chunks
   const int64_t HS = input_stride(H), IS = input_stride(I);                 // fp32 inputs
   float* xd = shared_scratch(0, f32_inputs ? T * HS : 0);         // [T, H] fp32 inputs in the tiles' order
@@ -422,13 +424,13 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
         const int64_t e = rt.active[i / strips], r0 = (i % strips) * strip, r1 = std::min(R, r0 + strip);
         const int64_t p0 = rt.expert_start[e], n = rt.expert_start[e + 1] - p0;
 #ifdef GD_BF16DOT
-        if (bf && !(bf_f32 && n >= F32_FORM_MIN_INPUTS)) {
+        if (bf && !fp32_expert(n)) {
           expert_rows_bf16(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in16.data() + p0, n, dst + p0 * R, R);
           continue;
         }
 #endif
 #ifdef GD_X64_DECODE
-        if (q16 && n < STRIP_MIN_INPUTS) {
+        if (q16 && !fp32_expert(n)) {
           expert_rows_i16(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, inq.data() + p0, n, dst + p0 * R, R);
           continue;
         }
