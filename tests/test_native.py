@@ -61,6 +61,22 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({F32: torch.int32, BF16: torch.int16, FP8: torch.uint8}[t.dtype])
 
 
+# the forms the products of bf16 inputs and bf16-exact weights (experts, dense bf16 weights) can take on this
+# build (`native.product_form`)
+PRODUCT_FORMS = ["bf16", "fp32"] if native.isa() == "avx512-bf16" else ["fp32"]
+
+
+@contextlib.contextmanager
+def products(form: str):
+    """moe_mxfp4 and linear multiplying bf16 inputs in `form` ('bf16' dot products or 'fp32' FMAs), restored after."""
+    before = native.product_form()
+    native.product_form(form)
+    try:
+        yield
+    finally:
+        native.product_form(before)
+
+
 # ---- linear ------------------------------------------------------------------------------------------
 
 # 40, 95, 130: past 32, where CPUs without bf16 GEMMs still take it (AVX2: strips of rows converted once from 40)
@@ -68,10 +84,19 @@ LIN_M = (1, 2, 3, 5, 8, 17, 33, 40, 95, 130)
 LIN_N = (1, 3, 33, 130)
 
 
-@pytest.mark.parametrize("xdt,wdt", [(F32, F32), (BF16, BF16), (F32, BF16), (BF16, F32)],
-                         ids=["f32", "bf16", "f32x-bf16w", "bf16x-f32w"])
+# bf16 x bf16 under each product form (AVX-512 from 4 rows: the pair tiles, in fp32, unless the form is bf16)
+LIN_CASES = [(F32, F32, None)] + [(BF16, BF16, f) for f in PRODUCT_FORMS] + [(F32, BF16, None), (BF16, F32, None)]
+
+
+@pytest.mark.parametrize("xdt,wdt,form", LIN_CASES,
+                         ids=[f"{NAMES[x]}x-{NAMES[w]}w" + (f"-{f}" if f else "") for x, w, f in LIN_CASES])
 @pytest.mark.parametrize("K", [1, 7, 70, 200, 64, 1024])
-def test_linear(xdt, wdt, K):
+def test_linear(xdt, wdt, form, K):
+    with products(form or native.product_form()):
+        check_linear(xdt, wdt, K)
+
+
+def check_linear(xdt, wdt, K):
     g = gen(K)
     for N in LIN_N:
         w = randn(g, N, K, dtype=wdt)
@@ -294,21 +319,6 @@ def _routing(g, T, E, k, offset, n_global):
 # The AVX2 build's MoE takes bf16 activations as int16 per group of 32 (mxfp4_avx2.h `QChunk`); fp32
 # activations and the AVX-512 builds compute on the exact values.
 QUANTIZED_BF16_MOE = native.isa() == "avx2"
-# the forms the MoE's products of bf16 inputs can take on this build (`native.moe_products`)
-PRODUCT_FORMS = ["bf16", "fp32"] if native.isa() == "avx512-bf16" else ["fp32"]
-
-
-@contextlib.contextmanager
-def products(form: str):
-    """moe_mxfp4 multiplying bf16 inputs in `form` ('bf16' dot products or 'fp32' FMAs), restored after."""
-    before = native.moe_products()
-    native.moe_products(form)
-    try:
-        yield
-    finally:
-        native.moe_products(before)
-
-
 def quantize_groups_i16(x: torch.Tensor) -> torch.Tensor:
     """x [n, K] fp32 -> the values the AVX2 kernel multiplies: per group of 32 (the last one short), q = round(x ·
     32767 / m) (m = the group's max |x|), times m / 32767."""
@@ -429,17 +439,17 @@ def test_moe_product_forms_agree():
     outs = {}
     for form in PRODUCT_FORMS:
         with products(form):
-            assert native.moe_products() == form
+            assert native.product_form() == form
             outs[form] = OPS.moe_mxfp4(x, idx, torch.ones(T, 1), *weights, 1.702, 7.0, 0)
     torch.testing.assert_close(outs["fp32"].float(), outs[PRODUCT_FORMS[0]].float(), rtol=2 * BF16_RTOL, atol=1e-4)
-    before = native.moe_products()
-    assert native.moe_products("auto") in PRODUCT_FORMS
-    native.moe_products(before)
-    with pytest.raises(RuntimeError, match="moe_products"):
-        native.moe_products("int8")
+    before = native.product_form()
+    assert native.product_form("auto") in PRODUCT_FORMS
+    native.product_form(before)
+    with pytest.raises(RuntimeError, match="product_form"):
+        native.product_form("int8")
     if "bf16" not in PRODUCT_FORMS:
         with pytest.raises(RuntimeError, match="no bf16 dot products"):
-            native.moe_products("bf16")
+            native.product_form("bf16")
 
 
 def test_moe_mxfp4_bf16_wide_range_and_nan():

@@ -11,7 +11,7 @@ and its twin (`twins.py`, same signature) otherwise.
   On the AVX2 build, bf16 x (and the bf16 activations between the matmuls) of experts with fewer than 8 tokens
   are quantized to int16 per group of 32 (within 2^-16 of the group's largest |value|) before the products.
   Experts with 8 tokens or more decode each strip of rows once and multiply it in dense tiles. On the
-  AVX512-BF16 build, `moe_products` says (or sets) whether bf16 inputs meet the experts as bf16 dot products or,
+  AVX512-BF16 build, `product_form` says (or sets) whether bf16 inputs meet the experts as bf16 dot products or,
   for experts with 2 tokens or more, as fp32 FMAs (the same exact products, summed in another order).
 - `mxfp4_dequant(blocks [..., R, G, 16], scales [..., R, G], dtype) -> [..., R, G*32]` (exact);
   `mxfp4_dequant_into(blocks, scales, out)` writes the same values into a contiguous `out` (prefill reuses
@@ -46,7 +46,7 @@ from .build import isa, load, status
 
 __all__ = ["moe_mxfp4", "mxfp4_dequant", "mxfp4_dequant_into", "swiglu", "linear", "paged_decode_attention", "paged_decode_attention_partial",
            "rope_kv_write", "rms_norm", "prefill_attention", "prefill_attention_supported", "gk_decode_layers",
-           "GK_STACKS", "moe_products",
+           "GK_STACKS", "product_form",
            "available", "isa", "status", "twins"]
 
 
@@ -66,15 +66,16 @@ def moe_mxfp4(x, idx, gate_w, gate_up_blocks, gate_up_scales, gate_up_bias, down
                             float(limit), int(expert_offset))
 
 
-def moe_products(form: str = "") -> str:
-    """How `moe_mxfp4` multiplies bf16 inputs by the experts' values: 'bf16' (`vdpbf16ps`) or 'fp32' (FMAs,
-    for experts with 2 tokens or more). The AVX512-BF16 build measures which multiplies faster on this CPU at
-    first use (GIGADECODE_MOE_PRODUCTS=bf16|fp32 chooses instead); other builds multiply in fp32 only, and the
-    twins have no such choice ('none'). `form` ('auto', 'bf16' or 'fp32') sets it first; '' only asks."""
+def product_form(form: str = "") -> str:
+    """How bf16 inputs meet bf16-exact weights: 'bf16' (`vdpbf16ps`) or 'fp32' (FMAs on the same exact
+    values: `moe_mxfp4` for experts with 2 tokens or more, `linear` for 4 rows or more). The AVX512-BF16 build
+    measures which multiplies faster on this CPU at first use (GIGADECODE_BF16_PRODUCTS=bf16|fp32 chooses
+    instead); other builds multiply in fp32 only, and the twins have no such choice ('none'). `form` ('auto',
+    'bf16' or 'fp32') sets it first; '' only asks."""
     ops = load()
     if ops is None:
         return "none"
-    return str(ops.moe_products(form))
+    return str(ops.product_form(form))
 
 
 def mxfp4_dequant(blocks, scales, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -131,5 +131,5 @@ def status() -> str:
     ops = load()
     if ops is None:
         return f"torch twins ({_state.get('reason')})"
-    form = f", MoE bf16 products in {ops.moe_products('')}" if _state["isa"] == "avx512-bf16" else ""
+    form = f", bf16 products in {ops.product_form('')}" if _state["isa"] == "avx512-bf16" else ""
     return f"native ({_state['isa']}{form})"

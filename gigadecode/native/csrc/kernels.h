@@ -29,7 +29,7 @@ at::Tensor prefill_attention(const at::Tensor&, const at::Tensor&, const at::Ten
 bool prefill_attention_supported(int64_t);
 // how the MoE multiplies bf16 inputs (bf16 dot products or fp32 FMAs): '' asks, 'auto' measures again, 'bf16' /
 // 'fp32' set it
-std::string moe_products(const std::string&);
+std::string product_form(const std::string&);
 // the fp32-product form `prefill_attention` runs where the AVX512-BF16 pair kernel does not (its inputs checked)
 at::Tensor prefill_attention_f32(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                                  const at::Tensor&, double, int64_t);

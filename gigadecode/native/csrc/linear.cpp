@@ -1,7 +1,8 @@
 // Dense projections at small batch (qkv, o, router, lm_head): y [M, N] = x [M, K] · W [N, K]^T + b.
 // Memory-bound: each weight row streams once per call for all M inputs (register tiles of RT rows × TT
 // inputs, fp32 accumulation, bf16 or fp32 weights), prefetched LINEAR_PREFETCH_LEAD bytes ahead as it is
-// read. Many rows (prefill) go to oneDNN instead (Python side).
+// read; from a few inputs on, compute-bound, where bf16 rows meet the inputs in the fastest form of their
+// products this build and CPU have (`pair_tiles`). Many rows (prefill) go to oneDNN instead (Python side).
 #include <array>
 #include <utility>
 #include <vector>
@@ -63,6 +64,79 @@ static void run(const WT* w, int64_t K, const float* x, int64_t ldx, float* out,
 };
 };
 
+// bf16 weight rows x fp32 inputs in fp32 FMAs, the rows converted in registers: every 2W bf16 values of a row
+// split into their even and odd elements (`vload_bf16_pairs`), against inputs deinterleaved alike per 2W values
+// (`arrange_pairs`; a row's last K % 2W values stay in order, multiplied one by one)
+template <int RT, int TT>
+struct PairTile {
+static void run(const uint16_t* w, int64_t K, const float* x, int64_t ldx, float* out, int64_t ldo, int64_t lead) {
+  VF acc[RT][TT];
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) acc[r][t] = vzero();
+  const int64_t Kp = K / (2 * W) * (2 * W);
+  for (int64_t k = 0; k < Kp; k += 2 * W) {
+    VF xe[TT], xo[TT];
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) {
+      xe[t] = vload(x + t * ldx + k);
+      xo[t] = vload(x + t * ldx + k + W);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; ++r) {
+      VF we, wo;
+      vload_bf16_pairs(w + r * K + k, we, wo);
+      if (lead && (k * 2) % 64 == 0) prefetch_l2(w + r * K + k, lead);   // once per line
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t) {
+        acc[r][t] = vfma(we, xe[t], acc[r][t]);
+        acc[r][t] = vfma(wo, xo[t], acc[r][t]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) {
+      float s = vsum(acc[r][t]);
+      for (int64_t k = Kp; k < K; ++k) s += bf16_to_f32(w[r * K + k]) * x[t * ldx + k];
+      out[t * ldo + r] = s;
+    }
+}
+};
+
+// x [M, K] (float or bf16) -> fp32 rows `ld` apart in PairTile's order: per 2W values the even elements, then
+// the odd ones; the last K % 2W in order
+float* arrange_pairs(const at::Tensor& x, int64_t M, int64_t K, int64_t ld) {
+  float* out = shared_scratch(1, M * ld);
+  const int64_t Kp = K / (2 * W) * (2 * W);
+  const bool f32 = x.scalar_type() == at::kFloat;
+  for (int64_t t = 0; t < M; ++t) {
+    float* o = out + t * ld;
+    if (f32) {
+      const float* p = x.data_ptr<float>() + t * K;
+      for (int64_t k = 0; k < Kp; k += 2 * W) {
+        VF e, d;
+        vdeinterleave(vload(p + k), vload(p + k + W), e, d);
+        vstore(o + k, e);
+        vstore(o + k + W, d);
+      }
+      for (int64_t k = Kp; k < K; ++k) o[k] = p[k];
+    } else {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr()) + t * K;
+      for (int64_t k = 0; k < Kp; k += 2 * W) {
+        VF e, d;
+        vload_bf16_pairs(p + k, e, d);
+        vstore(o + k, e);
+        vstore(o + k + W, d);
+      }
+      for (int64_t k = Kp; k < K; ++k) o[k] = bf16_to_f32(p[k]);
+    }
+  }
+  return out;
+}
+
 template <typename WT, typename XT>
 using DenseFn = void (*)(const WT*, int64_t, const XT*, int64_t, float*, int64_t, int64_t);
 
@@ -85,6 +159,7 @@ void dense_rows(int64_t N, int64_t M, const TileCall& tile, int rt_max = RT_MAX,
 }
 
 const auto TILES_F32 = make_tiles<DenseFn<float, float>, DenseTile<float>::Tile, RT_MAX, TT_MAX>();
+const auto TILES_PAIRS = make_tiles<DenseFn<uint16_t, float>, PairTile, RT_MAX, TT_MAX>();
 const auto TILES_BF16W = make_tiles<DenseFn<uint16_t, float>, DenseTile<uint16_t>::Tile, RT_MAX, TT_MAX>();
 // AVX2 (16 registers), three or more inputs: 2 rows x 4 inputs (8 accumulators), each row converted once
 // for four inputs instead of twice for 2 x 2
@@ -95,6 +170,21 @@ const auto TILES_BF16W_WIDE = make_tiles<DenseFn<uint16_t, float>, DenseTile<uin
 // bf16 weights × bf16 inputs: 32 exact products per instruction, fp32 sums
 const auto TILES_BF16 = make_tiles<DotFnBf16, DotTileBf16, RT_MAX, TT_MAX>();
 #endif
+
+// From how many inputs a bf16 weight takes the pair tiles (AVX-512 builds): there the tiles are compute-bound,
+// and converting the rows by shift and mask in registers beats converting each vector with a shuffle
+// (`DenseTile`: 1.05-1.2x at 4-32 inputs, AVX-512 build, Intel Xeon) or vdpbf16ps where the CPU's FMAs
+// multiply faster (`bf16_products()`; 1.2-1.4x on `small`'s qkv, o and lm_head, 1.0-1.35x on a 20b-shape qkv
+// and o: the same exact products, other sums). One input (or two) reads the bf16 bytes faster as they are.
+constexpr int64_t PAIR_MIN_INPUTS = 4;
+bool pair_tiles(bool bf16_inputs, int64_t M) {
+  if (W != 16 || M < PAIR_MIN_INPUTS) return false;   // AVX2 keeps the tiles and strips measured on a Zen 3
+#ifdef GD_BF16DOT
+  return !bf16_inputs || bf16_products() == PRODUCTS_F32;
+#else
+  return true;
+#endif
+}
 
 #ifdef GD_X64_DECODE
 // AVX2, bf16 weights, at least LINEAR_STRIP_MIN_ROWS inputs: each strip of 16 weight rows is converted to fp32
@@ -141,6 +231,14 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w, const c10::opt
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   float* y = x.scalar_type() == at::kFloat ? out.data_ptr<float>() : shared_scratch(0, M * N);
+  if (w.scalar_type() == at::kBFloat16 && pair_tiles(x.scalar_type() == at::kBFloat16, M)) {
+    const int64_t ld = (K + W - 1) / W * W + W;   // one vector past: rows 4 KB apart would share L1 sets
+    const float* xp = arrange_pairs(x, M, K, ld);
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+    dense_rows(N, M, [&](int rt, int tt, int64_t r, int64_t t, int64_t lead) {
+      TILES_PAIRS[rt - 1][tt - 1](wp + r * K, K, xp + t * ld, ld, y + t * N + r, N, lead);
+    });
+  } else
 #ifdef GD_BF16DOT
   if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());

@@ -32,7 +32,7 @@ TORCH_LIBRARY(gigadecode_native, m) {
         "float eps, float scale, float k_scale, float v_scale, int top_k, float alpha, float limit) -> Tensor");
   m.def("isa() -> str", &gd::isa);
   m.def("prefill_attention_supported(int head_dim) -> bool", &gd::prefill_attention_supported);
-  m.def("moe_products(str form) -> str", &gd::moe_products);
+  m.def("product_form(str form) -> str", &gd::product_form);
 }
 
 TORCH_LIBRARY_IMPL(gigadecode_native, CPU, m) {

@@ -1,11 +1,13 @@
-// How the MoE multiplies bf16 activations by the experts' values on AVX512-BF16 builds, chosen once a process:
+// How bf16 activations meet bf16-exact weights on AVX512-BF16 builds (the MoE's experts, the dense
+// projections' bf16 weights), chosen once a process:
 // as exact bf16 dot products (`vdpbf16ps`, 32 products an instruction) or as fp32 FMAs on the same values
 // (`expert_rows_f32` in moe.cpp: the same exact products, 16 an instruction, summed in another order). CPUs
 // with AVX512-BF16 differ by 4x in the ratio of the two: a Zen 4 issues one 512-bit vdpbf16ps and one 512-bit
 // FMA a cycle (bf16: 2x the products), an Intel Xeon (Emerald Rapids) ran 1.3 vdpbf16ps against 5.3 FMAs a
 // nanosecond (fp32: 2x). So it is measured at first use: both instructions' throughput over independent
 // chains, alternated, best of five (~1 ms), and fp32 chosen when its products come 1.25x faster.
-// GIGADECODE_MOE_PRODUCTS=bf16|fp32 (or the `moe_products` op) sets it; moe.cpp says which experts take it.
+// GIGADECODE_BF16_PRODUCTS=bf16|fp32 (or the `product_form` op) sets it; moe.cpp says which experts take it,
+// linear.cpp from how many inputs the projections do.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -42,7 +44,7 @@ __attribute__((noinline)) double seconds_of(bool bf16_dot, int64_t iters) {
 }
 
 ProductForm measured_product_form() {
-  if (const char* env = std::getenv("GIGADECODE_MOE_PRODUCTS")) {
+  if (const char* env = std::getenv("GIGADECODE_BF16_PRODUCTS")) {
     if (std::strcmp(env, "bf16") == 0) return PRODUCTS_BF16;
     if (std::strcmp(env, "fp32") == 0) return PRODUCTS_F32;
   }
@@ -54,29 +56,29 @@ ProductForm measured_product_form() {
   return fma * 2 * 1.25 < dot ? PRODUCTS_F32 : PRODUCTS_BF16;
 }
 
-std::atomic<int> product_form{PRODUCTS_AUTO};
+std::atomic<int> chosen_form{PRODUCTS_AUTO};
 }  // namespace
 
 ProductForm bf16_products() {
-  int f = product_form.load(std::memory_order_relaxed);
+  int f = chosen_form.load(std::memory_order_relaxed);
   if (f == PRODUCTS_AUTO) {
     f = measured_product_form();
-    product_form.store(f, std::memory_order_relaxed);
+    chosen_form.store(f, std::memory_order_relaxed);
   }
   return ProductForm(f);
 }
 #endif
 
-std::string moe_products(const std::string& form) {
+std::string product_form(const std::string& form) {
 #ifdef GD_BF16DOT
   TORCH_CHECK(form.empty() || form == "auto" || form == "bf16" || form == "fp32",
-              "moe_products: expected '', 'auto', 'bf16' or 'fp32', got '", form, "'");
+              "product_form: expected '', 'auto', 'bf16' or 'fp32', got '", form, "'");
   if (!form.empty())
-    product_form.store(form == "auto" ? PRODUCTS_AUTO : form == "bf16" ? PRODUCTS_BF16 : PRODUCTS_F32);
+    chosen_form.store(form == "auto" ? PRODUCTS_AUTO : form == "bf16" ? PRODUCTS_BF16 : PRODUCTS_F32);
   return bf16_products() == PRODUCTS_F32 ? "fp32" : "bf16";
 #else
   TORCH_CHECK(form.empty() || form == "auto" || form == "fp32",
-              "moe_products: this build (", GD_ISA, ") has no bf16 dot products; its products are fp32");
+              "product_form: this build (", GD_ISA, ") has no bf16 dot products; its products are fp32");
   return "fp32";
 #endif
 }

@@ -39,6 +39,14 @@ inline VF vload_bf16(const uint16_t* p) {
   __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
 }
+// 2W bf16 values -> fp32, the even-indexed W in `even`, the odd-indexed in `odd`: each 32-bit word holds an
+// even element in its low half and the next odd one in its high half, so a shift and a mask split them (no
+// shuffle, which would take the port of one of the two FMA pipes on Intel cores)
+inline void vload_bf16_pairs(const uint16_t* p, VF& even, VF& odd) {
+  const __m512i w = _mm512_loadu_si512(p);
+  even.v = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  odd.v = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
 // W FP8 e4m3 bytes -> fp32 / 256: the byte's exponent and mantissa bits placed into an fp16 (bias 15 vs 7:
 // a factor 2^-8 for normal and subnormal values alike, which the caller folds into its scale).
 inline VF vload_fp8_div256(const uint8_t* p) {
@@ -144,6 +152,11 @@ inline float vmaxall(VF a) {
 inline VF vload_bf16(const uint16_t* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+}
+inline void vload_bf16_pairs(const uint16_t* p, VF& even, VF& odd) {
+  const __m256i w = _mm256_loadu_si256((const __m256i*)p);
+  even.v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  odd.v = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xFFFF0000u))));
 }
 inline VF vload_fp8_div256(const uint8_t* p) {
   __m128i b = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p)), 8);
