@@ -7,9 +7,9 @@ a decode step does not depend on the values), so long contexts need no prefill. 
 tok/s, weight bytes read per token (from the config: attention + router + norms + lm_head + the expected
 number of distinct experts a batch hits, E·(1-(1-k/E)^B), at their stored size), and MBU = bytes read per
 second / the streaming-read bandwidth measured here (torch.sum over a 1 GiB fp32 tensor, median of 5); the
-compute peak (oneDNN's 2048^3 GEMM, in bf16 where the CPU multiplies bf16 in hardware, else in fp32, which the
-bf16 model's products then run in: `gigadecode.gemm`) is measured beside it, since large batches and prefill
-meet it first.
+compute peak (a 2048^3 GEMM in the dtype the bf16 model's products run in here: bf16 where the CPU has bf16
+GEMMs and they are not slower than fp32 ones, else fp32, `gigadecode.gemm`) is measured beside it, since large
+batches and prefill meet it first.
 `ceiling` is the step's limit on this machine from those two measurements (its weight bytes at the bandwidth
 or its multiply-adds at the GEMM peak, whichever is slower) and `of it` the share of it reached: a batch-B
 speedup over batch 1 can be no larger than the ratio of the two ceilings.
@@ -40,7 +40,7 @@ from gigadecode import native  # noqa: E402
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
 from gigadecode.config import GptOssConfig  # noqa: E402
 from gigadecode.engine_config import EngineConfig  # noqa: E402
-from gigadecode.gemm import product_dtype  # noqa: E402
+from gigadecode.gemm import _bf16_gemm_in_hardware, product_dtype  # noqa: E402
 from gigadecode.gk.attn_control import build_attention_control  # noqa: E402
 from gigadecode.gk.model import GptOssGKDecodeModel  # noqa: E402
 from gigadecode.kv.cache import KVCache  # noqa: E402
@@ -165,7 +165,7 @@ def prefill_tok_s(cfg, w, model, dtype: str, n: int, reps: int) -> float:
 def transformers_dtype() -> torch.dtype:
     """What a transformers user runs on this CPU: bf16 where it has bf16 GEMMs; fp32 where it has not (AVX2,
     say: torch's bf16 matmul there is ~100x slower than its fp32 one, so nobody would)."""
-    return product_dtype(torch.bfloat16)
+    return torch.bfloat16 if _bf16_gemm_in_hardware() else torch.float32
 
 
 def transformers_prefill_tok_s(model_dir: Path, cfg, n: int, reps: int, budget_s: float = 60.0) -> float | None:

@@ -86,15 +86,15 @@ def build_as(rev: str, namespace: str, isa: str | None = None):
 def alternate(kernels: dict, run, rounds: int, bf16_gemm: dict | None = None) -> dict[str, list[float]]:
     """run() timed with each build's kernels in turn, `rounds` times (after one untimed round); `bf16_gemm`
     (per build: True, False or None for this CPU's answer) sets whether bf16 GEMMs run in oneDNN's bf16 or in
-    fp32 (`gemm.BF16_GEMM_IN_HARDWARE`) while that build runs."""
+    fp32 (`gemm.BF16_GEMM_IN_BF16`) while that build runs."""
     build.load()                                       # the wrappers' state exists; then point it at A or B
     times = {k: [] for k in kernels}
-    native_gemm = gemm.BF16_GEMM_IN_HARDWARE
+    native_gemm = gemm.BF16_GEMM_IN_BF16
     for i in range(rounds + 1):
         for name, ops in kernels.items():
             build._state["ops"], build._state["isa"] = ops, ops.isa()
             choice = (bf16_gemm or {}).get(name)
-            gemm.BF16_GEMM_IN_HARDWARE = native_gemm if choice is None else choice
+            gemm.BF16_GEMM_IN_BF16 = native_gemm if choice is None else choice
             t0 = time.perf_counter()
             run()
             if i:

@@ -1,16 +1,19 @@
-"""bf16 matrix products on CPUs that have no bf16 arithmetic.
+"""bf16 matrix products where a bf16 GEMM is not the fastest way to multiply bf16 values.
 
 oneDNN multiplies bf16 in hardware where the CPU has AVX512-BF16 or AMX (or emulates it cheaply with
 AVX-512); elsewhere (an AVX2-only x86-64) torch's bf16 matmul falls back to a path ~8x (GEMMs) to ~25x
-(attention's batched products) slower than its fp32 one. There the bf16 products below run in fp32 instead:
-bf16 × bf16 products are exact in fp32 and the sums are fp32 either way, so the result is what a bf16
-GEMM with fp32 accumulation gives, rounded once to bf16 at the end.
+(attention's batched products) slower than its fp32 one. And some CPUs with bf16 instructions run them at
+half the rate of their fp32 FMAs (an Intel Xeon without AMX: oneDNN's bf16 GEMM 70-80 GMAC/s, MKL's fp32 one
+100-115 on a prefill-size projection). There the bf16 products below run in fp32 instead: bf16 × bf16
+products are exact in fp32 and the sums are fp32 either way, so the result is what a bf16 GEMM with fp32
+accumulation gives, rounded once to bf16 at the end.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -21,29 +24,45 @@ log = logging.getLogger("gigadecode.gemm")
 
 
 def _bf16_gemm_in_hardware() -> bool:
-    forced = os.environ.get("GIGADECODE_BF16_GEMM")      # "1" / "0" overrides torch's answer
-    if forced in ("0", "1"):
-        return forced == "1"
-    if forced:
-        log.warning("gigadecode: GIGADECODE_BF16_GEMM=%r ignored (1 or 0); asking torch", forced)
+    """Whether oneDNN runs bf16 GEMMs natively on this CPU (torch's answer; True where torch cannot tell)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return True
 
 
-# whether oneDNN runs bf16 GEMMs natively on this CPU (True where torch cannot tell); a constant, so compiled
-# programs see a plain bool
-BF16_GEMM_IN_HARDWARE = _bf16_gemm_in_hardware()
+def _fp32_gemm_faster(rows: int = 512, k: int = 1024, n: int = 1024, margin: float = 1.15) -> bool:
+    """Whether a prefill-size bf16 projection (rows x k by an n x k weight) runs `margin` times faster as
+    `linear_fp32_blocks` than as oneDNN's bf16 GEMM here: best of three each, alternated (~0.1 s)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    best = {"bf16": float("inf"), "fp32": float("inf")}
+    for _ in range(4):                                   # the first round warms both up
+        for name, fn in (("bf16", F.linear), ("fp32", linear_fp32_blocks)):
+            t0 = time.perf_counter()
+            fn(x, w)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best["bf16"] > margin * best["fp32"]
+
+
+def _bf16_gemm_in_bf16() -> bool:
+    forced = os.environ.get("GIGADECODE_BF16_GEMM")      # "1" / "0" overrides the choice
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        log.warning("gigadecode: GIGADECODE_BF16_GEMM=%r ignored (1 or 0); measuring", forced)
+    return _bf16_gemm_in_hardware() and not _fp32_gemm_faster()
 
 
 def product_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype to multiply `dtype` operands in: fp32 for bf16 on a CPU without bf16 GEMMs, else itself."""
-    return torch.float32 if dtype == torch.bfloat16 and not BF16_GEMM_IN_HARDWARE else dtype
+    """The dtype to multiply `dtype` operands in: fp32 for bf16 where bf16 GEMMs are missing or slower, else
+    itself."""
+    return torch.float32 if dtype == torch.bfloat16 and not BF16_GEMM_IN_BF16 else dtype
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear: x [M, K] · weight [N, K]^T + bias -> [M, N] in x's dtype; bf16 on a CPU without bf16 GEMMs
+    """F.linear: x [M, K] · weight [N, K]^T + bias -> [M, N] in x's dtype; bf16 where its products run in fp32
     through `linear_fp32_blocks`, or straight in fp32 when the weight is already fp32 (a decoded expert)."""
     if weight.dtype != x.dtype and weight.dtype == product_dtype(x.dtype):
         return F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype)).to(x.dtype)
@@ -65,3 +84,9 @@ def linear_fp32_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         b = None if bias is None else bias[n0:n1].float()
         out[..., n0:n1] = F.linear(xf, weight[n0:n1].float(), b)
     return out
+
+
+# whether bf16 GEMMs multiply in bf16 (oneDNN) here rather than in fp32: where the CPU has bf16 GEMMs and
+# they are not measured slower than the fp32 form (GIGADECODE_BF16_GEMM=1 / 0 chooses); a constant, so
+# compiled programs see a plain bool
+BF16_GEMM_IN_BF16 = _bf16_gemm_in_bf16()

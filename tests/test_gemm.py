@@ -48,19 +48,41 @@ def test_linear_fp32_blocks_keeps_leading_dims_and_fp32_is_untouched():
 @pytest.mark.parametrize("value, want", [("1", True), ("0", False)])
 def test_bf16_gemm_override(monkeypatch, value, want):
     monkeypatch.setenv("GIGADECODE_BF16_GEMM", value)
-    assert gemm._bf16_gemm_in_hardware() is want
+    monkeypatch.setattr(gemm, "_fp32_gemm_faster", lambda: pytest.fail("measured despite the override"))
+    assert gemm._bf16_gemm_in_bf16() is want
+
+
+@pytest.mark.parametrize("hardware, fp32_faster", [(True, False), (True, True), (False, False), (False, True)])
+def test_bf16_gemms_in_bf16_where_the_cpu_has_them_and_they_are_not_slower(monkeypatch, hardware, fp32_faster):
+    monkeypatch.delenv("GIGADECODE_BF16_GEMM", raising=False)
+    monkeypatch.setattr(gemm, "_bf16_gemm_in_hardware", lambda: hardware)
+    monkeypatch.setattr(gemm, "_fp32_gemm_faster", lambda: fp32_faster)
+    assert gemm._bf16_gemm_in_bf16() is (hardware and not fp32_faster)
 
 
 def test_bf16_gemm_override_ignores_other_values_with_a_warning(monkeypatch, caplog):
-    monkeypatch.delenv("GIGADECODE_BF16_GEMM", raising=False)
-    torch_says = gemm._bf16_gemm_in_hardware()
+    monkeypatch.setattr(gemm, "_bf16_gemm_in_hardware", lambda: True)
+    monkeypatch.setattr(gemm, "_fp32_gemm_faster", lambda: True)
     monkeypatch.setenv("GIGADECODE_BF16_GEMM", "yes")
-    assert gemm._bf16_gemm_in_hardware() is torch_says
+    assert gemm._bf16_gemm_in_bf16() is False                     # measured, as without the variable
     assert "GIGADECODE_BF16_GEMM='yes' ignored" in caplog.text
 
 
+def test_fp32_gemm_measurement_times_both_forms(monkeypatch):
+    """The measurement times oneDNN's bf16 GEMM and the fp32 form on the same operands, and says fp32 only
+    when it is the faster by the margin (here: made 10x slower by a stand-in, then made the only cost)."""
+    import time
+    real = F.linear
+    slow = lambda x, w: time.sleep(0.01) or real(x, w)                # noqa: E731
+    monkeypatch.setattr(gemm, "linear_fp32_blocks", slow)
+    assert gemm._fp32_gemm_faster(rows=8, k=32, n=16) is False
+    monkeypatch.setattr(gemm, "linear_fp32_blocks", lambda x, w: real(x[:1], w[:1]))
+    monkeypatch.setattr(gemm.F, "linear", slow)
+    assert gemm._fp32_gemm_faster(rows=8, k=32, n=16) is True
+
+
 def test_product_dtype_follows_the_hardware(monkeypatch):
-    monkeypatch.setattr(gemm, "BF16_GEMM_IN_HARDWARE", False)
+    monkeypatch.setattr(gemm, "BF16_GEMM_IN_BF16", False)
     assert gemm.product_dtype(BF16) == torch.float32
     assert gemm.product_dtype(torch.float32) == torch.float32
     x, w = torch.randn(4, 32).to(BF16), torch.randn(6, 32).to(BF16)
@@ -68,7 +90,7 @@ def test_product_dtype_follows_the_hardware(monkeypatch):
     monkeypatch.setattr(gemm, "linear_fp32_blocks", lambda *a, **k: calls.append(a) or F.linear(*a))
     gemm.linear(x, w)
     assert len(calls) == 1
-    monkeypatch.setattr(gemm, "BF16_GEMM_IN_HARDWARE", True)
+    monkeypatch.setattr(gemm, "BF16_GEMM_IN_BF16", True)
     assert gemm.product_dtype(BF16) == BF16
     gemm.linear(x, w)
     assert len(calls) == 1                                         # bf16 hardware: F.linear directly
@@ -78,7 +100,7 @@ def test_product_dtype_follows_the_hardware(monkeypatch):
 def test_linear_with_an_fp32_weight_for_bf16_inputs(monkeypatch, bias):
     """Without bf16 GEMMs a decoded expert comes as an fp32 weight: bf16 x times it in fp32, rounded once to
     bf16 (the bf16 weight's result, whose values it holds exactly)."""
-    monkeypatch.setattr(gemm, "BF16_GEMM_IN_HARDWARE", False)
+    monkeypatch.setattr(gemm, "BF16_GEMM_IN_BF16", False)
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(6, 96, generator=g).to(BF16), torch.randn(40, 96, generator=g).to(BF16)
     b = torch.randn(40, generator=g).to(BF16) if bias else None
@@ -94,7 +116,7 @@ def test_flash_attention_products_in_either_dtype(monkeypatch, hardware):
     """bf16 flash attention without bf16 GEMMs multiplies in fp32: the fp32 attention of the same bf16
     inputs, rounded once (within one bf16 step); with bf16 GEMMs the products are bf16 and the result
     differs from it in many elements."""
-    monkeypatch.setattr(gemm, "BF16_GEMM_IN_HARDWARE", hardware)
+    monkeypatch.setattr(gemm, "BF16_GEMM_IN_BF16", hardware)
     g = torch.Generator().manual_seed(9)
     T, S, nh, nkv, d = 37, 70, 4, 2, 32
     q = torch.randn(T, nh, d, generator=g).to(BF16)

@@ -131,7 +131,7 @@ def test_linear_row_limit_follows_the_bf16_gemm(monkeypatch, bf16_gemm):
     the weight is fp32), past 96 for a bf16 weight where it has none (its GEMM converts the weight first),
     past 256 there on the AVX2 build (which converts the weight's rows once per strip itself)."""
     from gigadecode import gemm
-    monkeypatch.setattr(gemm, "BF16_GEMM_IN_HARDWARE", bf16_gemm)
+    monkeypatch.setattr(gemm, "BF16_GEMM_IN_BF16", bf16_gemm)
     to_gemm = []
     monkeypatch.setattr(gemm, "linear", lambda x, w, b=None: to_gemm.append(x.shape[0]) or twins.linear(x, w, b))
     g = gen("limit")

@@ -96,9 +96,10 @@ def swiglu(gate_up, alpha: float, limit: float) -> torch.Tensor:
 # 8 / 16 / 32 rows 2.5 / 4.4 / 7.2 ms against oneDNN's 5.8 / 6.9 / 9.4, a [1536, 1024] qkv 0.09 / 0.19 / 0.32
 # against 0.21 / 0.26 / 0.39; at 64 rows even; fp32 2-4x faster than oneDNN throughout).
 LINEAR_MAX_ROWS = 32
-# Where the CPU has no bf16 GEMM (`gemm.BF16_GEMM_IN_HARDWARE` False: AVX2, say), a bf16 weight's GEMM first
+# Where bf16 GEMMs run in fp32 (`gemm.BF16_GEMM_IN_BF16` False: AVX2, say), a bf16 weight's GEMM first
 # converts it to fp32 block by block, and the kernel stays ahead further (2-core Zen 3, bf16: 2.2x at 48 rows,
-# 1.2-1.8x at 64, 0.93-1.17x at 128, 0.73-0.79x at 512 on the `small` lm_head, qkv and a 20b-shape qkv).
+# 1.2-1.8x at 64, 0.93-1.17x at 128, 0.73-0.79x at 512 on the `small` lm_head, qkv and a 20b-shape qkv; the
+# AVX512-BF16 build's pair tiles on an Intel Xeon: 1.4-1.5x at 64 rows, 0.9-1.1x at 128).
 LINEAR_MAX_ROWS_BF16_IN_FP32 = 96
 # The AVX2 build converts a bf16 weight to fp32 once per strip of rows for 40 rows or more (linear.cpp) and
 # stays level with or ahead of that GEMM up to ~256 rows (2-core Zen 3, the `small` lm_head and qkv and a
@@ -109,7 +110,7 @@ LINEAR_MAX_ROWS_BF16_STRIPS = 256
 
 def linear_max_rows(weight: torch.Tensor) -> int:
     """Up to how many rows `linear` runs the kernel for this weight (past it, `gemm.linear`)."""
-    if weight.dtype == torch.bfloat16 and not gemm.BF16_GEMM_IN_HARDWARE:
+    if weight.dtype == torch.bfloat16 and not gemm.BF16_GEMM_IN_BF16:
         return LINEAR_MAX_ROWS_BF16_STRIPS if isa() == "avx2" else LINEAR_MAX_ROWS_BF16_IN_FP32
     return LINEAR_MAX_ROWS
 
