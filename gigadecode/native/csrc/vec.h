@@ -67,10 +67,13 @@ inline void vload4_fp8_div256(const uint8_t* p, VF v[4]) {
 // MXFP4: W bytes (2W e2m1 codes, low nibble first) -> values of the low nibbles (even elements) and of the
 // high nibbles (odd elements), each times `scale`.
 inline void vdecode_e2m1(const uint8_t* p, VF scale, VF& even, VF& odd) {
-  const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+  // the table times the group's power of two: one multiply for both halves (the same products, so the same
+  // values: x · 2^k is exact or rounds alike whichever operand is looked up first)
+  const __m512 lut = _mm512_mul_ps(_mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f,
+                                                  -2.f, -3.f, -4.f, -6.f), scale.v);
   __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  even.v = _mm512_mul_ps(_mm512_permutexvar_ps(b, lut), scale.v);      // permutexvar uses the low 4 bits
-  odd.v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), scale.v);
+  even.v = _mm512_permutexvar_ps(b, lut);                              // permutexvar uses the low 4 bits
+  odd.v = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut);
 }
 // Eight vectors' even- and odd-lane sums at once: out lane 2i = Σ even lanes of v[i], 2i+1 = Σ odd lanes
 // (a transpose-add tree, 22 instructions for the 16 sums instead of ~8 for each vector alone)
@@ -187,16 +190,16 @@ inline void vload4_fp8_div256(const uint8_t* p, VF v[4]) {
   v[3].v = _mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1));
 }
 inline void vdecode_e2m1(const uint8_t* p, VF scale, VF& even, VF& odd) {
-  // magnitude from an 8-entry table, sign from bit 3 of the code
-  const __m256 lut = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  // magnitude from an 8-entry table (times the group's power of two: one multiply), sign from bit 3 of the code
+  const __m256 lut = _mm256_mul_ps(_mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), scale.v);
   __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
   __m256i hi = _mm256_srli_epi32(b, 4);
   __m256 lo_m = _mm256_permutevar8x32_ps(lut, b);                     // uses the low 3 bits
   __m256 hi_m = _mm256_permutevar8x32_ps(lut, hi);
   __m256i lo_s = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(8)), 28);
   __m256i hi_s = _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(8)), 28);
-  even.v = _mm256_mul_ps(_mm256_xor_ps(lo_m, _mm256_castsi256_ps(lo_s)), scale.v);
-  odd.v = _mm256_mul_ps(_mm256_xor_ps(hi_m, _mm256_castsi256_ps(hi_s)), scale.v);
+  even.v = _mm256_xor_ps(lo_m, _mm256_castsi256_ps(lo_s));
+  odd.v = _mm256_xor_ps(hi_m, _mm256_castsi256_ps(hi_s));
 }
 // Eight vectors' even- and odd-lane sums at once: out[2i] = Σ even lanes of v[i], out[2i + 1] = Σ odd lanes.
 // A vector is four (even, odd) pairs; pairs of vectors are added pair-chunk-wise (64-bit unpacks), then the
