@@ -2,7 +2,8 @@
 // Memory-bound: each weight row streams once per call for all M inputs (register tiles of RT rows × TT
 // inputs, fp32 accumulation, bf16 or fp32 weights), prefetched LINEAR_PREFETCH_LEAD bytes ahead as it is
 // read; from a few inputs on, compute-bound, where bf16 rows meet the inputs in the fastest form of their
-// products this build and CPU have (`pair_tiles`). Many rows (prefill) go to oneDNN instead (Python side).
+// products this build and CPU have (`pair_tiles`). Many rows (prefill) go to `gemm.linear` instead (Python
+// side: oneDNN's bf16 GEMM, or MKL's fp32 one where that is faster).
 #include <array>
 #include <utility>
 #include <vector>
