@@ -40,7 +40,7 @@ from gigadecode import native  # noqa: E402
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
 from gigadecode.config import GptOssConfig  # noqa: E402
 from gigadecode.engine_config import EngineConfig  # noqa: E402
-from gigadecode.gemm import _bf16_gemm_in_hardware, product_dtype  # noqa: E402
+from gigadecode.gemm import bf16_gemm_in_hardware, product_dtype  # noqa: E402
 from gigadecode.gk.attn_control import build_attention_control  # noqa: E402
 from gigadecode.gk.model import GptOssGKDecodeModel  # noqa: E402
 from gigadecode.kv.cache import KVCache  # noqa: E402
@@ -165,7 +165,7 @@ def prefill_tok_s(cfg, w, model, dtype: str, n: int, reps: int) -> float:
 def transformers_dtype() -> torch.dtype:
     """What a transformers user runs on this CPU: bf16 where it has bf16 GEMMs; fp32 where it has not (AVX2,
     say: torch's bf16 matmul there is ~100x slower than its fp32 one, so nobody would)."""
-    return torch.bfloat16 if _bf16_gemm_in_hardware() else torch.float32
+    return torch.bfloat16 if bf16_gemm_in_hardware() else torch.float32
 
 
 def transformers_prefill_tok_s(model_dir: Path, cfg, n: int, reps: int, budget_s: float = 60.0) -> float | None:

@@ -55,13 +55,13 @@ def test_bf16_gemm_override(monkeypatch, value, want):
 @pytest.mark.parametrize("hardware, fp32_faster", [(True, False), (True, True), (False, False), (False, True)])
 def test_bf16_gemms_in_bf16_where_the_cpu_has_them_and_they_are_not_slower(monkeypatch, hardware, fp32_faster):
     monkeypatch.delenv("GIGADECODE_BF16_GEMM", raising=False)
-    monkeypatch.setattr(gemm, "_bf16_gemm_in_hardware", lambda: hardware)
+    monkeypatch.setattr(gemm, "bf16_gemm_in_hardware", lambda: hardware)
     monkeypatch.setattr(gemm, "_fp32_gemm_faster", lambda: fp32_faster)
     assert gemm._bf16_gemm_in_bf16() is (hardware and not fp32_faster)
 
 
 def test_bf16_gemm_override_ignores_other_values_with_a_warning(monkeypatch, caplog):
-    monkeypatch.setattr(gemm, "_bf16_gemm_in_hardware", lambda: True)
+    monkeypatch.setattr(gemm, "bf16_gemm_in_hardware", lambda: True)
     monkeypatch.setattr(gemm, "_fp32_gemm_faster", lambda: True)
     monkeypatch.setenv("GIGADECODE_BF16_GEMM", "yes")
     assert gemm._bf16_gemm_in_bf16() is False                     # measured, as without the variable
