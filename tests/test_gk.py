@@ -92,6 +92,20 @@ def test_gk_compiled_equals_per_layer(tiny, prompts, reference_tokens):
     assert got == reference_tokens
 
 
+def test_gk_compiled_programs_beyond_dynamo_recompile_limit(tiny, prompts):
+    """Every (batch bucket, table width) gets its own compiled program, all from the same function, whose
+    compiled versions dynamo counts against one recompile limit (8 by default; fullgraph=True turns hitting
+    it into an error): a long-running engine sees more shapes than that, as contexts grow and batches change.
+    Here the limit is 1 and the tables of prompts of 1, 3 and 4 tokens grow through widths 2, 4 and 8 (blocks
+    of 4) over 24 steps: three programs."""
+    cfg, w = tiny
+    short = prompts[:3]
+    want = run_lockstep(cfg, w, short, steps=24, decoder="reference")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        got = run_lockstep(cfg, w, short, steps=24, decoder="gk-compiled")
+    assert got == want
+
+
 def test_gk_generic_layer_pattern(tmp_path):
     """A layer pattern other than alternating (S F F S F F): 3 KV groups, buffers shared by 3 layers."""
     base = preset_config("tiny")

@@ -15,6 +15,7 @@ per-buffer KV, and the program that runs them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -156,12 +157,25 @@ class GptOssGKDecodeModel(torch.nn.Module):
         """input_ids [Bt] (padded to the bucket) -> logits [Bt, V] (with `parallel`: this rank's vocabulary
         columns [Bt, vocab_stop - vocab_start])."""
         prog = self.program(ctl)
-        if self._stacked:
-            return prog(input_ids, self.weights.tensors, None, None, ctl, K_cache=self.K_cache, V_cache=self.V_cache)
-        if self._kv_allocs is not None:
-            return prog(input_ids, self.weights.tensors, None, None, ctl, kv_bufs=self._kv_allocs)
-        ks, vs = self.kv_buffers()
-        return prog(input_ids, self.weights.tensors, ks, vs, ctl)
+        with self._recompile_room():
+            if self._stacked:
+                return prog(input_ids, self.weights.tensors, None, None, ctl, K_cache=self.K_cache,
+                            V_cache=self.V_cache)
+            if self._kv_allocs is not None:
+                return prog(input_ids, self.weights.tensors, None, None, ctl, kv_bufs=self._kv_allocs)
+            ks, vs = self.kv_buffers()
+            return prog(input_ids, self.weights.tensors, ks, vs, ctl)
+
+    def _recompile_room(self):
+        """The compiled programs (one per batch bucket and table width) are all compiled versions of the same
+        functions, which dynamo counts against one per-function limit (8 by default; with fullgraph=True,
+        reaching it fails the step): room for every program this model has made, plus dynamo's own margin."""
+        if not self.compiled:
+            return contextlib.nullcontext()
+        cfg = torch._dynamo.config
+        need = len(self._programs) + 8
+        return cfg.patch(recompile_limit=max(cfg.recompile_limit, need),
+                         accumulated_recompile_limit=max(cfg.accumulated_recompile_limit, 4 * need))
 
 
 def _allocation(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
