@@ -69,14 +69,28 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 def _read_requests(args: argparse.Namespace, codec) -> list[tuple[list[int], dict]]:
     if args.requests:
+        from dataclasses import fields
+
+        from .sampling import SamplingParams
+        known = {f.name for f in fields(SamplingParams)}
+        try:
+            lines = Path(args.requests).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"gigadecode generate: cannot read --requests {args.requests}: {e}")
         out = []
-        for n, line in enumerate(Path(args.requests).read_text().splitlines(), 1):
+        for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 d = json.loads(line)
             except json.JSONDecodeError as e:
                 raise SystemExit(f"gigadecode generate: {args.requests}:{n}: not JSON ({e})")
+            if not isinstance(d, dict):
+                raise SystemExit(f"gigadecode generate: {args.requests}:{n}: a request must be a JSON object")
+            unknown = sorted(set(d) - known - {"prompt_ids", "prompt"})
+            if unknown:
+                raise SystemExit(f"gigadecode generate: {args.requests}:{n}: unknown key(s) {', '.join(unknown)} "
+                                 f"(a request has prompt_ids or prompt, and any of {', '.join(sorted(known))})")
             if "prompt_ids" in d:
                 ids = d.pop("prompt_ids")
             elif "prompt" in d and codec is not None:
@@ -84,6 +98,8 @@ def _read_requests(args: argparse.Namespace, codec) -> list[tuple[list[int], dic
             else:
                 raise SystemExit(f"gigadecode generate: {args.requests}:{n}: needs prompt_ids (or prompt with a tokenizer)")
             out.append((ids, d))
+        if not out:
+            raise SystemExit(f"gigadecode generate: {args.requests} has no requests")
         return out
     if args.prompt_ids is not None:
         try:
@@ -98,6 +114,8 @@ def _read_requests(args: argparse.Namespace, codec) -> list[tuple[list[int], dic
 def _generate_parallel(args: argparse.Namespace, ecfg) -> int:
     """`generate --tp/--dp/--ep` under torchrun: an engine replica on every rank; rank 0 reads the requests,
     drives the world and prints what one process would print."""
+    from .distributed.mesh import build_layout
+    build_layout(ecfg.tp, ecfg.dp, ecfg.ep, dcp=ecfg.dcp)     # LayoutError (a ValueError): what is wrong, exit 2
     world = ecfg.tp * ecfg.dp
     if "WORLD_SIZE" not in os.environ:
         print(f"gigadecode generate: --tp {ecfg.tp} × --dp {ecfg.dp} needs {world} ranks: start it with "
@@ -124,19 +142,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _generate_parallel(args, ecfg)
     from .engine import LLMEngine
     from .runner import ModelRunner
-    return _run_generate(args, ecfg, LLMEngine(ModelRunner(args.model, ecfg, progress=not args.json)))
+    from .tokenizer import TextCodec
+    reqs = _read_requests(args, TextCodec.from_dir(args.model))      # a bad file fails before the model loads
+    return _run_generate(args, ecfg, LLMEngine(ModelRunner(args.model, ecfg, progress=not args.json)), reqs=reqs)
 
 
-def _run_generate(args: argparse.Namespace, ecfg, engine, layout: str = "") -> int:
-    """Add the requests to `engine` (an LLMEngine, or a parallel engine's rank 0), run them to the end and
-    print: the single request streamed, or one line / one JSON object per request in input order."""
+def _run_generate(args: argparse.Namespace, ecfg, engine, layout: str = "",
+                  reqs: list[tuple[list[int], dict]] | None = None) -> int:
+    """Add the requests (`reqs`, or those `args` names) to `engine` (an LLMEngine, or a parallel engine's rank
+    0), run them to the end and print: the single request streamed, or one line / one JSON object per request
+    in input order. Exit status 1 when a request failed (each failure is named on stderr)."""
     from .sampling import SamplingParams
     from .tokenizer import TextCodec
 
     codec = TextCodec.from_dir(args.model)
     base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    reqs = _read_requests(args, codec)
+    if reqs is None:
+        reqs = _read_requests(args, codec)
     ids = []
     for prompt, extra in reqs:
         params = SamplingParams.from_dict({**base, **extra})
@@ -170,13 +193,18 @@ def _run_generate(args: argparse.Namespace, ecfg, engine, layout: str = "") -> i
                  "decode_tok_s": round(tok_s, 2), **_prefill_timing(r)}
             if codec is not None:
                 d["text"] = codec.decode(r.output_ids)
+            if r.error:
+                d["error"] = r.error
             print(json.dumps(d), flush=True)
         else:
             if not stream:
                 print(f"prompt ids: {r.prompt_ids}")
             print(("\n" if stream else "") + f"token ids: {r.output_ids}")
             print(f"finish: {r.finish_reason}  decode: {tok_s:.1f} tok/s ({layout}{ecfg.decoder}, kv {ecfg.kv_dtype})")
-    return 0
+    failed = [(n, r) for n, r in enumerate(results, 1) if r.finish_reason == "error"]
+    for n, r in failed:
+        print(f"gigadecode generate: request {n} failed: {r.error or 'engine error'}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _prefill_timing(r) -> dict:

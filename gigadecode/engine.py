@@ -108,6 +108,8 @@ class LLMEngine:
                                param="prompt")
         bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not
                0 <= t < self.cfg.vocab_size][:1]
+        if bad and (not isinstance(bad[0], int) or isinstance(bad[0], bool)):
+            raise RequestError(f"prompt token id {bad[0]!r} is not an integer", param="prompt")
         if bad:
             raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab_size})",
                                param="prompt")

@@ -10,8 +10,10 @@ import sys
 
 import pytest
 
-from gigadecode.cli import build_parser, engine_config
+from gigadecode.cli import _read_requests, _run_generate, build_parser, engine_config, main
 from gigadecode.config import ConfigError
+from gigadecode.engine import LLMEngine
+from gigadecode.runner import ModelRunner
 
 
 def _generate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -82,3 +84,58 @@ def test_serve_prefill_or_decode_needs_a_kv_secret(tiny_ckpt):
     r = subprocess.run([sys.executable, "-m", "gigadecode", "serve", "--model", str(tiny_ckpt), "--role", "decode",
                         "--kv-secret", "short"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "at least 16" in r.stderr
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read --requests"),
+    ("\n\n", "has no requests"),
+    ('[1, 2]\n', ":1: a request must be a JSON object"),
+    ('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3], "max_token": 4}\n', ":2: unknown key(s) max_token"),
+])
+def test_bad_requests_files_are_refused_before_the_model_loads(tmp_path, content, message):
+    """A --requests file that cannot be read, holds no request, a line that is not an object or a key that is
+    no request field (a typo would otherwise be ignored): one line naming the file, the line and the problem.
+    The model directory does not exist: the file is read first."""
+    path = tmp_path / "requests.jsonl"
+    if content is not None:
+        path.write_text(content)
+    args = build_parser().parse_args(["generate", "--model", str(tmp_path / "no-model"), "--requests", str(path)])
+    with pytest.raises(SystemExit) as e:
+        _read_requests(args, None)
+    assert str(e.value).startswith("gigadecode generate: ") and message in str(e.value)
+    assert str(path) in str(e.value)
+
+
+def test_a_prompt_id_that_is_not_an_integer_is_named_so(tiny_ckpt, tmp_path, capsys):
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt_ids": [5, 6.5], "max_tokens": 2}\n')
+    assert main(["generate", "--model", str(tiny_ckpt), "--requests", str(path), "--threads", "1"]) == 2
+    assert "prompt token id 6.5 is not an integer" in capsys.readouterr().err
+
+
+def test_a_failed_request_makes_generate_exit_1_and_says_why(tiny_ckpt, tmp_path, capsys):
+    """The engine fails only the request whose step raised (an injected decode failure here); generate prints
+    every request, adds `error` to the failed one's JSON, names it on stderr and exits 1, not 0."""
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt_ids": [5, 6, 7], "max_tokens": 3}\n{"prompt_ids": [8, 9], "max_tokens": 3}\n')
+    args = build_parser().parse_args(["generate", "--model", str(tiny_ckpt), "--requests", str(path), "--json",
+                                      "--threads", "1", "--ignore-eos"])
+    ecfg = engine_config(args)
+    engine = LLMEngine(ModelRunner(args.model, ecfg, progress=False))
+    assert _run_generate(args, ecfg, engine) == 0
+    capsys.readouterr()
+    real_decode, calls = engine.runner.decode, {"n": 0}
+
+    def fails_once(seqs, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected decode failure")
+        return real_decode(seqs, *a, **kw)
+
+    engine.runner.decode = fails_once
+    assert _run_generate(args, ecfg, engine) == 1
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert len(lines) == 2 and all(d["finish_reason"] == "error" for d in lines)   # one decode batch held both
+    assert all("injected decode failure" in d["error"] for d in lines)
+    assert "request 1 failed: " in err and "request 2 failed: " in err and "injected decode failure" in err
