@@ -34,6 +34,8 @@ from ..native.twins import paged_decode_attention_partial
 from .native_blocks import NATIVE_BLOCKS
 
 
+_programs_made = 0          # compiled programs made by every GK model of this process (see _recompile_room)
+
 CACHE_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode"))
 
 
@@ -150,6 +152,8 @@ class GptOssGKDecodeModel(torch.nn.Module):
                 prog = functools.partial(gpt_oss_decode_mega_kernel, spec=spec, parallel=self.parallel,
                                          blocks=blocks)
             self._programs[key] = prog
+            global _programs_made
+            _programs_made += 1
         return prog
 
     @torch.inference_mode()
@@ -167,13 +171,14 @@ class GptOssGKDecodeModel(torch.nn.Module):
             return prog(input_ids, self.weights.tensors, ks, vs, ctl)
 
     def _recompile_room(self):
-        """The compiled programs (one per batch bucket and table width) are all compiled versions of the same
-        functions, which dynamo counts against one per-function limit (8 by default; with fullgraph=True,
-        reaching it fails the step): room for every program this model has made, plus dynamo's own margin."""
+        """The compiled programs (one per batch bucket and table width, and per model) are all compiled versions
+        of the same functions, which dynamo counts against one per-function limit (8 by default; with
+        fullgraph=True, reaching it fails the step): room for every program made in this process, plus dynamo's
+        own margin."""
         if not self.compiled:
             return contextlib.nullcontext()
         cfg = torch._dynamo.config
-        need = len(self._programs) + 8
+        need = _programs_made + 8
         return cfg.patch(recompile_limit=max(cfg.recompile_limit, need),
                          accumulated_recompile_limit=max(cfg.accumulated_recompile_limit, 4 * need))
 
