@@ -130,7 +130,8 @@ def _generate_parallel(args: argparse.Namespace, ecfg) -> int:
             run_worker(replica, ctx)
             return 0
         with DistributedEngine(replica, ctx) as engine:
-            return _run_generate(args, ecfg, engine, f"TP{ecfg.tp} × DP{ecfg.dp} × EP{ecfg.ep}, ")
+            return _run_generate(args, ecfg, engine, *_codec_and_requests(args),
+                                 layout=f"TP{ecfg.tp} × DP{ecfg.dp} × EP{ecfg.ep}, ")
     finally:
         dist.destroy_process_group()
 
@@ -142,24 +143,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _generate_parallel(args, ecfg)
     from .engine import LLMEngine
     from .runner import ModelRunner
+    codec, reqs = _codec_and_requests(args)                          # a bad file fails before the model loads
+    return _run_generate(args, ecfg, LLMEngine(ModelRunner(args.model, ecfg, progress=not args.json)), codec, reqs)
+
+
+def _codec_and_requests(args: argparse.Namespace):
+    """The checkpoint's text codec (None without a tokenizer) and the requests `args` names."""
     from .tokenizer import TextCodec
-    reqs = _read_requests(args, TextCodec.from_dir(args.model))      # a bad file fails before the model loads
-    return _run_generate(args, ecfg, LLMEngine(ModelRunner(args.model, ecfg, progress=not args.json)), reqs=reqs)
-
-
-def _run_generate(args: argparse.Namespace, ecfg, engine, layout: str = "",
-                  reqs: list[tuple[list[int], dict]] | None = None) -> int:
-    """Add the requests (`reqs`, or those `args` names) to `engine` (an LLMEngine, or a parallel engine's rank
-    0), run them to the end and print: the single request streamed, or one line / one JSON object per request
-    in input order. Exit status 1 when a request failed (each failure is named on stderr)."""
-    from .sampling import SamplingParams
-    from .tokenizer import TextCodec
-
     codec = TextCodec.from_dir(args.model)
+    return codec, _read_requests(args, codec)
+
+
+def _run_generate(args: argparse.Namespace, ecfg, engine, codec, reqs: list[tuple[list[int], dict]],
+                  layout: str = "") -> int:
+    """Add the requests to `engine` (an LLMEngine, or a parallel engine's rank 0), run them to the end and
+    print: the single request streamed, or one line / one JSON object per request in input order. Exit
+    status 1 when a request failed (each failure is named on stderr)."""
+    from .sampling import SamplingParams
+
     base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    if reqs is None:
-        reqs = _read_requests(args, codec)
     ids = []
     for prompt, extra in reqs:
         params = SamplingParams.from_dict({**base, **extra})

@@ -106,13 +106,12 @@ class LLMEngine:
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
             raise RequestError("prompt is empty" if not prompt_ids else "prompt must be a list of token ids",
                                param="prompt")
-        bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not
-               0 <= t < self.cfg.vocab_size][:1]
-        if bad and (not isinstance(bad[0], int) or isinstance(bad[0], bool)):
-            raise RequestError(f"prompt token id {bad[0]!r} is not an integer", param="prompt")
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab_size})",
-                               param="prompt")
+        for t in prompt_ids:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise RequestError(f"prompt token id {t!r} is not an integer", param="prompt")
+            if not 0 <= t < self.cfg.vocab_size:
+                raise RequestError(f"prompt token id {t!r} is outside the vocabulary [0, {self.cfg.vocab_size})",
+                                   param="prompt")
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise RequestError(f"prompt has {n} tokens; this engine's context is "

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from gigadecode.cli import _read_requests, _run_generate, build_parser, engine_config, main
+from gigadecode.cli import _codec_and_requests, _read_requests, _run_generate, build_parser, engine_config, main
 from gigadecode.config import ConfigError
 from gigadecode.engine import LLMEngine
 from gigadecode.runner import ModelRunner
@@ -122,7 +122,7 @@ def test_a_failed_request_makes_generate_exit_1_and_says_why(tiny_ckpt, tmp_path
                                       "--threads", "1", "--ignore-eos"])
     ecfg = engine_config(args)
     engine = LLMEngine(ModelRunner(args.model, ecfg, progress=False))
-    assert _run_generate(args, ecfg, engine) == 0
+    assert _run_generate(args, ecfg, engine, *_codec_and_requests(args)) == 0
     capsys.readouterr()
     real_decode, calls = engine.runner.decode, {"n": 0}
 
@@ -133,7 +133,7 @@ def test_a_failed_request_makes_generate_exit_1_and_says_why(tiny_ckpt, tmp_path
         return real_decode(seqs, *a, **kw)
 
     engine.runner.decode = fails_once
-    assert _run_generate(args, ecfg, engine) == 1
+    assert _run_generate(args, ecfg, engine, *_codec_and_requests(args)) == 1
     out, err = capsys.readouterr()
     lines = [json.loads(line) for line in out.splitlines()]
     assert len(lines) == 2 and all(d["finish_reason"] == "error" for d in lines)   # one decode batch held both
