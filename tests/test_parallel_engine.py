@@ -65,11 +65,21 @@ def session(engine, vocab: int) -> dict:
     while engine.has_unfinished():
         engine.step()
     out = {}
+    unseeded_ids = engine.requests["unseeded"].output_ids
     for rid in ids:
         r = engine.requests[rid]
         lps = [(lp.token_id, round(lp.logprob, 3)) for lp in r.output_logprobs] if r.output_logprobs else []
         out[rid] = (r.output_ids, r.finish_reason, lps)
-    return {"requests": out, "refused": refused}
+    # a server forgets each request once it has finished (the aborted one too): the engine serves on
+    for rid in [*ids, "unseeded"]:
+        engine.requests.pop(rid)
+    engine.add_request(prompts[2], _params(2), request_id="after-forgetting")
+    while engine.has_unfinished():
+        engine.step()
+    r = engine.requests["after-forgetting"]
+    out["after-forgetting"] = (r.output_ids, r.finish_reason, [(lp.token_id, round(lp.logprob, 3))
+                                                              for lp in r.output_logprobs or []])
+    return {"requests": out, "refused": refused, "unseeded_ids": unseeded_ids}
 
 
 def world_session(rank: int, model_dir: str, layout: tuple[int, int, int]) -> dict:
@@ -96,7 +106,7 @@ def world_session(rank: int, model_dir: str, layout: tuple[int, int, int]) -> di
         res = session(eng, replica.cfg.vocab_size)
         res["preemptions"] = eng.stats.preemptions
         res["kv_used"] = eng.kv_usage()[0]
-        res["unseeded"] = eng.requests["unseeded"].output_ids
+        res["unseeded"] = res.pop("unseeded_ids")
     return {**res, "dp_rank": ctx.dp_rank, "produced": produced}
 
 

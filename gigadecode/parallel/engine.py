@@ -204,7 +204,8 @@ class DistributedEngine:
         self.eos_token_ids, self.generation_defaults = replica.eos_token_ids, replica.generation_defaults
         self.connector = replica.connector      # rank 0's (its handshake; every rank's is in a producer's answer)
         self.requests: dict[str, Request] = {}  # mirrors of every request, updated from the groups' outputs
-        self._group: dict[str, int] = {}        # request id -> DP group
+        self._group: dict[str, int] = {}        # unfinished request id -> DP group (a caller may forget
+                                                #   finished requests: a server drops them from `requests`)
         self._inbox = StepInbox()
         self._ids = 0
         self._reports: dict[int, GroupReport] = {}
@@ -225,9 +226,8 @@ class DistributedEngine:
         if not params.is_greedy and params.seed is None:    # every TP rank must draw the same tokens
             params = replace(params, seed=self._seed.randrange(2**63))
         load = [0] * self.ctx.dp_size
-        for rid, g in self._group.items():
-            if not self.requests[rid].finished:
-                load[g] += 1
+        for g in self._group.values():                      # the unfinished requests' groups
+            load[g] += 1
         g = min(range(self.ctx.dp_size), key=lambda i: (load[i], i))
         self.requests[request_id] = Request(request_id, list(prompt_ids), params)
         self._group[request_id] = g
@@ -239,7 +239,7 @@ class DistributedEngine:
         if req is None or req.finished:
             return False
         req.status = Status.FINISHED_ABORTED
-        self._inbox.aborts.append((self._group[request_id], request_id))
+        self._inbox.aborts.append((self._group.pop(request_id), request_id))
         return True
 
     def has_unfinished(self) -> bool:
