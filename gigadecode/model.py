@@ -205,4 +205,4 @@ class GptOssModel:
         o = torch.cat(outs) if outs else qg.new_zeros(0, hg, d, dtype=torch.float32)
         lse = torch.cat(lses) if lses else torch.zeros(0, hg)
         a = par.dcp_merge(o, lse, self.w.layers[layer].sinks)                      # [N, nh, d] fp32 (collective)
-        return a.reshape(a.shape[0], -1).to(q.dtype)
+        return a.flatten(1).to(q.dtype)                                               # [N, nh·d] (N may be 0)

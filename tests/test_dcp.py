@@ -239,3 +239,16 @@ def test_dcp_rank_pools_hold_half_the_tokens(tiny_ckpt):
     assert peak[0] == peak[1]
     full_solo = -(-201 // 4)                                          # the full group's blocks at 201 tokens
     assert abs((peak_solo - peak[0]) - full_solo / 2) <= 2, (peak, peak_solo)
+
+
+def test_dcp_with_ep_across_dp_groups_and_an_idle_group(tiny_ckpt):
+    """tp2 × dp2 × ep4 with DCP 2: the EP group spans both DP groups, so while one group prefills (in chunks of
+    2 tokens here) the other, with nothing to prefill, runs the step's collectives on zero tokens — its DCP
+    attention included (a reshape of its empty output used to raise there, and the world then hung).
+    Tokens equal one rank's."""
+    vocab = GptOssConfig.from_hf(tiny_ckpt).vocab_size
+    prompts = [random_prompt(1, vocab, seed=5), random_prompt(41, vocab, seed=6)]
+    kw = {**GEN, "kv_dtype": "auto", "max_prefill_tokens": 2, "decoder": "gk"}
+    want = [r["token_ids"] for r in run_parallel_generate(tiny_ckpt, prompts, **kw)]
+    outs = run_world(4, generate_job, str(tiny_ckpt), prompts, 2, 2, 4, {**kw, "dcp": 2})
+    assert [r["token_ids"] for r in outs[0][0]] == want

@@ -211,7 +211,8 @@ class ParallelContext:
         if self.dcp_size == 1:
             return q
         g = self.all_gather_dcp(q)                                             # [dcp, T, h, d]
-        return g.permute(1, 0, 2, 3).reshape(q.shape[0], -1, q.shape[2])
+        T, h, d = q.shape                                                      # T may be 0 (a padded step)
+        return g.permute(1, 0, 2, 3).reshape(T, self.dcp_size * h, d)
 
     def dcp_merge(self, o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
         """Exact merge of the DCP group's partial attentions. o [T, dcp·h, d]: every group head over this
