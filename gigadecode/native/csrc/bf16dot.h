@@ -1,14 +1,14 @@
 // The bf16 dot-product path (AVX512-BF16): when the activations are bf16, products of bf16 activations and
 // bf16-exact weights are exact in fp32, so `vdpbf16ps` (32 multiply-adds into 16 fp32 lanes per
 // instruction) computes what the fp32 path computes, with fp32 sums. MXFP4 codes become bf16 e2m1 values by
-// two byte lookups per 64 codes; the groups' powers of two multiply the fp32 partial sums (one
+// one word permute per 32 codes; the groups' powers of two multiply the fp32 partial sums (one
 // fma per four groups), so any E8M0 scale is handled as the fp32 path handles it.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 
-#include "mxfp4_avx2.h"   // WORD_ELEM: the lane order of the decoded words
 #include "vec.h"
 
 #if defined(__AVX512BF16__)
@@ -55,25 +55,27 @@ inline void hsums(const __m512 (&a)[N], float* out) {
   for (; i < N; ++i) out[i] = _mm512_reduce_add_ps(a[i]);
 }
 
+// The decode's word order: word k of a group's 128-bit lane in word vector q holds the group's element 4k + q
+// (the inputs are laid out alike, so every vdpbf16ps lane sums products of matching elements)
+constexpr int bf16_word_elem(int q, int k) { return 4 * k + q; }
+
 // 64 bytes of MXFP4 codes (four groups; `nbytes` < 64 at a row's end) -> 128 bf16 e2m1 values in four
-// vectors by two byte lookups per nibble half. 128-bit lane L of every vector holds group L: w[0] its even
-// elements 0,2..14, w[1] even 16..30, w[2] odd 1..15, w[3] odd 17..31 (the inputs are laid out alike).
+// vectors (`bf16_word_elem`'s order; 128-bit lane L of every vector holds group L). Each 16-bit word holds four
+// codes, elements 4k..4k+3; vpermw looks up the word's low 5 bits in a 32-word table (the 16 bf16 values of
+// e2m1, twice), so shifting the word by 0, 4, 8, 12 bits gives vector q = every word's code q as bf16: four
+// permutes and three shifts per 128 values (two byte lookups per nibble half and their interleave took eight
+// shuffles, all on the port the permutes use).
 inline void decode_e2m1_bf16x4(const uint8_t* p, int nbytes, __m512i w[4]) {
-  // low and high bytes of the bf16 bits of 0, .5, 1, 1.5, 2, 3, 4, 6, -0, -.5, …, -6
-  const __m512i lut_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80,
-      (char)0xC0, 0, 0, (char)0x80, (char)0xC0, 0, 0x40, (char)0x80, (char)0xC0));
-  const __m512i lut_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
-      (char)0x80, (char)0xBF, (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0));
+  // the bf16 bits of 0, .5, 1, 1.5, 2, 3, 4, 6, -0, -.5, …, -6, in both halves
+  const __m512i lut = _mm512_broadcast_i64x4(_mm256_setr_epi16(0, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040,
+      0x4080, 0x40C0, short(0x8000), short(0xBF00), short(0xBF80), short(0xBFC0), short(0xC000), short(0xC040),
+      short(0xC080), short(0xC0C0)));
   const __m512i v = nbytes >= 64 ? _mm512_loadu_si512(p)
                                  : _mm512_maskz_loadu_epi8(__mmask64((~0ull) >> (64 - nbytes)), p);
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-  const __m512i ll = _mm512_shuffle_epi8(lut_lo, lo), lh = _mm512_shuffle_epi8(lut_hi, lo);
-  const __m512i hl = _mm512_shuffle_epi8(lut_lo, hi), hh = _mm512_shuffle_epi8(lut_hi, hi);
-  w[0] = _mm512_unpacklo_epi8(ll, lh);
-  w[1] = _mm512_unpackhi_epi8(ll, lh);
-  w[2] = _mm512_unpacklo_epi8(hl, hh);
-  w[3] = _mm512_unpackhi_epi8(hl, hh);
+  w[0] = _mm512_permutexvar_epi16(v, lut);
+  w[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
+  w[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), lut);
+  w[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), lut);
 }
 
 // E8M0 bytes of up to 16 groups -> their powers of two as fp32 lanes (2^(s-127); s = 0 is 2^-127, s = 255 inf)
@@ -169,14 +171,14 @@ static void run(const uint16_t* w, int64_t ldw, int64_t K, const uint16_t* const
 using DotFnBf16 = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t* const*, float*, int64_t, int64_t);
 
 // bf16 inputs: x [K] -> chunks of 128 elements (four groups) in the lane order of decode_e2m1_bf16x4,
-// zero-padded to whole chunks: out[c*128 + q*32 + L*8 + i] = x[c*128 + L*32 + {2i, 16+2i, 2i+1, 17+2i}[q]]
+// zero-padded to whole chunks: out[c*128 + q*32 + L*8 + i] = x[c*128 + L*32 + 4i + q]
 inline void deinterleave_bf16(const float* x, int64_t K, uint16_t* out) {
-  // word j of output vector q: from input vector 2h + (j / 8) % 2 (h = j / 16) at WORD_ELEM[q] + 2 (j % 8);
+  // word j of output vector q: from input vector 2h + (j / 8) % 2 (h = j / 16) at bf16_word_elem(q, j % 8);
   // vector pairs (0, 1) fill words 0..15, (2, 3) words 16..31 (permutex2var: index 32+ = the second vector)
   static const auto idx = [] {
     std::array<std::array<int16_t, 32>, 4> v{};
     for (int q = 0; q < 4; ++q)
-      for (int j = 0; j < 32; ++j) v[q][j] = int16_t(32 * ((j / 8) % 2) + WORD_ELEM[q] + 2 * (j % 8));
+      for (int j = 0; j < 32; ++j) v[q][j] = int16_t(32 * ((j / 8) % 2) + bf16_word_elem(q, j % 8));
     return v;
   }();
   const int64_t full = K / 128, chunks = (K + 127) / 128;
@@ -196,7 +198,7 @@ inline void deinterleave_bf16(const float* x, int64_t K, uint16_t* out) {
     for (int q = 0; q < 4; ++q)
       for (int L = 0; L < 4; ++L)
         for (int i = 0; i < 8; ++i) {
-          const int64_t e = c * 128 + L * 32 + WORD_ELEM[q] + 2 * i;
+          const int64_t e = c * 128 + L * 32 + bf16_word_elem(q, i);
           out[c * 128 + q * 32 + L * 8 + i] = e < K ? f32_to_bf16(x[e]) : 0;
         }
 }
