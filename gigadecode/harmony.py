@@ -186,11 +186,14 @@ class HarmonyStreamParser:
         return [d for i in token_ids for d in self.push(i)]
 
     def finish(self) -> list[Delta]:
-        """The end of the output: flush an unterminated body or header. Later calls return []."""
+        """The end of the output: flush an unterminated body. A header the end cut short (max_tokens within
+        `<|channel|>final`, say) is dropped: it is harmony's framing, not text, unless it is plain text that
+        only looked like a header's start (no harmony marker yet). Later calls return []."""
         out: list[Delta] = []
         if not self._finished:
-            if self._state == _HEADER:
+            if self._state == _HEADER and self._implicit:
                 self._header_as_content(out)
+            self._header = []
             self._close_body(out)
             self._finished = True
         return out

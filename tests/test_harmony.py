@@ -161,10 +161,19 @@ def test_body_cut_by_a_new_header(codec, toks):
 
 
 def test_header_without_message_is_content(codec, toks):
-    ids = ids_of(codec, "<|channel|>analysis<|message|>", "Think.", "<|end|>", "<|start|>assistant<|channel|>final")
-    assert run(codec, toks, ids)[2] == ParsedMessage("Think.", "assistantfinal", [])
-    ids = ids_of(codec, "<|start|>assistant<|channel|>final", "<|end|>")  # cut by a terminator
+    ids = ids_of(codec, "<|start|>assistant<|channel|>final", "<|end|>")  # cut by a terminator: malformed
     assert run(codec, toks, ids)[2] == ParsedMessage(None, "assistantfinal", [])
+
+
+@pytest.mark.parametrize("header", ["<|start|>assistant<|channel|>final", "<|channel|>", "<|channel|>analysis",
+                                    "<|start|>", "<|start|>assistant<|channel|>commentary to=functions.add"])
+def test_header_cut_by_the_end_is_dropped(codec, toks, header):
+    # max_tokens ends the output inside a header: harmony's framing, not text for the client
+    ids = ids_of(codec, "<|channel|>analysis<|message|>", "Think.", "<|end|>", header)
+    p, deltas, res = run(codec, toks, ids)
+    assert res == ParsedMessage("Think.", None, []) and {d.kind for d in deltas} == {"reasoning"}
+    p, deltas, res = run(codec, toks, ids_of(codec, header))   # the whole output a header
+    assert res == ParsedMessage(None, None, []) and deltas == []
 
 
 def test_unknown_channel_is_content(codec, toks):

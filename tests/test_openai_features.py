@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import openai
 import pytest
@@ -106,18 +107,94 @@ def test_logit_bias_forces_and_bans_tokens(live):
         client.completions.create(model="m", prompt=prompt, max_tokens=2, logit_bias={"99999999": 1})
 
 
-def test_unsupported_fields_are_refused_by_name(live):
+# vLLM fields that would change the output: a value asking for something this server does not do is a 400
+# naming the field on both routes; the value that asks for what it does anyway is accepted
+REFUSED_EITHER = [("response_format", {"type": "json_object"}, {"type": "text"}), ("guided_json", {"type": "object"}, None),
+                  ("guided_regex", "[0-9]+", None), ("guided_choice", ["a", "b"], None),
+                  ("structured_outputs", {"choice": ["a"]}, None), ("prompt_logprobs", 1, None),
+                  ("truncate_prompt_tokens", 4, None), ("allowed_token_ids", [5, 6], []), ("bad_words", ["x"], []),
+                  ("use_beam_search", True, False), ("length_penalty", 0.5, 1.0),
+                  ("return_tokens_as_token_ids", True, False), ("detokenize", False, True),
+                  ("include_stop_str_in_output", True, False), ("skip_special_tokens", False, True),
+                  ("logits_processors", ["m.f"], None), ("priority", 1, 0)]
+REFUSED_CHAT = [("echo", True, False), ("best_of", 2, 1), ("continue_final_message", True, False),
+                ("chat_template", "{{ messages }}", None), ("chat_template_kwargs", {"reasoning_effort": "low"}, {}),
+                ("functions", [{"name": "f"}], None), ("audio", {"voice": "x"}, None)]
+REFUSED_COMPLETION = [("echo", True, False), ("suffix", "z", ""), ("best_of", 2, 1)]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_unsupported_fields_are_refused_by_name(live, chat):
     _, client = live
     msgs = [{"role": "user", "content": "hi"}]
-    for kw, field in (({"response_format": {"type": "json_object"}}, "response_format"),
-                      ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]},
-                       "tool_choice")):
+
+    def call(**body):
+        if chat:
+            return client.chat.completions.create(model="m", messages=msgs, max_tokens=2, extra_body=body)
+        return client.completions.create(model="m", prompt="x", max_tokens=2, extra_body=body)
+
+    for field, refused, accepted in REFUSED_EITHER + (REFUSED_CHAT if chat else REFUSED_COMPLETION):
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="m", messages=msgs, max_tokens=2, **kw)
-        assert e.value.body["param"] == field
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="m", prompt="x", max_tokens=2, n=0)
-    assert e.value.body["param"] == "n"
+            call(**{field: refused})
+        assert e.value.body["param"] == field, field
+        if accepted is not None:
+            call(**{field: accepted})
+    call(user="u", metadata={"k": "v"}, store=False, cache_salt="s", frequency_penalty=0.0)   # change nothing here
+    with pytest.raises(openai.BadRequestError) as e:            # stream options without a stream (as vLLM)
+        call(stream_options={"include_usage": True})
+    assert e.value.body["param"] == "stream_options"
+    if chat:
+        with pytest.raises(openai.BadRequestError) as e:
+            call(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}])
+        assert e.value.body["param"] == "tool_choice"
+        with pytest.raises(openai.BadRequestError) as e:        # top_logprobs without logprobs (as vLLM)
+            call(top_logprobs=2)
+        assert e.value.body["param"] == "top_logprobs"
+    else:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="m", prompt="x", max_tokens=2, n=0)
+        assert e.value.body["param"] == "n"
+
+
+def test_text_offset_is_the_position_in_the_text(live, tiny_ckpt):
+    # special tokens are left out of the text, so their strings must not move the offsets of what follows;
+    # streamed and whole answers agree
+    _, client = live
+    codec = TextCodec.from_dir(tiny_ckpt)
+    prompt = random_prompt(10, 1024, seed=9)
+    special = min(codec.special_ids)                              # ignore_eos: any special will do
+    for bias, n_tok in (({}, 12), ({str(special): 100}, 4)):
+        r = client.completions.create(model="m", prompt=prompt, max_tokens=n_tok, temperature=0, logprobs=1,
+                                      logit_bias=bias, extra_body=EXTRA).choices[0]
+        ids, offs = r.token_ids, r.logprobs.text_offset
+        assert len(offs) == len(ids) == n_tok
+        assert offs == [len(codec.decode(ids[:i])) for i in range(len(ids))]   # decode() leaves specials out
+        assert all(o <= len(r.text) for o in offs)
+        if bias:
+            assert r.text == "" and offs == [0] * n_tok
+        streamed = [o for ch in client.completions.create(model="m", prompt=prompt, max_tokens=n_tok, temperature=0,
+                                                          logprobs=1, logit_bias=bias, stream=True, extra_body=EXTRA)
+                    if ch.choices and ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset]
+        assert streamed == offs
+
+
+def test_a_stop_string_counts_as_stop_in_the_metrics(live, tiny_ckpt):
+    from .test_server import metrics
+    _, client = live
+    url = str(client.base_url).rstrip("/").removesuffix("/v1")
+    prompt = random_prompt(12, 1024, seed=5)
+    text = _greedy_text(client, prompt, 12).text
+    key = 'gigadecode_requests_total{finish_reason="%s"}'
+    before = metrics(url)
+    got = _greedy_text(client, prompt, 12, stop=text[3:6])
+    assert got.finish_reason == "stop"
+    for _ in range(100):                                         # the abort lands on the engine thread
+        after = metrics(url)
+        if after.get(key % "stop", 0) > before.get(key % "stop", 0):
+            break
+        time.sleep(0.05)
+    assert after.get(key % "stop", 0) == before.get(key % "stop", 0) + 1
+    assert after.get(key % "abort", 0) == before.get(key % "abort", 0)
 
 
 def test_generation_config_stop_tokens_and_defaults(tiny_ckpt, tmp_path):

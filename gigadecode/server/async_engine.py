@@ -164,12 +164,13 @@ class RequestStream:
         finally:
             self.close()
 
-    def close(self) -> None:
-        """Abort the request if it has not finished (idempotent; safe from any code path)."""
+    def close(self, finish_reason: str = "abort") -> None:
+        """Abort the request if it has not finished (idempotent; safe from any code path). `finish_reason`:
+        what the metrics count it as ("stop" when a stop string ended it: the client got what it asked for)."""
         if not self._closed:
             self._closed = True
             if not self.finished:
-                self._engine.abort(self.request_id)
+                self._engine.abort(self.request_id, finish_reason)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,8 +260,9 @@ class AsyncEngine:
         async for out in stream:
             yield out
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (thread-safe, non-blocking; a no-op for an unknown or finished one)."""
+    def abort(self, request_id: str, finish_reason: str = "abort") -> None:
+        """Abort a request (thread-safe, non-blocking; a no-op for an unknown or finished one); its final
+        output, and the metrics, give it `finish_reason`."""
         def do() -> None:
             eng = self.engine
             try:
@@ -268,7 +270,7 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001
                 log.exception("engine.abort(%s) failed", request_id)
             if request_id in self._tracks:
-                self._deliver_final(request_id, RequestOutput(request_id, [], True, "abort"))
+                self._deliver_final(request_id, RequestOutput(request_id, [], True, finish_reason))
             self.metrics.refresh(eng)
         self._post(do)
 

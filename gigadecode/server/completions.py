@@ -69,9 +69,11 @@ async def completions(request: Request) -> Response:
                                lambda: TextRenderer(codec), stop_strings(req))
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name}
 
-    def choice_body(c: Choice, text: str, lps: Sequence[Any], offset: int) -> dict[str, Any]:
+    def choice_body(c: Choice, text: str, lps: Sequence[Any], first: int) -> dict[str, Any]:
+        """`lps`: the logprobs of the choice's tokens from token `first` on"""
+        offsets = c.renderer.token_offsets[first:first + len(lps)]
         return {"index": c.index, "text": text,
-                "logprobs": completion_logprobs(codec, lps, offset) if params.logprobs is not None else None,
+                "logprobs": completion_logprobs(codec, lps, offsets) if params.logprobs is not None else None,
                 "finish_reason": c.finish_reason if c.done else None}
 
     if req.stream:
@@ -79,8 +81,7 @@ async def completions(request: Request) -> Response:
             text = "".join(p.text for p in pieces)
             if not text and not out.new_token_ids and not c.done:
                 return None
-            d = choice_body(c, text, out.new_logprobs or (), c.text_offset)
-            c.text_offset += len(text)
+            d = choice_body(c, text, out.new_logprobs or (), len(c.token_ids) - len(out.new_token_ids))
             return stream_chunk(head, c, d, out.new_token_ids if req.return_token_ids else None)
         include = req.stream_options and req.stream_options.include_usage
         return sse_response(stream_events(choices, chunk, [], {**head, "choices": []} if include else None))

@@ -78,16 +78,27 @@ class StopMatcher:
 
 
 class TextRenderer:
-    """Detokenized text (multi-byte characters never split), all of it content."""
+    """Detokenized text (multi-byte characters never split; special tokens left out), all of it content.
+    `token_offsets[i]`: where token i's text starts in the text rendered so far (OpenAI's `text_offset`)."""
 
     def __init__(self, codec: Any) -> None:
         from ..tokenizer import StreamDecoder
         self.decoder = StreamDecoder(codec) if codec is not None else None
+        self.token_offsets: list[int] = []
+        self._length = 0
 
     def push(self, token_ids: Sequence[int], finished: bool) -> list[Piece]:
         if self.decoder is None:
             return []
-        text = "".join(self.decoder.push(t) for t in token_ids) + (self.decoder.flush() if finished else "")
+        parts = []
+        for t in token_ids:
+            self.token_offsets.append(self._length)
+            parts.append(self.decoder.push(t))
+            self._length += len(parts[-1])
+        if finished:
+            parts.append(self.decoder.flush())
+            self._length += len(parts[-1])
+        text = "".join(parts)
         return [Piece("content", text)] if text else []
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
@@ -130,7 +141,6 @@ class Choice:
     finish_reason: str | None = None
     error: str | None = None
     kv_transfer_params: dict | None = None
-    text_offset: int = 0
     done: bool = False
 
     def absorb(self, out: Any) -> list[Piece]:
@@ -148,7 +158,7 @@ class Choice:
                 new.append(p)
         if self.stop.hit:
             self.done, self.finish_reason = True, "stop"
-            self.stream.close()                  # abort the engine request: nothing after the stop is wanted
+            self.stream.close("stop")            # abort the engine request: nothing after the stop is wanted
         elif out.finished:
             tail = self.stop.flush()
             if tail:
@@ -184,9 +194,9 @@ def _lp(v: float) -> float:
     return max(float(v), LOGPROB_FLOOR)
 
 
-def completion_logprobs(codec: Any, lps: Sequence[Any], offset: int = 0) -> dict[str, Any]:
-    """OpenAI's legacy completions logprobs object."""
-    tokens, token_lps, tops, offsets = [], [], [], []
+def completion_logprobs(codec: Any, lps: Sequence[Any], offsets: Sequence[int]) -> dict[str, Any]:
+    """OpenAI's legacy completions logprobs object; `offsets`: each token's position in the choice's text."""
+    tokens, token_lps, tops = [], [], []
     for lp in lps:
         s = _tok_text(codec, lp.token_id)
         top = {_tok_text(codec, t): _lp(v) for t, v in lp.top}
@@ -194,9 +204,9 @@ def completion_logprobs(codec: Any, lps: Sequence[Any], offset: int = 0) -> dict
         tokens.append(s)
         token_lps.append(_lp(lp.logprob))
         tops.append(top)
-        offsets.append(offset)
-        offset += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+    offsets = list(offsets)[:len(tokens)]
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets + [offsets[-1] if offsets else 0] * (len(tokens) - len(offsets))}
 
 
 def chat_logprobs(codec: Any, lps: Sequence[Any]) -> dict[str, Any]:

@@ -4,8 +4,9 @@ body asks for.
 Bodies are parsed in two steps: `read_json` (strict JSON, `body.load_object`) and `parse` into the pydantic
 models below (structure and types; a bad field is a 400 whose `param` names it). Sampling values are checked
 by `SamplingParams`. What a body asks for that this server does not do is a 400 naming the field
-(`refuse_unsupported`), never silently ignored; fields OpenAI clients send that change nothing here
-(`user`, `metadata`, `store`, ...) are accepted.
+(`refuse_unsupported`: OpenAI's fields this server does not do, and vLLM's extras that would change the
+output), never silently ignored; fields that change nothing here (`user`, `metadata`, `store`, `cache_salt`,
+...) are accepted, and other unknown keys ignored, as vLLM ignores them.
 """
 
 from __future__ import annotations
@@ -178,33 +179,67 @@ def stop_strings(req: _Body) -> list[str]:
     return [s for s in stop if s]
 
 
-UNSUPPORTED_CHAT = {"response_format": "structured output (response_format) is not supported",
-                    "functions": "the legacy `functions` field is not supported; use `tools`",
+UNSUPPORTED_CHAT = {"functions": "the legacy `functions` field is not supported; use `tools`",
                     "function_call": "the legacy `function_call` field is not supported; use `tool_choice`",
                     "audio": "audio output is not supported", "modalities": "only text output is supported",
-                    "prediction": "predicted outputs are not supported"}
+                    "prediction": "predicted outputs are not supported",
+                    "continue_final_message": "continue_final_message is not supported",
+                    "chat_template": "a request's own chat_template is not supported (the checkpoint's is used)",
+                    "chat_template_kwargs": "chat_template_kwargs are not supported (use reasoning_effort)",
+                    "documents": "documents are not supported", "echo": "echo is not supported",
+                    "best_of": "only best_of=1 is supported"}
+UNSUPPORTED_COMPLETION = {"echo": "echo is not supported", "suffix": "suffix is not supported",
+                          "best_of": "only best_of=1 is supported"}
+# vLLM's extra fields that would change the output, on either route: a 400 unless the value is what this
+# server does anyway (`_ASKS_NOTHING`), so a client never gets output that differs from what it asked for
+UNSUPPORTED_EITHER = {
+    "response_format": "structured output (response_format) is not supported",
+    **{k: f"guided decoding ({k}) is not supported" for k in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+        "guided_whitespace_pattern", "structured_outputs")},
+    "prompt_logprobs": "prompt_logprobs are not supported",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported (send a prompt that fits the context)",
+    "allowed_token_ids": "allowed_token_ids is not supported (use logit_bias)",
+    "bad_words": "bad_words is not supported (use logit_bias)",
+    "use_beam_search": "beam search is not supported", "length_penalty": "length_penalty needs beam search, "
+                                                                      "which is not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported (use return_token_ids)",
+    "detokenize": "detokenize=false is not supported", "include_stop_str_in_output":
+        "include_stop_str_in_output is not supported (stop strings are cut from the text)",
+    "skip_special_tokens": "skip_special_tokens=false is not supported (special tokens are left out of the text)",
+    "logits_processors": "logits_processors are not supported", "vllm_xargs": "vllm_xargs are not supported",
+    "priority": "priority scheduling is not supported (every request has priority 0)",
+}
+# values of those fields that ask for exactly what the server does (None: the field left unset)
+_ASKS_NOTHING: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},), "use_beam_search": (False,), "length_penalty": (1, 1.0),
+    "return_tokens_as_token_ids": (False,), "detokenize": (True,), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "priority": (0,), "allowed_token_ids": ([],), "bad_words": ([],),
+    "echo": (False,), "best_of": (1,), "continue_final_message": (False,), "chat_template_kwargs": ({},),
+    "modalities": (["text"],), "documents": ([],), "suffix": ("",),
+}
+
+
+def _asks_nothing(key: str, value: Any) -> bool:
+    # exact types: JSON true must not pass for 1, nor 0 for false
+    return value is None or any(type(value) is type(v) and value == v for v in _ASKS_NOTHING.get(key, ()))
 
 
 def refuse_unsupported(raw: Mapping[str, Any], chat: bool) -> None:
-    """400 naming the first field this server would otherwise have to ignore."""
-    if chat:
-        for k, why in UNSUPPORTED_CHAT.items():
-            v = raw.get(k)
-            if v is None or (k == "response_format" and isinstance(v, dict) and v.get("type") == "text") \
-                    or (k == "modalities" and v == ["text"]):
-                continue
+    """400 naming the first field this server would otherwise have to ignore, or fields that contradict each
+    other (OpenAI's and vLLM's refusals)."""
+    for k, why in {**(UNSUPPORTED_CHAT if chat else UNSUPPORTED_COMPLETION), **UNSUPPORTED_EITHER}.items():
+        if not _asks_nothing(k, raw.get(k)):
             raise APIError(400, why, param=k)
+    if chat:
         choice = raw.get("tool_choice")
         if choice not in (None, "auto", "none"):
             raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported (a forced tool call needs "
                                 "guided decoding)", param="tool_choice")
-    else:
-        if raw.get("echo"):
-            raise APIError(400, "echo is not supported", param="echo")
-        if raw.get("suffix"):
-            raise APIError(400, "suffix is not supported", param="suffix")
-        if raw.get("best_of") not in (None, 1):
-            raise APIError(400, "only best_of=1 is supported", param="best_of")
+        if raw.get("top_logprobs") is not None and raw.get("logprobs") is not True:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if raw.get("stream_options") and raw.get("stream") is not True:
+        raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
 
 
 def sampling_params(raw: Mapping[str, Any], max_tokens: Any, logprobs: int | None,
