@@ -19,14 +19,18 @@ KV_DTYPES = ("auto", "bf16", "fp8")
 
 def default_threads() -> int:
     """OMP_NUM_THREADS when set, else the cores this process may run on, shared among the ranks torchrun
-    started on this node."""
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        return int(os.environ["OMP_NUM_THREADS"])
+    started on this node. torchrun sets OMP_NUM_THREADS=1 for every rank when it starts several and the
+    variable is unset, so under torchrun a 1 is taken for that default, not a choice (`--threads 1` is)."""
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    torchrun_default = omp == "1" and local_ranks > 1 and "TORCHELASTIC_RUN_ID" in os.environ
+    if omp.isdigit() and int(omp) > 0 and not torchrun_default:
+        return int(omp)
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:                     # not Linux
         cores = os.cpu_count() or 1
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return max(1, cores // max(1, local_ranks))
 
 
 # decode paths: the GK program on the native kernels, in eager torch, compiled by Inductor; the per-layer model

@@ -28,7 +28,7 @@ def resolve_model(name: str | Path) -> Path:
     except LocalEntryNotFoundError:
         raise ConfigError(f"--model {name}: no such directory, and no snapshot of the Hugging Face repo {name!r} "
                           f"in the local cache (HF_HOME / HF_HUB_CACHE); download it first, e.g. "
-                          f"`huggingface-cli download {name}`, or pass the checkpoint's directory") from None
+                          f"`hf download {name}`, or pass the checkpoint's directory") from None
     except Exception as e:  # noqa: BLE001 - a malformed cache or repo id
         raise ConfigError(f"--model {name}: cannot use the Hugging Face cache: {type(e).__name__}: {e}") from None
     return Path(snap)

@@ -3,7 +3,7 @@
 This module owns
 - `SamplingParams`: vLLM's sampling fields, names and defaults, validated on construction (and against a
   vocabulary by `validate`); `from_dict` builds one from API / JSONL input.
-- the distributed argmax (DESIGN.md, "Parallelism"): the lm_head is vocab-sharded, each rank reduces
+- the distributed argmax (docs/design.md, "Parallel"): the lm_head is vocab-sharded, each rank reduces
   its shard to a per-row `(value, global index)` with `shard_argmax`, the pairs are gathered and
   `reduce_argmax` picks the winner. The larger value wins and ties go to the lowest global index, so
   the result is exactly `torch.argmax` over the whole vocabulary (ties, all `-inf` rows, and NaN, which

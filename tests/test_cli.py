@@ -34,6 +34,27 @@ def test_defaults_are_the_fast_decoder_fp8_kv_and_all_cores(tiny_ckpt, monkeypat
                                                     "1"])).threads == 1
 
 
+def test_default_threads_under_torchrun(monkeypatch):
+    # torchrun sets OMP_NUM_THREADS=1 for each of several ranks when it is unset: the default stays the cores
+    # shared among the local ranks; another value, or one rank per node, is the user's
+    from gigadecode.engine_config import default_threads
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert default_threads() == 4
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert default_threads() == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads() == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert default_threads() == 1
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_threads() == 1                      # not torchrun: OMP_NUM_THREADS is a choice
+
+
 def test_json_reports_ttft_and_prompt_throughput(tiny_ckpt):
     r = _generate("--model", str(tiny_ckpt), "--prompt-ids", "1,2,3,4,5", "--max-tokens", "4", "--json",
                   "--threads", "1")

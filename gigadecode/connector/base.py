@@ -30,7 +30,7 @@ Method                                                      called by  what it d
 A failed, late or partial transfer must never let decode run on stale blocks: a consumer request listed
 in `FinishedTransfers.failed` is failed (or recomputed) and its local blocks freed.
 
-The transfer unit (DESIGN.md "Disaggregated inference"): per KV buffer one K region and one V region,
+The transfer unit (docs/design.md, "Disaggregated inference"): per KV buffer one K region and one V region,
 `block_len = kv·block·d·itemsize` bytes per block; block b of region r is `base_r + b·block_len`.
 A block id belongs to one KV group (sliding / full) and holds, in every buffer, that group's layer, so a
 request's transfer is one list of (remote block, local block) pairs applied to every region.
