@@ -236,3 +236,19 @@ def test_model_by_hugging_face_repo_id(tiny_ckpt, tmp_path, monkeypatch):
     assert resolve_model("acme/gpt-oss-tiny").resolve() == snap.resolve()
     with pytest.raises(ConfigError, match="no snapshot of the Hugging Face repo 'acme/missing'"):
         resolve_model("acme/missing")
+
+
+def test_chat_logprobs_streamed_cover_every_token(live, tiny_ckpt):
+    # tokens that show nothing (a harmony header's) still have their logprobs streamed, with the next chunk
+    _, client = live
+    codec = TextCodec.from_dir(tiny_ckpt)
+    msgs = [{"role": "user", "content": "hi"}]
+    for bias in ({}, {str(codec.token_id("<|channel|>")): 100}):
+        kw = dict(model="m", messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                  logit_bias=bias)
+        whole = client.chat.completions.create(extra_body=EXTRA, **kw).choices[0]
+        assert len(whole.logprobs.content) == len(whole.token_ids) == 6
+        streamed = [e for ch in client.chat.completions.create(stream=True, extra_body={"ignore_eos": True}, **kw)
+                    if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+        assert [e.token for e in streamed] == [e.token for e in whole.logprobs.content]
+        assert all(len(e.top_logprobs) == 2 for e in streamed)

@@ -33,10 +33,13 @@ def chat_prompt(codec: Any, req: ChatBody) -> list[int]:
     for i, m in enumerate(req.messages):
         content: Any = m.content if m.content is not None else ""
         if isinstance(content, list):
-            for part in content:
-                if part.type != "text" or part.text is None:
+            for j, part in enumerate(content):
+                if part.type != "text":
                     raise APIError(400, f"messages[{i}]: only text content parts are supported (got "
-                                        f"type {part.type!r})", param="messages")
+                                        f"type {part.type!r})", param=f"messages.{i}.content.{j}.type")
+                if part.text is None:
+                    raise APIError(400, f"messages[{i}]: content part {j} has no text",
+                                   param=f"messages.{i}.content.{j}.text")
             content = "".join(p.text for p in content)
         d = {**m.model_dump(exclude_none=True), "role": m.role, "content": content}
         if m.reasoning_content is not None:
@@ -114,14 +117,18 @@ async def chat_completions(request: Request) -> Response:
     reasoning = req.include_reasoning is not False
 
     if req.stream:
+        unsent: dict[int, list[Any]] = {}      # logprobs of tokens whose chunk had nothing to show (harmony headers)
+
         def chunk(c: Choice, out: Any, pieces: list) -> dict[str, Any] | None:
             delta = _delta(pieces, reasoning)
+            lps = unsent.setdefault(c.index, [])
+            lps.extend(out.new_logprobs or ())
             if not delta and not c.done and not (req.return_token_ids and out.new_token_ids):
                 return None
             d: dict[str, Any] = {"index": c.index, "delta": delta,
-                                 "logprobs": chat_logprobs(codec, out.new_logprobs or ())
-                                 if params.logprobs is not None else None,
+                                 "logprobs": chat_logprobs(codec, lps) if params.logprobs is not None else None,
                                  "finish_reason": c.finish_reason if c.done else None}
+            unsent[c.index] = []
             return stream_chunk(head, c, d, out.new_token_ids if req.return_token_ids else None)
         first = [{**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]} for c in choices]
