@@ -720,3 +720,32 @@ def test_proxy_passthrough_with_real_server(server):
         assert metrics(server).get('gigadecode_requests_total{finish_reason="length"}', 0.0) == before  # no decode
         assert hc.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
     wait_idle(server)
+
+
+def test_engine_start_ends_the_loading_threads_openmp_pool():
+    # serve loads the model on its main thread, which keeps an OpenMP pool; with more pooled workers than
+    # cores libgomp throttles every worker's spin (decode steps ~1.35x slower on 2 cores), so starting the
+    # engine thread ends the calling thread's pool: its worker threads exit
+    import torch
+    got = {}
+
+    def tasks() -> set[str]:
+        return set(os.listdir("/proc/self/task"))
+
+    def loader():
+        torch.randn(1 << 22).exp_()                  # a parallel region on this thread: its pool of 2 - 1 workers
+        before = tasks()
+        aeng = AsyncEngine(FakeEngine())
+        aeng.start()
+        got["ended"] = before - tasks()
+        aeng.stop()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        t = threading.Thread(target=loader)
+        t.start()
+        t.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert len(got["ended"]) >= 1

@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..engine import RequestOutput
+from ..openmp import release_thread_pool
 from ..sampling import SamplingParams
 
 log = logging.getLogger("gigadecode.server")
@@ -200,7 +201,10 @@ class AsyncEngine:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the engine thread. The calling thread (the one that loaded the model, in `serve`) gives up
+        its OpenMP workers first, so the engine thread's are the only ones (`openmp.release_thread_pool`)."""
         if self._thread is None:
+            release_thread_pool()
             self._stopping = False
             self._thread = threading.Thread(target=self._run, name="gigadecode-engine", daemon=True)
             self._thread.start()
