@@ -383,3 +383,33 @@ def test_pair_blocks_and_params():
         parse_kv_params(p.to_dict() | {"unknown": 1})
     assert model_identity(preset_config("tiny")) == model_identity(preset_config("tiny"))
     assert model_identity(preset_config("tiny")) != model_identity(preset_config("small"))
+
+
+@pytest.mark.timeout(60)
+def test_progress_thread_serves_reads_and_sleeps_between():
+    # A producer's agent has a progress thread (a consumer's READ completes only while the producer's agent
+    # is progressed, and a prefill step can take seconds). It must wake on traffic, not poll without pause:
+    # such a thread took a whole core from the kernels (DI on 2 cores decoded ~10x slower).
+    cache_p = make_cache()
+    fill(cache_p, PRODUCER_SEED)
+    prod = NixlKVAgent("prefill-pthread", model_id=model_identity(cache_p.cfg), progress_thread=True)
+    lay = prod.register_kv(cache_p)
+    cpu = time.process_time()
+    time.sleep(1.0)
+    idle_cpu = time.process_time() - cpu           # every thread of this process over 1 s of idle
+    cache_c = make_cache()
+    fill(cache_c, CONSUMER_SEED)
+    cons = NixlKVAgent("decode-pthread", model_id=model_identity(cache_c.cfg))
+    cons.register_kv(cache_c)
+    cons.add_remote(prod.name, prod.metadata(), lay)
+    try:
+        # nothing here progresses the producer's agent: only its own thread completes the READ
+        h = cons.read_blocks(prod.name, [(3, 20), (9, 2)], timeout_s=20)
+        assert h.state == "DONE"
+        remote, after = expected_remote(), raw_bufs(cache_c)
+        for i in range(len(after)):
+            assert torch.equal(after[i][:, 20], remote[i][:, 3]) and torch.equal(after[i][:, 2], remote[i][:, 9])
+    finally:
+        cons.close()
+        prod.close()
+    assert idle_cpu < 0.3, f"an idle agent used {idle_cpu:.2f} s of CPU in 1 s"

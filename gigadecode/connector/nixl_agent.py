@@ -25,7 +25,10 @@ NIXL facts (nixl 1.5.1, UCX backend, loopback, no GPU):
   every step) or be built with `progress_thread=True`; a producer that stops progressing makes the
   consumer's READs time out (`TransferTimeout`: the stalled-prefill failure). UCX data goes by cma
   (process_vm_readv) zero-copy, control by tcp; about one READ still completes right after the target
-  stops progressing, the next ones do not. Progress thread on or off measured the same here.
+  stops progressing, the next ones do not. A producer runs the progress thread (READs then complete
+  while its engine is inside a long prefill step), made to sleep in poll() between UCX events
+  (`PROGRESS_WAKE_US`): as nixl's Python API builds it, it polls without pause and takes a whole core
+  (a DI decode co-located on 2 cores ran ~10x slower; an idle prefill server sat at 100% CPU).
 - Errors surface as Python exceptions from the bindings (`nixlInvalidParamError` for an out-of-range
   descriptor index, `nixlRemoteDisconnectError` from `transfer` or `check_xfer_state` once the peer is
   gone), not only as an "ERR" state; all become `TransferError` here. Block ids are validated first.
@@ -106,6 +109,30 @@ class ReadHandle:
     def seconds(self) -> float | None:
         return None if self.t_done is None else self.t_done - self.t_posted
 
+# The progress thread sleeps in poll() on its UCX workers' event fds, waking on traffic and at the latest
+# after this long. nixl's Python API builds its agent with 0 (poll returns at once: a thread that takes a
+# whole core while the agent lives, which on a CPU engine is a core taken from the kernels), so the agent is
+# made with this value instead (`_new_agent`).
+PROGRESS_WAKE_US = 10_000
+
+
+def _new_agent(name: str, config: Any) -> Any:
+    """`nixl_agent(name, config)` with the progress thread's poll timeout `PROGRESS_WAKE_US` (the API has no
+    parameter for it: the native agent is built with that value by wrapping the bindings' constructor for
+    the duration of this call)."""
+    from nixl import _api
+    native = _api.nixlBind.nixlAgent
+
+    def with_wake(agent_name: str, agent_config: Any) -> Any:
+        agent_config.pthrDelay = PROGRESS_WAKE_US
+        return native(agent_name, agent_config)
+
+    _api.nixlBind.nixlAgent = with_wake
+    try:
+        return nixl_agent(name, config)
+    finally:
+        _api.nixlBind.nixlAgent = native
+
 
 class NixlKVAgent:
     """One engine's NIXL agent over its KV buffers (see the module docstring)."""
@@ -116,7 +143,7 @@ class NixlKVAgent:
         self.engine_id = engine_id or name
         self.host, self.port, self.model_id = host, port, model_id
         try:
-            self.agent = nixl_agent(name, nixl_agent_config(backends=list(backends),
+            self.agent = _new_agent(name, nixl_agent_config(backends=list(backends),
                                                             enable_prog_thread=progress_thread))
         except NIXL_ERRORS as e:
             raise TransferError(f"cannot create NIXL agent {name!r} with backends {list(backends)}: "
