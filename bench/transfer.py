@@ -22,8 +22,7 @@ the real request end to end (prefill command sent -> first token sampled); `othe
 real request's own prefill + transfer + decode do not explain (pipe, scheduling, sampling). `repack` is
 what a decode engine behind a vLLM prefill adds after its READ: the prompt's tokens of bf16 vLLM CPU
 pages unpacked and written into this engine's cache (`connector.vllm_producer.repack_tokens`), against the
-raw READ of the same prompt. Raw / memcpy / gather / repack are the medians of --raw-reps runs, interleaved with each other, after all DI runs (the
-loopback target's NIXL progress thread burns CPU even when idle). Timings on a shared machine are noisy.
+raw READ of the same prompt. Raw / memcpy / gather / repack are the medians of --raw-reps runs, interleaved with each other, after all DI runs. Timings on a shared machine are noisy.
 
     .venv/bin/python bench/transfer.py [--preset small] [--lengths 128 512 2048] [--reps 3] [--quick]
 """
