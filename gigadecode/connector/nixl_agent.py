@@ -40,6 +40,7 @@ NIXL facts (nixl 1.5.1, UCX backend, loopback, no GPU):
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
 from .base import (HandshakeError, KVLayout, TransferError, TransferTimeout, check_compatible,  # noqa: E402
                    head_byte_range)
+
+log = logging.getLogger("gigadecode.nixl")
 
 NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
     getattr(_nixl_bindings, n) for n in dir(_nixl_bindings)
@@ -121,17 +124,21 @@ def _new_agent(name: str, config: Any) -> Any:
     parameter for it: the native agent is built with that value by wrapping the bindings' constructor for
     the duration of this call)."""
     from nixl import _api
-    native = _api.nixlBind.nixlAgent
+    bind = getattr(_api, "nixlBind", None)
+    native = getattr(bind, "nixlAgent", None)
+    if native is None:                       # another nixl layout: its own default
+        log.warning("nixl's agent constructor not found; the progress thread keeps nixl's poll timeout")
+        return nixl_agent(name, config)
 
     def with_wake(agent_name: str, agent_config: Any) -> Any:
         agent_config.pthrDelay = PROGRESS_WAKE_US
         return native(agent_name, agent_config)
 
-    _api.nixlBind.nixlAgent = with_wake
+    bind.nixlAgent = with_wake
     try:
         return nixl_agent(name, config)
     finally:
-        _api.nixlBind.nixlAgent = native
+        bind.nixlAgent = native
 
 
 class NixlKVAgent:
