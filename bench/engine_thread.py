@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
+from gigadecode.cli import build_parser, engine_config  # noqa: E402
 from gigadecode.engine import build_engine  # noqa: E402
-from gigadecode.engine_config import EngineConfig  # noqa: E402
 from gigadecode.sampling import SamplingParams  # noqa: E402
 from gigadecode.server.async_engine import AsyncEngine  # noqa: E402
 
@@ -41,7 +41,8 @@ def main() -> int:
     model_dir = CACHE / args.preset
     if not (model_dir / "config.json").exists():
         make_checkpoint(model_dir, args.preset, seed=0)
-    eng = build_engine(model_dir, EngineConfig())             # the defaults serve and generate use
+    # the defaults serve and generate use (bf16 on GPT-OSS checkpoints, FP8 KV, gk-native, all cores)
+    eng = build_engine(model_dir, engine_config(build_parser().parse_args(["serve", "--model", str(model_dir)])))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, eng.runner.cfg.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

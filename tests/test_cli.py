@@ -160,3 +160,24 @@ def test_a_failed_request_makes_generate_exit_1_and_says_why(tiny_ckpt, tmp_path
     assert len(lines) == 2 and all(d["finish_reason"] == "error" for d in lines)   # one decode batch held both
     assert all("injected decode failure" in d["error"] for d in lines)
     assert "request 1 failed: " in err and "request 2 failed: " in err and "injected decode failure" in err
+
+
+def test_di_servers_get_a_short_openmp_spin(monkeypatch):
+    # set before torch loads libgomp (which reads GOMP_SPINCOUNT once): importing the CLI must not load torch,
+    # and the role is read from the raw arguments
+    from gigadecode.cli import DI_SPIN_COUNT, set_openmp_env
+    code = "import sys, gigadecode.cli; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() \
+        == "False"
+    for argv, want in ((["serve", "--model", "m", "--role", "decode"], str(DI_SPIN_COUNT)),
+                       (["serve", "--role=prefill", "--model", "m"], str(DI_SPIN_COUNT)),
+                       (["serve", "--model", "m", "--role", "both"], None), (["serve", "--model", "m"], None),
+                       (["generate", "--model", "m", "--role", "decode"], None)):
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        set_openmp_env(argv)
+        assert os.environ.get("GOMP_SPINCOUNT") == want, argv
+    monkeypatch.setenv("GOMP_SPINCOUNT", "77")                   # the user's choice stands
+    set_openmp_env(["serve", "--model", "m", "--role", "decode"])
+    assert os.environ["GOMP_SPINCOUNT"] == "77"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
