@@ -148,6 +148,27 @@ class LLMEngine:
         self._finish(req, "abort")
         return True
 
+    def release_kv(self, raw: dict | KVTransferParams) -> bool:
+        """A producer: end the lease of params it answered (signed with its key, naming this engine) whose
+        consumer will never read them (the router's decode server refused the request, or its client left),
+        so the blocks are freed now instead of when the lease runs out. -> whether a lease was ended.
+        RequestError for params that are malformed, unsigned, forged or another engine's."""
+        conn = self.connector
+        if conn is None or not conn.is_producer:
+            raise RequestError("this engine is not a prefill (kv_producer): it holds no leases",
+                               param="kv_transfer_params", code="invalid_kv_transfer_params")
+        params = self._parse_kv(raw)
+        from .connector.params import verify_signature
+        inner = getattr(conn, "inner", conn)           # a parallel engine's: rank 0's connector
+        try:
+            verify_signature(params, inner.key)
+        except KVParamsError as e:
+            raise RequestError(str(e), param=e.param, code="invalid_kv_transfer_params") from None
+        if params.remote_engine_id != getattr(inner, "engine_id", None):
+            raise RequestError("kv_transfer_params name another prefill engine", param="kv_transfer_params."
+                               "remote_engine_id", code="invalid_kv_transfer_params")
+        return params.remote_request_id is not None and conn.release(params.remote_request_id)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

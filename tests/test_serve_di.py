@@ -211,8 +211,8 @@ def test_request_limits(di):
 
 
 def test_proxy_with_decode_down(di):
-    """The decode server is unreachable: the proxy answers 502 and the prefill's leased blocks are freed
-    when the lease ends."""
+    """The decode server is unreachable: the proxy answers 502 and has the prefill release its lease (the
+    blocks are free long before the 10 s lease would end)."""
     import httpx
     port = free_port()
     proxy = start_gigadecode(["proxy", "--prefill", di["prefill"], "--decode", f"http://127.0.0.1:{free_port()}",
@@ -223,10 +223,42 @@ def test_proxy_with_decode_down(di):
         r = httpx.post(url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": [5, 6, 7, 8, 9],
                                                                    "max_tokens": 4})
         assert r.status_code == 502 and "decode" in r.json()["error"]["message"]
-        assert metrics(di["prefill"])["gigadecode_kv_blocks_used"] > 0        # leased for a decode that never came
-        wait_idle(di["prefill"], timeout=30)                                  # ... until the lease ends
+        wait_idle(di["prefill"], timeout=3)                                   # released, not run out
     finally:
         stop_process_tree(proxy)
+
+
+def test_requests_the_decode_refuses_hold_no_prefill_kv(di):
+    # the proxy prefills with max_tokens=1, n=1, no stream: what only the decode server refuses is refused after
+    # a prefill; the proxy then has the prefill release its lease (10 s here) at once
+    import httpx
+    prompt = random_prompt(60, 1024, seed=11)
+    for extra in ({"stream_options": {"include_usage": True}}, {"max_tokens": 1_000_000}, {"n": 0}):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **extra}
+        r = httpx.post(di["proxy"] + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("stream_options", "max_tokens", "n"), r.text
+        wait_idle(di["prefill"], timeout=3)
+    r = httpx.post(di["proxy"] + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": True, "n": 0})
+    assert r.status_code == 400
+    wait_idle(di["prefill"], timeout=3)
+    # the prefill's own answer: released once; forged or unsigned params are refused by name
+    r = httpx.post(di["prefill"] + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    kv = r.json()["kv_transfer_params"]
+    assert metrics(di["prefill"])["gigadecode_kv_blocks_used"] > 0
+    forged = {**kv, "remote_block_ids": [[1, 2, 3]] * len(kv["remote_block_ids"])}
+    for bad in (forged, {**kv, "signature": None}, {"remote_request_id": 5}):
+        r = httpx.post(di["prefill"] + "/kv/release", json={"kv_transfer_params": bad}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("kv_transfer_params"), r.text
+    assert metrics(di["prefill"])["gigadecode_kv_blocks_used"] > 0
+    r = httpx.post(di["prefill"] + "/kv/release", json={"kv_transfer_params": kv}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"released": True}
+    wait_idle(di["prefill"], timeout=3)
+    r = httpx.post(di["prefill"] + "/kv/release", json={"kv_transfer_params": kv}, timeout=30)
+    assert r.json() == {"released": False}                                    # nothing left to release
+    r = httpx.post(di["decode"] + "/kv/release", json={"kv_transfer_params": kv}, timeout=30)
+    assert r.status_code == 400                                               # a decode server holds no leases
 
 
 def _wait_up(url, proc):

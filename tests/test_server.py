@@ -749,3 +749,31 @@ def test_engine_start_ends_the_loading_threads_openmp_pool():
     finally:
         torch.set_num_threads(threads)
     assert len(got["ended"]) >= 1
+
+
+def test_a_prefill_whose_client_left_releases_its_lease():
+    # the router left (client gone) while the prefill ran: when the answer can no longer be delivered, the
+    # prefill server ends the request's lease itself (nobody holds the params to read those blocks)
+    class Producer(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.released: list[str] = []
+            self.connector = SimpleNamespace(is_producer=True, release=lambda rid: self.released.append(rid) or True)
+
+        def step(self):                              # the prefill never finishes while the client waits
+            self.steps += 1
+            return []
+
+        def has_unfinished(self):
+            return False
+
+    fake = Producer()
+    app = build_app(AsyncEngine(fake), "fake", role="prefill")
+    with ServerThread(app) as srv:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(srv.url + "/v1/completions", timeout=0.5, json={
+                "prompt": [1, 2, 3], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        t0 = time.monotonic()
+        while not fake.released and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+    assert fake.released == list(fake.requests)

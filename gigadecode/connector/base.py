@@ -279,6 +279,11 @@ class KVConnectorBase(ABC):
     def cancel(self, request_id: str) -> None:
         """Consumer: stop a load (abort or preemption); its local blocks are freed by the caller."""
 
+    def release(self, request_id: str) -> bool:
+        """Producer: end a lease early (its consumer will never read it); the blocks are freed at the next
+        `get_finished`. -> whether there was such a lease. (Default: leases just run out.)"""
+        return False
+
     # -- both ----------------------------------------------------------------------------------------
     @abstractmethod
     def get_finished(self) -> tuple[set[str], set[str], dict[str, str]]:

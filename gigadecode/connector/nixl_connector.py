@@ -241,6 +241,13 @@ class NixlConnector(KVConnectorBase):
             kv_crc32=kv_crc32(self.kv, ids), kv_head_start=self.agent.layout().kv_head_start,
             kv_crc32_heads=kv_crc32_heads(self.kv, ids), kv_layout_id=self.layout_id)
 
+    def release(self, request_id: str) -> bool:
+        lease = self.leases.get(request_id)
+        if lease is None:
+            return False
+        lease.expires = 0.0
+        return True
+
     def seal(self, params: KVTransferParams, prompt_ids: list[int]) -> KVTransferParams:
         return sign(params.model_copy(update={"prompt_digest": prompt_digest(prompt_ids)}), self.key)
 

@@ -178,9 +178,8 @@ def sign(params: KVTransferParams, key: bytes) -> KVTransferParams:
     return params.model_copy(update={"signature": mac})
 
 
-def verify(params: KVTransferParams, key: bytes, prompt_ids: Sequence[int], layout_id: str) -> None:
-    """KVParamsError unless the params are signed with `key`, for exactly `prompt_ids`, by a producer whose
-    KV layout is `layout_id`. Checked in that order, before anything else reads the params."""
+def verify_signature(params: KVTransferParams, key: bytes) -> None:
+    """KVParamsError unless the params are signed with `key` (as a producer of this deployment answered them)."""
     if params.signature is None:
         raise KVParamsError("kv_transfer_params are not signed: only the params a prefill engine answered "
                             "(sharing this engine's KV secret) can be used", "kv_transfer_params.signature")
@@ -188,6 +187,12 @@ def verify(params: KVTransferParams, key: bytes, prompt_ids: Sequence[int], layo
     if not hmac.compare_digest(mac, params.signature):
         raise KVParamsError("kv_transfer_params signature does not match: the params were altered, forged, or "
                             "signed with another KV secret", "kv_transfer_params.signature")
+
+
+def verify(params: KVTransferParams, key: bytes, prompt_ids: Sequence[int], layout_id: str) -> None:
+    """KVParamsError unless the params are signed with `key`, for exactly `prompt_ids`, by a producer whose
+    KV layout is `layout_id`. Checked in that order, before anything else reads the params."""
+    verify_signature(params, key)
     if params.producer is None and params.kv_layout_id != layout_id:   # a vLLM producer's: checked at handshake
         raise KVParamsError(f"kv_transfer_params are for KV layout {params.kv_layout_id}, this engine's is "
                             f"{layout_id} (another model, KV dtype or block size)", "kv_transfer_params.kv_layout_id")

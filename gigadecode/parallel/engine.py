@@ -242,6 +242,11 @@ class DistributedEngine:
         self._inbox.aborts.append((self._group.pop(request_id), request_id))
         return True
 
+    def release_kv(self, raw: dict) -> bool:
+        """The params are checked as one rank's engine checks them; a TP group's leases are not ended early
+        (every rank would have to end its own in the same step): they run out."""
+        return self.replica.release_kv(raw)
+
     def has_unfinished(self) -> bool:
         return any(not r.finished for r in self.requests.values())
 

@@ -1,5 +1,6 @@
-"""The server's info routes: `/health`, `/metrics` (Prometheus), `/v1/models`, and `/kv/handshake` (a DI
-producer's layout and NIXL agent metadata, for peers that prove the deployment's KV secret only)."""
+"""The server's info routes: `/health`, `/metrics` (Prometheus), `/v1/models`, `/kv/handshake` (a DI
+producer's layout and NIXL agent metadata, for peers that prove the deployment's KV secret only), and
+`/kv/release` (a DI producer ends the lease of params it answered that will never be read)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,25 @@ def _jsonable(info: Any) -> Any:
         return json.loads(json.dumps(asdict(info), default=lambda b: base64.b64encode(b).decode()
                                      if isinstance(b, (bytes, bytearray)) else str(b)))
     return info
+
+
+@router.post("/kv/release", dependencies=[Depends(deps.check_key)])
+async def kv_release(request: Request) -> JSONResponse:
+    """A prefill server: {"kv_transfer_params": params it answered} -> {"released": bool}. The router calls it
+    when the decode side will never read them (it refused the request, or the client left), so the leased
+    blocks are freed at once instead of when the lease runs out. Only signed params naming this engine."""
+    from ..request import RequestError
+    from .body import BodyError, load_object
+    aeng = deps.engine(request)
+    try:
+        raw = load_object(await request.body())
+    except BodyError as e:
+        raise APIError(400, str(e), code="invalid_json") from None
+    params = raw.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        raise APIError(400, "kv_transfer_params: expected the object a prefill answered", param="kv_transfer_params")
+    try:
+        released = await aeng.call(lambda e: e.release_kv(params))
+    except RequestError as e:
+        raise APIError(400, str(e), param=e.param, code=e.code) from None
+    return JSONResponse({"released": bool(released)})

@@ -13,6 +13,7 @@ Routes
   GET  /health                200 while the engine thread runs, else 503
   GET  /metrics               Prometheus text (see async_engine.EngineMetrics)
   GET  /kv/handshake          the KV connector's handshake (DI; needs the KV secret), 404 without a connector
+  POST /kv/release            a prefill ends the lease of params it answered (the router: never to be read)
 
 Request fields beyond OpenAI's (vLLM's names): top_k, min_p, seed, min_tokens, ignore_eos,
 repetition_penalty, stop_token_ids, return_token_ids (each choice then carries `token_ids`, plus

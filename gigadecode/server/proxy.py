@@ -7,7 +7,10 @@ For each POST /v1/completions or /v1/chat/completions:
    reached or answers 5xx is retried on the next one (each at most once); a 4xx goes back to the
    client as it is;
 2. send the client's original body plus the `kv_transfer_params` the prefill answered to a decode
-   server, and stream (or return) its answer as it is.
+   server, and stream (or return) its answer as it is;
+3. if the decode side will never read those params (it refused the request, none was reachable, or the
+   client left before it had them), POST them to the prefill server's `/kv/release`, which frees the
+   leased blocks at once instead of when the lease runs out.
 Behind stock vLLM prefill servers (`--prefill-vllm`, /v1/completions): the proxy has the prompt's token ids
 (given, or from the decode server's `/tokenize`), sends the vLLM prefill `prompt[:-1]` with `max_tokens=1`
 and `kv_transfer_params={"do_remote_decode": true}` (vLLM keeps every token it computes: one fewer makes its
@@ -42,6 +45,7 @@ log = logging.getLogger("gigadecode.proxy")
 
 FORWARD_HEADERS = ("authorization", "x-request-id")
 CONNECT_TIMEOUT_S = 10.0
+RELEASE_TIMEOUT_S = 5.0          # a lease release (best effort: the lease runs out otherwise)
 # Pooled connections to the servers are dropped after this many idle seconds: below uvicorn's keep-alive
 # timeout (5 s), so the proxy never sends a request on a connection the server is closing at that moment
 # (httpx's default expiry is also 5 s: that race surfaced as a rare ReadError, "prefill server unreachable")
@@ -149,6 +153,8 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         http: httpx.AsyncClient = app.state.client
         headers = _headers(request)
 
+        leased: dict[str, Any] = {}        # the prefill's params and its release URL, until the decode has them
+
         async def prepare_decode() -> httpx.Response | Response:
             if vllm:
                 return await vllm_prefill(http, path, body, headers)
@@ -166,6 +172,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             dbody = dict(body)
             if kv is not None:
                 dbody["kv_transfer_params"] = kv
+                leased.update(kv=kv, url=str(pr.request.url.copy_with(path="/kv/release", query=None)))
             else:
                 dbody.pop("kv_transfer_params", None)
             return dbody
@@ -173,15 +180,20 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         stream = body.get("stream") is True
         if not stream:
             try:
-                return await unless_disconnected(request, _prefill_and_decode(http, decodes, path, headers,
-                                                                              prepare_decode))
+                r = await unless_disconnected(request, _prefill_and_decode(http, decodes, path, headers,
+                                                                           prepare_decode))
             except ClientGone:
+                await _release(http, leased, headers)
                 return Response(status_code=499)
+            if r.status_code >= 400:           # the decode side refused or failed: it will not read the KV
+                await _release(http, leased, headers)
+            return r
 
         # streaming: prefill (watching for disconnect), then relay the decode server's stream
         try:
             dbody = await unless_disconnected(request, prepare_decode())
         except ClientGone:
+            await _release(http, leased, headers)
             return Response(status_code=499)
         if isinstance(dbody, Response):
             return dbody
@@ -199,9 +211,12 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             except BaseException:
                 up.in_flight -= 1
                 raise
+            if r.status_code >= 400:
+                await _release(http, leased, headers)
             return StreamingResponse(_relay(r, up), status_code=r.status_code,
                                      media_type=r.headers.get("content-type", "text/event-stream"),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        await _release(http, leased, headers)
         return _error(502, "no decode server could be reached", code="decode_failed")
 
     async def vllm_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str]
@@ -311,6 +326,20 @@ async def _prefill_and_decode(http: httpx.AsyncClient, decodes: Pool, path: str,
         return Response(r.content, status_code=r.status_code,
                         media_type=r.headers.get("content-type", "application/json"))
     return _error(502, "no decode server could be reached", code="decode_failed")
+
+
+async def _release(http: httpx.AsyncClient, leased: dict[str, Any], headers: dict[str, str]) -> None:
+    """Tell the prefill server that its params will never be read (it frees the blocks now, not when the
+    lease runs out); best effort: a failure leaves the lease to run out."""
+    kv, url = leased.pop("kv", None), leased.pop("url", None)
+    if kv is None or url is None:
+        return
+    try:
+        r = await http.post(url, json={"kv_transfer_params": kv}, headers=headers, timeout=RELEASE_TIMEOUT_S)
+        if r.status_code != 200:
+            log.warning("prefill server %s refused to release a lease: %s %s", url, r.status_code, r.text[:200])
+    except httpx.HTTPError as e:
+        log.warning("prefill server %s unreachable to release a lease: %s", url, e)
 
 
 async def _relay(r: httpx.Response, up: Upstream) -> AsyncIterator[bytes]:
