@@ -165,6 +165,10 @@ class RequestStream:
         finally:
             self.close()
 
+    def release_lease(self) -> None:
+        """A prefill whose answer never reached its client: end the request's KV lease (nobody can read it)."""
+        self._engine.release_lease(self.request_id)
+
     def close(self, finish_reason: str = "abort") -> None:
         """Abort the request if it has not finished (idempotent; safe from any code path). `finish_reason`:
         what the metrics count it as ("stop" when a stop string ended it: the client got what it asked for)."""

@@ -333,7 +333,7 @@ async def run_to_end(request: Request, choices: list[Choice]) -> Response | None
         await unless_disconnected(request, _collect(choices))
     except ClientGone:
         for c in choices:                  # a prefill that finished unseen: its params can never be read
-            c.stream._engine.release_lease(c.stream.request_id)
+            c.stream.release_lease()
         return Response(status_code=499)
     _final_error(choices)
     return None
