@@ -88,7 +88,8 @@ class TextRenderer:
         self._length = 0
 
     def push(self, token_ids: Sequence[int], finished: bool) -> list[Piece]:
-        if self.decoder is None:
+        if self.decoder is None:                       # no tokenizer: no text, every token at offset 0
+            self.token_offsets += [0] * len(token_ids)
             return []
         parts = []
         for t in token_ids:
@@ -204,9 +205,7 @@ def completion_logprobs(codec: Any, lps: Sequence[Any], offsets: Sequence[int]) 
         tokens.append(s)
         token_lps.append(_lp(lp.logprob))
         tops.append(top)
-    offsets = list(offsets)[:len(tokens)]
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets + [offsets[-1] if offsets else 0] * (len(tokens) - len(offsets))}
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": list(offsets)}
 
 
 def chat_logprobs(codec: Any, lps: Sequence[Any]) -> dict[str, Any]:

@@ -186,13 +186,12 @@ UNSUPPORTED_CHAT = {"functions": "the legacy `functions` field is not supported;
                     "continue_final_message": "continue_final_message is not supported",
                     "chat_template": "a request's own chat_template is not supported (the checkpoint's is used)",
                     "chat_template_kwargs": "chat_template_kwargs are not supported (use reasoning_effort)",
-                    "documents": "documents are not supported", "echo": "echo is not supported",
-                    "best_of": "only best_of=1 is supported"}
-UNSUPPORTED_COMPLETION = {"echo": "echo is not supported", "suffix": "suffix is not supported",
-                          "best_of": "only best_of=1 is supported"}
+                    "documents": "documents are not supported"}
+UNSUPPORTED_COMPLETION = {"suffix": "suffix is not supported"}
 # vLLM's extra fields that would change the output, on either route: a 400 unless the value is what this
 # server does anyway (`_ASKS_NOTHING`), so a client never gets output that differs from what it asked for
 UNSUPPORTED_EITHER = {
+    "echo": "echo is not supported", "best_of": "only best_of=1 is supported",
     "response_format": "structured output (response_format) is not supported",
     **{k: f"guided decoding ({k}) is not supported" for k in (
         "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
