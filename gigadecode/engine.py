@@ -159,12 +159,11 @@ class LLMEngine:
                                param="kv_transfer_params", code="invalid_kv_transfer_params")
         params = self._parse_kv(raw)
         from .connector.params import verify_signature
-        inner = getattr(conn, "inner", conn)           # a parallel engine's: rank 0's connector
         try:
-            verify_signature(params, inner.key)
+            verify_signature(params, conn.key)
         except KVParamsError as e:
             raise RequestError(str(e), param=e.param, code="invalid_kv_transfer_params") from None
-        if params.remote_engine_id != getattr(inner, "engine_id", None):
+        if params.remote_engine_id != conn.engine_id:
             raise RequestError("kv_transfer_params name another prefill engine", param="kv_transfer_params."
                                "remote_engine_id", code="invalid_kv_transfer_params")
         return params.remote_request_id is not None and conn.release(params.remote_request_id)

@@ -51,6 +51,15 @@ class TPGroupConnector(KVConnectorBase):
     def side_port(self) -> int | None:
         return self.inner.side_port
 
+    @property
+    def key(self) -> bytes:
+        return self.inner.key
+
+    @property
+    def engine_id(self) -> str:
+        """This rank's (rank 0's answers name it)"""
+        return self.inner.engine_id
+
     def handshake_info(self) -> dict[str, Any]:
         return self.inner.handshake_info()
 

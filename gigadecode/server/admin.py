@@ -49,7 +49,7 @@ async def kv_handshake(request: Request) -> JSONResponse:
     conn = getattr(aeng.engine, "connector", None)
     if conn is None or not hasattr(conn, "handshake_info"):
         raise APIError(404, "this engine has no KV connector (no handshake to serve)", code="no_connector")
-    key = getattr(getattr(conn, "inner", conn), "key", None)
+    key = getattr(conn, "key", None)
     if key is None or not check_handshake_token(key, request.headers.get(AUTH_HEADER)):
         raise APIError(403, f"the KV handshake answers only a peer with this deployment's KV secret "
                             f"(a fresh token in {AUTH_HEADER})", type="permission_error", code="kv_auth")
