@@ -153,6 +153,12 @@ class LLMEngine:
         consumer will never read them (the router's decode server refused the request, or its client left),
         so the blocks are freed now instead of when the lease runs out. -> whether a lease was ended.
         RequestError for params that are malformed, unsigned, forged or another engine's."""
+        rid = self.leased_request(raw)
+        return rid is not None and self.release_lease(rid)
+
+    def leased_request(self, raw: dict | KVTransferParams) -> str | None:
+        """The request whose lease `raw` (params this producer answered) names, once they are checked:
+        signed with this engine's key and naming it. RequestError otherwise."""
         conn = self.connector
         if conn is None or not conn.is_producer:
             raise RequestError("this engine is not a prefill (kv_producer): it holds no leases",
@@ -166,7 +172,13 @@ class LLMEngine:
         if params.remote_engine_id != conn.engine_id:
             raise RequestError("kv_transfer_params name another prefill engine", param="kv_transfer_params."
                                "remote_engine_id", code="invalid_kv_transfer_params")
-        return params.remote_request_id is not None and conn.release(params.remote_request_id)
+        return params.remote_request_id
+
+    def release_lease(self, request_id: str) -> bool:
+        """A producer: end one of its requests' KV lease now (nobody will read it); its blocks are freed at
+        the next step. -> whether there was such a lease (False on an engine without a producer connector)."""
+        conn = self.connector
+        return conn is not None and conn.is_producer and conn.release(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

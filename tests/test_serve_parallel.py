@@ -6,7 +6,9 @@ leave the server serving and no KV block in use; SIGTERM stops every rank.
 Disaggregated serving across TP sizes (prefill tp=1 -> decode tp=2 and the reverse, and prefill tp 1 / 2 ->
 decode tp 4 with decode context parallel 2, behind the proxy):
 token-identical to the single node for prompt lengths across block and window edges, both pools back to
-empty; one corrupted kv head is refused by its decode group with the CRC error and serving goes on.
+empty; one corrupted kv head is refused by its decode group with the CRC error and serving goes on; a prefill
+whose KV will never be read (released by the router, or refused by the decode side behind the proxy) frees it
+on every rank at once, not when its lease runs out.
 
 The 4-rank server keeps fp32 KV, so its greedy tokens are also checked against transformers' own; the DI
 stacks keep FP8 KV (the decode default) and are checked against the single rank with the same flags."""
@@ -26,7 +28,8 @@ from gigadecode.server.api import engine_from_args
 
 from .helpers import KV_SECRET, descendants, hf_greedy, random_prompt, stop_process_tree
 from .test_serve_di import di_servers, start_gigadecode
-from .test_server import assert_chat_equals_transformers, assert_completion_ids, free_port, stream_and_cancel, wait_health, wait_idle
+from .test_server import (assert_chat_equals_transformers, assert_completion_ids, free_port, metrics, stream_and_cancel,
+                          wait_health, wait_idle)
 
 MODEL = "tiny"
 BASE_FLAGS = ["--served-model-name", MODEL, "--dtype", "float32", "--num-blocks", "256", "--block-size", "4"]
@@ -212,3 +215,28 @@ def test_di_across_tp_sizes_refuses_one_corrupted_head(di_stack, single_fp8):
     assert r.choices[0].model_extra["token_ids"] == want
     m = _pools_back(di_stack)                     # the corrupted one's lease expired (5 s)
     assert m["gigadecode_kv_transfer_failures_total"] >= 1
+
+
+def test_di_across_tp_sizes_releases_unread_prefill_kv(di_stack):
+    """Params the decode side will never read: the prefill's lease ends at once on every rank of its TP group
+    (the router's `/kv/release`, and the proxy when the decode server refuses), well before its 5 s run out."""
+    import httpx
+    _pools_back(di_stack)
+    prompt = random_prompt(38, 1024, seed=21)
+    t0 = time.monotonic()
+    r = httpx.post(di_stack["prefill"] + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    kv = r.json()["kv_transfer_params"]
+    assert metrics(di_stack["prefill"])["gigadecode_kv_blocks_used"] > 0             # leased
+    r = httpx.post(di_stack["prefill"] + "/kv/release", json={"kv_transfer_params": kv}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"released": True}, r.text
+    wait_idle(di_stack["prefill"], timeout=2.5)
+    assert time.monotonic() - t0 < 4.5, "the lease ran out instead"
+    assert httpx.post(di_stack["prefill"] + "/kv/release", json={"kv_transfer_params": kv},
+                      timeout=30).json() == {"released": False}                      # nothing left to release
+    t0 = time.monotonic()
+    r = httpx.post(di_stack["proxy"] + "/v1/completions", timeout=60, json={     # only the decode side refuses n=0
+        "model": MODEL, "prompt": prompt, "max_tokens": 4, "n": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    wait_idle(di_stack["prefill"], timeout=2.5)
+    assert time.monotonic() - t0 < 4.5, "the lease ran out instead"

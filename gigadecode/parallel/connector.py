@@ -16,7 +16,7 @@ step that has transfers or leases outstanding (the sets are the same on every ra
 - producer: `request_finished` gathers every rank's params over the group into one answer whose
   `remote_ranks` lists each rank's engine id, side channel, kv head start and per-head CRCs (what a
   consumer of any TP size needs to read its heads); blocks are freed once every rank was notified or saw
-  its lease expire.
+  its lease expire or end early (`release`, which the parallel engine makes on every rank in one step).
 """
 
 from __future__ import annotations
@@ -86,6 +86,14 @@ class TPGroupConnector(KVConnectorBase):
 
     def seal(self, params: KVTransferParams, prompt_ids: list[int]) -> KVTransferParams:
         return self.inner.seal(params, prompt_ids)
+
+    def release(self, request_id: str) -> bool:
+        """End this rank's lease; every rank of the group must do so in the same step (the parallel engine
+        sends the release to all of them), or the group frees the blocks when the others' run out."""
+        return self.inner.release(request_id)
+
+    def holds_lease(self, request_id: str) -> bool:
+        return request_id in self._leased
 
     # -- consumer ------------------------------------------------------------------------------------
     def start_load(self, request_id: str, params: KVTransferParams, local_tables: list[list[int]]) -> None:

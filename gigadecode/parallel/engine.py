@@ -12,7 +12,7 @@ World rank 0's `DistributedEngine` is what `generate` and the server drive: it h
 (`add_request`, `abort`, `step`, `has_unfinished`, `requests`, `running`, `waiting`, `kv_usage`, `stats`,
 `max_model_len`). Each of its steps
 1. broadcasts a `StepInbox` to the world: new requests (each placed on the least-loaded DP group after
-   rank 0 validated it), aborts, or stop;
+   rank 0 validated it), aborts, DI leases to end early, or stop;
 2. steps rank 0's own replica, while every other rank does the same in `run_worker`;
 3. gathers from the first TP rank of each DP group that group's `RequestOutput`s and a small status, and
    applies them to its mirror `Request`s (which is what `requests` holds on rank 0).
@@ -54,6 +54,7 @@ class StepInbox:
     adds: list[tuple[int, str, list[int], SamplingParams, KVTransferParams | None]] = field(default_factory=list)
     #     (dp group, request id, prompt, params, kv_transfer_params)
     aborts: list[tuple[int, str]] = field(default_factory=list)                            # (dp group, id)
+    releases: list[str] = field(default_factory=list)     # DI producer: leases to end now, on every rank
     stop: bool = False
 
 
@@ -137,6 +138,8 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
         if g == ctx.dp_rank:
             engine.abort(rid)
             engine.requests.pop(rid, None)
+    for rid in inbox.releases:               # every rank of the group holding the lease ends it in this step
+        engine.release_lease(rid)
     s0 = engine.stats.as_dict()
     ctx.stats.reset()
     t0 = time.perf_counter()
@@ -243,9 +246,20 @@ class DistributedEngine:
         return True
 
     def release_kv(self, raw: dict) -> bool:
-        """The params are checked as one rank's engine checks them; a TP group's leases are not ended early
-        (every rank would have to end its own in the same step): they run out."""
-        return self.replica.release_kv(raw)
+        """The params are checked as one rank's engine checks them (rank 0 answers for its group); the
+        lease is then ended on every rank in the next step (`release_lease`)."""
+        rid = self.replica.leased_request(raw)
+        return rid is not None and self.release_lease(rid)
+
+    def release_lease(self, request_id: str) -> bool:
+        """A producer: end a request's KV lease on every rank, in the same step (a TP group frees blocks
+        only once all its ranks ended the lease). -> whether rank 0's group holds that lease (True with
+        several DP groups: another group may)."""
+        conn = self.connector
+        if conn is None or not conn.is_producer:
+            return False
+        self._inbox.releases.append(request_id)
+        return self.ctx.dp_size > 1 or conn.holds_lease(request_id)
 
     def has_unfinished(self) -> bool:
         return any(not r.finished for r in self.requests.values())

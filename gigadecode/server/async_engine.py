@@ -286,11 +286,7 @@ class AsyncEngine:
         """A producer: end the KV lease of one of its requests whose answer never reached the client (it left
         after the prefill finished): nobody can read those blocks (thread-safe, non-blocking; a no-op for a
         request without a lease, and on an engine without a KV connector)."""
-        def do() -> None:
-            conn = getattr(self.engine, "connector", None)
-            if conn is not None and conn.is_producer:
-                conn.release(request_id)
-        self._post(do)
+        self._post(lambda: self.engine.release_lease(request_id))
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run fn(engine) on the engine thread; returns its result (or raises its exception)."""
