@@ -102,7 +102,9 @@ def build_decoder(cfg: GptOssConfig, weights: ModelWeights, model: GptOssModel, 
 
 
 def default_num_blocks(cfg: GptOssConfig, ecfg: EngineConfig, num_kv_heads: int, max_model_len: int) -> int:
-    """Enough for max_num_seqs full-length sequences, capped by the KV memory budget; + the null block."""
+    """Enough for max_num_seqs full-length sequences, capped by the KV memory budget; + the null block; +
+    what a sliding group holds beyond its window while a prefill chunk runs, so that one request alone can
+    reach `max_model_len` (the engine's `_fits_pool`)."""
     itemsize = torch.empty((), dtype=ecfg.kv_storage_dtype()).element_size()
     specs = get_kv_spec(cfg, ecfg.block_size, itemsize, num_kv_heads)
     kvc = make_kv_cache_config(specs, 1)
@@ -110,7 +112,9 @@ def default_num_blocks(cfg: GptOssConfig, ecfg: EngineConfig, num_kv_heads: int,
     bytes_per_block = n_buffers * 2 * num_kv_heads * ecfg.block_size * cfg.head_dim * itemsize
     budget = (ecfg.kv_budget_gib or DEFAULT_KV_BUDGET_GIB) * 1024**3
     per_seq = sum(g.spec.max_blocks(max_model_len) for g in kvc.groups)
-    want = ecfg.max_num_seqs * per_seq + 1
+    chunk = min(ecfg.max_prefill_tokens, max_model_len)     # a step prefills at most this many tokens in all
+    peak = sum(g.spec.peak_blocks(max_model_len, chunk) for g in kvc.groups)
+    want = ecfg.max_num_seqs * per_seq + max(0, peak - per_seq) + 1
     return max(2, min(want, int(budget // bytes_per_block)))
 
 

@@ -10,6 +10,7 @@ import torch
 
 from gigadecode.engine_config import EngineConfig
 from gigadecode.engine import LLMEngine, RequestError
+from gigadecode.kv.spec import SlidingWindowSpec
 from gigadecode.runner import ModelRunner
 from gigadecode.sampling import SamplingError, SamplingParams
 from gigadecode.weights import load_weights
@@ -95,6 +96,19 @@ def test_a_prompt_as_long_as_the_context_runs_in_a_small_pool(tiny_ckpt):
     assert eng.kv_manager.num_free_blocks == 40
     with pytest.raises(RequestError, match="maximum context length"):
         eng.add_request(prompt + [5], greedy(2))
+
+
+@pytest.mark.parametrize("max_num_seqs,block_size,max_prefill_tokens", [(1, 16, 512), (1, 6, 100), (3, 4, 37)])
+def test_the_default_pool_holds_the_whole_context(tiny_ckpt, max_num_seqs, block_size, max_prefill_tokens):
+    """Without --num-blocks the pool is sized for max_num_seqs full-length sequences, and a lone request can
+    reach max_position_embeddings: the sliding group's prefill chunk on top of its window is counted (it once
+    was not, and one sequence's pool advertised a context 512 tokens short)."""
+    eng = make_engine(tiny_ckpt, num_blocks=None, max_num_seqs=max_num_seqs, block_size=block_size,
+                      max_prefill_tokens=max_prefill_tokens)
+    assert eng.max_model_len == eng.cfg.max_position_embeddings
+    per_seq = sum(cdiv(eng.cfg.sliding_window - 1, block_size) + 1 if isinstance(g.spec, SlidingWindowSpec)
+                  else cdiv(eng.max_model_len, block_size) for g in eng.runner.kv.config.groups)
+    assert eng.runner.kv.num_blocks - 1 >= max_num_seqs * per_seq     # and still max_num_seqs sequences
 
 
 def test_seeded_sampling_is_per_request(tiny_ckpt, prompts):
