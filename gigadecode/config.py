@@ -123,9 +123,8 @@ class GptOssConfig:
         need(not bad, f"unknown layer_types {bad} (expected {SLIDING!r} or {FULL!r})")
         if SLIDING in self.layer_types:
             need(self.sliding_window > 0, f"sliding_window must be > 0 (got {self.sliding_window})")
-            need(self.sliding_window <= self.max_position_embeddings,
-                 f"sliding_window ({self.sliding_window}) > max_position_embeddings "
-                 f"({self.max_position_embeddings})")
+            # a window longer than the context never binds: those layers attend to everything (as in
+            # transformers, which loads such a config)
         # Token ids index the embedding / lm_head rows.
         for e in self.eos_token_ids:
             need(is_int(e) and 0 <= e < self.vocab_size,
@@ -287,42 +286,29 @@ class GptOssConfig:
         if mt is not None and mt != "gpt_oss":
             raise ConfigError(f"model_type is {mt!r}, expected 'gpt_oss'")
 
-        # RoPE: new form `rope_parameters` (theta inside), old form `rope_scaling` + `rope_theta`.
-        rp_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
-        rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if not isinstance(rp, dict):
+        # RoPE, read as transformers reads it: a legacy `rope_scaling` (when not empty) wins over
+        # `rope_parameters`; with neither, GPT-OSS's YaRN (factor 32 over 4,096 positions, no truncation);
+        # a dict without a type is plain RoPE; `rope_theta` inside the dict, else top-level, else 150,000; a
+        # YaRN dict without `original_max_position_embeddings` scales from max_position_embeddings.
+        rp_key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+        rp = d.get(rp_key)
+        if rp is not None and not isinstance(rp, dict):
             raise bad(rp_key, rp, "an object")
 
         def rk(k: str) -> str:
             return f"{rp_key}.{k}"
 
-        if rp.get("rope_theta") is not None:
+        if rp is not None and rp.get("rope_theta") is not None:
             theta = as_float(rk("rope_theta"), rp["rope_theta"])
         elif d.get("rope_theta") is not None:
             theta = as_float("rope_theta", d["rope_theta"])
         else:
             theta = RopeConfig.theta
-        rope_type = as_str(rk("rope_type"), rp.get("rope_type", rp.get("type", "yarn" if rp else "default")))
-        if rp.get("original_max_position_embeddings") is not None:
-            orig = as_int(rk("original_max_position_embeddings"), rp["original_max_position_embeddings"])
-        elif d.get("initial_context_length") is not None:
-            orig = as_int("initial_context_length", d["initial_context_length"])
+        if rp is None:
+            rope = RopeConfig(theta=theta)
         else:
-            orig = 4096
-        truncate = rp.get("truncate", True)
-        af = rp.get("attention_factor")
-        rope = RopeConfig(
-            rope_type=rope_type,
-            theta=theta,
-            factor=RopeConfig.factor if rp.get("factor") is None else as_float(rk("factor"), rp["factor"]),
-            original_max_position_embeddings=orig,
-            # transformers reads the betas as `get(...) or default`.
-            beta_fast=as_float(rk("beta_fast"), rp.get("beta_fast") or 32.0),
-            beta_slow=as_float(rk("beta_slow"), rp.get("beta_slow") or 1.0),
-            # transformers treats a missing `truncate` as True.
-            truncate=False if truncate is None else as_bool(rk("truncate"), truncate),
-            attention_factor=None if af is None else as_float(rk("attention_factor"), af),
-        )
+            rope = _rope_from_dict(rp, theta, d.get("max_position_embeddings", cls.max_position_embeddings),
+                                   rk, as_int, as_float, as_bool, as_str)
 
         qc = d.get("quantization_config")
         quant = None
@@ -371,3 +357,36 @@ class GptOssConfig:
 
     def with_(self, **changes: Any) -> GptOssConfig:
         return replace(self, **changes)
+
+
+def _rope_from_dict(rp: dict[str, Any], theta: float, max_positions: Any, rk, as_int, as_float, as_bool,
+                    as_str) -> RopeConfig:
+    """A config.json's RoPE dict -> RopeConfig, with transformers' defaults for the keys it leaves out."""
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    rope_type = as_str(rk("rope_type"), rope_type)
+    for k, off in (("partial_rotary_factor", 1.0), ("mscale", None), ("mscale_all_dim", None)):
+        if rp.get(k) is not None and rp[k] != off:
+            raise ConfigError(f"config.json {rk(k)} = {rp[k]!r} is not supported (GPT-OSS rotates whole heads "
+                              f"with YaRN's own attention factor)")
+    if rope_type != "yarn":
+        return RopeConfig(rope_type=rope_type, theta=theta)
+    if "factor" not in rp:
+        raise ConfigError(f"config.json {rk('factor')} is required for YaRN RoPE")
+    orig = rp.get("original_max_position_embeddings")
+    orig = (as_int("max_position_embeddings", max_positions) if orig is None
+            else as_int(rk("original_max_position_embeddings"), orig))
+    factor = rp["factor"]                   # null: the ratio of the context to the pretraining length
+    af = rp.get("attention_factor")
+    truncate = rp.get("truncate", True)     # transformers: a missing `truncate` is True, a null one False
+    return RopeConfig(
+        rope_type="yarn",
+        theta=theta,
+        factor=as_int("max_position_embeddings", max_positions) / orig if factor is None
+        else as_float(rk("factor"), factor),
+        original_max_position_embeddings=orig,
+        # transformers reads the betas as `get(...) or default`.
+        beta_fast=as_float(rk("beta_fast"), rp.get("beta_fast") or 32.0),
+        beta_slow=as_float(rk("beta_slow"), rp.get("beta_slow") or 1.0),
+        truncate=False if truncate is None else as_bool(rk("truncate"), truncate),
+        attention_factor=None if af is None else as_float(rk("attention_factor"), af),
+    )

@@ -336,6 +336,49 @@ def test_from_hf_agrees_with_transformers_config():
     assert rp["factor"] == c.rope.factor and rp.get("truncate", True) == c.rope.truncate
 
 
+# config.json RoPE forms beyond the published ones: what each key's absence means is transformers' call
+_NO_ROPE = {k: v for k, v in GPT_OSS_20B.items() if k not in ("rope_scaling", "rope_theta", "initial_context_length")}
+ROPE_FORMS = {
+    "no rope keys": {},                                                  # GPT-OSS's YaRN, not plain RoPE
+    "null rope_parameters": {"rope_parameters": None},
+    "rope_theta only": {"rope_theta": 10000.0},
+    "rope_parameters without a type": {"rope_parameters": {"rope_theta": 10000.0}},   # plain RoPE
+    "empty rope_parameters": {"rope_parameters": {}, "rope_theta": 99.0},
+    "rope_scaling without a type": {"rope_scaling": {"factor": 4.0}},
+    "yarn without its original length": {"rope_scaling": {"rope_type": "yarn", "factor": 8.0},
+                                         "initial_context_length": 1024, "max_position_embeddings": 8192},
+    "rope_scaling wins": {"rope_scaling": {"type": "yarn", "factor": 8.0},
+                          "rope_parameters": {"rope_type": "default", "rope_theta": 77.0}},
+    "empty rope_scaling": {"rope_scaling": {}, "rope_parameters": {"rope_type": "default", "rope_theta": 77.0}},
+    "null truncate, null factor": {"rope_parameters": {"rope_type": "yarn", "factor": None, "truncate": None,
+                                                       "original_max_position_embeddings": 2048}},
+}
+
+
+@pytest.mark.parametrize("form", list(ROPE_FORMS))
+def test_rope_defaults_are_read_as_transformers_reads_them(form, tmp_path):
+    """Each RoPE form of a config.json gives the parameters transformers' GptOssConfig loads from the same
+    file (a wrong default changes every token after the first few: they once were read the other way round)."""
+    d = {**_NO_ROPE, **ROPE_FORMS[form]}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    want = transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters
+    got = GptOssConfig.from_hf(tmp_path).rope
+    assert (got.rope_type, got.theta) == (want["rope_type"], want["rope_theta"])
+    if got.rope_type == "yarn":         # a null factor: transformers' YaRN takes the ratio of the two lengths
+        factor = want["factor"] or d["max_position_embeddings"] / want["original_max_position_embeddings"]
+        assert (got.factor, got.original_max_position_embeddings) == (factor, want["original_max_position_embeddings"])
+        assert (got.truncate, got.beta_fast, got.beta_slow) == (bool(want.get("truncate", True)),
+                                                                want.get("beta_fast") or 32, want.get("beta_slow") or 1)
+
+
+def test_rope_forms_we_cannot_run_are_refused():
+    for rp in ({"rope_type": "yarn", "rope_theta": 1000.0},                     # YaRN needs its factor
+               {"rope_type": "default", "partial_rotary_factor": 0.5},          # GPT-OSS rotates whole heads
+               {"rope_type": "yarn", "factor": 4.0, "mscale": 0.7}):
+        with pytest.raises(ConfigError, match="rope_parameters"):
+            GptOssConfig.from_hf({**_NO_ROPE, "rope_parameters": rp})
+
+
 def _yarn_case(max_pos: int, theta: float = 150000, **rope) -> dict:
     d = json.loads(json.dumps(GPT_OSS_20B))
     d["max_position_embeddings"], d["rope_theta"] = max_pos, theta

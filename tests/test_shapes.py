@@ -3,7 +3,7 @@ GPT-OSS configs unlike the presets, against transformers on the same files.
 
 Each case mixes what the presets do not have: a hidden size that is not a multiple of 64 (with bf16 experts, not
 even of 8), head dims of 6 to 80, 1 to 12 q heads over 1 to 3 kv heads, 2 to 9 experts with top-1 to top-4, odd
-vocabularies, sliding windows of 1 to 33 tokens, block sizes of 1 to 32, and prefill chunks shorter than the
+vocabularies, sliding windows of 1 to 33 tokens (and one longer than the context), block sizes of 1 to 32, and prefill chunks shorter than the
 prompt. Three prompts (1 token, across a window and a few blocks, longer) decode together, greedily. Every
 generated token must be transformers' argmax on the same sequence (teacher-forced: its uncached forward over
 prompt + our tokens), wherever its top two logits are clear of float noise.
@@ -53,6 +53,9 @@ CASES = {
     "odd-hidden": (dict(layer_types=(F, S), hidden_size=50, intermediate_size=18, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=6, num_local_experts=5, num_experts_per_tok=2, sliding_window=4,
                         vocab_size=389), "bf16", 4, 16),
+    # a window longer than the whole context (transformers loads it; it never binds)
+    "window-past-context": (dict(layer_types=(S, F), max_position_embeddings=128, sliding_window=200,
+                                 vocab_size=1001), "mxfp4", 16, 24),
 }
 NEW_TOKENS = 8
 CLEAR = 1e-4                     # top-2 gap (relative to max |logit|) below which a position is a near-tie
@@ -70,7 +73,7 @@ def test_engine_matches_transformers_on_unusual_configs(tmp_path, name):
     rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)) for p in prompts]
     while not all(eng.requests[r].finished for r in rids):
         eng.step()
-    if over["hidden_size"] % 8:
+    if cfg.hidden_size % 8:
         # transformers' grouped expert GEMM needs 16-byte strides; its eager experts compute the same thing
         from transformers import GptOssForCausalLM
         hf = GptOssForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, experts_implementation="eager").eval()

@@ -139,7 +139,6 @@ def test_real_gpt_oss_configs_validate():
 
 
 @pytest.mark.parametrize("changes,match", [
-    (dict(sliding_window=5000), r"sliding_window \(5000\) > max_position_embeddings \(4096\)"),
     (dict(eos_token_id=1024), r"eos_token_id 1024 is outside the vocabulary \[0, 1024\)"),
     (dict(eos_token_id=[2, 5000]), r"eos_token_id 5000 is outside the vocabulary \[0, 1024\)"),
     (dict(eos_token_id=-1), r"eos_token_id -1 is outside the vocabulary"),
@@ -209,7 +208,7 @@ def test_pad_and_bos_may_be_absent(tiny_ckpt):
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": "big", "factor": 32.0}),
      "rope_parameters.rope_theta"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": [32]}), "rope_parameters.factor"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "truncate": "no"}),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 32.0, "truncate": "no"}),
      "rope_parameters.truncate"),
     (dict(rope_parameters={"rope_type": 3, "rope_theta": 1e4}), "rope_parameters.rope_type"),
     (dict(quantization_config="mxfp4"), "quantization_config"),
@@ -240,9 +239,9 @@ def test_config_json_old_rope_and_derived_keys_type_errors():
     with pytest.raises(ConfigError, match="config.json 'num_experts' must be an integer"):
         GptOssConfig.from_hf(d)
     d = json.loads(json.dumps(GPT_OSS_20B))
-    d["initial_context_length"] = "4k"
+    d["max_position_embeddings"] = "128k"          # YaRN's original length when the rope dict has none
     del d["rope_scaling"]["original_max_position_embeddings"]
-    with pytest.raises(ConfigError, match="config.json 'initial_context_length' must be an integer"):
+    with pytest.raises(ConfigError, match="config.json 'max_position_embeddings' must be an integer"):
         GptOssConfig.from_hf(d)
 
 
