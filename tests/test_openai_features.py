@@ -38,9 +38,9 @@ def live(tiny_ckpt):
         yield eng, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
 
-def _greedy_text(client, prompt, n_tokens, **kw):
-    r = client.completions.create(model="m", prompt=prompt, max_tokens=n_tokens, temperature=0, extra_body=EXTRA,
-                                  **kw)
+def _greedy_text(client, prompt, n_tokens, extra=None, **kw):
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=n_tokens, temperature=0,
+                                  extra_body={**EXTRA, **(extra or {})}, **kw)
     return r.choices[0]
 
 
@@ -252,3 +252,67 @@ def test_chat_logprobs_streamed_cover_every_token(live, tiny_ckpt):
                     if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
         assert [e.token for e in streamed] == [e.token for e in whole.logprobs.content]
         assert all(len(e.top_logprobs) == 2 for e in streamed)
+
+
+def test_min_tokens_holds_back_stop_strings(live, tiny_ckpt):
+    """As in vLLM: no stop string may end in the text of the first `min_tokens` tokens (it may start there);
+    whole and streamed answers agree."""
+    _, client = live
+    codec = TextCodec.from_dir(tiny_ckpt)
+    m = 6
+    for seed in range(40):                       # a prompt whose text has a character both before and after
+        prompt = random_prompt(12, 1024, seed=seed)
+        full = _greedy_text(client, prompt, 24)
+        bound = len(codec.decode(full.token_ids[:m]))    # the text of the first m tokens
+        both = [ch for ch in set(full.text[:bound]) if ch in full.text[bound:]]
+        if both:
+            break
+    else:
+        pytest.skip("no prompt with a character on both sides of the min_tokens boundary")
+    stop = sorted(both)[0]
+    cut = full.text[:full.text.index(stop, bound)]   # the first match that ends past the boundary
+    got = _greedy_text(client, prompt, 24, {"min_tokens": m}, stop=[stop])
+    assert full.text.index(stop) < bound                    # without min_tokens it would stop earlier
+    assert (got.text, got.finish_reason) == (cut, "stop") and len(got.token_ids) > m
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model="m", prompt=prompt, max_tokens=24, temperature=0, stream=True, stop=[stop],
+        extra_body={**EXTRA, "min_tokens": m}))
+    assert streamed == cut
+
+
+def test_a_stop_token_is_left_out_of_the_text(live, tiny_ckpt):
+    """A sequence ended by one of `stop_token_ids` keeps the token in its ids and logprobs, not in its text
+    (vLLM without include_stop_str_in_output); whole and streamed."""
+    _, client = live
+    codec = TextCodec.from_dir(tiny_ckpt)
+    prompt = random_prompt(12, 1024, seed=3)
+    full = _greedy_text(client, prompt, 16)
+    j = next(i for i in range(3, 16) if full.token_ids[i] not in full.token_ids[:i]
+             and full.token_ids[i] not in codec.special_ids and codec.decode([full.token_ids[i]]))
+    stop_id = full.token_ids[j]
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0, logprobs=1,
+                                  extra_body={**EXTRA, "stop_token_ids": [stop_id]}).choices[0]
+    assert r.finish_reason == "stop" and r.token_ids == full.token_ids[:j + 1]
+    assert r.text == codec.decode(full.token_ids[:j]) and len(r.logprobs.tokens) == j + 1
+    assert r.logprobs.text_offset[-1] == len(r.text)
+    chunks = list(client.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                            extra_body={**EXTRA, "stop_token_ids": [stop_id]}))
+    assert "".join(ch.choices[0].text for ch in chunks) == r.text
+    assert [t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]] == r.token_ids
+
+
+def test_streams_send_the_prompt_token_ids_first(live, tiny_ckpt):
+    """return_token_ids: the first chunk of each choice carries the prompt's ids (vLLM's place for them)."""
+    _, client = live
+    prompt = random_prompt(9, 1024, seed=4)
+    chunks = list(client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, stream=True,
+                                            n=2, extra_body=EXTRA))
+    for i in range(2):
+        mine = [ch.choices[0].model_extra for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in mine[1:])
+    chat = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                               stream=True, extra_body=EXTRA))
+    want = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          extra_body=EXTRA).model_extra["prompt_token_ids"]
+    assert chat[0].model_extra["prompt_token_ids"] == want and len(want) > 1
+    assert all("prompt_token_ids" not in (ch.model_extra or {}) for ch in chat[1:])

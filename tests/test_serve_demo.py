@@ -90,3 +90,29 @@ def test_stop_strings_and_n(url):
     assert [ch.index for ch in r.choices] == [0, 1]
     for ch in r.choices:
         assert ch.message.content == "37 + 45" and ch.finish_reason == "stop"
+
+
+def test_a_stop_token_ends_the_reasoning_without_its_text(url, demo_dir):
+    """`stop_token_ids` with a text token of the analysis channel: the reasoning ends before that token's text
+    (which stays in the token ids), as vLLM leaves a stop token out of the output."""
+    from gigadecode.tokenizer import TextCodec
+    codec = TextCodec.from_dir(demo_dir)
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    full = c.chat.completions.create(model="demo", messages=ASK, temperature=0, max_tokens=128,
+                                     extra_body={"return_token_ids": True}).choices[0]
+    ids, reasoning = full.model_extra["token_ids"], full.message.model_extra["reasoning_content"]
+    j = next(i for i, t in enumerate(ids) if "=" in codec.decode([t]))
+    want = reasoning[:reasoning.index(codec.decode([ids[j]]))]
+    assert want.startswith("ones: ")
+    for stream in (False, True):
+        r = c.chat.completions.create(model="demo", messages=ASK, temperature=0, max_tokens=128, stream=stream,
+                                      extra_body={"return_token_ids": True, "stop_token_ids": [ids[j]]})
+        if stream:
+            chunks = [ch for ch in r if ch.choices]
+            got = "".join((ch.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for ch in chunks)
+            got_ids = [t for ch in chunks for t in ch.choices[0].model_extra.get("token_ids") or []]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            ch = r.choices[0]
+            got, got_ids, finish = ch.message.model_extra["reasoning_content"], ch.model_extra["token_ids"], ch.finish_reason
+        assert (got, got_ids, finish) == (want, ids[:j + 1], "stop")

@@ -131,7 +131,8 @@ async def chat_completions(request: Request) -> Response:
             unsent[c.index] = []
             return stream_chunk(head, c, d, out.new_token_ids if req.return_token_ids else None)
         first = [{**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}]} for c in choices]
+                                       "logprobs": None, "finish_reason": None}],
+                  **({"prompt_token_ids": c.prompt_ids} if req.return_token_ids else {})} for c in choices]
         include = req.stream_options and req.stream_options.include_usage
         return sse_response(stream_events(choices, chunk, first, {**head, "choices": []} if include else None))
 

@@ -48,18 +48,23 @@ class Piece:
 
 
 class StopMatcher:
-    """Cuts content at the first OpenAI stop string, across pushes."""
+    """Cuts content at the first OpenAI stop string, across pushes. Text pushed as `protected` (that of a
+    request's first `min_tokens` tokens) may start a match but not end one (vLLM's rule)."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.held = ""
         self.hit = False
+        self._base = 0              # where `held` starts in the content pushed so far
+        self._min_end = 0           # a match must end past this position
 
-    def push(self, text: str) -> str:
+    def push(self, text: str, protected: bool = False) -> str:
         if not self.stops or self.hit:
             return "" if self.hit else text
         buf = self.held + text
-        at = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if protected:
+            self._min_end = self._base + len(buf)
+        at = [i for i in (buf.find(s, max(0, self._min_end - self._base - len(s) + 1)) for s in self.stops) if i >= 0]
         if at:
             self.hit, self.held = True, ""
             return buf[:min(at)]
@@ -70,6 +75,7 @@ class StopMatcher:
                     keep = k
                     break
         self.held = buf[len(buf) - keep:] if keep else ""
+        self._base += len(buf) - keep
         return buf[:len(buf) - keep]
 
     def flush(self) -> str:
@@ -102,6 +108,11 @@ class TextRenderer:
         text = "".join(parts)
         return [Piece("content", text)] if text else []
 
+    def skip(self, token_id: int) -> list[Piece]:
+        """A stop token that ended the sequence: counted (its offset), not rendered."""
+        self.token_offsets.append(self._length)
+        return []
+
     def finish_reason(self, engine_reason: str | None) -> str | None:
         return engine_reason
 
@@ -118,6 +129,10 @@ class HarmonyRenderer:
         if finished:
             deltas += self.parser.finish()
         return [Piece(d.kind, d.text, d.index, d.id, d.name, d.arguments) for d in deltas]
+
+    def skip(self, token_id: int) -> list[Piece]:
+        """A stop token that ended the sequence: harmony's own (special, no text) still ends the message."""
+        return self.push([token_id], False) if token_id in self.parser.codec.special_ids else []
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         return self.parser.finish_reason(engine_reason)
@@ -143,18 +158,31 @@ class Choice:
     error: str | None = None
     kv_transfer_params: dict | None = None
     done: bool = False
+    min_tokens: int = 0
 
     def absorb(self, out: Any) -> list[Piece]:
         """Take one RequestOutput -> the new pieces (stop strings applied). A stop string finishes the choice
-        and aborts its engine request; outputs after that (its abort) are ignored."""
+        and aborts its engine request; outputs after that (its abort) are ignored. As in vLLM, no stop string
+        may end in the text of the first `min_tokens` tokens, and the stop token (EOS or one of
+        `stop_token_ids`) that ended a sequence stays in its token ids but not in its text."""
         if self.done:
             return []
-        self.token_ids.extend(out.new_token_ids)
+        ids = list(out.new_token_ids)
+        first = len(self.token_ids)
+        self.token_ids.extend(ids)
         self.logprobs.extend(out.new_logprobs or ())
+        stop_id = ids.pop() if ids and out.finished and out.finish_reason == "stop" else None
+        k = min(len(ids), max(0, self.min_tokens - first))
+        rendered = [(p, True) for p in self.renderer.push(ids[:k], False)]
+        rendered += [(p, False) for p in self.renderer.push(ids[k:], False)]
+        if stop_id is not None:
+            rendered += [(p, False) for p in self.renderer.skip(stop_id)]
+        if out.finished:
+            rendered += [(p, False) for p in self.renderer.push([], True)]
         new: list[Piece] = []
-        for p in self.renderer.push(out.new_token_ids, out.finished):
+        for p, protected in rendered:
             if p.kind == "content":
-                p = replace(p, text=self.stop.push(p.text))
+                p = replace(p, text=self.stop.push(p.text, protected))
             if p.text or p.kind == "tool_call":
                 new.append(p)
         if self.stop.hit:
@@ -265,7 +293,8 @@ async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingPar
                     stream = await aeng.submit(ids, p, rid, kv if index == 0 else None)
                 except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
                     raise engine_error(e, prompt_param) from None
-                choices.append(Choice(index, pi, stream, ids, make_renderer(), StopMatcher(stops)))
+                choices.append(Choice(index, pi, stream, ids, make_renderer(), StopMatcher(stops),
+                                      min_tokens=p.min_tokens))
     except BaseException:
         for c in choices:
             c.stream.close()
