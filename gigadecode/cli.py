@@ -71,11 +71,19 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_requests(args: argparse.Namespace, codec) -> list[tuple[list[int], dict]]:
+def _base_params(args: argparse.Namespace) -> dict:
+    """The sampling flags, which a request's own fields override."""
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
+
+
+def _read_requests(args: argparse.Namespace, codec) -> list[tuple[list[int], dict, str]]:
+    """-> (prompt ids, the request's own sampling fields, where it came from) per request. A file that cannot
+    be read, a line that is no request or whose sampling fields are invalid: SystemExit naming file:line."""
     if args.requests:
         from dataclasses import fields
 
-        from .sampling import SamplingParams
+        from .sampling import SamplingError, SamplingParams
         known = {f.name for f in fields(SamplingParams)}
         try:
             lines = Path(args.requests).read_text().splitlines()
@@ -91,6 +99,7 @@ def _read_requests(args: argparse.Namespace, codec) -> list[tuple[list[int], dic
                 raise SystemExit(f"gigadecode generate: {args.requests}:{n}: not JSON ({e})")
             if not isinstance(d, dict):
                 raise SystemExit(f"gigadecode generate: {args.requests}:{n}: a request must be a JSON object")
+            d = {k: v for k, v in d.items() if v is not None}     # null: not given (the flag applies)
             unknown = sorted(set(d) - known - {"prompt_ids", "prompt"})
             if unknown:
                 raise SystemExit(f"gigadecode generate: {args.requests}:{n}: unknown key(s) {', '.join(unknown)} "
@@ -101,18 +110,22 @@ def _read_requests(args: argparse.Namespace, codec) -> list[tuple[list[int], dic
                 ids = codec.encode(d.pop("prompt"))
             else:
                 raise SystemExit(f"gigadecode generate: {args.requests}:{n}: needs prompt_ids (or prompt with a tokenizer)")
-            out.append((ids, d))
+            try:
+                SamplingParams.from_dict({**_base_params(args), **d})
+            except SamplingError as e:
+                raise SystemExit(f"gigadecode generate: {args.requests}:{n}: {e}")
+            out.append((ids, d, f"{args.requests}:{n}"))
         if not out:
             raise SystemExit(f"gigadecode generate: {args.requests} has no requests")
         return out
     if args.prompt_ids is not None:
         try:
-            return [([int(t) for t in args.prompt_ids.split(",") if t.strip()], {})]
+            return [([int(t) for t in args.prompt_ids.split(",") if t.strip()], {}, "--prompt-ids")]
         except ValueError:
             raise SystemExit("gigadecode generate: --prompt-ids must be comma-separated integers")
     if codec is None:
         raise SystemExit("gigadecode generate: this checkpoint has no tokenizer.json; use --prompt-ids")
-    return [(codec.encode(args.prompt), {})]
+    return [(codec.encode(args.prompt), {}, "--prompt")]
 
 
 def _generate_parallel(args: argparse.Namespace, ecfg) -> int:
@@ -158,19 +171,26 @@ def _codec_and_requests(args: argparse.Namespace):
     return codec, _read_requests(args, codec)
 
 
-def _run_generate(args: argparse.Namespace, ecfg, engine, codec, reqs: list[tuple[list[int], dict]],
+def _run_generate(args: argparse.Namespace, ecfg, engine, codec, reqs: list[tuple[list[int], dict, str]],
                   layout: str = "") -> int:
     """Add the requests to `engine` (an LLMEngine, or a parallel engine's rank 0), run them to the end and
-    print: the single request streamed, or one line / one JSON object per request in input order. Exit
-    status 1 when a request failed (each failure is named on stderr)."""
+    print: the single request streamed, or one line / one JSON object per request in input order. A request
+    the engine refuses (a prompt id outside the vocabulary, past the context, ...) is named on stderr by its
+    line and the others still run; exit status 2 then, 1 when a request failed in the engine."""
     from .sampling import SamplingParams
 
-    base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    ids = []
-    for prompt, extra in reqs:
-        params = SamplingParams.from_dict({**base, **extra})
-        ids.append(engine.add_request(prompt, params))
+    base = _base_params(args)
+    ids: list[str | None] = []
+    refused: dict[int, str] = {}                  # request index -> why the engine refused it
+    for k, (prompt, extra, where) in enumerate(reqs):
+        try:
+            ids.append(engine.add_request(prompt, SamplingParams.from_dict({**base, **extra})))
+        except ValueError as e:                   # RequestError, SamplingError
+            if len(reqs) == 1:
+                raise                             # main() names it: exit 2
+            print(f"gigadecode generate: {where}: {e}", file=sys.stderr)
+            refused[k] = str(e)
+            ids.append(None)
     stream = not args.json and len(ids) == 1
     decoder = None
     if stream:
@@ -190,8 +210,13 @@ def _run_generate(args: argparse.Namespace, ecfg, engine, codec, reqs: list[tupl
                     print(decoder.push(t) if decoder else f"{t} ", end="", flush=True)
     if decoder is not None:
         print(decoder.flush(), end="", flush=True)
-    results = [engine.requests[i] for i in ids]
-    for r in results:
+    for k, rid in enumerate(ids):
+        if rid is None:
+            if args.json:
+                print(json.dumps({"prompt_ids": reqs[k][0], "token_ids": [], "finish_reason": None,
+                                  "error": refused[k]}), flush=True)
+            continue
+        r = engine.requests[rid]
         n = len(r.output_ids)
         dt = (r.last_token_time or 0) - (r.first_token_time or 0)
         tok_s = (n - 1) / dt if n > 1 and dt > 0 else 0.0
@@ -200,6 +225,11 @@ def _run_generate(args: argparse.Namespace, ecfg, engine, codec, reqs: list[tupl
                  "decode_tok_s": round(tok_s, 2), **_prefill_timing(r)}
             if codec is not None:
                 d["text"] = codec.decode(r.output_ids)
+            if r.params.logprobs is not None:      # raw logprobs of each token, and the top ones asked for
+                floor = lambda v: max(float(v), -9999.0)          # noqa: E731 - JSON has no -inf
+                d["logprobs"] = [{"token_id": lp.token_id, "logprob": floor(lp.logprob), "rank": lp.rank,
+                                  "top_logprobs": [{"token_id": t, "logprob": floor(v)} for t, v in lp.top]}
+                                 for lp in r.output_logprobs]
             if r.error:
                 d["error"] = r.error
             print(json.dumps(d), flush=True)
@@ -208,10 +238,11 @@ def _run_generate(args: argparse.Namespace, ecfg, engine, codec, reqs: list[tupl
                 print(f"prompt ids: {r.prompt_ids}")
             print(("\n" if stream else "") + f"token ids: {r.output_ids}")
             print(f"finish: {r.finish_reason}  decode: {tok_s:.1f} tok/s ({layout}{ecfg.decoder}, kv {ecfg.kv_dtype})")
-    failed = [(n, r) for n, r in enumerate(results, 1) if r.finish_reason == "error"]
+    failed = [(k + 1, engine.requests[rid]) for k, rid in enumerate(ids)
+              if rid is not None and engine.requests[rid].finish_reason == "error"]
     for n, r in failed:
         print(f"gigadecode generate: request {n} failed: {r.error or 'engine error'}", file=sys.stderr)
-    return 1 if failed else 0
+    return 2 if refused else 1 if failed else 0
 
 
 def _prefill_timing(r) -> dict:

@@ -14,6 +14,7 @@ from gigadecode.cli import _codec_and_requests, _read_requests, _run_generate, b
 from gigadecode.config import ConfigError
 from gigadecode.engine import LLMEngine
 from gigadecode.runner import ModelRunner
+from gigadecode.sampling import SamplingParams
 
 
 def _generate(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -112,10 +113,12 @@ def test_serve_prefill_or_decode_needs_a_kv_secret(tiny_ckpt):
     ("\n\n", "has no requests"),
     ('[1, 2]\n', ":1: a request must be a JSON object"),
     ('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3], "max_token": 4}\n', ":2: unknown key(s) max_token"),
+    ('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3], "temperature": -1}\n', ":2: invalid sampling parameter temperature"),
 ])
 def test_bad_requests_files_are_refused_before_the_model_loads(tmp_path, content, message):
-    """A --requests file that cannot be read, holds no request, a line that is not an object or a key that is
-    no request field (a typo would otherwise be ignored): one line naming the file, the line and the problem.
+    """A --requests file that cannot be read, holds no request, a line that is not an object, a key that is
+    no request field (a typo would otherwise be ignored) or an invalid sampling value: one line naming the
+    file, the line and the problem.
     The model directory does not exist: the file is read first."""
     path = tmp_path / "requests.jsonl"
     if content is not None:
@@ -132,6 +135,41 @@ def test_a_prompt_id_that_is_not_an_integer_is_named_so(tiny_ckpt, tmp_path, cap
     path.write_text('{"prompt_ids": [5, 6.5], "max_tokens": 2}\n')
     assert main(["generate", "--model", str(tiny_ckpt), "--requests", str(path), "--threads", "1"]) == 2
     assert "prompt token id 6.5 is not an integer" in capsys.readouterr().err
+
+
+def test_requests_the_engine_refuses_are_named_by_line_and_the_others_run(tiny_ckpt, tmp_path, capsys):
+    """A prompt id outside the vocabulary or a request past the context fails that line only: named on stderr
+    with its line, a JSON line with its error in its place, the other requests answered; exit status 2."""
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt_ids": [5, 6, 7], "max_tokens": 3}\n{"prompt_ids": [5, 99999], "max_tokens": 3}\n'
+                    '{"prompt_ids": [8, 9], "max_tokens": 1000000}\n{"prompt_ids": [8, 9], "max_tokens": 2}\n')
+    assert main(["generate", "--model", str(tiny_ckpt), "--requests", str(path), "--json", "--threads", "1",
+                 "--ignore-eos"]) == 2
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [len(d["token_ids"]) for d in lines] == [3, 0, 0, 2]
+    assert "outside the vocabulary" in lines[1]["error"] and "maximum context length" in lines[2]["error"]
+    assert f"{path}:2: " in err and f"{path}:3: " in err and f"{path}:1: " not in err
+
+
+def test_generate_json_has_logprobs_and_a_null_field_leaves_the_flag(tiny_ckpt, tmp_path, capsys):
+    """`"logprobs": N` in a request gives each token's raw logprob and the top N (equal to the engine's own);
+    `"temperature": null` means not given, so --temperature 0 still holds (it sampled at 1.0)."""
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt_ids": [5, 6, 7], "max_tokens": 4, "logprobs": 2, "temperature": null}\n'
+                    '{"prompt_ids": [5, 6, 7], "max_tokens": 4, "seed": null}\n')
+    assert main(["generate", "--model", str(tiny_ckpt), "--requests", str(path), "--json", "--threads", "1",
+                 "--ignore-eos", "--temperature", "0"]) == 0
+    a, b = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert a["token_ids"] == b["token_ids"] and "logprobs" not in b
+    engine = LLMEngine(ModelRunner(tiny_ckpt, engine_config(build_parser().parse_args(
+        ["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1", "--threads", "1"])), progress=False))
+    want = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True))[0]
+    assert a["token_ids"] == want.output_ids
+    for got, lp in zip(a["logprobs"], want.output_logprobs, strict=True):
+        assert (got["token_id"], got["rank"], len(got["top_logprobs"])) == (lp.token_id, lp.rank, 2)
+        assert abs(got["logprob"] - lp.logprob) < 1e-6
+        assert [t["token_id"] for t in got["top_logprobs"]] == [t for t, _ in lp.top]
 
 
 def test_a_failed_request_makes_generate_exit_1_and_says_why(tiny_ckpt, tmp_path, capsys):
