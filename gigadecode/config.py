@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 
@@ -254,34 +255,6 @@ class GptOssConfig:
                 raise ConfigError(f"{path} must hold a JSON object (got a {type(source).__name__})")
         d = dict(source)
 
-        def bad(key: str, v: Any, want: str) -> ConfigError:
-            return ConfigError(f"config.json {key!r} must be {want} (got {v!r})")
-
-        def as_int(key: str, v: Any) -> int:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
-                raise bad(key, v, "an integer")
-            return int(v)
-
-        def as_float(key: str, v: Any) -> float:
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise bad(key, v, "a number")
-            return float(v)
-
-        def as_bool(key: str, v: Any) -> bool:
-            if not isinstance(v, bool):
-                raise bad(key, v, "true or false")
-            return v
-
-        def as_str(key: str, v: Any) -> str:
-            if not isinstance(v, str):
-                raise bad(key, v, "a string")
-            return v
-
-        def as_strs(key: str, v: Any) -> tuple[str, ...]:
-            if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
-                raise bad(key, v, "a list of strings")
-            return tuple(v)
-
         mt = d.get("model_type")
         if mt is not None and mt != "gpt_oss":
             raise ConfigError(f"model_type is {mt!r}, expected 'gpt_oss'")
@@ -293,39 +266,38 @@ class GptOssConfig:
         rp_key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
         rp = d.get(rp_key)
         if rp is not None and not isinstance(rp, dict):
-            raise bad(rp_key, rp, "an object")
+            raise _bad(rp_key, rp, "an object")
 
         def rk(k: str) -> str:
             return f"{rp_key}.{k}"
 
         if rp is not None and rp.get("rope_theta") is not None:
-            theta = as_float(rk("rope_theta"), rp["rope_theta"])
+            theta = _as_float(rk("rope_theta"), rp["rope_theta"])
         elif d.get("rope_theta") is not None:
-            theta = as_float("rope_theta", d["rope_theta"])
+            theta = _as_float("rope_theta", d["rope_theta"])
         else:
             theta = RopeConfig.theta
         if rp is None:
             rope = RopeConfig(theta=theta)
         else:
-            rope = _rope_from_dict(rp, theta, d.get("max_position_embeddings", cls.max_position_embeddings),
-                                   rk, as_int, as_float, as_bool, as_str)
+            rope = _rope_from_dict(rp, theta, d.get("max_position_embeddings", cls.max_position_embeddings), rk)
 
         qc = d.get("quantization_config")
         quant = None
         if qc:
             if not isinstance(qc, dict):
-                raise bad("quantization_config", qc, "an object")
+                raise _bad("quantization_config", qc, "an object")
             quant = QuantConfig(
                 quant_method=str(qc.get("quant_method")),
-                modules_to_not_convert=as_strs("quantization_config.modules_to_not_convert",
+                modules_to_not_convert=_as_strs("quantization_config.modules_to_not_convert",
                                                qc.get("modules_to_not_convert") or ()),
             )
 
         eos = d.get("eos_token_id")
-        eos_ids: tuple[int, ...] = () if eos is None else (
-            tuple(as_int("eos_token_id", e) for e in eos) if isinstance(eos, list) else (as_int("eos_token_id", eos),))
+        eos_ids: tuple[int, ...] = () if eos is None else tuple(
+            _as_int("eos_token_id", e) for e in (eos if isinstance(eos, list) else [eos]))
 
-        convert = {"int": as_int, "float": as_float, "bool": as_bool, "str": as_str, "int | None": as_int}
+        convert = {"int": _as_int, "float": _as_float, "bool": _as_bool, "str": _as_str, "int | None": _as_int}
         kw: dict[str, Any] = {}
         types = {f.name: f.type for f in fields(cls)}
         for k, t in types.items():                          # field order: the first bad key is reported
@@ -333,15 +305,15 @@ class GptOssConfig:
                 conv = convert.get(str(t))
                 kw[k] = conv(k, d[k]) if conv else d[k]
         if "num_local_experts" not in d and "num_experts" in d:
-            kw["num_local_experts"] = as_int("num_experts", d["num_experts"])
+            kw["num_local_experts"] = _as_int("num_experts", d["num_experts"])
         if "num_experts_per_tok" not in d and "experts_per_token" in d:
-            kw["num_experts_per_tok"] = as_int("experts_per_token", d["experts_per_token"])
+            kw["num_experts_per_tok"] = _as_int("experts_per_token", d["experts_per_token"])
         if d.get("head_dim") is None and kw.get("hidden_size") and kw.get("num_attention_heads", 0) > 0:
             kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
         if d.get("sliding_window") is None:
             kw["sliding_window"] = 0
         if d.get("dtype") and "torch_dtype" not in d:
-            kw["torch_dtype"] = as_str("dtype", d["dtype"])
+            kw["torch_dtype"] = _as_str("dtype", d["dtype"])
         if "num_key_value_heads" not in d and "num_attention_heads" in kw:
             kw["num_key_value_heads"] = kw["num_attention_heads"]
         kw.pop("pad_token_id", None)
@@ -349,9 +321,9 @@ class GptOssConfig:
         return cls(
             rope=rope,
             quantization=quant,
-            layer_types=as_strs("layer_types", d.get("layer_types") or ()),
+            layer_types=_as_strs("layer_types", d.get("layer_types") or ()),
             eos_token_ids=eos_ids,
-            pad_token_id=None if pad is None else as_int("pad_token_id", pad),
+            pad_token_id=None if pad is None else _as_int("pad_token_id", pad),
             **kw,
         )
 
@@ -359,11 +331,45 @@ class GptOssConfig:
         return replace(self, **changes)
 
 
-def _rope_from_dict(rp: dict[str, Any], theta: float, max_positions: Any, rk, as_int, as_float, as_bool,
-                    as_str) -> RopeConfig:
+# config.json readers: a value of the wrong JSON type is a ConfigError naming its key
+def _bad(key: str, v: Any, want: str) -> ConfigError:
+    return ConfigError(f"config.json {key!r} must be {want} (got {v!r})")
+
+
+def _as_int(key: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise _bad(key, v, "an integer")
+    return int(v)
+
+
+def _as_float(key: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _bad(key, v, "a number")
+    return float(v)
+
+
+def _as_bool(key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise _bad(key, v, "true or false")
+    return v
+
+
+def _as_str(key: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise _bad(key, v, "a string")
+    return v
+
+
+def _as_strs(key: str, v: Any) -> tuple[str, ...]:
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+        raise _bad(key, v, "a list of strings")
+    return tuple(v)
+
+
+def _rope_from_dict(rp: dict[str, Any], theta: float, max_positions: Any, rk: Callable[[str], str]) -> RopeConfig:
     """A config.json's RoPE dict -> RopeConfig, with transformers' defaults for the keys it leaves out."""
     rope_type = rp.get("rope_type", rp.get("type", "default"))
-    rope_type = as_str(rk("rope_type"), rope_type)
+    rope_type = _as_str(rk("rope_type"), rope_type)
     for k, off in (("partial_rotary_factor", 1.0), ("mscale", None), ("mscale_all_dim", None)):
         if rp.get(k) is not None and rp[k] != off:
             raise ConfigError(f"config.json {rk(k)} = {rp[k]!r} is not supported (GPT-OSS rotates whole heads "
@@ -373,20 +379,20 @@ def _rope_from_dict(rp: dict[str, Any], theta: float, max_positions: Any, rk, as
     if "factor" not in rp:
         raise ConfigError(f"config.json {rk('factor')} is required for YaRN RoPE")
     orig = rp.get("original_max_position_embeddings")
-    orig = (as_int("max_position_embeddings", max_positions) if orig is None
-            else as_int(rk("original_max_position_embeddings"), orig))
+    orig = (_as_int("max_position_embeddings", max_positions) if orig is None
+            else _as_int(rk("original_max_position_embeddings"), orig))
     factor = rp["factor"]                   # null: the ratio of the context to the pretraining length
     af = rp.get("attention_factor")
     truncate = rp.get("truncate", True)     # transformers: a missing `truncate` is True, a null one False
     return RopeConfig(
         rope_type="yarn",
         theta=theta,
-        factor=as_int("max_position_embeddings", max_positions) / orig if factor is None
-        else as_float(rk("factor"), factor),
+        factor=_as_int("max_position_embeddings", max_positions) / orig if factor is None
+        else _as_float(rk("factor"), factor),
         original_max_position_embeddings=orig,
         # transformers reads the betas as `get(...) or default`.
-        beta_fast=as_float(rk("beta_fast"), rp.get("beta_fast") or 32.0),
-        beta_slow=as_float(rk("beta_slow"), rp.get("beta_slow") or 1.0),
-        truncate=False if truncate is None else as_bool(rk("truncate"), truncate),
-        attention_factor=None if af is None else as_float(rk("attention_factor"), af),
+        beta_fast=_as_float(rk("beta_fast"), rp.get("beta_fast") or 32.0),
+        beta_slow=_as_float(rk("beta_slow"), rp.get("beta_slow") or 1.0),
+        truncate=False if truncate is None else _as_bool(rk("truncate"), truncate),
+        attention_factor=None if af is None else _as_float(rk("attention_factor"), af),
     )
