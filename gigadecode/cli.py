@@ -132,7 +132,8 @@ def _generate_parallel(args: argparse.Namespace, ecfg) -> int:
     """`generate --tp/--dp/--ep` under torchrun: an engine replica on every rank; rank 0 reads the requests,
     drives the world and prints what one process would print."""
     from .distributed.mesh import build_layout
-    build_layout(ecfg.tp, ecfg.dp, ecfg.ep, dcp=ecfg.dcp)     # LayoutError (a ValueError): what is wrong, exit 2
+    started = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
+    build_layout(ecfg.tp, ecfg.dp, ecfg.ep, started, dcp=ecfg.dcp)  # LayoutError (a ValueError): what is wrong, exit 2
     world = ecfg.tp * ecfg.dp
     if "WORLD_SIZE" not in os.environ:
         print(f"gigadecode generate: --tp {ecfg.tp} × --dp {ecfg.dp} needs {world} ranks: start it with "

@@ -219,3 +219,11 @@ def test_di_servers_get_a_short_openmp_spin(monkeypatch):
     set_openmp_env(["serve", "--model", "m", "--role", "decode"])
     assert os.environ["GOMP_SPINCOUNT"] == "77"
     monkeypatch.delenv("GOMP_SPINCOUNT")
+
+
+def test_generate_under_a_world_of_the_wrong_size_says_so(tiny_ckpt, monkeypatch, capsys):
+    """torchrun started 2 processes for `--ep 2` alone (tp × dp = 1): the world size is what is wrong, not ep."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,2", "--ep", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "world size 2 != tp*dp = 1*1 = 1" in err and "does not divide" not in err
