@@ -347,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="request bodies larger than this get 413 before they are parsed (default 4 MiB)")
+    p.add_argument("--shutdown-timeout-s", type=float, default=5.0,
+                   help="on SIGTERM / SIGINT, how long requests in flight may run on; the rest then end with "
+                        "an error (503, or an error event in a stream)")
     di = p.add_argument_group("disaggregated inference")
     di.add_argument("--kv-secret", default=os.environ.get("GIGADECODE_KV_SECRET"), metavar="KEY",
                     help="prefill and decode: the key both sign and check kv_transfer_params with (required for "

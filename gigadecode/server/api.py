@@ -33,6 +33,7 @@ not) aborts its request, which frees its KV.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -130,6 +132,8 @@ def serve(args: Any) -> int:
         check_secret(getattr(args, "kv_secret", None), ROLES[args.role])     # before loading anything
     if getattr(args, "max_request_bytes", 1) < 1:
         raise ValueError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
+    if not getattr(args, "shutdown_timeout_s", 1.0) >= 0:
+        raise ValueError(f"--shutdown-timeout-s must be >= 0 (got {args.shutdown_timeout_s})")
     if is_parallel(engine_config(args)):
         return _serve_parallel(args)
     t0 = time.perf_counter()
@@ -138,7 +142,6 @@ def serve(args: Any) -> int:
 
 def _serve_engine(args: Any, engine: Any, t0: float) -> int:
     import prometheus_client
-    import uvicorn
 
     from ..tokenizer import TextCodec
     prometheus_client.disable_created_metrics()
@@ -152,12 +155,35 @@ def _serve_engine(args: Any, engine: Any, t0: float) -> int:
     print(f"gigadecode serve: model {name!r} ({layout}{args.role}, {total} KV blocks, context "
           f"{aeng.max_model_len}) loaded in {time.perf_counter() - t0:.1f}s; listening on "
           f"http://{args.host}:{args.port}", flush=True)
+    grace = getattr(args, "shutdown_timeout_s", 5.0)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.access_log, timeout_graceful_shutdown=grace + 2.0)
+    server = DrainingServer(config, aeng, grace)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                    timeout_graceful_shutdown=5)
+        server.run()
     finally:
         aeng.stop(timeout=None)          # the engine thread has left its last step before anything else runs
+    if not server.started:
+        raise SystemExit(f"gigadecode serve: could not listen on {args.host}:{args.port} (see the log above)")
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, shut down the way a client should see it: on SIGTERM / SIGINT it stops accepting,
+    lets requests in flight run for `grace` seconds, then stops the engine, which ends every request still
+    open with "the server is shutting down" (a 503, or an error event and [DONE] in a stream) while uvicorn
+    still waits for the responses, instead of uvicorn cutting the connections when its own wait is over."""
+
+    def __init__(self, config: uvicorn.Config, aeng: AsyncEngine, grace: float) -> None:
+        super().__init__(config)
+        self.aeng, self.grace = aeng, grace
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.grace, lambda: self.aeng.stop(timeout=0))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 def _serve_parallel(args: Any) -> int:

@@ -41,6 +41,8 @@ from ..sampling import SamplingParams
 
 log = logging.getLogger("gigadecode.server")
 
+SHUTTING_DOWN = "the server is shutting down"      # the error of requests still open when the engine stops
+
 IDLE_WAIT_S = 0.01       # longest wait for new work while idle
 IDLE_STEP_S = 0.05       # an idle engine still steps this often (connector lease expiry)
 
@@ -348,7 +350,7 @@ class AsyncEngine:
                 eng.abort(rid)
             except Exception:  # noqa: BLE001
                 pass
-            self._deliver_final(rid, RequestOutput(rid, [], True, "abort", error="the server is shutting down"))
+            self._deliver_final(rid, RequestOutput(rid, [], True, "abort", error=SHUTTING_DOWN))
 
     def _step(self) -> None:
         eng = self.engine

@@ -24,7 +24,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..sampling import SamplingParams
-from .async_engine import AsyncEngine, RequestStream
+from .async_engine import SHUTTING_DOWN, AsyncEngine, RequestStream
 from .disconnect import ClientGone, unless_disconnected
 from .protocol import APIError, engine_error, error_body
 
@@ -349,6 +349,8 @@ async def _collect(choices: list[Choice]) -> None:
 
 def _final_error(choices: list[Choice]) -> None:
     for c in choices:
+        if c.error == SHUTTING_DOWN:
+            raise APIError(503, f"request failed: {c.error}", type="server_error", code="server_shutting_down")
         if c.error is not None:
             raise APIError(500, f"request failed: {c.error}", type="server_error", code="request_failed")
         if c.finish_reason == "abort":
