@@ -295,6 +295,10 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+class TokenizerFileError(ValueError):
+    """A tokenizer.json or tokenizer_config.json that cannot be read (the message names the file)."""
+
+
 class TextCodec:
     """Text <-> token ids for one model directory (its tokenizer.json + tokenizer_config.json)."""
 
@@ -315,10 +319,20 @@ class TextCodec:
         if not path.is_file():
             return None
         cfg_path = model_dir / "tokenizer_config.json"
-        config = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+        try:
+            config = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+        except (ValueError, OSError) as e:              # JSON and UTF-8 errors are ValueErrors
+            raise TokenizerFileError(f"{cfg_path} is not a valid tokenizer_config.json: {e}") from None
+        if not isinstance(config, dict):
+            raise TokenizerFileError(f"{cfg_path} must hold a JSON object (got a {type(config).__name__})")
         if not config.get("chat_template") and (model_dir / "chat_template.jinja").is_file():
             config["chat_template"] = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
-        return cls(Tokenizer.from_file(str(path)), config)
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
+            raise TokenizerFileError(f"{path} is not a valid tokenizer.json (Hugging Face tokenizers "
+                                     f"format): {e}") from None
+        return cls(tokenizer, config)
 
     @property
     def vocab_size(self) -> int:

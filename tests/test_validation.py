@@ -364,3 +364,14 @@ def test_both_layouts_still_load(tiny_ckpt, tiny_ckpt_bf16):
     assert load_weights(tiny_ckpt).mxfp4
     w = load_weights(tiny_ckpt_bf16)
     assert not w.mxfp4 and w.tensors["gate_up"].shape == (4, 8, 64, 128)
+
+
+@pytest.mark.parametrize("name, content", [("tokenizer.json", "garbage"), ("tokenizer.json", "{}"),
+                                           ("tokenizer_config.json", "{not json"), ("tokenizer_config.json", "[1]")])
+def test_a_broken_tokenizer_file_is_named_not_a_traceback(tiny_ckpt, tmp_path, capsys, name, content):
+    from gigadecode.cli import main
+    d = copy_ckpt(tiny_ckpt, tmp_path / "ck")
+    (d / name).write_text(content)
+    assert main(["generate", "--model", str(d), "--prompt", "hi", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert str(d / name) in err and "Traceback" not in err, err
