@@ -39,4 +39,9 @@ class GenerationDefaults:
         for k in SAMPLING_DEFAULT_KEYS:
             if d.get(k) is not None:
                 sampling.append(("max_tokens" if k == "max_new_tokens" else k, d[k]))
+        from .sampling import SamplingError, SamplingParams
+        try:                        # checked now: a bad default would fail every request that leaves it unset
+            SamplingParams.from_dict(dict(sampling))
+        except SamplingError as e:
+            raise ConfigError(f"{path}: {e}") from None
         return cls(tuple(int(t) for t in eos), tuple(sampling))

@@ -375,3 +375,15 @@ def test_a_broken_tokenizer_file_is_named_not_a_traceback(tiny_ckpt, tmp_path, c
     assert main(["generate", "--model", str(d), "--prompt", "hi", "--threads", "1"]) == 2
     err = capsys.readouterr().err
     assert str(d / name) in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("defaults, key", [({"temperature": "hot"}, "temperature"), ({"temperature": -1}, "temperature"),
+                                          ({"top_k": 2.5}, "top_k"), ({"max_new_tokens": 0}, "max_tokens")])
+def test_bad_sampling_defaults_in_generation_config_stop_the_start(tiny_ckpt, tmp_path, defaults, key):
+    """A generation_config.json default the engine cannot use is a startup error naming the file, not a 400
+    blaming every request that leaves the field unset."""
+    from gigadecode.generation_config import GenerationDefaults
+    d = copy_ckpt(tiny_ckpt, tmp_path / "ck")
+    (d / "generation_config.json").write_text(json.dumps(defaults))
+    with pytest.raises(ConfigError, match=rf"generation_config.json: invalid sampling parameter {key}"):
+        GenerationDefaults.from_dir(d)
