@@ -316,3 +316,16 @@ def test_streams_send_the_prompt_token_ids_first(live, tiny_ckpt):
                                           extra_body=EXTRA).model_extra["prompt_token_ids"]
     assert chat[0].model_extra["prompt_token_ids"] == want and len(want) > 1
     assert all("prompt_token_ids" not in (ch.model_extra or {}) for ch in chat[1:])
+
+
+def test_a_request_queues_at_most_1024_sequences(live):
+    """prompts × n is bounded (a 140 KB body of 20,000 prompts used to queue them all, and went on after its
+    client left): past the bound a 400 naming `prompt`, before anything is queued."""
+    eng, client = live
+    for prompts, n in (([[1, 2]] * 1025, 1), ([[1, 2]] * 65, 16), (["ab"] * 1025, 1)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="m", prompt=prompts, max_tokens=1, n=n)
+        assert e.value.body["param"] == "prompt" and "at most 1024" in e.value.body["message"]
+    assert not eng.requests
+    r = client.completions.create(model="m", prompt=[[1, 2]] * 64, max_tokens=1, n=16)
+    assert len(r.choices) == 1024

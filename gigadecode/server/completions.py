@@ -17,7 +17,8 @@ from . import deps
 from .body import BodyError, load_object
 from .outputs import (Choice, TextRenderer, completion_logprobs, run_to_end, sse_response, start, stream_chunk,
                       stream_events, usage)
-from .protocol import DEFAULT_COMPLETION_MAX_TOKENS, APIError, CompletionBody, sampling_params, stop_strings
+from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_SEQUENCES, APIError, CompletionBody, sampling_params,
+                       stop_strings)
 
 router = APIRouter()
 
@@ -35,6 +36,8 @@ def completion_prompts(prompt: Any, codec: Any) -> list[list[int]]:
         return [encode(prompt)]
     if not prompt or isinstance(prompt[0], int):
         return [list(prompt)]
+    if len(prompt) > MAX_SEQUENCES:                  # before tokenizing them all
+        raise APIError(400, f"at most {MAX_SEQUENCES} prompts per request (got {len(prompt)})", param="prompt")
     if isinstance(prompt[0], str):
         return [encode(p) for p in prompt]
     return [list(p) for p in prompt]

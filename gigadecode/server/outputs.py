@@ -26,7 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from ..sampling import SamplingParams
 from .async_engine import SHUTTING_DOWN, AsyncEngine, RequestStream
 from .disconnect import ClientGone, unless_disconnected
-from .protocol import APIError, engine_error, error_body
+from .protocol import MAX_SEQUENCES, APIError, engine_error, error_body
 
 log = logging.getLogger("gigadecode.server")
 
@@ -277,6 +277,9 @@ async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingPar
     """Submit `n` sequences per prompt (choice index = prompt index · n + j). A seeded request's j-th
     sequence draws with seed + j. DI params go with the first sequence of the (single) prompt only: a
     prefill's KV is read once; the other sequences prefill here."""
+    if len(prompts) * n > MAX_SEQUENCES:
+        raise APIError(400, f"a request may ask for at most {MAX_SEQUENCES} sequences (prompts × n; got "
+                            f"{len(prompts)} × {n})", param=prompt_param)
     if kv is not None and len(prompts) != 1:
         raise APIError(400, "kv_transfer_params needs exactly one prompt", param="kv_transfer_params")
     if kv is not None and kv.do_remote_decode and n != 1:

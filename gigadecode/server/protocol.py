@@ -28,6 +28,7 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens",
                  "stop_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
 DEFAULT_COMPLETION_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
 MAX_N = 16                                  # choices per request
+MAX_SEQUENCES = 1024                        # prompts × n per request (a bound on what one body can queue)
 MAX_STOP_STRINGS = 16
 
 
