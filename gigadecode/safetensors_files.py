@@ -43,6 +43,7 @@ def read_safetensors_index(model_dir: Path) -> dict[str, TensorEntry]:
     Fails with a CheckpointError naming the file and tensor for a bad header or a tensor whose bytes lie
     past the end of its file (a truncated download).
     """
+    _check_shard_index(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {model_dir}")
@@ -85,6 +86,23 @@ def read_safetensors_index(model_dir: Path) -> dict[str, TensorEntry]:
                 raise CheckpointError(f"tensor {name!r} appears in both {index[name].file.name} and {f.name}")
             index[name] = TensorEntry(f, dt, shape, 8 + hlen + start)
     return index
+
+
+def _check_shard_index(model_dir: Path) -> None:
+    """A sharded checkpoint's `model.safetensors.index.json` names its shards: one that is missing (an
+    incomplete download) is named, rather than reported as the first tensor it held."""
+    path = model_dir / "model.safetensors.index.json"
+    if not path.is_file():
+        return
+    try:
+        shards = {str(f) for f in json.loads(path.read_text())["weight_map"].values()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path.name}: not a safetensors index (no weight_map of tensor -> file: "
+                              f"{type(e).__name__} {e})") from None
+    missing = sorted(f for f in shards if not (model_dir / f).is_file())
+    if missing:
+        raise CheckpointError(f"{path.name} lists {len(missing)} shard file(s) missing from {model_dir}: "
+                              f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (an incomplete download?)")
 
 
 class FileTensor:

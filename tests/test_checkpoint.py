@@ -172,6 +172,23 @@ def test_sharded_loads_identical_weights(sharded_ckpt, tiny_ckpt):
         assert torch.equal(a.tensors[k], b.tensors[k]), k
 
 
+def test_a_missing_shard_is_named(sharded_ckpt, tmp_path):
+    """An incomplete download: the shard the index lists but the directory lacks is named (it was reported as
+    the first tensor it held); an index that is no index is named too."""
+    import shutil
+
+    from gigadecode.weights import CheckpointError
+    d = Path(shutil.copytree(sharded_ckpt, tmp_path / "ck"))
+    n = len(list(d.glob("*.safetensors")))
+    (d / f"model-00002-of-{n:05d}.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json lists 1 shard file\(s\) missing from "
+                                              r".*: model-00002-of-\d{5}.safetensors"):
+        load_weights(d)
+    (d / "model.safetensors.index.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: not a safetensors index"):
+        load_weights(d)
+
+
 def test_transformers_loads_sharded(sharded_ckpt, hf_model):
     ids = random_prompt(40, 1024, seed=5)
     assert torch.equal(hf_logits(load_hf(str(sharded_ckpt)), ids), hf_logits(hf_model, ids))
