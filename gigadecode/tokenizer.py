@@ -295,6 +295,9 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+LONG_TEXT_CHARS = 1 << 14          # from here on, text is encoded without holding the GIL
+
+
 class TokenizerFileError(ValueError):
     """A tokenizer.json or tokenizer_config.json that cannot be read (the message names the file)."""
 
@@ -361,7 +364,11 @@ class TextCodec:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text; special-token strings in it (e.g. "<|start|>") become their ids. No BOS."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        if len(text) < LONG_TEXT_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # the batch call releases the GIL while it works (`encode` holds it: seconds for a long text, during
+        # which a server's event loop could not answer anyone); same ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -329,3 +329,4 @@ def test_a_request_queues_at_most_1024_sequences(live):
     assert not eng.requests
     r = client.completions.create(model="m", prompt=[[1, 2]] * 64, max_tokens=1, n=16)
     assert len(r.choices) == 1024
+

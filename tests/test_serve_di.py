@@ -317,3 +317,33 @@ def test_sigterm_ends_requests_in_flight_with_an_error_not_a_cut(tiny_ckpt):
         assert time.monotonic() - t0 < 10
     finally:
         stop_process_tree(proc)
+
+
+def test_a_long_text_prompt_does_not_hold_the_event_loop(tiny_ckpt):
+    """Tokenizing a ~4 MB prompt takes seconds: it runs off the event loop, so /health keeps answering (it
+    waited for the whole tokenization); the prompt itself is refused as longer than the context."""
+    import threading
+
+    import httpx
+    port = free_port()
+    proc = start_gigadecode(["serve", "--model", str(tiny_ckpt), "--port", str(port), "--num-blocks", "128"])
+    url, got = f"http://127.0.0.1:{port}", {}
+
+    def post() -> None:
+        got["r"] = httpx.post(url + "/v1/completions", timeout=120,
+                              json={"prompt": "hello world, what is 37 + 45? " * 130_000, "max_tokens": 1})
+    try:
+        wait_health(url, proc, timeout=120)
+        t = threading.Thread(target=post)
+        t.start()
+        answered = [time.monotonic()]
+        while t.is_alive():
+            assert httpx.get(url + "/health", timeout=30).status_code == 200
+            answered.append(time.monotonic())
+            time.sleep(0.05)
+        t.join()
+        assert got["r"].status_code == 400 and "context" in got["r"].json()["error"]["message"]
+        gaps = [b - a for a, b in zip(answered, answered[1:])]
+        assert answered[-1] - answered[0] > 1.5 and max(gaps) < 1.0, gaps
+    finally:
+        stop_process_tree(proc)

@@ -185,3 +185,13 @@ def test_checkpoint_ships_tokenizer(tiny_ckpt):
     c = TextCodec.from_dir(tiny_ckpt)
     assert c is not None and c.vocab_size == preset_config("tiny").vocab_size
     assert c.decode(c.encode("The weather is cold.")) == "The weather is cold."
+
+
+def test_long_text_encodes_to_the_same_ids_as_transformers(tiny_dir):
+    """Text past `LONG_TEXT_CHARS` takes the batch call (which lets other threads run): the ids are still
+    transformers' tokenizer's own, special-token strings and multi-byte characters included."""
+    codec = TextCodec.from_dir(tiny_dir)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tiny_dir))
+    text = ("héllo wörld 🙂 <|start|>assistant<|message|>37 + 45 = 82\n\n  " * 1000)[: tk.LONG_TEXT_CHARS * 3]
+    assert len(text) > tk.LONG_TEXT_CHARS
+    assert codec.encode(text) == hf.encode(text, add_special_tokens=False)

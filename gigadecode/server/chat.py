@@ -12,6 +12,7 @@ Without those tokens the output is plain content.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -92,7 +93,7 @@ async def chat_completions(request: Request) -> Response:
     if codec is None:
         raise APIError(400, "this model has no tokenizer, so it cannot take chat messages; use "
                             "/v1/completions with token ids", param="messages")
-    prompt = chat_prompt(codec, req)
+    prompt = await asyncio.to_thread(chat_prompt, codec, req)     # a long prompt must not hold the event loop
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}] (got {req.top_logprobs})",
                        param="top_logprobs")

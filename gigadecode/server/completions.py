@@ -7,6 +7,7 @@ strings, `n`, `logit_bias` and logprobs (OpenAI's legacy shape) are supported; v
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Sequence
 
@@ -64,7 +65,7 @@ async def tokenize(request: Request) -> JSONResponse:
 async def completions(request: Request) -> Response:
     raw, req, aeng, name = await deps.open_generation(request, CompletionBody, chat=False)
     codec = aeng.codec
-    prompts = completion_prompts(req.prompt, codec)
+    prompts = await asyncio.to_thread(completion_prompts, req.prompt, codec)   # long text: off the event loop
     params = sampling_params(raw, raw.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS), raw.get("logprobs"),
                              deps.sampling_defaults(aeng))
     kv = deps.advertised(request, req.kv_transfer_params)
