@@ -379,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-secret", default=os.environ.get("GIGADECODE_KV_SECRET"), metavar="KEY",
                    help="with --prefill-vllm: the decode servers' KV secret (default $GIGADECODE_KV_SECRET)")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL")
+    p.add_argument("--prefill-timeout-s", type=float, default=None,
+                   help="how long one prefill server may take to answer before the next is tried, or a 502 "
+                        "(default: no limit)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -231,6 +231,39 @@ def test_proxy_with_decode_down(di):
         stop_process_tree(proxy)
 
 
+def test_proxy_moves_on_from_a_prefill_server_that_never_answers(di):
+    """A prefill server that accepts and then says nothing (stopped, wedged): with --prefill-timeout-s the
+    proxy tries the next one, and the answer is the one the healthy pair gives."""
+    import socket
+
+    import httpx
+    wedged = socket.socket()
+    wedged.bind(("127.0.0.1", 0))
+    wedged.listen(16)                                  # accepts (the kernel does), never answers
+    port = free_port()
+    proxy = start_gigadecode(["proxy", "--prefill", f"http://127.0.0.1:{wedged.getsockname()[1]}", di["prefill"],
+                              "--decode", di["decode"], "--port", str(port), "--prefill-timeout-s", "1"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.monotonic()
+        while True:                                    # its /health waits on the wedged one: wait for the port
+            assert proxy.poll() is None and time.monotonic() - t0 < 60
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/completions", timeout=60, json=body)
+        assert r.status_code == 200 and time.monotonic() - t0 < 20, r.text
+        want = httpx.post(di["proxy"] + "/v1/completions", timeout=60, json=body).json()["choices"][0]["text"]
+        assert r.json()["choices"][0]["text"] == want
+    finally:
+        stop_process_tree(proxy)
+        wedged.close()
+
+
 def test_requests_the_decode_refuses_hold_no_prefill_kv(di):
     # the proxy prefills with max_tokens=1, n=1, no stream: what only the decode server refuses is refused after
     # a prefill; the proxy then has the prefill release its lease (10 s here) at once

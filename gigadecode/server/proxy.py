@@ -88,7 +88,11 @@ def _headers(request: Request) -> dict[str, str]:
 
 def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx.AsyncClient | None = None,
                     max_request_bytes: int = 4 << 20, prefill_vllm: Sequence[str] = (), kv_secret: str | None = None,
-                    vllm_lease_s: float = 30.0) -> FastAPI:
+                    vllm_lease_s: float = 30.0, prefill_timeout_s: float | None = None) -> FastAPI:
+    """`prefill_timeout_s`: how long one prefill server may take to answer before the next one is tried
+    (None: no limit; a stopped or wedged prefill server otherwise holds its requests forever)."""
+    if prefill_timeout_s is not None and not prefill_timeout_s > 0:
+        raise ValueError(f"--prefill-timeout-s must be > 0 (got {prefill_timeout_s})")
     if prefill and prefill_vllm:
         raise ValueError("give gigadecode prefill servers (--prefill) or vLLM ones (--prefill-vllm), not both")
     vllm = bool(prefill_vllm)
@@ -131,7 +135,12 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             tried.append(up)
             up.in_flight += 1
             try:
-                r = await http.post(up.url + path, json=pbody, headers=headers)
+                r = await http.post(up.url + path, json=pbody, headers=headers, timeout=httpx.Timeout(
+                    prefill_timeout_s, connect=CONNECT_TIMEOUT_S))
+            except httpx.TimeoutException:
+                last = f"prefill server {up.url} did not answer within {prefill_timeout_s} s"
+                log.warning(last)
+                continue
             except httpx.TransportError as e:
                 last = f"prefill server {up.url} unreachable: {type(e).__name__}: {e}"
                 log.warning(last)
@@ -363,7 +372,8 @@ def run_proxy(args: Any) -> int:
         raise ValueError("give the prefill servers: --prefill URL ... (gigadecode) or --prefill-vllm URL ... (vLLM)")
     app = build_proxy_app(args.prefill, args.decode, max_request_bytes=getattr(args, "max_request_bytes", 4 << 20),
                           prefill_vllm=vllm, kv_secret=getattr(args, "kv_secret", None),
-                          vllm_lease_s=getattr(args, "vllm_kv_lease_s", 30.0))
+                          vllm_lease_s=getattr(args, "vllm_kv_lease_s", 30.0),
+                          prefill_timeout_s=getattr(args, "prefill_timeout_s", None))
     print(f"gigadecode proxy: prefill {args.prefill or vllm}{' (vLLM)' if vllm else ''} -> decode {args.decode}; listening on "
           f"http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
