@@ -149,3 +149,16 @@ def test_malformed_output_is_text_not_500(codec):
         assert r.choices[0].finish_reason == "length"
     finally:
         srv.__exit__()
+
+
+def test_a_stop_string_after_a_tool_call_still_reports_tool_calls(codec):
+    """The model called a tool, went on (ignore_eos: <|call|> did not stop it) and hit a stop string in its
+    answer: the call is returned and finish_reason says tool_calls (as without the stop string), not stop."""
+    reply = REPLY_CALL + "<|start|>assistant<|channel|>final<|message|>The answer is 82.<|return|>"
+    app = build_app(AsyncEngine(ScriptedEngine(codec, reply, {codec.token_id("<|return|>")}), codec=codec), "demo")
+    with ServerThread(app) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        for stop, content in ((None, "The answer is 82."), (["answer"], "The ")):
+            ch = c.chat.completions.create(model="demo", messages=MSGS, tools=TOOLS, max_tokens=200, stop=stop,
+                                           extra_body={"ignore_eos": True}).choices[0]
+            assert (ch.finish_reason, len(ch.message.tool_calls), ch.message.content) == ("tool_calls", 1, content)

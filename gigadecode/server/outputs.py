@@ -186,7 +186,7 @@ class Choice:
             if p.text or p.kind == "tool_call":
                 new.append(p)
         if self.stop.hit:
-            self.done, self.finish_reason = True, "stop"
+            self.done, self.finish_reason = True, self.renderer.finish_reason("stop")   # a call before: tool_calls
             self.stream.close("stop")            # abort the engine request: nothing after the stop is wanted
         elif out.finished:
             tail = self.stop.flush()
