@@ -164,7 +164,7 @@ def _serve_engine(args: Any, engine: Any, t0: float) -> int:
     finally:
         aeng.stop(timeout=None)          # the engine thread has left its last step before anything else runs
     if not server.started:
-        raise SystemExit(f"gigadecode serve: could not listen on {args.host}:{args.port} (see the log above)")
+        raise SystemExit(f"gigadecode serve: the server on {args.host}:{args.port} did not start (see the log above)")
     return 0
 
 
