@@ -1,0 +1,82 @@
+"""`gigadecode serve` as an operator runs it, one process on loopback: a SIGTERM ends the requests in flight as a
+client can tell (an error event and [DONE], or a 503) after --shutdown-timeout-s, and a prompt that takes seconds
+to tokenize does not hold the server's event loop (/health keeps answering)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+from .helpers import stop_process_tree
+from .test_serve_di import start_gigadecode
+from .test_server import free_port, wait_health
+
+
+def test_sigterm_ends_requests_in_flight_with_an_error_not_a_cut(tiny_ckpt):
+    """On SIGTERM a server lets requests in flight run for --shutdown-timeout-s, then ends the rest as a client
+    can tell: a stream gets an error event naming the shutdown and [DONE], a whole answer a 503 in OpenAI's
+    shape (uvicorn used to cut both off when its own wait ran out). The process is gone soon after."""
+    import threading
+
+    import httpx
+    port = free_port()
+    proc = start_gigadecode(["serve", "--model", str(tiny_ckpt), "--port", str(port), "--dtype", "float32",
+                             "--shutdown-timeout-s", "1"])
+    url = f"http://127.0.0.1:{port}"
+    body = {"prompt": [5, 6, 7], "max_tokens": 2000, "n": 4, "ignore_eos": True}
+    got: dict = {}
+
+    def whole() -> None:
+        got["whole"] = httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+    try:
+        wait_health(url, proc, timeout=120)
+        t = threading.Thread(target=whole)
+        t.start()
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            lines = r.iter_lines()
+            events = [next(lines) for _ in range(8)]              # generating
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            events += list(lines)
+        t.join(30)
+        data = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
+        assert data[-1] == "[DONE]" and "shutting down" in json.loads(data[-2])["error"]["message"], data[-3:]
+        w = got["whole"]
+        assert w.status_code == 503 and w.json()["error"]["code"] == "server_shutting_down", w.text
+        proc.wait(30)
+        assert time.monotonic() - t0 < 10
+    finally:
+        stop_process_tree(proc)
+
+
+def test_a_long_text_prompt_does_not_hold_the_event_loop(tiny_ckpt):
+    """Tokenizing a ~4 MB prompt takes seconds: it runs off the event loop, so /health keeps answering (it
+    waited for the whole tokenization); the prompt itself is refused as longer than the context."""
+    import threading
+
+    import httpx
+    port = free_port()
+    proc = start_gigadecode(["serve", "--model", str(tiny_ckpt), "--port", str(port), "--num-blocks", "128"])
+    url, got = f"http://127.0.0.1:{port}", {}
+
+    def post() -> None:
+        got["r"] = httpx.post(url + "/v1/completions", timeout=120,
+                              json={"prompt": "hello world, what is 37 + 45? " * 130_000, "max_tokens": 1})
+    try:
+        wait_health(url, proc, timeout=120)
+        t = threading.Thread(target=post)
+        t.start()
+        answered = [time.monotonic()]
+        while t.is_alive():
+            assert httpx.get(url + "/health", timeout=30).status_code == 200
+            answered.append(time.monotonic())
+            time.sleep(0.05)
+        t.join()
+        assert got["r"].status_code == 400 and "context" in got["r"].json()["error"]["message"]
+        gaps = [b - a for a, b in zip(answered, answered[1:])]
+        assert answered[-1] - answered[0] > 1.5 and max(gaps) < 1.0, gaps
+    finally:
+        stop_process_tree(proc)
