@@ -30,6 +30,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="gk-native: the GK program on the native kernels (default); gk / gk-compiled: its torch "
                         "forms; reference: the per-layer model")
     g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (prompt + generated tokens) a request may reach (default: the model's "
+                        "max_position_embeddings, or what the KV pool holds if less); the default pool is sized "
+                        "for it")
     g.add_argument("--max-prefill-tokens", type=int, default=512)
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the kernels (default: the cores this process may use; under torchrun, "

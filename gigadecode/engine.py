@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from .config import ConfigError
 from .engine_config import EngineConfig
 from .generation_config import GenerationDefaults
 from .connector.params import KVParamsError, KVTransferParams, parse_kv_params
@@ -72,11 +73,17 @@ class LLMEngine:
     def _context_limit(self) -> int:
         """The longest sequence one request can hold alone: at every moment of its life (prefill chunks of
         `max_prefill_tokens`, a sliding group's window on top of them) its blocks fit the pool, so a request
-        the engine admits can always finish."""
+        the engine admits can always finish. A `--max-model-len` the pool cannot hold is refused here."""
         lo, hi = 0, self.runner.max_model_len            # _fits_pool(lo); find the largest such n
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if self._fits_pool(mid) else (lo, mid - 1)
+        asked = self.ecfg.max_model_len
+        if asked is not None and lo < asked:
+            raise ConfigError(f"--max-model-len {asked}: one request of {asked} tokens needs "
+                              f"{self._peak_blocks(asked)} KV blocks of {self.ecfg.block_size} tokens, but the pool "
+                              f"has {self.runner.kv.num_blocks - 1} (it holds {lo} tokens); raise --num-blocks or "
+                              f"--kv-budget-gib, or lower --max-model-len")
         return lo
 
     # -- public API ------------------------------------------------------------------------------------
@@ -237,13 +244,16 @@ class LLMEngine:
         return [self.requests[i] for i in ids]
 
     # -- scheduling --------------------------------------------------------------------------------------
-    def _fits_pool(self, num_tokens: int) -> bool:
-        """Whether a request of `num_tokens` tokens alone fits the pool at every step of its life: its prompt
-        prefilled `max_prefill_tokens` a step, so a sliding group holds a chunk and the window before it, not
-        the whole prompt (the scheduler frees the blocks behind the window before it allocates a chunk's)."""
+    def _peak_blocks(self, num_tokens: int) -> int:
+        """Most blocks a request of `num_tokens` tokens holds at once: its prompt prefilled
+        `max_prefill_tokens` a step, so a sliding group holds a chunk and the window before it, not the whole
+        prompt (the scheduler frees the blocks behind the window before it allocates a chunk's)."""
         chunk = min(self.ecfg.max_prefill_tokens, num_tokens)
-        peak = sum(g.spec.peak_blocks(num_tokens, chunk, self.runner.tokens) for g in self.runner.kv.config.groups)
-        return peak <= self.runner.kv.num_blocks - 1
+        return sum(g.spec.peak_blocks(num_tokens, chunk, self.runner.tokens) for g in self.runner.kv.config.groups)
+
+    def _fits_pool(self, num_tokens: int) -> bool:
+        """Whether a request of `num_tokens` tokens alone fits the pool at every step of its life."""
+        return self._peak_blocks(num_tokens) <= self.runner.kv.num_blocks - 1
 
     # -- execution ---------------------------------------------------------------------------------------
     def _run_prefill(self, prefills: list[tuple[Request, int]], outputs: dict[str, RequestOutput]) -> None:

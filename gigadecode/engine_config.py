@@ -52,6 +52,7 @@ class EngineConfig:
     decoder: str = "gk-native"         # gk-native (kernels) | gk (eager torch) | gk-compiled | reference
     kv_role: str = "kv_both"           # kv_producer | kv_consumer | kv_both
     max_num_seqs: int = 64
+    max_model_len: int | None = None   # longest sequence (prompt + output) a request may reach; None = the model's
     max_prefill_tokens: int = 512      # chunked prefill budget per step
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     threads: int | None = None         # kernel threads (None = `default_threads()`)
@@ -91,6 +92,8 @@ class EngineConfig:
         if self.kv_budget_gib is not None:
             positive("--kv-budget-gib", self.kv_budget_gib)
         at_least("--max-num-seqs", self.max_num_seqs, 1)
+        if self.max_model_len is not None:
+            at_least("--max-model-len", self.max_model_len, 2, ": a prompt token and a generated one")
         at_least("--max-prefill-tokens", self.max_prefill_tokens, 1)
         b = self.batch_buckets
         if (not isinstance(b, (tuple, list)) or not b
@@ -154,7 +157,8 @@ def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig
                         threads=default_threads() if getattr(args, "threads", None) is None else args.threads,
                         num_blocks=args.num_blocks, kv_budget_gib=args.kv_budget_gib,
                         decoder=args.decoder, gk_decode=args.decoder != "reference", kv_role=kv_role,
-                        max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
+                        max_num_seqs=args.max_num_seqs, max_model_len=getattr(args, "max_model_len", None),
+                        max_prefill_tokens=args.max_prefill_tokens,
                         tp=args.tp, dp=args.dp, ep=args.ep, dcp=getattr(args, "dcp", 1),
                         dcp_interleave=getattr(args, "dcp_interleave", None),
                         kv_lease_s=getattr(args, "kv_lease_s", 30.0),

@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from . import native
-from .config import GptOssConfig
+from .config import ConfigError, GptOssConfig
 from .distributed.context import ParallelContext
 from .engine_config import EngineConfig
 from .gk.attn_control import build_attention_control
@@ -118,6 +118,17 @@ def default_num_blocks(cfg: GptOssConfig, ecfg: EngineConfig, num_kv_heads: int,
     return max(2, min(want, int(budget // bytes_per_block)))
 
 
+def context_length(cfg: GptOssConfig, ecfg: EngineConfig) -> int:
+    """The positions one request may use: `--max-model-len`, at most the model's max_position_embeddings."""
+    n, most = ecfg.max_model_len, cfg.max_position_embeddings
+    if n is None:
+        return most
+    if n > most:
+        raise ConfigError(f"--max-model-len {n} is longer than the model's context: config.json has "
+                          f"max_position_embeddings={most}")
+    return n
+
+
 def _plain_greedy(p: SamplingParams, num_output: int) -> bool:
     """True when the token is the argmax of the raw logits (nothing masks, penalizes or reports them)."""
     return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
@@ -131,6 +142,7 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         self.cfg = cfg or GptOssConfig.from_hf(self.model_dir)
         self.ecfg = ecfg
+        self.max_model_len = context_length(self.cfg, ecfg)   # before the weights load: a bad flag fails fast
         self.dtype = ecfg.torch_dtype
         if ecfg.threads is not None:
             torch.set_num_threads(ecfg.threads)
@@ -139,7 +151,6 @@ class ModelRunner:
         shard = parallel.shard if parallel is not None else Shard()
         self.weights = weights or load_weights(self.model_dir, self.cfg, self.dtype, shard, progress=progress)
         self.model = GptOssModel(self.cfg, self.weights, self.dtype, parallel=parallel)
-        self.max_model_len = self.cfg.max_position_embeddings
         self.kv = self.initialize_kv_cache()
         self.decoder = build_decoder(self.cfg, self.weights, self.model, self.kv, ecfg, parallel)
 

@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 
+from gigadecode.config import ConfigError
 from gigadecode.engine_config import EngineConfig
 from gigadecode.engine import LLMEngine, RequestError
 from gigadecode.kv.spec import SlidingWindowSpec
@@ -109,6 +110,36 @@ def test_the_default_pool_holds_the_whole_context(tiny_ckpt, max_num_seqs, block
     per_seq = sum(cdiv(eng.cfg.sliding_window - 1, block_size) + 1 if isinstance(g.spec, SlidingWindowSpec)
                   else cdiv(eng.max_model_len, block_size) for g in eng.runner.kv.config.groups)
     assert eng.runner.kv.num_blocks - 1 >= max_num_seqs * per_seq     # and still max_num_seqs sequences
+
+
+@pytest.mark.parametrize("block_size", [16, 6])
+def test_max_model_len_caps_the_context_and_sizes_the_default_pool(tiny_ckpt, block_size):
+    """`--max-model-len` (vLLM's flag): requests past it are refused by name, one that fills it runs, and the
+    default pool is sized for max_num_seqs sequences of that length, not of max_position_embeddings."""
+    full = make_engine(tiny_ckpt, num_blocks=None, max_num_seqs=2, block_size=block_size)
+    eng = make_engine(tiny_ckpt, num_blocks=None, max_num_seqs=2, block_size=block_size, max_model_len=97)
+    assert eng.max_model_len == 97 and full.max_model_len == full.cfg.max_position_embeddings > 97
+    assert eng.runner.kv.num_blocks < full.runner.kv.num_blocks
+    prompt = random_prompt(90, 1024, seed=5)
+    assert eng.generate([prompt], greedy(7))[0].output_ids == run_alone(tiny_ckpt, prompt, greedy(7),
+                                                                         block_size=block_size)
+    with pytest.raises(RequestError, match="maximum context length is 97 tokens"):
+        eng.add_request(prompt, greedy(8))
+    with pytest.raises(RequestError, match="this engine's context is 97 tokens"):
+        eng.add_request(random_prompt(97, 1024, seed=6), greedy(1))
+
+
+def test_max_model_len_past_the_model_or_the_pool_is_refused(tiny_ckpt):
+    """A --max-model-len the model cannot reach (past max_position_embeddings) or the given pool cannot hold
+    is a start-up error naming both numbers, never a silently shorter context."""
+    most = make_engine(tiny_ckpt, num_blocks=8).cfg.max_position_embeddings
+    with pytest.raises(ConfigError, match=f"--max-model-len {most + 1} is longer than the model's context: "
+                                          f"config.json has max_position_embeddings={most}"):
+        make_engine(tiny_ckpt, max_model_len=most + 1)
+    with pytest.raises(ConfigError, match=r"--max-model-len 200: one request of 200 tokens needs \d+ KV blocks "
+                                          r"of 4 tokens, but the pool has 7 \(it holds \d+ tokens\)"):
+        make_engine(tiny_ckpt, num_blocks=8, max_model_len=200)
+    assert make_engine(tiny_ckpt, num_blocks=8, max_model_len=12).max_model_len == 12
 
 
 def test_seeded_sampling_is_per_request(tiny_ckpt, prompts):

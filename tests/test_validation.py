@@ -56,6 +56,8 @@ BUCKETS_MSG = "batch_buckets must be a non-empty, strictly increasing sequence o
     (dict(max_num_seqs=0), "--max-num-seqs must be >= 1 (got 0)"),
     (dict(max_num_seqs=-3), "--max-num-seqs must be >= 1 (got -3)"),
     (dict(max_prefill_tokens=0), "--max-prefill-tokens must be >= 1 (got 0)"),
+    (dict(max_model_len=1), "--max-model-len must be >= 2 (got 1: a prompt token and a generated one)"),
+    (dict(max_model_len=64.0), "--max-model-len must be an integer >= 2 (got 64.0: a prompt token and a generated one)"),
     (dict(num_blocks=1), "--num-blocks must be >= 2 (got 1; block 0 is the reserved null block)"),
     (dict(num_blocks=0), "--num-blocks must be >= 2 (got 0; block 0 is the reserved null block)"),
     (dict(kv_budget_gib=0.0), "--kv-budget-gib must be > 0 and finite (got 0.0)"),
@@ -106,7 +108,7 @@ def test_cli_generate_refuses_zero_max_num_seqs(tiny_ckpt, capsys, extra):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("flag,value", [("--max-prefill-tokens", "0"), ("--num-blocks", "1"),
+@pytest.mark.parametrize("flag,value", [("--max-prefill-tokens", "0"), ("--num-blocks", "1"), ("--max-model-len", "1"),
                                         ("--kv-budget-gib", "0"), ("--tp", "0"), ("--dcp", "0"),
                                         ("--dcp-interleave", "0")])
 def test_cli_generate_refuses_bad_engine_flags(tiny_ckpt, capsys, flag, value):
@@ -387,3 +389,20 @@ def test_bad_sampling_defaults_in_generation_config_stop_the_start(tiny_ckpt, tm
     (d / "generation_config.json").write_text(json.dumps(defaults))
     with pytest.raises(ConfigError, match=rf"generation_config.json: invalid sampling parameter {key}"):
         GenerationDefaults.from_dir(d)
+
+
+@pytest.mark.timeout(60)
+def test_cli_generate_max_model_len(tiny_ckpt, capsys):
+    """`--max-model-len` caps what a request may ask for; past the model's positions it fails before loading."""
+    from gigadecode.cli import main
+    rc = main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,2,3", "--max-model-len", "64",
+               "--max-tokens", "62", "--threads", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "maximum context length is 64 tokens. However, you requested 65 tokens" in err, err
+    most = tiny_dict(tiny_ckpt)["max_position_embeddings"]
+    rc = main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,2,3", "--max-model-len", str(most + 1)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.strip() == (f"gigadecode generate: error: --max-model-len {most + 1} is longer than the "
+                                       f"model's context: config.json has max_position_embeddings={most}"), err
+    assert main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,2,3", "--max-model-len", "64",
+                 "--max-tokens", "61", "--threads", "1"]) == 0
