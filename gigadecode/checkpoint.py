@@ -101,6 +101,9 @@ def layer_tensors(cfg: GptOssConfig, layer: int, init: _Init, experts: str) -> d
         p + "mlp.router.weight": init.normal((E, H), 2.0 / math.sqrt(H)),
         p + "mlp.router.bias": init.normal((E,), 0.5),
     }
+    if not cfg.attention_bias:                       # drawn all the same: the other tensors keep their values
+        for proj in ("q", "k", "v", "o"):
+            del t[p + f"self_attn.{proj}_proj.bias"]
     x = p + "mlp.experts."
     if experts == "mxfp4":
         t[x + "gate_up_proj_blocks"], t[x + "gate_up_proj_scales"] = init.mxfp4((E, 2 * I), H, 2.0)

@@ -20,7 +20,8 @@ DEFAULT_DEMO_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="compute dtype (default auto: the checkpoint's torch_dtype, bfloat16 for GPT-OSS)")
+                   help="compute dtype (default auto: the checkpoint's torch_dtype, bfloat16 for GPT-OSS; float32 "
+                        "for float16 or float32 checkpoints)")
     g.add_argument("--kv-dtype", default=None, choices=["auto", "bf16", "fp8"],
                    help="KV storage: auto = the model dtype, fp8 = packed FP8 (default for GK decode engines)")
     g.add_argument("--block-size", type=int, default=16)

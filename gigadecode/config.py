@@ -306,16 +306,19 @@ class GptOssConfig:
                 kw[k] = conv(k, d[k]) if conv else d[k]
         if "num_local_experts" not in d and "num_experts" in d:
             kw["num_local_experts"] = _as_int("num_experts", d["num_experts"])
+        # A key left out takes transformers' GptOssConfig default (the field defaults above: head_dim 64,
+        # num_key_value_heads 8, sliding_window 128, num_experts_per_tok 4). transformers does not read
+        # `experts_per_token` (the original release's name), so one that disagrees with what it runs is refused.
         if "num_experts_per_tok" not in d and "experts_per_token" in d:
-            kw["num_experts_per_tok"] = _as_int("experts_per_token", d["experts_per_token"])
-        if d.get("head_dim") is None and kw.get("hidden_size") and kw.get("num_attention_heads", 0) > 0:
-            kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
-        if d.get("sliding_window") is None:
-            kw["sliding_window"] = 0
+            k = _as_int("experts_per_token", d["experts_per_token"])
+            if k != cls.num_experts_per_tok:
+                raise ConfigError(f"config.json has experts_per_token={k} but no num_experts_per_tok, the key "
+                                  f"transformers reads (it would route to {cls.num_experts_per_tok} experts): "
+                                  f"add \"num_experts_per_tok\": {k}")
+        if "sliding_window" in d and d["sliding_window"] is None:
+            kw["sliding_window"] = 0                        # explicitly none: only full-attention layers valid
         if d.get("dtype") and "torch_dtype" not in d:
             kw["torch_dtype"] = _as_str("dtype", d["dtype"])
-        if "num_key_value_heads" not in d and "num_attention_heads" in kw:
-            kw["num_key_value_heads"] = kw["num_attention_heads"]
         kw.pop("pad_token_id", None)
         pad = d.get("pad_token_id")
         return cls(

@@ -13,7 +13,7 @@ import torch
 
 from .config import ConfigError, GptOssConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}   # the kernels compute in these two
 KV_DTYPES = ("auto", "bf16", "fp8")
 
 
@@ -147,7 +147,7 @@ class EngineConfig:
 
 def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig:
     """The `EngineConfig` of a command line (`gigadecode generate` / `serve` flags). `--dtype auto` is the
-    checkpoint's `torch_dtype` (float32 unless it says bfloat16 or float16)."""
+    checkpoint's `torch_dtype` when it is bfloat16, else float32 (which holds float16 weights exactly)."""
     dtype = getattr(args, "dtype", "auto") or "auto"
     if dtype == "auto":
         dtype = GptOssConfig.from_hf(args.model).torch_dtype

@@ -327,7 +327,8 @@ class ModelWeights:
 
 def allocate_weights(cfg: GptOssConfig, dtype: torch.dtype, layout: str, shard: Shard = Shard(),
                      device: str | torch.device = "cpu") -> ModelWeights:
-    tensors = {s.name: torch.empty(s.shape, dtype=s.dtype, device=device)
+    no_source = set() if cfg.attention_bias else {"qkv_b", "o_b"}   # no checkpoint tensor fills these: zero
+    tensors = {s.name: (torch.zeros if s.name in no_source else torch.empty)(s.shape, dtype=s.dtype, device=device)
                for s in build_stacked_weight_specs(cfg, dtype, layout, shard)}
     return ModelWeights(cfg, layout, tensors, shard)
 

@@ -293,11 +293,47 @@ def test_from_hf_gpt_oss_20b():
 
 
 def test_from_hf_only_experts_per_token_and_num_experts():
+    """transformers reads `num_experts` for num_local_experts, but not `experts_per_token` (it routes to its
+    default 4): one that agrees is fine, one that does not is refused rather than run differently."""
     d = dict(GPT_OSS_20B)
     del d["num_experts_per_tok"], d["num_local_experts"]
-    d.update(experts_per_token=2, num_experts=16)
+    d.update(experts_per_token=4, num_experts=16)
+    hf = transformers.GptOssConfig(**d)
     c = GptOssConfig.from_hf(d)
-    assert (c.num_experts_per_tok, c.num_local_experts) == (2, 16)
+    assert (c.num_experts_per_tok, c.num_local_experts) == (hf.num_experts_per_tok, hf.num_local_experts) == (4, 16)
+    d["experts_per_token"] = 2
+    assert transformers.GptOssConfig(**d).num_experts_per_tok == 4
+    with pytest.raises(ConfigError, match="experts_per_token=2 but no num_experts_per_tok.*add \"num_experts_per_tok\": 2"):
+        GptOssConfig.from_hf(d)
+
+
+@pytest.mark.parametrize("key", ["head_dim", "num_key_value_heads", "sliding_window", "num_experts_per_tok",
+                                 "rms_norm_eps", "swiglu_limit", "max_position_embeddings", "attention_bias"])
+def test_from_hf_missing_key_takes_transformers_default(key):
+    """A key left out of config.json means what transformers' GptOssConfig makes of it (head_dim once was
+    hidden / heads, num_key_value_heads the q heads and sliding_window none: other shapes, other numbers)."""
+    d = {k: v for k, v in json.loads(json.dumps(GPT_OSS_20B)).items() if k not in (key, "experts_per_token")}
+    d.update(hidden_size=256, num_attention_heads=16)        # hidden / heads = 16, not the default head_dim 64
+    hf, c = transformers.GptOssConfig(**d), GptOssConfig.from_hf(d)
+    assert getattr(c, key) == getattr(hf, key), key
+    assert (c.head_dim, c.num_key_value_heads, c.sliding_window) == (hf.head_dim, hf.num_key_value_heads,
+                                                                     hf.sliding_window)
+
+
+def test_attention_bias_false_loads_zero_biases(tmp_path, monkeypatch):
+    """attention_bias: false — no file fills the q/k/v/o bias stacks, so they must be zeros, not whatever
+    memory they were allocated on (which gave NaN logits or wrong tokens); new stacks here start as NaN."""
+    from gigadecode import weights as weights_mod
+    from gigadecode.checkpoint import make_checkpoint, preset_config
+    cfg = preset_config("tiny", "mxfp4").with_(attention_bias=False)
+    d = make_checkpoint(tmp_path / "nobias", cfg=cfg, seed=3)
+    assert not any(".self_attn." in n and n.endswith("_proj.bias") for n in read_safetensors_index(d))
+    real_empty = torch.empty
+    monkeypatch.setattr(weights_mod.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(math.nan)
+                        if k.get("dtype", torch.float32).is_floating_point else real_empty(*a, **k))
+    w = load_weights(d)
+    assert not w.tensors["qkv_b"].any() and not w.tensors["o_b"].any()
+    assert not w.tensors["qkv_w"].isnan().any()
 
 
 def test_from_hf_truncate_missing_means_true():

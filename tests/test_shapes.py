@@ -53,6 +53,10 @@ CASES = {
     "odd-hidden": (dict(layer_types=(F, S), hidden_size=50, intermediate_size=18, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=6, num_local_experts=5, num_experts_per_tok=2, sliding_window=4,
                         vocab_size=389), "bf16", 4, 16),
+    # no attention biases (attention_bias: false): nothing in the files for the q/k/v/o bias stacks
+    "no-attention-bias": (dict(layer_types=(S, F, S), hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=20, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=9, vocab_size=777, attention_bias=False), "mxfp4", 16, 512),
     # a window longer than the whole context (transformers loads it; it never binds)
     "window-past-context": (dict(layer_types=(S, F), max_position_embeddings=128, sliding_window=200,
                                  vocab_size=1001), "mxfp4", 16, 24),

@@ -56,6 +56,7 @@ BUCKETS_MSG = "batch_buckets must be a non-empty, strictly increasing sequence o
     (dict(max_num_seqs=0), "--max-num-seqs must be >= 1 (got 0)"),
     (dict(max_num_seqs=-3), "--max-num-seqs must be >= 1 (got -3)"),
     (dict(max_prefill_tokens=0), "--max-prefill-tokens must be >= 1 (got 0)"),
+    (dict(dtype="float16"), "--dtype must be one of ['bfloat16', 'float32'] (got 'float16')"),
     (dict(max_model_len=1), "--max-model-len must be >= 2 (got 1: a prompt token and a generated one)"),
     (dict(max_model_len=64.0), "--max-model-len must be an integer >= 2 (got 64.0: a prompt token and a generated one)"),
     (dict(num_blocks=1), "--num-blocks must be >= 2 (got 1; block 0 is the reserved null block)"),
@@ -406,3 +407,29 @@ def test_cli_generate_max_model_len(tiny_ckpt, capsys):
                                        f"model's context: config.json has max_position_embeddings={most}"), err
     assert main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,2,3", "--max-model-len", "64",
                  "--max-tokens", "61", "--threads", "1"]) == 0
+
+
+@pytest.mark.timeout(120)
+def test_float16_checkpoint_runs_in_float32_under_dtype_auto(tiny_ckpt, tmp_path, capsys):
+    """A float16 checkpoint (transformers' `save_pretrained` after `.half()`) under `--dtype auto` computes in
+    float32, which holds its weights exactly, and gives the tokens of the same weights in float32. It used to
+    compute in float16, which the kernels do not take, and fail every request."""
+    from gigadecode.cli import main
+    d = tmp_path / "fp16"
+    shutil.copytree(tiny_ckpt, d)
+    t = {k: v.half() if v.is_floating_point() else v for k, v in load_file(d / ST).items()}
+    save_file(t, str(d / ST), metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    (d / "config.json").write_text(json.dumps(dict(cfg, dtype="float16")))
+    ref = tmp_path / "fp32"                                  # the same (fp16-rounded) weights stored as fp32
+    shutil.copytree(d, ref)
+    save_file({k: v.float() if v.is_floating_point() else v for k, v in t.items()}, str(ref / ST),
+              metadata={"format": "pt"})
+    (ref / "config.json").write_text(json.dumps(dict(cfg, dtype="float32")))
+    outs = []
+    for m in (d, ref):
+        assert main(["generate", "--model", str(m), "--prompt-ids", "5,6,7,8", "--max-tokens", "12", "--json",
+                     "--threads", "1", "--ignore-eos"]) == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) == 12
