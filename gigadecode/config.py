@@ -25,7 +25,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """YaRN RoPE parameters (`rope_type == "yarn"`) or plain RoPE (`"default"`)."""
+    """YaRN RoPE parameters (`rope_type == "yarn"`), plain RoPE (`"default"`), or positions divided by
+    `factor` (`"linear"`)."""
 
     rope_type: str = "yarn"
     theta: float = 150000.0
@@ -140,10 +141,13 @@ class GptOssConfig:
         need(math.isfinite(self.swiglu_alpha), f"swiglu_alpha must be finite (got {self.swiglu_alpha})")
         # RoPE.
         r = self.rope
-        need(r.rope_type in ("yarn", "default"),
-             f"rope_type {r.rope_type!r} is not supported (yarn or default)")
+        need(r.rope_type in ("yarn", "default", "linear"),
+             f"rope_type {r.rope_type!r} is not supported (yarn, default or linear)")
         need(is_num(r.theta) and math.isfinite(r.theta) and r.theta > 0,
              f"rope_theta must be > 0 and finite (got {r.theta!r})")
+        if r.rope_type == "linear":
+            need(is_num(r.factor) and math.isfinite(r.factor) and r.factor > 0,
+                 f"rope factor must be > 0 and finite for linear RoPE (got {r.factor!r})")
         if r.rope_type == "yarn":
             # YaRN's correction range divides by ln(theta) and takes ln(original_max / (beta * 2 pi)).
             need(r.theta > 1, f"rope_theta must be > 1 for YaRN (got {r.theta})")
@@ -188,6 +192,8 @@ class GptOssConfig:
             "rope_type": self.rope.rope_type,
             "rope_theta": self.rope.theta,
         }
+        if self.rope.rope_type == "linear":
+            rope["factor"] = self.rope.factor
         if self.rope.rope_type == "yarn":
             rope.update(factor=self.rope.factor, beta_fast=self.rope.beta_fast, beta_slow=self.rope.beta_slow,
                         truncate=self.rope.truncate,
@@ -369,29 +375,41 @@ def _as_strs(key: str, v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for `factor`, scaled by `mscale` (transformers' `get_mscale`)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _rope_from_dict(rp: dict[str, Any], theta: float, max_positions: Any, rk: Callable[[str], str]) -> RopeConfig:
     """A config.json's RoPE dict -> RopeConfig, with transformers' defaults for the keys it leaves out."""
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     rope_type = _as_str(rk("rope_type"), rope_type)
-    for k, off in (("partial_rotary_factor", 1.0), ("mscale", None), ("mscale_all_dim", None)):
-        if rp.get(k) is not None and rp[k] != off:
-            raise ConfigError(f"config.json {rk(k)} = {rp[k]!r} is not supported (GPT-OSS rotates whole heads "
-                              f"with YaRN's own attention factor)")
+    prf = rp.get("partial_rotary_factor")
+    if prf is not None and prf != 1.0:
+        raise ConfigError(f"config.json {rk('partial_rotary_factor')} = {prf!r} is not supported (GPT-OSS rotates "
+                          f"whole heads)")
+    if rope_type in ("yarn", "linear") and "factor" not in rp:
+        raise ConfigError(f"config.json {rk('factor')} is required for {rope_type} RoPE")
+    if rope_type == "linear":
+        return RopeConfig(rope_type="linear", theta=theta, factor=_as_float(rk("factor"), rp["factor"]))
     if rope_type != "yarn":
         return RopeConfig(rope_type=rope_type, theta=theta)
-    if "factor" not in rp:
-        raise ConfigError(f"config.json {rk('factor')} is required for YaRN RoPE")
     orig = rp.get("original_max_position_embeddings")
     orig = (_as_int("max_position_embeddings", max_positions) if orig is None
             else _as_int(rk("original_max_position_embeddings"), orig))
     factor = rp["factor"]                   # null: the ratio of the context to the pretraining length
+    factor = (_as_int("max_position_embeddings", max_positions) / orig if factor is None
+              else _as_float(rk("factor"), factor))
     af = rp.get("attention_factor")
+    ms, ms_all = rp.get("mscale"), rp.get("mscale_all_dim")
+    if af is None and ms and ms_all:        # transformers: both set (and non-zero) -> their ratio; else unused
+        af = _yarn_mscale(factor, _as_float(rk("mscale"), ms)) / _yarn_mscale(factor, _as_float(rk("mscale_all_dim"),
+                                                                                                ms_all))
     truncate = rp.get("truncate", True)     # transformers: a missing `truncate` is True, a null one False
     return RopeConfig(
         rope_type="yarn",
         theta=theta,
-        factor=_as_int("max_position_embeddings", max_positions) / orig if factor is None
-        else _as_float(rk("factor"), factor),
+        factor=factor,
         original_max_position_embeddings=orig,
         # transformers reads the betas as `get(...) or default`.
         beta_fast=_as_float(rk("beta_fast"), rp.get("beta_fast") or 32.0),

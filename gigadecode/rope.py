@@ -3,7 +3,8 @@
 YaRN (as transformers computes it): frequencies of the low-rotation dims are interpolated (divided by
 `factor`), high-rotation dims are kept, with a linear ramp between the dims that turn `beta_fast` and
 `beta_slow` times over `original_max_position_embeddings` (floored/ceiled when `truncate`). cos and
-sin are multiplied by the attention factor `0.1 * ln(factor) + 1`.
+sin are multiplied by the attention factor `0.1 * ln(factor) + 1`. Linear scaling divides every frequency by
+`factor`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def rope_inv_freq(cfg: GptOssConfig) -> tuple[torch.Tensor, float]:
     pos_freqs = r.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
     if r.rope_type == "default":
         return 1.0 / pos_freqs, 1.0
+    if r.rope_type == "linear":                   # positions / factor
+        return 1.0 / pos_freqs / r.factor, 1.0
     factor = r.factor
     if r.attention_factor is not None:
         attn = float(r.attention_factor)

@@ -409,9 +409,10 @@ def test_rope_defaults_are_read_as_transformers_reads_them(form, tmp_path):
 
 def test_rope_forms_we_cannot_run_are_refused():
     for rp in ({"rope_type": "yarn", "rope_theta": 1000.0},                     # YaRN needs its factor
+               {"rope_type": "linear", "rope_theta": 1000.0},                   # so does linear scaling
                {"rope_type": "default", "partial_rotary_factor": 0.5},          # GPT-OSS rotates whole heads
-               {"rope_type": "yarn", "factor": 4.0, "mscale": 0.7}):
-        with pytest.raises(ConfigError, match="rope_parameters"):
+               {"rope_type": "dynamic", "factor": 4.0}):                         # scaled by the sequence length
+        with pytest.raises(ConfigError, match="rope_parameters|rope_type 'dynamic' is not supported"):
             GptOssConfig.from_hf({**_NO_ROPE, "rope_parameters": rp})
 
 
@@ -430,6 +431,10 @@ ROPE_CASES = {
     "betas-theta": _yarn_case(16384, theta=50000, factor=4.0, beta_fast=16.0, beta_slow=2.0,
                               original_max_position_embeddings=2048),
     "attention-factor": _yarn_case(32768, factor=16.0, attention_factor=1.25),
+    # transformers uses mscale only with mscale_all_dim (their ratio is the attention factor)
+    "mscale-alone": _yarn_case(32768, factor=16.0, mscale=0.7),
+    "mscale-ratio": _yarn_case(32768, factor=16.0, mscale=0.7, mscale_all_dim=1.3),
+    "linear": dict(_yarn_case(8192), rope_scaling={"rope_type": "linear", "factor": 3.0}),
 }
 
 
@@ -441,14 +446,21 @@ def test_rope_matches_transformers(case):
     d = ROPE_CASES[case]
     hf_cfg = transformers.GptOssConfig(**json.loads(json.dumps(d)))
     ours_cfg = GptOssConfig.from_hf(d)
-    assert ours_cfg.max_position_embeddings != ours_cfg.rope.original_max_position_embeddings
-    ref_inv, ref_attn = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    kind = ours_cfg.rope.rope_type
+    assert kind == ("linear" if case == "linear" else "yarn")
+    assert kind == "linear" or ours_cfg.max_position_embeddings != ours_cfg.rope.original_max_position_embeddings
+    ref_inv, ref_attn = ROPE_INIT_FUNCTIONS[kind](hf_cfg, "cpu")
     inv, attn = rope_inv_freq(ours_cfg)
     assert inv.dtype == ref_inv.dtype == torch.float32 and inv.shape == ref_inv.shape == (ours_cfg.head_dim // 2,)
     torch.testing.assert_close(inv, ref_inv, rtol=1e-6, atol=0)
     assert attn == pytest.approx(ref_attn, rel=1e-12)
     if case == "attention-factor":
         assert attn == 1.25
+    elif case == "mscale-ratio":
+        assert attn == pytest.approx((0.07 * math.log(16) + 1) / (0.13 * math.log(16) + 1))
+    elif case == "linear":
+        assert attn == 1.0
+        torch.testing.assert_close(inv, 1.0 / (150000.0 ** (torch.arange(0, 64, 2) / 64)) / 3.0, rtol=1e-6, atol=0)
     else:
         assert attn == pytest.approx(0.1 * math.log(ours_cfg.rope.factor) + 1.0)
 

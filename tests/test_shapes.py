@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from gigadecode.checkpoint import make_checkpoint, preset_config
+from gigadecode.config import RopeConfig
 from gigadecode.engine import build_engine
 from gigadecode.engine_config import EngineConfig
 from gigadecode.sampling import SamplingParams
@@ -57,6 +58,9 @@ CASES = {
     "no-attention-bias": (dict(layer_types=(S, F, S), hidden_size=64, intermediate_size=64, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=20, num_local_experts=4, num_experts_per_tok=2,
                                sliding_window=9, vocab_size=777, attention_bias=False), "mxfp4", 16, 512),
+    # linear RoPE scaling (positions / factor), which transformers runs for GPT-OSS as well
+    "linear-rope": (dict(layer_types=(F, S), sliding_window=11, vocab_size=515,
+                         rope=RopeConfig(rope_type="linear", theta=500.0, factor=2.5)), "bf16", 8, 32),
     # a window longer than the whole context (transformers loads it; it never binds)
     "window-past-context": (dict(layer_types=(S, F), max_position_embeddings=128, sliding_window=200,
                                  vocab_size=1001), "mxfp4", 16, 24),
