@@ -150,6 +150,7 @@ class ModelRunner:
         self.parallel = parallel          # None: one rank
         shard = parallel.shard if parallel is not None else Shard()
         self.weights = weights or load_weights(self.model_dir, self.cfg, self.dtype, shard, progress=progress)
+        self.cfg = self.weights.cfg                       # as loaded (an lm_head in the files unties it)
         self.model = GptOssModel(self.cfg, self.weights, self.dtype, parallel=parallel)
         self.kv = self.initialize_kv_cache()
         self.decoder = build_decoder(self.cfg, self.weights, self.model, self.kv, ecfg, parallel)

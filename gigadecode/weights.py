@@ -15,6 +15,7 @@ safetensors tensors (`_fill_shard`, `shard_ranges`): no rank ever holds the full
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -25,6 +26,8 @@ from safetensors import safe_open
 from .config import ConfigError, GptOssConfig
 from .safetensors_files import CheckpointError, FileTensor, TensorEntry, read_safetensors_index
 from .mxfp4 import BYTES_PER_GROUP, GROUP
+
+log = logging.getLogger(__name__)
 
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -335,12 +338,18 @@ def allocate_weights(cfg: GptOssConfig, dtype: torch.dtype, layout: str, shard: 
 
 def load_weights(model_dir: str | Path, cfg: GptOssConfig | None = None, dtype: torch.dtype = torch.float32,
                  shard: Shard = Shard(), progress: bool = False) -> ModelWeights:
-    """Validate the checkpoint, then fill the preallocated stacks tensor by tensor from the files."""
+    """Validate the checkpoint, then fill the preallocated stacks tensor by tensor from the files. The
+    returned weights' `cfg` is the one they were loaded for (untied if the files hold an lm_head)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
     cfg = cfg or GptOssConfig.from_hf(model_dir)
     index = read_safetensors_index(model_dir)
+    if cfg.tie_word_embeddings and "lm_head.weight" in index:
+        # as transformers does: an lm_head in the files is the model's own, whatever the config says
+        log.warning("config.json has tie_word_embeddings=true but the checkpoint holds its own lm_head.weight: "
+                    "using it (untied), as transformers does")
+        cfg = cfg.with_(tie_word_embeddings=False)
     layout = experts_layout(cfg, set(index))
     name_map = validate_checkpoint(cfg, index, layout)
     weights = allocate_weights(cfg, dtype, layout, shard)

@@ -320,11 +320,26 @@ def test_both_expert_layouts_in_one_checkpoint(tiny_ckpt, tmp_path):
         load_weights(d)
 
 
-def test_tied_config_with_an_lm_head_in_the_files(tiny_ckpt, tmp_path):
+def test_tied_config_with_an_lm_head_in_the_files(tiny_ckpt, tmp_path, caplog):
+    """tie_word_embeddings=true, but the files hold an lm_head.weight: transformers loads that lm_head (untied,
+    with a warning), so we do too and give its tokens. (It was refused.)"""
+    from gigadecode.engine import build_engine
+    from gigadecode.sampling import SamplingParams
+    from helpers import load_hf
     d = copy_ckpt(tiny_ckpt, tmp_path / "ck")
     edit_config(d, tie_word_embeddings=True)
-    with pytest.raises(CheckpointError, match=r"'lm_head.weight' \(config.json has tie_word_embeddings=true"):
-        load_weights(d)
+    with caplog.at_level("WARNING", logger="gigadecode.weights"):
+        w = load_weights(d)
+    assert "using it (untied), as transformers does" in caplog.text
+    assert not w.cfg.tie_word_embeddings and w.lm_head.data_ptr() != w.embed.data_ptr()
+    assert torch.equal(w.lm_head, load_file(d / ST)["lm_head.weight"].float())
+    eng = build_engine(str(d), EngineConfig(dtype="float32", num_blocks=64))
+    prompt = [5, 9, 200, 17, 3]
+    ours = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].output_ids
+    hf = load_hf(str(d))
+    assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)[0, 5:]
+    assert ours == theirs.tolist()
 
 
 def test_biases_present_but_attention_bias_false(tiny_ckpt, tmp_path):
