@@ -45,7 +45,7 @@ from gigadecode.checkpoint import make_checkpoint  # noqa: E402
 from gigadecode.engine_config import EngineConfig  # noqa: E402
 from gigadecode.connector.nixl_agent import NixlKVAgent  # noqa: E402
 from gigadecode.connector import side_channel  # noqa: E402
-from gigadecode.connector.nixl_connector import kv_crc32  # noqa: E402
+from gigadecode.connector.kv_crc import kv_crc32  # noqa: E402
 from gigadecode.engine import build_engine  # noqa: E402
 from gigadecode.kv.cache import KVCache  # noqa: E402
 from gigadecode.runner import ModelRunner  # noqa: E402

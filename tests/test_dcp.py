@@ -16,7 +16,7 @@ import torch
 from gigadecode.config import ConfigError, GptOssConfig
 from gigadecode.engine_config import EngineConfig
 from gigadecode.connector.dcp_reads import combine, partial_head_crcs, stream_length
-from gigadecode.connector.nixl_connector import kv_crc32_heads
+from gigadecode.connector.kv_crc import kv_crc32_heads
 from gigadecode.kv.cache import KVCache
 from gigadecode.kv.dcp import TokenShard
 from gigadecode.kv.manager import KVCacheManager

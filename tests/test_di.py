@@ -236,6 +236,28 @@ def test_other_layout_is_refused_at_the_door(tiny_ckpt, consumer):
         other.close()
 
 
+def test_a_load_given_up_tells_the_producer_to_free(producer, consumer, single):
+    """A decode request aborted while its READ is posted frees the prefill's blocks at once: the consumer
+    tells the producer it gave the KV up, not only when a READ lands (a read that carries no notification,
+    as a TP group's ranks post, or one cut off mid-flight, used to leave them leased until the lease ran out)."""
+    warm = random_prompt(20, 1024, seed=60)                # the handshake, so the next READ posts at once
+    assert run(consumer, warm, kv=producer.prefill(warm)).error is None
+    _pools_back(consumer, producer)
+    consumer.connector.notify_on_read = False             # the READ itself will not tell the producer
+    prompt = random_prompt(40, 1024, seed=61)
+    rid = consumer.add_request(prompt, greedy(), kv_transfer_params=producer.prefill(prompt))
+    t0 = time.monotonic()
+    while not (rid in consumer.connector.loads and consumer.connector.loads[rid].posted):
+        consumer.step()
+        assert time.monotonic() - t0 < 10
+    assert producer.call("leases") == 1
+    assert consumer.abort(rid)
+    assert producer.wait_free(NUM_BLOCKS - 1, timeout=5.0) == NUM_BLOCKS - 1     # the lease is 30 s
+    assert producer.call("leases") == 0 and consumer.kv_manager.num_free_blocks == NUM_BLOCKS - 1
+    consumer.connector.notify_on_read = True
+    assert run(consumer, prompt, kv=producer.prefill(prompt)).output_ids == run(single, prompt).output_ids
+
+
 def test_lease_expired_before_read(tiny_ckpt, consumer):
     from gigadecode.engine import RequestError
     short = Producer(tiny_ckpt, **{**BASE, "kv_lease_s": 0.3})

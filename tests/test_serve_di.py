@@ -243,14 +243,7 @@ def test_proxy_moves_on_from_a_prefill_server_that_never_answers(di):
                               "--decode", di["decode"], "--port", str(port), "--prefill-timeout-s", "1"])
     try:
         url = f"http://127.0.0.1:{port}"
-        t0 = time.monotonic()
-        while True:                                    # its /health waits on the wedged one: wait for the port
-            assert proxy.poll() is None and time.monotonic() - t0 < 60
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.2)
+        _wait_port(port, proxy)                        # its /health waits on the wedged one
         body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
         t0 = time.monotonic()
         r = httpx.post(url + "/v1/completions", timeout=60, json=body)
@@ -295,6 +288,19 @@ def test_requests_the_decode_refuses_hold_no_prefill_kv(di):
     assert r.status_code == 400                                               # a decode server holds no leases
 
 
+def _wait_port(port: int, proc) -> None:
+    """Wait until the process listens on `port` (for a proxy whose /health waits on a wedged upstream)."""
+    import socket
+    t0 = time.monotonic()
+    while True:
+        assert proc.poll() is None and time.monotonic() - t0 < 60
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+
+
 def _wait_up(url, proc):
     """The proxy's /health is 503 while an upstream is down: wait for it to answer at all."""
     import time
@@ -310,3 +316,77 @@ def _wait_up(url, proc):
             time.sleep(0.2)
     raise TimeoutError(url)
 
+
+
+@contextlib.contextmanager
+def fake_decode_server(answer: bytes | None):
+    """A decode server that reads a request, then sends `answer` and hangs (headers of a stream that never
+    comes), or with None closes the connection without a word (a server that died mid-request)."""
+    import socket
+    import threading
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    conns = []
+
+    def serve():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            c.recv(1 << 20)
+            if answer is None:
+                c.close()
+            else:
+                c.sendall(answer)
+                conns.append(c)
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        srv.close()
+        for c in conns:
+            c.close()
+
+
+HANG = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize("answer", [HANG, None], ids=["client-leaves-mid-stream", "decode-dies-before-headers"])
+def test_a_stream_that_ends_early_releases_the_prefill_lease(di, answer):
+    """A streaming request whose decode side never reads the KV frees the prefill's blocks at once (the lease is
+    10 s here): the client that leaves once the stream has begun, and a decode server that drops the request
+    before its headers (then a 502 in OpenAI's shape, not a bare 500). Both once held them to the lease's end."""
+    import httpx
+    port = free_port()
+    with fake_decode_server(answer) as decode:
+        proxy = start_gigadecode(["proxy", "--prefill", di["prefill"], "--decode", decode, "--port", str(port)])
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_port(port, proxy)
+            body = {"model": MODEL, "prompt": random_prompt(70, 1024, seed=12), "max_tokens": 4, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                if answer is None:
+                    r.read()
+                    assert r.status_code == 502 and r.json()["error"]["code"] == "decode_failed", r.text
+                else:
+                    assert r.status_code == 200            # the headers came; the client leaves now
+            wait_idle(di["prefill"], timeout=3)
+        finally:
+            stop_process_tree(proxy)
+
+
+def test_proxy_passes_min_tokens_and_names_one_prompt_a_request(di, single):
+    """min_tokens above the prefill's 1 token is the decode server's to apply (the prefill refused it), and a
+    list of prompts is refused by the proxy in its own words."""
+    import httpx
+    prompt = random_prompt(9, 1024, seed=13)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "min_tokens": 6, "temperature": 0.0}
+    r = httpx.post(di["proxy"] + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    want = single.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6))[0].output_ids
+    assert r.json()["usage"]["completion_tokens"] == len(want) == 6
+    r = httpx.post(di["proxy"] + "/v1/completions", json={**body, "prompt": ["a b", "c d"]}, timeout=60)
+    assert r.status_code == 400 and "one prompt a request (got 2)" in r.json()["error"]["message"]
+    wait_idle(di["prefill"], timeout=3)

@@ -7,7 +7,7 @@ whole remote blocks — the ones it owns, each into the local block at its local
 heads' byte range of each (as without DCP). Packed-FP8 K keeps its token pairs whole for free.
 
 Checking the bytes: the prefill's answer carries one CRC32 per kv head over the head's bytes of every live
-block (`nixl_connector.kv_crc32_heads`: group by group, buffer by buffer, K then V, block by block). No
+block (`kv_crc.kv_crc32_heads`: group by group, buffer by buffer, K then V, block by block). No
 single DCP rank holds all of them, but CRC32 is affine over GF(2): if the ranks' shares are disjoint and
 M_j is the head's byte stream with every block rank j does not hold replaced by zeros, then
 

@@ -46,68 +46,17 @@ import base64
 import socket
 import time
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from ..kv.dcp import TokenShard
 from .base import HandshakeError, KVConnectorBase, TransferError, model_identity
 from .dcp_reads import dcp_pairs, partial_head_crcs, stream_length
+from .kv_crc import crc_matches, kv_crc32, kv_crc32_heads
 from .nixl_agent import NixlKVAgent, ReadHandle
 from .params import (KVParamsError, KVTransferParams, RemoteRank, check_secret, kv_layout_id, prompt_digest, sign,
                      verify)
 from .side_channel import HandshakeCache, SideChannel
-
-
-def kv_crc32(kv, block_ids: list[list[int]]) -> int:
-    """CRC32 of a request's KV bytes: group by group, block by block, every buffer's K then V."""
-    crc = 0
-    for ids in block_ids:
-        if not ids:
-            continue
-        idx = torch.tensor(ids, dtype=torch.long)
-        for buf in kv.group_bufs:
-            for half in (buf[0], buf[1]):
-                crc = zlib.crc32(half.view(torch.uint8).index_select(0, idx).numpy().tobytes(), crc)
-    return crc
-
-
-def kv_crc32_heads(kv, block_ids: list[list[int]], heads: tuple[int, int] | None = None) -> list[int]:
-    """One CRC32 per kv head of the cache (local head index h in `heads`, default all): that head's bytes
-    of a request's KV, group by group, block by block, every buffer's K then V. Lets a consumer that
-    holds other kv heads (prefill TP != decode TP) check exactly the slice it read."""
-    h0, h1 = heads if heads is not None else (0, kv.group_bufs[0].shape[2])
-    crcs = [0] * (h1 - h0)
-    for ids in block_ids:
-        if not ids:
-            continue
-        idx = torch.tensor(ids, dtype=torch.long)
-        for buf in kv.group_bufs:
-            for half in (buf[0], buf[1]):                   # [nb, kv, ...]: heads outermost within a block
-                sel = half.view(torch.uint8).index_select(0, idx)
-                for i, h in enumerate(range(h0, h1)):
-                    crcs[i] = zlib.crc32(sel[:, h].contiguous().numpy().tobytes(), crcs[i])
-    return crcs
-
-
-def crc_matches(kv, local_ids: list[list[int]], src: RemoteRank, local_heads: tuple[int, int],
-                heads: tuple[int, int] | None = None) -> bool:
-    """Did the KV of `local_ids` arrive intact? Global kv heads `heads` (default: all of `local_heads`, the
-    heads this cache holds) are checked against the producer rank's per-head CRCs (`kv_crc32_heads`, from
-    global head `kv_head_start` on) when both sides hold different heads, else against its `kv_crc32`."""
-    h0, h1 = heads or local_heads
-    r0 = src.kv_head_start
-    per_head = src.kv_crc32_heads
-    if per_head is None or (heads is None and (r0, r0 + len(per_head)) == tuple(local_heads)):
-        if (h0, h1) != tuple(local_heads) or src.kv_crc32 is None:
-            return False                                  # no CRC to check this slice against
-        return kv_crc32(kv, local_ids) == src.kv_crc32
-    if h0 < r0 or h1 > r0 + len(per_head):
-        return False
-    got = kv_crc32_heads(kv, local_ids, (h0 - local_heads[0], h1 - local_heads[0]))
-    return got == list(per_head[h0 - r0: h1 - r0])
 
 
 def pair_remote_blocks(params: KVTransferParams, local_tables: list[list[int]], block_size: int
@@ -484,12 +433,19 @@ class NixlConnector(KVConnectorBase):
             self.agent.send_notif(r.remote, r.source.remote_request_id.encode())
 
     def cancel(self, request_id: str) -> None:
+        """A consumer gives up its KV (aborted, preempted, failed): stop its reads and tell the producer ranks
+        it read from to free the blocks now, not when the lease runs out (best effort)."""
         if self._vllm is not None:
             self._vllm.cancel(request_id)
-        self.landed.pop(request_id, None)
-        load = self.loads.pop(request_id, None)
-        if load is not None:
-            self._release(load)
+        loads = [ld for ld in (self.landed.pop(request_id, None), self.loads.pop(request_id, None)) if ld]
+        reads = [r for ld in loads for r in ld.reads]
+        for ld in loads:
+            self._release(ld)
+        for r in reads:
+            try:
+                self.agent.send_notif(r.remote, r.source.remote_request_id.encode())
+            except Exception:  # noqa: BLE001, S110 - the lease runs out instead
+                pass
 
     def close(self) -> None:
         if self._vllm is not None:

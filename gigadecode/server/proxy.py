@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +125,8 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         if "max_completion_tokens" in body or path.endswith("/chat/completions"):
             pbody["max_completion_tokens"] = 1
         pbody.pop("stream_options", None)
+        if isinstance(body.get("min_tokens"), int):        # the decode server applies it; the prefill makes 1
+            pbody["min_tokens"] = min(body["min_tokens"], 1)
         return await post_prefill(http, path, pbody, headers)
 
     async def post_prefill(http: httpx.AsyncClient, path: str, pbody: dict[str, Any], headers: dict[str, str]
@@ -159,6 +161,11 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             body = load_object(await request.body())
         except BodyError as e:
             return _error(400, str(e), "invalid_request_error", "invalid_json")
+        prompts = body.get("prompt")
+        if (isinstance(prompts, list) and len(prompts) > 1
+                and all(isinstance(p, (str, list)) for p in prompts)):
+            return _error(400, f"the DI proxy serves one prompt a request (got {len(prompts)}): send each as its "
+                               f"own request", "invalid_request_error", "invalid_prompt")
         http: httpx.AsyncClient = app.state.client
         headers = _headers(request)
 
@@ -212,17 +219,23 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             up.in_flight += 1
             req = http.build_request("POST", up.url + path, json=dbody, headers=headers)
             try:
-                r = await http.send(req, stream=True)
+                r = await unless_disconnected(request, http.send(req, stream=True))
             except httpx.ConnectError as e:      # nothing reached it: another decode server may take it
                 up.in_flight -= 1
                 log.warning("decode server %s unreachable: %s", up.url, e)
                 continue
+            except (httpx.TransportError, ClientGone) as e:   # it failed, or the client left, before the headers
+                up.in_flight -= 1
+                await _release(http, leased, headers)
+                if isinstance(e, ClientGone):
+                    return Response(status_code=499)
+                return _error(502, f"decode server {up.url} failed: {type(e).__name__}: {e}", code="decode_failed")
             except BaseException:
                 up.in_flight -= 1
                 raise
             if r.status_code >= 400:
                 await _release(http, leased, headers)
-            return StreamingResponse(_relay(r, up), status_code=r.status_code,
+            return StreamingResponse(_relay(r, up, lambda: _release(http, leased, headers)), status_code=r.status_code,
                                      media_type=r.headers.get("content-type", "text/event-stream"),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         await _release(http, leased, headers)
@@ -351,17 +364,28 @@ async def _release(http: httpx.AsyncClient, leased: dict[str, Any], headers: dic
         log.warning("prefill server %s unreachable to release a lease: %s", url, e)
 
 
-async def _relay(r: httpx.Response, up: Upstream) -> AsyncIterator[bytes]:
-    """The decode server's stream as it comes; closing it (client gone) closes the upstream request."""
+_background: set[asyncio.Task] = set()        # releases scheduled by streams that ended early
+
+
+async def _relay(r: httpx.Response, up: Upstream, release: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+    """The decode server's stream as it comes; closing it (client gone) closes the upstream request. A stream
+    that does not run to its end (the client left, the decode server failed) releases the prefill's lease: the
+    decode side may never have read it (a release after the read is a no-op)."""
+    ended = False
     try:
         async for chunk in r.aiter_raw():
             yield chunk
+        ended = True
     except httpx.TransportError as e:
         msg = {"error": {"message": f"decode server {up.url} failed mid-stream: {type(e).__name__}: {e}",
                          "type": "server_error", "param": None, "code": "decode_failed"}}
         yield f"data: {json.dumps(msg)}\n\ndata: [DONE]\n\n".encode()
     finally:
         up.in_flight -= 1
+        if not ended:                  # a task: this generator may be closing under a cancellation
+            task = asyncio.get_running_loop().create_task(release())
+            _background.add(task)
+            task.add_done_callback(_background.discard)
         await r.aclose()
 
 
