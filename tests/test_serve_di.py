@@ -274,6 +274,7 @@ def test_requests_the_decode_refuses_hold_no_prefill_kv(di):
         "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     kv = r.json()["kv_transfer_params"]
     assert metrics(di["prefill"])["gigadecode_kv_blocks_used"] > 0
+    assert metrics(di["prefill"])["gigadecode_kv_leases"] == 1
     forged = {**kv, "remote_block_ids": [[1, 2, 3]] * len(kv["remote_block_ids"])}
     for bad in (forged, {**kv, "signature": None}, {"remote_request_id": 5}):
         r = httpx.post(di["prefill"] + "/kv/release", json={"kv_transfer_params": bad}, timeout=30)
@@ -281,7 +282,7 @@ def test_requests_the_decode_refuses_hold_no_prefill_kv(di):
     assert metrics(di["prefill"])["gigadecode_kv_blocks_used"] > 0
     r = httpx.post(di["prefill"] + "/kv/release", json={"kv_transfer_params": kv}, timeout=30)
     assert r.status_code == 200 and r.json() == {"released": True}
-    wait_idle(di["prefill"], timeout=3)
+    assert wait_idle(di["prefill"], timeout=3)["gigadecode_kv_leases"] == 0
     r = httpx.post(di["prefill"] + "/kv/release", json={"kv_transfer_params": kv}, timeout=30)
     assert r.json() == {"released": False}                                    # nothing left to release
     r = httpx.post(di["decode"] + "/kv/release", json={"kv_transfer_params": kv}, timeout=30)

@@ -284,6 +284,10 @@ class KVConnectorBase(ABC):
         `get_finished`. -> whether there was such a lease. (Default: leases just run out.)"""
         return False
 
+    def num_leases(self) -> int:
+        """Producer: requests whose blocks are held for a consumer's read (the `/metrics` gauge)."""
+        return 0
+
     # -- both ----------------------------------------------------------------------------------------
     @abstractmethod
     def get_finished(self) -> tuple[set[str], set[str], dict[str, str]]:

@@ -95,6 +95,9 @@ class TPGroupConnector(KVConnectorBase):
     def holds_lease(self, request_id: str) -> bool:
         return request_id in self._leased
 
+    def num_leases(self) -> int:
+        return len(self._leased)
+
     # -- consumer ------------------------------------------------------------------------------------
     def start_load(self, request_id: str, params: KVTransferParams, local_tables: list[list[int]]) -> None:
         self._loading.append(request_id)

@@ -71,7 +71,8 @@ class _SnapshotCollector:
                 ("gigadecode_requests_running", "Requests in the engine's running set.", "running"),
                 ("gigadecode_requests_waiting", "Requests waiting to be scheduled.", "waiting"),
                 ("gigadecode_kv_blocks_used", "KV cache blocks in use (null block excluded).", "kv_blocks_used"),
-                ("gigadecode_kv_blocks_total", "Usable KV cache blocks (null block excluded).", "kv_blocks_total")):
+                ("gigadecode_kv_blocks_total", "Usable KV cache blocks (null block excluded).", "kv_blocks_total"),
+                ("gigadecode_kv_leases", "Prefill: requests whose KV is held for a decode server's read.", "kv_leases")):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], s.get(key, 0))
             yield g
@@ -123,6 +124,8 @@ class EngineMetrics:
         s["kv_per_rank"] = per_rank() if per_rank is not None else {}
         s["kv_bytes"] = engine.stats.kv_bytes_transferred
         s["transfer_failures"] = engine.stats.transfer_failures
+        conn = getattr(engine, "connector", None)
+        s["kv_leases"] = conn.num_leases() if conn is not None else 0
 
 
 # --------------------------------------------------------------------------------------------------
