@@ -8,12 +8,14 @@ and the newer `rope_parameters` form alike); unknown keys are ignored. Defaults 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+log = logging.getLogger(__name__)
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -327,12 +329,25 @@ class GptOssConfig:
             kw["torch_dtype"] = _as_str("dtype", d["dtype"])
         kw.pop("pad_token_id", None)
         pad = d.get("pad_token_id")
+        pad = None if pad is None else _as_int("pad_token_id", pad)
+        # special ids past the vocabulary (a config cut down from a real one) can never be generated: transformers
+        # loads them and never meets them, so they are dropped here, with a word
+        vocab = kw.get("vocab_size", cls.vocab_size)
+        outside = [f"{k}={v}" for k, vs in (("eos_token_id", eos_ids), ("pad_token_id", (pad,)),
+                                            ("bos_token_id", (kw.get("bos_token_id"),)))
+                   for v in vs if isinstance(v, int) and not 0 <= v < vocab]
+        if outside:
+            log.warning("config.json: %s outside the vocabulary [0, %d) ignored", ", ".join(outside), vocab)
+            eos_ids = tuple(e for e in eos_ids if 0 <= e < vocab)
+            pad = pad if pad is None or 0 <= pad < vocab else None
+            if not 0 <= kw.get("bos_token_id", 0) < vocab:
+                kw["bos_token_id"] = None
         return cls(
             rope=rope,
             quantization=quant,
             layer_types=_as_strs("layer_types", d.get("layer_types") or ()),
             eos_token_ids=eos_ids,
-            pad_token_id=None if pad is None else _as_int("pad_token_id", pad),
+            pad_token_id=pad,
             **kw,
         )
 

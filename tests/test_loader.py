@@ -295,14 +295,14 @@ def test_from_hf_gpt_oss_20b():
 def test_from_hf_only_experts_per_token_and_num_experts():
     """transformers reads `num_experts` for num_local_experts, but not `experts_per_token` (it routes to its
     default 4): one that agrees is fine, one that does not is refused rather than run differently."""
-    d = dict(GPT_OSS_20B)
+    d = json.loads(json.dumps(GPT_OSS_20B))                  # (transformers edits the dicts it is given)
     del d["num_experts_per_tok"], d["num_local_experts"]
     d.update(experts_per_token=4, num_experts=16)
-    hf = transformers.GptOssConfig(**d)
+    hf = transformers.GptOssConfig(**json.loads(json.dumps(d)))
     c = GptOssConfig.from_hf(d)
     assert (c.num_experts_per_tok, c.num_local_experts) == (hf.num_experts_per_tok, hf.num_local_experts) == (4, 16)
     d["experts_per_token"] = 2
-    assert transformers.GptOssConfig(**d).num_experts_per_tok == 4
+    assert transformers.GptOssConfig(**json.loads(json.dumps(d))).num_experts_per_tok == 4
     with pytest.raises(ConfigError, match="experts_per_token=2 but no num_experts_per_tok.*add \"num_experts_per_tok\": 2"):
         GptOssConfig.from_hf(d)
 
@@ -314,7 +314,7 @@ def test_from_hf_missing_key_takes_transformers_default(key):
     hidden / heads, num_key_value_heads the q heads and sliding_window none: other shapes, other numbers)."""
     d = {k: v for k, v in json.loads(json.dumps(GPT_OSS_20B)).items() if k not in (key, "experts_per_token")}
     d.update(hidden_size=256, num_attention_heads=16)        # hidden / heads = 16, not the default head_dim 64
-    hf, c = transformers.GptOssConfig(**d), GptOssConfig.from_hf(d)
+    hf, c = transformers.GptOssConfig(**json.loads(json.dumps(d))), GptOssConfig.from_hf(d)
     assert getattr(c, key) == getattr(hf, key), key
     assert (c.head_dim, c.num_key_value_heads, c.sliding_window) == (hf.head_dim, hf.num_key_value_heads,
                                                                      hf.sliding_window)

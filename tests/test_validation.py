@@ -142,11 +142,6 @@ def test_real_gpt_oss_configs_validate():
 
 
 @pytest.mark.parametrize("changes,match", [
-    (dict(eos_token_id=1024), r"eos_token_id 1024 is outside the vocabulary \[0, 1024\)"),
-    (dict(eos_token_id=[2, 5000]), r"eos_token_id 5000 is outside the vocabulary \[0, 1024\)"),
-    (dict(eos_token_id=-1), r"eos_token_id -1 is outside the vocabulary"),
-    (dict(pad_token_id=1024), r"pad_token_id 1024 is outside the vocabulary \[0, 1024\)"),
-    (dict(bos_token_id=99999), r"bos_token_id 99999 is outside the vocabulary \[0, 1024\)"),
     (dict(hidden_size=48), MXFP4_MSG + r"hidden_size \(the input dim of gate_up_proj\) is 48"),
     (dict(intermediate_size=80), MXFP4_MSG + r"intermediate_size \(the input dim of down_proj\) is 80"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 0.0}),
@@ -169,6 +164,32 @@ def test_bad_model_config_values(tiny_ckpt, changes, match):
     d.update(changes)
     with pytest.raises(ConfigError, match="invalid GPT-OSS config: " + match):
         GptOssConfig.from_hf(d)
+
+
+@pytest.mark.parametrize("changes,kept,warned", [
+    (dict(eos_token_id=1024), ((), 0, 1), "eos_token_id=1024"),
+    (dict(eos_token_id=[2, 5000]), ((2,), 0, 1), "eos_token_id=5000"),
+    (dict(eos_token_id=-1), ((), 0, 1), "eos_token_id=-1"),
+    (dict(pad_token_id=1024), ((2,), None, 1), "pad_token_id=1024"),
+    (dict(bos_token_id=99999), ((2,), 0, None), "bos_token_id=99999"),
+])
+def test_special_ids_outside_the_vocabulary_are_dropped(tiny_ckpt, caplog, changes, kept, warned):
+    """A special id past the vocabulary (a config cut down from a real one: gpt-oss-20b's eos 200002 and pad
+    199999 in a smaller vocabulary) can never be generated; transformers loads such a config, so do we, without
+    it and with a warning naming it. (It was refused.)"""
+    d = {**tiny_dict(tiny_ckpt), **changes}
+    with caplog.at_level("WARNING", logger="gigadecode.config"):
+        c = GptOssConfig.from_hf(d)
+    assert (c.eos_token_ids, c.pad_token_id, c.bos_token_id) == kept
+    assert f"{warned} outside the vocabulary [0, 1024) ignored" in caplog.text
+
+
+def test_a_real_config_with_a_smaller_vocabulary_loads():
+    import transformers
+    d = {**json.loads(json.dumps(GPT_OSS_20B)), "vocab_size": 1000}
+    transformers.GptOssConfig(**json.loads(json.dumps(d)))          # (it edits the dicts it is given)
+    c = GptOssConfig.from_hf(d)
+    assert (c.vocab_size, c.eos_token_ids, c.pad_token_id) == (1000, (), None)
 
 
 def test_mxfp4_multiple_of_32_applies_only_to_mxfp4_experts(tiny_ckpt):
