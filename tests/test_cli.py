@@ -1,5 +1,5 @@
 """`gigadecode generate` as a user runs it: the fast defaults (GK program on the native kernels, packed-FP8
-KV, all cores), the per-request timing fields of `--json`, and refused bad flags."""
+KV, all cores), the per-request timing fields of `--json`, a chat message (`--chat`), and refused bad flags."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from gigadecode.cli import _codec_and_requests, _read_requests, _run_generate, build_parser, engine_config, main
+from gigadecode.cli import build_parser, engine_config, main
+from gigadecode.generate import _codec_and_requests, _read_requests, _run_generate
 from gigadecode.config import ConfigError
 from gigadecode.engine import LLMEngine
 from gigadecode.runner import ModelRunner
@@ -227,3 +228,36 @@ def test_generate_under_a_world_of_the_wrong_size_says_so(tiny_ckpt, monkeypatch
     assert main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,2", "--ep", "2"]) == 2
     err = capsys.readouterr().err
     assert "world size 2 != tp*dp = 1*1 = 1" in err and "does not divide" not in err
+
+
+@pytest.fixture(scope="module")
+def demo_ckpt(tmp_path_factory):
+    from gigadecode.checkpoint import make_checkpoint
+    return make_checkpoint(tmp_path_factory.mktemp("demo") / "demo", "demo")
+
+
+def test_chat_shows_the_reply_as_reasoning_and_answer(demo_ckpt, capsys):
+    """`--chat MESSAGE` sends the message through the chat template (with --reasoning-effort in it) and shows
+    the harmony reply as its reasoning and its answer; with --json, those fields parsed from the same tokens."""
+    from gigadecode.harmony import HarmonyTokens, parse_harmony
+    from gigadecode.tokenizer import TextCodec
+    codec = TextCodec.from_dir(demo_ckpt)
+    q = "What is 37 + 45?"
+    common = ["generate", "--model", str(demo_ckpt), "--chat", q, "--threads", "1", "--max-tokens", "80"]
+    assert main([*common, "--json", "--reasoning-effort", "low"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["prompt_ids"] == codec.apply_chat_template([{"role": "user", "content": q}], reasoning_effort="low")
+    assert got["prompt_ids"] != codec.apply_chat_template([{"role": "user", "content": q}], reasoning_effort="high")
+    m = parse_harmony(codec, HarmonyTokens.from_codec(codec), got["token_ids"])
+    assert (got["reasoning_content"], got["content"], got["tool_calls"]) == (m.reasoning_content, m.content, [])
+    assert got["content"] == "37 + 45 = 82" and "82" in got["reasoning_content"]
+    assert main([*common, "--reasoning-effort", "low"]) == 0
+    out = capsys.readouterr().out
+    assert f"user: {q}" in out and f"\nreasoning: {m.reasoning_content}\nanswer: 37 + 45 = 82\n" in out, out
+
+
+def test_reasoning_effort_needs_chat(tiny_ckpt):
+    r = _generate("--model", str(tiny_ckpt), "--prompt-ids", "1,2", "--reasoning-effort", "low")
+    assert r.returncode != 0 and "--reasoning-effort goes with --chat" in r.stderr
+    r = _generate("--model", str(tiny_ckpt), "--chat", "hi", "--prompt-ids", "1,2")
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
