@@ -176,7 +176,7 @@ class LLMEngine:
             verify_signature(params, conn.key)
         except KVParamsError as e:
             raise RequestError(str(e), param=e.param, code="invalid_kv_transfer_params") from None
-        if params.remote_engine_id != conn.engine_id:
+        if not conn.answers_as(params.remote_engine_id):
             raise RequestError("kv_transfer_params name another prefill engine", param="kv_transfer_params."
                                "remote_engine_id", code="invalid_kv_transfer_params")
         return params.remote_request_id
@@ -189,6 +189,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def num_leases(self) -> int:
+        """A producer: requests whose KV is held for a decode engine's read."""
+        return len(self.connector.leased_ids()) if self.connector is not None else 0
 
     def kv_usage(self) -> tuple[int, int]:
         """-> (KV blocks in use, usable KV blocks); the null block is not counted."""

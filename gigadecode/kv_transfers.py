@@ -99,13 +99,16 @@ class KVTransfers:
     def poll(self, outputs: dict[str, RequestOutput]) -> None:
         eng = self.engine
         sending, done, failed = self.connector.get_finished()
-        for rid in sending:                    # producer: the consumer read them (or the lease expired)
+        # in request-id order, never a set's: the ranks of a TP group run this step alike, and the order blocks
+        # are freed in is the order they are handed out again (a set of strings iterates in each process's
+        # own hash order: the ranks' pools would hold the same requests in different blocks)
+        for rid in sorted(sending):            # producer: the consumer read them (or the lease expired)
             eng.scheduler.kv_manager.free(rid)
-        for rid in done:
+        for rid in sorted(done):
             req = eng.requests.get(rid)
             if req is not None and req.status == Status.WAITING_FOR_REMOTE_KV:
                 req.status = Status.RUNNING
-        for rid, err in failed.items():
+        for rid, err in sorted(failed.items()):
             req = eng.requests.get(rid)
             if req is None or req.finished:
                 continue

@@ -480,3 +480,38 @@ def test_readme_recipe_runs_as_written(tiny_ckpt):
     single = build_engine(tiny_ckpt, EngineConfig(kv_dtype="fp8"))
     want = single.generate([prompt], SamplingParams(temperature=0, max_tokens=32))[0].output_ids
     assert req.output_ids[:4] == want[:4]               # bf16: near-ties may part the two later (README)
+
+
+_FREE_ORDER = """
+import json, sys
+from types import SimpleNamespace
+from gigadecode.checkpoint import preset_config
+from gigadecode.kv.manager import KVCacheManager
+from gigadecode.kv.spec import get_kv_spec, make_kv_cache_config
+from gigadecode.kv_transfers import KVTransfers
+km = KVCacheManager(make_kv_cache_config(get_kv_spec(preset_config("tiny"), 4, 1), 200), 4)
+rids = [f"cmpl-{i:x}{'ab' * i}" for i in range(24)]
+for r in rids:
+    km.allocate(r, 9, 0)
+class Connector:
+    stats = {"kv_bytes_transferred": 0, "transfer_failures": 0}
+    def get_finished(self):
+        return set(rids), set(), {}
+eng = SimpleNamespace(scheduler=SimpleNamespace(kv_manager=km), requests={}, stats=SimpleNamespace())
+KVTransfers(eng, Connector()).poll({})
+print(json.dumps(list(km.pool._free)))
+"""
+
+
+def test_leases_end_in_the_same_block_order_in_every_process():
+    """The ranks of a TP prefill group free the same ended leases in one step; the order they free them in
+    is the order the blocks are handed out again, so it must not depend on the process. It was a set's
+    iteration order (string hashes differ per process): after leases ended together, rank 1 held other tokens
+    in the blocks rank 0's answer named, and every later transfer failed its CRC check."""
+    import json
+    import subprocess
+    import sys
+    orders = [json.loads(subprocess.run([sys.executable, "-c", _FREE_ORDER], capture_output=True, text=True,
+                                        check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout)
+              for seed in ("1", "2", "3")]
+    assert orders[0] == orders[1] == orders[2]

@@ -3,12 +3,13 @@ parallel engine, driven with the official `openai` client. Greedy and seeded out
 chat, streamed and not, concurrent) equal the single-rank engine's; a cancelled stream and a bad request
 leave the server serving and no KV block in use; SIGTERM stops every rank.
 
-Disaggregated serving across TP sizes (prefill tp=1 -> decode tp=2 and the reverse, and prefill tp 1 / 2 ->
-decode tp 4 with decode context parallel 2, behind the proxy):
+Disaggregated serving across TP sizes (prefill tp=1 -> decode tp=2 and the reverse, prefill tp 1 / 2 ->
+decode tp 4 with decode context parallel 2, and a prefill of two DP groups, behind the proxy):
 token-identical to the single node for prompt lengths across block and window edges, both pools back to
 empty; one corrupted kv head is refused by its decode group with the CRC error and serving goes on; a prefill
 whose KV will never be read (released by the router, or refused by the decode side behind the proxy) frees it
-on every rank at once, not when its lease runs out.
+on every rank at once, not when its lease runs out (in either DP group); `/metrics` counts the leases and
+every decode rank's KV bytes.
 
 The 4-rank server keeps fp32 KV, so its greedy tokens are also checked against transformers' own; the DI
 stacks keep FP8 KV (the decode default) and are checked against the single rank with the same flags."""
@@ -157,17 +158,18 @@ def test_parallel_server_stops_every_rank_on_sigterm(server):
 # --------------------------------------------------------------------------------------------------
 # disaggregated serving across TP sizes (head_ratio != 1) behind the proxy
 # --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=[(1, 2, 1), (2, 1, 1), (1, 4, 2), (2, 4, 2)],
+@pytest.fixture(scope="module", params=[(1, 2, 1, 1), (2, 1, 1, 1), (1, 4, 2, 1), (2, 4, 2, 1), (1, 1, 1, 2)],
                 ids=["prefill-tp1-decode-tp2", "prefill-tp2-decode-tp1", "prefill-tp1-decode-tp4-dcp2",
-                     "prefill-tp2-decode-tp4-dcp2"])
+                     "prefill-tp2-decode-tp4-dcp2", "prefill-dp2-decode-tp1"])
 def di_stack(request, tiny_ckpt):
     """Prefill and decode of other TP sizes; with dcp 2 each decode rank reads only the blocks of its tokens
-    (tp 4 over 2 kv heads: without DCP every kv head would be held twice)."""
-    p_tp, d_tp, dcp = request.param
+    (tp 4 over 2 kv heads: without DCP every kv head would be held twice); a prefill of two DP groups."""
+    p_tp, d_tp, dcp, p_dp = request.param
     tp = lambda n: ["--tp", str(n), "--ep", str(n)] if n > 1 else []      # noqa: E731
     d_flags = tp(d_tp) + (["--dcp", str(dcp)] if dcp > 1 else []) + DI_FLAGS
-    with di_servers(tiny_ckpt, tp(p_tp) + DI_FLAGS, d_flags, p_tp, d_tp) as urls:
-        yield {**urls, "decode_ranks": d_tp, "dcp": dcp}
+    p_flags = tp(p_tp) + (["--dp", str(p_dp)] if p_dp > 1 else []) + DI_FLAGS
+    with di_servers(tiny_ckpt, p_flags, d_flags, p_tp * p_dp, d_tp) as urls:
+        yield {**urls, "decode_ranks": d_tp, "dcp": dcp, "prefill_groups": p_dp}
 
 
 def _pools_back(stack) -> dict:
@@ -187,6 +189,28 @@ def test_di_across_tp_sizes_equals_single_node(di_stack, single_fp8):
     text = httpx.get(di_stack["decode"] + "/metrics", timeout=10).text    # every decode rank's own pool
     ranks = [ln for ln in text.splitlines() if ln.startswith("gigadecode_kv_rank_blocks_used{")]
     assert len(ranks) == di_stack["decode_ranks"] and all(ln.endswith(" 0.0") for ln in ranks), ranks
+
+
+def test_di_across_tp_sizes_counts_the_whole_kv_moved(di_stack, tiny_ckpt):
+    """`gigadecode_kv_bytes_transferred` is a request's whole KV whatever the TP sizes: every decode rank reads
+    its own heads (and with DCP its own blocks), and all of them count (it counted the first rank's only)."""
+    import httpx
+
+    from gigadecode.config import GptOssConfig
+    from gigadecode.engine_config import EngineConfig
+    from gigadecode.kv.cache import KVCache
+    before = _pools_back(di_stack)["gigadecode_kv_bytes_transferred_total"]
+    prompt = random_prompt(41, 1024, seed=9)
+    params = httpx.post(di_stack["prefill"] + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    ).json()["kv_transfer_params"]
+    r = httpx.post(di_stack["decode"] + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 2, "kv_transfer_params": params})
+    assert r.status_code == 200, r.text
+    kv = KVCache(GptOssConfig.from_hf(tiny_ckpt), EngineConfig(kv_dtype="fp8", block_size=4), 2)
+    per_block = sum(2 * buf[0][0].nbytes for buf in kv.group_bufs)         # K and V of a block, every buffer
+    moved = _pools_back(di_stack)["gigadecode_kv_bytes_transferred_total"] - before
+    assert moved == per_block * sum(len(ids) for ids in params["remote_block_ids"])
 
 
 def test_di_across_tp_sizes_refuses_one_corrupted_head(di_stack, single_fp8):
@@ -224,14 +248,19 @@ def test_di_across_tp_sizes_releases_unread_prefill_kv(di_stack):
     _pools_back(di_stack)
     prompt = random_prompt(38, 1024, seed=21)
     t0 = time.monotonic()
-    r = httpx.post(di_stack["prefill"] + "/v1/completions", timeout=60, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    kv = r.json()["kv_transfer_params"]
-    assert metrics(di_stack["prefill"])["gigadecode_kv_blocks_used"] > 0             # leased
-    r = httpx.post(di_stack["prefill"] + "/kv/release", json={"kv_transfer_params": kv}, timeout=30)
-    assert r.status_code == 200 and r.json() == {"released": True}, r.text
-    wait_idle(di_stack["prefill"], timeout=2.5)
+    groups = di_stack["prefill_groups"]
+    kvs = [httpx.post(di_stack["prefill"] + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    ).json()["kv_transfer_params"] for _ in range(groups)]          # a lease counts as load: one in each group
+    assert len({kv["remote_engine_id"] for kv in kvs}) == groups
+    m = metrics(di_stack["prefill"])
+    assert m["gigadecode_kv_blocks_used"] > 0 and m["gigadecode_kv_leases"] == groups                # leased
+    for kv in kvs:                     # a DP group's answers name its own rank: each is released
+        r = httpx.post(di_stack["prefill"] + "/kv/release", json={"kv_transfer_params": kv}, timeout=30)
+        assert r.status_code == 200 and r.json() == {"released": True}, r.text
+    assert wait_idle(di_stack["prefill"], timeout=2.5)["gigadecode_kv_leases"] == 0
     assert time.monotonic() - t0 < 4.5, "the lease ran out instead"
+    kv = kvs[-1]
     assert httpx.post(di_stack["prefill"] + "/kv/release", json={"kv_transfer_params": kv},
                       timeout=30).json() == {"released": False}                      # nothing left to release
     t0 = time.monotonic()

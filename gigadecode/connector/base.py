@@ -284,9 +284,14 @@ class KVConnectorBase(ABC):
         `get_finished`. -> whether there was such a lease. (Default: leases just run out.)"""
         return False
 
-    def num_leases(self) -> int:
-        """Producer: requests whose blocks are held for a consumer's read (the `/metrics` gauge)."""
-        return 0
+    def leased_ids(self) -> list[str]:
+        """Producer: the requests whose blocks are held for a consumer's read (`/metrics` counts them)."""
+        return []
+
+    def answers_as(self, engine_id: str) -> bool:
+        """Producer: whether params naming `engine_id` are this server's answers (a parallel server's answers
+        name the rank that made them)."""
+        return engine_id == getattr(self, "engine_id", None)
 
     # -- both ----------------------------------------------------------------------------------------
     @abstractmethod

@@ -190,8 +190,8 @@ class NixlConnector(KVConnectorBase):
             kv_crc32=kv_crc32(self.kv, ids), kv_head_start=self.agent.layout().kv_head_start,
             kv_crc32_heads=kv_crc32_heads(self.kv, ids), kv_layout_id=self.layout_id)
 
-    def num_leases(self) -> int:
-        return len(self.leases)
+    def leased_ids(self) -> list[str]:
+        return list(self.leases)
 
     def release(self, request_id: str) -> bool:
         lease = self.leases.get(request_id)

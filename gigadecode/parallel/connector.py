@@ -41,6 +41,7 @@ class TPGroupConnector(KVConnectorBase):
         self._leased: list[str] = []               # producer: leased, in order
         self._freeable: set[str] = set()           # producer: notified / expired here
         self._failures = 0
+        self.server_engine_ids: frozenset[str] = frozenset({inner.engine_id})   # every rank's (`answers_as`)
 
     @property
     def stats(self) -> dict:
@@ -95,8 +96,11 @@ class TPGroupConnector(KVConnectorBase):
     def holds_lease(self, request_id: str) -> bool:
         return request_id in self._leased
 
-    def num_leases(self) -> int:
-        return len(self._leased)
+    def leased_ids(self) -> list[str]:
+        return list(self._leased)
+
+    def answers_as(self, engine_id: str) -> bool:
+        return engine_id in self.server_engine_ids
 
     # -- consumer ------------------------------------------------------------------------------------
     def start_load(self, request_id: str, params: KVTransferParams, local_tables: list[list[int]]) -> None:

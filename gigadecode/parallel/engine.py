@@ -69,6 +69,7 @@ class GroupReport:
     kv_total: int
     stats: dict
     transfer_params: dict[str, dict] = field(default_factory=dict)   # DI producer: request id -> its answer
+    leased: list[str] = field(default_factory=list)   # DI producer: requests whose KV the group holds for a read
 
 
 @dataclass
@@ -77,6 +78,7 @@ class RankKV:
     rank: int
     kv_used: int
     kv_total: int
+    kv_bytes: int = 0                   # KV bytes this rank's connector moved (its share of the heads)
 
 
 @dataclass
@@ -117,6 +119,9 @@ def build_parallel_engine(model_dir: str | Path, ecfg: EngineConfig, progress: b
                               kv_head_start=shard_ranges(cfg, ctx.shard)["kv_heads"][0], notify_on_read=False,
                               tokens=ctx.tokens, vllm_kv_layout=ecfg.vllm_kv_layout, consumers=ctx.tp_size)
         connector = TPGroupConnector(inner, ctx)
+        ids: list = [None] * ctx.world_size       # a DP group's answers name its own rank: release checks all
+        dist.all_gather_object(ids, inner.engine_id, group=ctx.world_group)
+        connector.server_engine_ids = frozenset(ids)
     return LLMEngine(runner, ecfg, connector), ctx
 
 
@@ -161,9 +166,10 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
                 transfer_params[out.request_id] = req.kv_transfer_params_out
     used, total = engine.kv_usage()
     if ctx.tp_rank != 0:
-        return RankKV(ctx.rank, used, total)
+        return RankKV(ctx.rank, used, total, engine.stats.kv_bytes_transferred)
     return GroupReport(ctx.dp_rank, outputs, [r.request_id for r in engine.running],
-                       [r.request_id for r in engine.waiting], used, total, engine.stats.as_dict(), transfer_params)
+                       [r.request_id for r in engine.waiting], used, total, engine.stats.as_dict(), transfer_params,
+                       engine.connector.leased_ids() if engine.connector is not None else [])
 
 
 def _fail_running(engine: LLMEngine, msg: str) -> list[RequestOutput]:
@@ -213,6 +219,7 @@ class DistributedEngine:
         self._ids = 0
         self._reports: dict[int, GroupReport] = {}
         self._rank_kv: dict[int, tuple[int, int]] = {}   # world rank -> (blocks used, usable) after the last step
+        self._rank_bytes: dict[int, int] = {}   # world rank (not a group's first) -> KV bytes its connector moved
         self._seed = random.SystemRandom()
         self._stopped = False
 
@@ -231,6 +238,8 @@ class DistributedEngine:
         load = [0] * self.ctx.dp_size
         for g in self._group.values():                      # the unfinished requests' groups
             load[g] += 1
+        for g, rep in self._reports.items():                # and a prefill's KV held for a read
+            load[g] += len(rep.leased)
         g = min(range(self.ctx.dp_size), key=lambda i: (load[i], i))
         self.requests[request_id] = Request(request_id, list(prompt_ids), params)
         self._group[request_id] = g
@@ -253,13 +262,12 @@ class DistributedEngine:
 
     def release_lease(self, request_id: str) -> bool:
         """A producer: end a request's KV lease on every rank, in the same step (a TP group frees blocks
-        only once all its ranks ended the lease). -> whether rank 0's group holds that lease (True with
-        several DP groups: another group may)."""
+        only once all its ranks ended the lease). -> whether a DP group held that lease at its last step."""
         conn = self.connector
         if conn is None or not conn.is_producer:
             return False
         self._inbox.releases.append(request_id)
-        return self.ctx.dp_size > 1 or conn.holds_lease(request_id)
+        return conn.holds_lease(request_id) or any(request_id in rep.leased for rep in self._reports.values())
 
     def has_unfinished(self) -> bool:
         return any(not r.finished for r in self.requests.values())
@@ -279,6 +287,7 @@ class DistributedEngine:
                 continue
             self._rank_kv[r] = (rep.kv_used, rep.kv_total)
             if isinstance(rep, RankKV):
+                self._rank_bytes[r] = rep.kv_bytes
                 continue
             self._reports[rep.dp_rank] = rep
             for out in rep.outputs:
@@ -332,7 +341,13 @@ class DistributedEngine:
         """Summed over the DP groups (rank 0's own before the first step)."""
         if not self._reports:
             return self.replica.stats
-        return sum((EngineStats(**rep.stats) for rep in self._reports.values()), EngineStats())
+        total = sum((EngineStats(**rep.stats) for rep in self._reports.values()), EngineStats())
+        total.kv_bytes_transferred += sum(self._rank_bytes.values())    # each TP rank reads its own heads
+        return total
+
+    def num_leases(self) -> int:
+        """Summed over the DP groups, as of the last step."""
+        return sum(len(rep.leased) for rep in self._reports.values())
 
     def shutdown(self) -> None:
         """Tell every other rank to leave `run_worker` (idempotent)."""

@@ -124,8 +124,8 @@ class EngineMetrics:
         s["kv_per_rank"] = per_rank() if per_rank is not None else {}
         s["kv_bytes"] = engine.stats.kv_bytes_transferred
         s["transfer_failures"] = engine.stats.transfer_failures
-        conn = getattr(engine, "connector", None)
-        s["kv_leases"] = conn.num_leases() if conn is not None else 0
+        leases = getattr(engine, "num_leases", None)
+        s["kv_leases"] = leases() if leases is not None else 0
 
 
 # --------------------------------------------------------------------------------------------------
