@@ -44,6 +44,7 @@ def test_sigterm_ends_requests_in_flight_with_an_error_not_a_cut(tiny_ckpt):
         t.join(30)
         data = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
         assert data[-1] == "[DONE]" and "shutting down" in json.loads(data[-2])["error"]["message"], data[-3:]
+        assert json.loads(data[-2])["error"]["code"] == "server_shutting_down"      # as the 503's
         w = got["whole"]
         assert w.status_code == 503 and w.json()["error"]["code"] == "server_shutting_down", w.text
         proc.wait(30)

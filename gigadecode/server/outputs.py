@@ -385,7 +385,8 @@ async def stream_events(choices: list[Choice], make_chunk: Callable[[Choice, Any
                 continue
             pieces = c.absorb(out)
             if c.done and c.error is not None:
-                yield sse(error_body(f"request failed: {c.error}", "server_error", code="request_failed"))
+                code = "server_shutting_down" if c.error == SHUTTING_DOWN else "request_failed"
+                yield sse(error_body(f"request failed: {c.error}", "server_error", code=code))
                 break
             chunk = make_chunk(c, out, pieces)
             if chunk is not None:
