@@ -99,9 +99,12 @@ constexpr int64_t STRIP_MIN_INPUTS = 8;
 // bf16 inputs, where the CPU's fp32 FMAs multiply faster than its vdpbf16ps (`bf16_products()`, measured once):
 // experts with at least this many inputs take the fp32 form (`expert_rows_f32`: its strips from
 // STRIP_MIN_INPUTS, its register tiles below that). On an Intel Xeon (Emerald Rapids) decode steps of `small`
-// at batch 8 / 32 ran 1.10x / 1.12x against the bf16 form; from one input, batch 1 lost 3% (a lone input's
-// bf16 tile reads its expert's bytes faster), from three or five, batch 8 gained less (1.04x / 1.0x).
-constexpr int64_t F32_FORM_MIN_INPUTS = 2;
+// at batch 8 / 32 ran 1.10x / 1.12x against the bf16 form from two inputs. A lone input's bf16 tile once read
+// its expert's bytes faster (batch 1 lost 3% in the fp32 form), so one-input experts kept the bf16 form; since
+// the vpermw decode it is the other way: every expert in the fp32 form ran decode steps of `small` at batch
+// 1 / 2 / 4 / 8 1.02 / 1.03 / 1.025 / 1.025-1.035x, and of two 120b-shape layers (DRAM-bound) at batch 1 / 8
+// 1.00 / 1.03x (alternated in one process, 20 pairs each).
+constexpr int64_t F32_FORM_MIN_INPUTS = 1;
 
 #ifdef GD_X64_DECODE
 // fp32 inputs in the x64 order of `mxfp4_avx2.h`, each row padded to whole 64-value chunks
