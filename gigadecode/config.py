@@ -390,7 +390,7 @@ def _as_strs(key: str, v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention factor for `factor`, scaled by `mscale` (transformers' `get_mscale`)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -418,8 +418,8 @@ def _rope_from_dict(rp: dict[str, Any], theta: float, max_positions: Any, rk: Ca
     af = rp.get("attention_factor")
     ms, ms_all = rp.get("mscale"), rp.get("mscale_all_dim")
     if af is None and ms and ms_all:        # transformers: both set (and non-zero) -> their ratio; else unused
-        af = _yarn_mscale(factor, _as_float(rk("mscale"), ms)) / _yarn_mscale(factor, _as_float(rk("mscale_all_dim"),
-                                                                                                ms_all))
+        af = yarn_mscale(factor, _as_float(rk("mscale"), ms)) / yarn_mscale(factor, _as_float(rk("mscale_all_dim"),
+                                                                                              ms_all))
     truncate = rp.get("truncate", True)     # transformers: a missing `truncate` is True, a null one False
     return RopeConfig(
         rope_type="yarn",

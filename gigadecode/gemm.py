@@ -91,3 +91,19 @@ def linear_fp32_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 # they are not measured slower than the fp32 form (GIGADECODE_BF16_GEMM=1 / 0 chooses); a constant, so
 # compiled programs see a plain bool
 BF16_GEMM_IN_BF16 = _bf16_gemm_in_bf16()
+
+
+def _dense_bf16_experts() -> bool:
+    forced = os.environ.get("GIGADECODE_DENSE_EXPERTS")  # "1" / "0" overrides the choice
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        amx = bool(torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):
+        amx = False
+    return amx and BF16_GEMM_IN_BF16
+
+
+# whether bf16 MoE experts with many tokens are decoded to bf16 and multiplied in oneDNN's bf16 GEMM (AMX
+# tiles: ~10x the fp32 FMA rate) rather than by the grouped MXFP4 kernel (`routed_moe`)
+DENSE_BF16_EXPERTS = _dense_bf16_experts()

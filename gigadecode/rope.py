@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .config import GptOssConfig
+from .config import GptOssConfig, yarn_mscale
 
 
 def rope_inv_freq(cfg: GptOssConfig) -> tuple[torch.Tensor, float]:
@@ -25,10 +25,7 @@ def rope_inv_freq(cfg: GptOssConfig) -> tuple[torch.Tensor, float]:
     if r.rope_type == "linear":                   # positions / factor
         return 1.0 / pos_freqs / r.factor, 1.0
     factor = r.factor
-    if r.attention_factor is not None:
-        attn = float(r.attention_factor)
-    else:
-        attn = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    attn = float(r.attention_factor) if r.attention_factor is not None else yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(r.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(r.theta))
