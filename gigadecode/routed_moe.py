@@ -19,14 +19,17 @@ from .weights import LayerWeights
 
 
 def native_routed_moe(x: torch.Tensor, lw: LayerWeights, top_k: int, alpha: float, limit: float,
-                      expert_offset: int = 0, *, router_linear=linear, max_tokens: int | None = None
-                      ) -> torch.Tensor:
+                      expert_offset: int = 0, *, router_linear=linear, max_tokens: int | None = None,
+                      dense_experts: bool = False) -> torch.Tensor:
     """x [T, H] -> [T, H]: each token through its top-k experts, gate-weighted (under EP, this rank's
     experts' share: global ids from `expert_offset` on). `max_tokens`: call the kernel on slices of at most
-    this many tokens (its per-pair scratch, [pairs, 2I] fp32, stays bounded for big chunks)."""
+    this many tokens (its per-pair scratch, [pairs, 2I] fp32, stays bounded for big chunks). `dense_experts`
+    (prefill chunks; a decode step allocates nothing the size of an expert): let experts with many tokens take
+    the bf16 GEMM where `gemm.DENSE_BF16_EXPERTS`."""
     idx, gate_w = route(x, lw.router_w, lw.router_b, top_k, linear=router_linear)   # [T, k]
     dense = None
-    if gemm.DENSE_BF16_EXPERTS and x.dtype == torch.bfloat16 and lw.mxfp4 and x.shape[0] >= DENSE_MIN_TOKENS:
+    if (dense_experts and gemm.DENSE_BF16_EXPERTS and x.dtype == torch.bfloat16 and lw.mxfp4
+            and x.shape[0] >= DENSE_MIN_TOKENS):
         dense, idx = _dense_experts(x, lw, idx, gate_w, alpha, limit, expert_offset)
     step = max_tokens or max(x.shape[0], 1)
     outs = [native.moe_mxfp4(x[s: s + step], idx[s: s + step], gate_w[s: s + step], lw.gate_up_blocks,

@@ -41,7 +41,8 @@ def test_dense_experts_agree_with_the_grouped_kernel(layer, monkeypatch, T, offs
         assert 0 < dense_ones < int((counts > 0).sum()), counts
     if T == 20:
         assert dense_ones == 0                     # too few tokens: the grouped kernel alone
-    mixed = routed_moe.native_routed_moe(x, lw16, *args, max_tokens=64)
+    mixed = routed_moe.native_routed_moe(x, lw16, *args, max_tokens=64, dense_experts=True)
+    assert torch.equal(routed_moe.native_routed_moe(x, lw16, *args), grouped)     # decode: the kernel alone
     span = ref.abs().max().item()
     for got in (grouped, mixed):
         assert got.dtype == torch.bfloat16 and got.shape == x.shape
