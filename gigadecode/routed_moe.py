@@ -2,10 +2,10 @@
 layer's expert stacks. Shared by the per-layer model (prefill chunks, in bounded slices) and the GK
 program's decode step (router on the native small-batch linear).
 
-On a CPU with AMX tiles (`gemm.DENSE_BF16_EXPERTS`), a bf16 expert with at least `DENSE_MIN_TOKENS` tokens
-(prefill chunks) is instead decoded once to a bf16 transient (exact) and multiplied in oneDNN's bf16 GEMM,
-~10x the fp32 FMA rate the grouped kernel's products run at there; the kernel takes the other experts (their
-pairs routed past its experts, which it skips)."""
+With `gemm.DENSE_BF16_EXPERTS` (opt-in, for CPUs with AMX tiles), a bf16 expert with at least
+`DENSE_MIN_TOKENS` tokens in a prefill chunk is instead decoded once to a bf16 transient (exact) and
+multiplied in oneDNN's bf16 GEMM, ~10x the fp32 FMA rate the grouped kernel's products run at there; the
+kernel takes the other experts (their pairs routed past its experts, which it skips)."""
 
 from __future__ import annotations
 
