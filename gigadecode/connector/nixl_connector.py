@@ -440,7 +440,7 @@ class NixlConnector(KVConnectorBase):
         it read from to free the blocks now, not when the lease runs out (best effort)."""
         if self._vllm is not None:
             self._vllm.cancel(request_id)
-        loads = [ld for ld in (self.landed.pop(request_id, None), self.loads.pop(request_id, None)) if ld]
+        loads = [ld for ld in (self.landed.pop(request_id, None), self.loads.pop(request_id, None)) if ld is not None]
         reads = [r for ld in loads for r in ld.reads]
         for ld in loads:
             self._release(ld)
