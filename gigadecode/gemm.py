@@ -91,16 +91,3 @@ def linear_fp32_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 # they are not measured slower than the fp32 form (GIGADECODE_BF16_GEMM=1 / 0 chooses); a constant, so
 # compiled programs see a plain bool
 BF16_GEMM_IN_BF16 = _bf16_gemm_in_bf16()
-
-
-def _dense_bf16_experts() -> bool:
-    """GIGADECODE_DENSE_EXPERTS=1 (opt-in): a CPU with AMX tiles runs bf16 GEMMs ~10x faster than the fp32
-    FMAs the grouped kernel multiplies in. Not the default: which experts take which path depends on the
-    batch, and the GEMM rounds the gate_up products to bf16 where the kernel keeps fp32, so a request's greedy
-    tokens would depend on what it is batched with more than near-ties do."""
-    return os.environ.get("GIGADECODE_DENSE_EXPERTS") == "1" and BF16_GEMM_IN_BF16
-
-
-# whether bf16 MoE experts with many tokens in a prefill chunk are decoded to bf16 and multiplied in oneDNN's
-# bf16 GEMM rather than by the grouped MXFP4 kernel (`routed_moe`)
-DENSE_BF16_EXPERTS = _dense_bf16_experts()

@@ -110,8 +110,7 @@ class GptOssModel:
         if self._native_moe:
             def local(t: torch.Tensor) -> torch.Tensor:
                 return native_routed_moe(t, lw, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit,
-                                         offset, router_linear=native.projection, max_tokens=MOE_SLICE,
-                                         dense_experts=True)
+                                         offset, router_linear=native.projection, max_tokens=MOE_SLICE)
         else:
             def local(t: torch.Tensor) -> torch.Tensor:    # each hit expert decoded once per chunk (exact)
                 return moe_tokens(t, lw, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit, offset,

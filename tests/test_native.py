@@ -66,15 +66,27 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 PRODUCT_FORMS = ["bf16", "fp32"] if native.isa() == "avx512-bf16" else ["fp32"]
 
 
+# ... and the MoE's: those, each with the AMX form off, plus the AMX form ('amx': experts with 5+ inputs on AMX
+# tiles, the rest in the measured form) where the CPU has AMX-BF16 (`native.moe_amx`)
+AMX = native.moe_amx() != "unavailable"
+MOE_FORMS = PRODUCT_FORMS + (["amx"] if AMX else [])
+
+
 @contextlib.contextmanager
 def products(form: str):
-    """moe_mxfp4 and linear multiplying bf16 inputs in `form` ('bf16' dot products or 'fp32' FMAs), restored after."""
-    before = native.product_form()
-    native.product_form(form)
+    """moe_mxfp4 and linear multiplying bf16 inputs in `form` ('bf16' dot products or 'fp32' FMAs, the AMX
+    form off; 'amx': AMX tiles for the MoE's experts with 5+ inputs), restored after."""
+    before, amx_before = native.product_form(), native.moe_amx()
+    if form != "amx":
+        native.product_form(form)
+    if AMX:
+        native.moe_amx("on" if form == "amx" else "off")
     try:
         yield
     finally:
         native.product_form(before)
+        if AMX:
+            native.moe_amx(amx_before)
 
 
 # ---- linear ------------------------------------------------------------------------------------------
@@ -402,7 +414,7 @@ def test_moe_mxfp4_edge_routing():
     _check_moe(x * 40, idx, torch.rand(6, 2, generator=g), weights, 1.702, 7.0, 0)
 
 
-@pytest.mark.parametrize("form", PRODUCT_FORMS)
+@pytest.mark.parametrize("form", MOE_FORMS)
 @pytest.mark.parametrize("H,I,xdt", [(160, 96, BF16), (256, 128, BF16), (32, 288, BF16), (1024, 64, BF16),
                                      (160, 96, F32), (1024, 64, F32)])
 def test_moe_mxfp4_many_tokens_per_expert(H, I, xdt, form):
@@ -437,11 +449,12 @@ def test_moe_product_forms_agree():
     T = len(idx)
     x = randn(g, T, H, dtype=BF16, scale=2.0)
     outs = {}
-    for form in PRODUCT_FORMS:
+    for form in MOE_FORMS:
         with products(form):
-            assert native.product_form() == form
+            assert form == "amx" and native.moe_amx() == "on" or native.product_form() == form
             outs[form] = OPS.moe_mxfp4(x, idx, torch.ones(T, 1), *weights, 1.702, 7.0, 0)
-    torch.testing.assert_close(outs["fp32"].float(), outs[PRODUCT_FORMS[0]].float(), rtol=2 * BF16_RTOL, atol=1e-4)
+    for form in MOE_FORMS:
+        torch.testing.assert_close(outs["fp32"].float(), outs[form].float(), rtol=2 * BF16_RTOL, atol=1e-4)
     before = native.product_form()
     assert native.product_form("auto") in PRODUCT_FORMS
     native.product_form(before)
@@ -450,6 +463,41 @@ def test_moe_product_forms_agree():
     if "bf16" not in PRODUCT_FORMS:
         with pytest.raises(RuntimeError, match="no bf16 dot products"):
             native.product_form("bf16")
+
+
+@pytest.mark.skipif(not AMX, reason="the CPU has no AMX-BF16 tiles (or the build no bf16 dot products)")
+@pytest.mark.parametrize("H,I,offset", [(160, 96, 0), (736, 224, 2), (96, 1056, 0)])
+def test_moe_mxfp4_amx_form(H, I, offset):
+    """The AMX form (`amx_experts.h`): experts with 5 or more bf16 inputs, in blocks of 32 inputs (first slots
+    5, 8, 31, 32, 33 and 70 an expert, second slots adding to them: partial and whole blocks), strips of 64 rows (R = 192, 160, 448, 736, 2112, 96: whole and short last
+    strips), rows whose group count is not a multiple of four (the chunk-padded K: H = 160, 736, 96), a strip
+    with a scale outside [2, 252] (its values not all normal bf16: that strip falls back to the bf16 tiles), EP
+    ids outside the local range, experts of 1-4 inputs alongside (the other forms); against the twin, and
+    agreeing with the AMX form off to a bf16 rounding. The switch can be asked, set and refused."""
+    g = gen(H + I)
+    counts = [5, 8, 1, 31, 32, 4, 33, 70]
+    E = len(counts)
+    gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias = _moe_weights(g, E, H, I, BF16)
+    gu_s[3, 70] = 1                                   # expert 3: one gate_up row in the second strip at 2^-126
+    dn_s[6, 2, 0] = 0                                 # expert 6: a down group at 2^-127 (subnormal)
+    weights = (gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias)
+    ids = torch.tensor([e for e, c in enumerate(counts) for _ in range(c)])
+    T = len(ids)
+    other = (ids + 1 + torch.arange(T) % 3) % E        # a second slot: counts mixed, some past 5 either way
+    idx = torch.stack([ids, other], 1)[torch.randperm(T, generator=g)] + offset
+    idx[::7, 1] = offset + E + 1                       # some pairs routed to another rank
+    gate_w = torch.softmax(torch.randn(T, 2, generator=g), -1)
+    x = randn(g, T, H, dtype=BF16, scale=2.0)
+    outs = {}
+    for form in ("amx", "fp32"):
+        with products(form), num_threads(3):
+            outs[form], _ = _check_moe(x, idx, gate_w, weights, 1.702, 7.0, offset)
+    torch.testing.assert_close(outs["amx"].float(), outs["fp32"].float(), rtol=2 * BF16_RTOL, atol=1e-4)
+    before = native.moe_amx()
+    assert native.moe_amx("off") == "off" and native.moe_amx("auto") == "on"
+    native.moe_amx(before)
+    with pytest.raises(RuntimeError, match="moe_amx"):
+        native.moe_amx("int8")
 
 
 def test_moe_mxfp4_bf16_wide_range_and_nan():
@@ -479,7 +527,7 @@ def test_moe_mxfp4_bf16_wide_range_and_nan():
     assert torch.equal(out_nan[[0, 1, 3, 4]], out[[0, 1, 3, 4]])
 
 
-@pytest.mark.parametrize("form", PRODUCT_FORMS)
+@pytest.mark.parametrize("form", MOE_FORMS)
 def test_moe_mxfp4_register_tile_paths(form):
     """bf16 experts with 1, 2, 3, 4, 6 and 9 tokens in one call: every register tile (4 rows x 1-2 inputs,
     2 rows x 3-4 inputs decoded first, 2 rows x 8; in the fp32 form, fp32 tiles from 2 inputs) and the strip

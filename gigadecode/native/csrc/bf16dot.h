@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdint>
 
+#include "common.h"
 #include "vec.h"
 
 #if defined(__AVX512BF16__)
@@ -121,6 +122,7 @@ inline bool decode_rows_scaled_bf16(const uint8_t* blk, const uint8_t* scl, int6
       k = _mm512_and_si512(_mm512_slli_epi32(k, 7), _mm512_set1_epi32(0xFFFF));
       const __m512i shift = _mm512_or_si512(k, _mm512_slli_epi32(k, 16));
       __m512i w[4];
+      prefetch_l2(blk + r * G * 16 + c * 64, MOE_PREFETCH_ROWS * G * 16);   // a line of the row 16 rows on
       decode_e2m1_bf16x4(blk + r * G * 16 + c * 64, ng * 16, w);
       for (int q = 0; q < 4; ++q) {
         const __m512i v = _mm512_mask_add_epi16(w[q], _mm512_test_epi16_mask(w[q], magnitude), w[q], shift);

@@ -23,13 +23,13 @@ inline float* aligned_part(std::vector<float>& b, size_t n) {
 }
 // Reused scratch: `slot` separates the buffers one op needs at the same time. Each thread has its own.
 inline float* scratch(int slot, size_t n) {
-  thread_local std::vector<float> bufs[4];
+  thread_local std::vector<float> bufs[6];
   return aligned_part(bufs[slot], n);
 }
 // Scratch shared by the workers of one op: the calling thread's (workers write disjoint parts). Apart from
 // `scratch`, which the calling thread also uses as a worker.
 inline float* shared_scratch(int slot, size_t n) {
-  thread_local std::vector<float> bufs[8];
+  thread_local std::vector<float> bufs[10];
   return aligned_part(bufs[slot], n);
 }
 

@@ -13,6 +13,7 @@
 #include <array>
 #include <utility>
 
+#include "amx_experts.h"
 #include "bf16dot.h"
 #include "common.h"
 #include "mxfp4_avx2.h"
@@ -360,8 +361,18 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   const auto fp32_expert = [&](int64_t n) {
     return q16 ? n >= STRIP_MIN_INPUTS : bf ? bf_f32 && n >= F32_FORM_MIN_INPUTS : true;
   };
-  bool f32_inputs = false;                         // fp32 copies of the inputs: for those experts only
-  for (int64_t e : rt.active) f32_inputs |= fp32_expert(rt.expert_start[e + 1] - rt.expert_start[e]);
+#ifdef GD_BF16DOT
+  const bool amx = bf && amx_experts();
+#else
+  const bool amx = false;
+#endif
+  const auto amx_expert = [&](int64_t n) { return amx && n >= AMX_MIN_INPUTS; };   // `amx_experts.h`
+  bool f32_inputs = false, amx_inputs = false;    // fp32 / pair-interleaved copies of the inputs: if some expert
+  for (int64_t e : rt.active) {                   // takes that form
+    const int64_t n = rt.expert_start[e + 1] - rt.expert_start[e];
+    f32_inputs |= fp32_expert(n) && !amx_expert(n);
+    amx_inputs |= amx_expert(n);
+  }
   const int64_t H64 = (H + 127) / 128 * 128, I64 = (I + 127) / 128 * 128;   // bf16 inputs: whole chunks
   const int64_t HS = input_stride(H), IS = input_stride(I);                 // fp32 inputs
   float* xd = shared_scratch(0, f32_inputs ? T * HS : 0);         // [T, H] fp32 inputs in the tiles' order
@@ -374,6 +385,8 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   const int64_t HQ = (H + 63) / 64, IQ = (I + 63) / 64;           // int16 inputs: chunks a row
   QChunk* xq = reinterpret_cast<QChunk*>(shared_scratch(4, q16 ? T * HQ * QF : 0));
   QChunk* aq = reinterpret_cast<QChunk*>(shared_scratch(5, q16 ? P * IQ * QF : 0));
+  uint16_t* xv = reinterpret_cast<uint16_t*>(shared_scratch(8, amx_inputs ? P * H64 / 2 : 0));   // [P, H64] and
+  uint16_t* av = reinterpret_cast<uint16_t*>(shared_scratch(9, amx_inputs ? P * I64 / 2 : 0));   // [P, I64], VNNI
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
 #ifdef GD_BF16DOT
@@ -402,31 +415,62 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
     ain16[p] = ad16 + p * I64;
     if (q16) xinq[p] = xq + rt.pair_token[p] * HQ, ainq[p] = aq + p * IQ;
   }
+  std::vector<int64_t> pair_expert(P);
+  for (int64_t e : rt.active)
+    for (int64_t p = rt.expert_start[e]; p < rt.expert_start[e + 1]; ++p) pair_expert[p] = e;
+#ifdef GD_BF16DOT
+  const auto pair_count = [&](int64_t p) {
+    const int64_t e = pair_expert[p];
+    return rt.expert_start[e + 1] - rt.expert_start[e];
+  };
+  if (amx_inputs)                                  // the AMX experts' inputs, pair-interleaved per expert
+    at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t first = rt.expert_start[pair_expert[p]];
+        if (amx_expert(pair_count(p))) put_vnni(xin16[p], H64, p - first, pair_count(p), xv + first * H64);
+      }
+    });
+#endif
   const uint8_t* gub = gu_blocks.data_ptr<uint8_t>();
   const uint8_t* gus = gu_scales.data_ptr<uint8_t>();
   const uint8_t* dnb = dn_blocks.data_ptr<uint8_t>();
   const uint8_t* dns = dn_scales.data_ptr<uint8_t>();
-  const int64_t n_act = rt.active.size();
 
-  // one work item = a strip of RT_MAX * 4 rows of one active expert, for all of that expert's pairs
+  // one work item = a strip of rows of one active expert (RT_MAX * 4 rows; AMX_STRIP on AMX tiles, where
+  // taller strips reuse each tile of inputs for more rows), for all of that expert's pairs
+  struct Item { int64_t e, r0, r1; };
   auto run = [&](const uint8_t* blk, const uint8_t* scl, int64_t R, int64_t G, const std::vector<const float*>& in,
-                 const std::vector<const uint16_t*>& in16, const std::vector<const QChunk*>& inq, float* dst) {
-    const int64_t strip = RT_MAX * 4, strips = (R + strip - 1) / strip;
+                 const std::vector<const uint16_t*>& in16, const std::vector<const QChunk*>& inq,
+                 const uint16_t* vnni, float* dst) {
     // threads take contiguous runs of work items of about equal cost (an item's cost: its expert's inputs
-    // plus a few for streaming its bytes), so one expert with many tokens does not leave a thread idle
-    std::vector<int64_t> done(n_act * strips + 1, 0);       // cumulative cost before item i
-    for (int64_t i = 0; i < n_act * strips; ++i) {
-      const int64_t e = rt.active[i / strips];
-      done[i + 1] = done[i] + rt.expert_start[e + 1] - rt.expert_start[e] + 4;
+    // times its rows, plus some for streaming its bytes), so one expert with many tokens does not leave a
+    // thread idle
+    std::vector<Item> items;
+    std::vector<int64_t> done(1, 0);                          // cumulative cost before item i
+    for (int64_t e : rt.active) {
+      const int64_t n = rt.expert_start[e + 1] - rt.expert_start[e];
+      const int64_t strip = amx_expert(n) ? AMX_STRIP : RT_MAX * 4;
+      for (int64_t r0 = 0; r0 < R; r0 += strip) {
+        items.push_back({e, r0, std::min(R, r0 + strip)});
+        done.push_back(done.back() + (items.back().r1 - r0) * ((amx_expert(n) ? n / 8 : n) + 4));
+      }
     }
-    const int64_t parts = at::get_num_threads(), total = done.back();
+    const int64_t parts = at::get_num_threads(), total = done.back(), n_items = items.size();
     at::parallel_for(0, parts, 1, [&](int64_t b0, int64_t b1) {
       const int64_t i0 = std::lower_bound(done.begin(), done.end(), total * b0 / parts) - done.begin();
       const int64_t i1 = std::lower_bound(done.begin(), done.end(), total * b1 / parts) - done.begin();
-      for (int64_t i = i0; i < std::min(i1, n_act * strips); ++i) {
-        const int64_t e = rt.active[i / strips], r0 = (i % strips) * strip, r1 = std::min(R, r0 + strip);
+      bool used_amx = false;
+      for (int64_t i = i0; i < std::min(i1, n_items); ++i) {
+        const int64_t e = items[i].e, r0 = items[i].r0, r1 = items[i].r1;
         const int64_t p0 = rt.expert_start[e], n = rt.expert_start[e + 1] - p0;
 #ifdef GD_BF16DOT
+        if (amx_expert(n)) {     // a scale outside the bf16 range: the bf16 tiles (which scale each group's sums)
+          const int64_t K = (G + 3) / 4 * 128;
+          if (!expert_rows_amx(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, vnni + p0 * K, n, dst + p0 * R, R))
+            expert_rows_bf16(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in16.data() + p0, n, dst + p0 * R, R);
+          used_amx = true;
+          continue;
+        }
         if (bf && !fp32_expert(n)) {
           expert_rows_bf16(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in16.data() + p0, n, dst + p0 * R, R);
           continue;
@@ -440,14 +484,12 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 #endif
         expert_rows_f32(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in.data() + p0, n, dst + p0 * R, R);
       }
+      if (used_amx) at::native::cpublas::brgemm_release();   // the thread's AMX tile state
     });
   };
-  run(gub, gus, R1, G1, xin, xin16, xinq, gu);
+  run(gub, gus, R1, G1, xin, xin16, xinq, xv, gu);
 
   // swiglu on (gate, up) = (even, odd) columns with the gate_up bias, written deinterleaved for `down`
-  std::vector<int64_t> pair_expert(P);
-  for (int64_t e : rt.active)
-    for (int64_t p = rt.expert_start[e]; p < rt.expert_start[e + 1]; ++p) pair_expert[p] = e;
   const float a = float(alpha), lim = float(limit);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     float* act = scratch(2, 2 * I + W);
@@ -472,6 +514,8 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 #ifdef GD_BF16DOT
       if (bf) {
         deinterleave_bf16(act, I, ad16 + p * I64);
+        const int64_t first = rt.expert_start[e];
+        if (amx_expert(pair_count(p))) put_vnni(ad16 + p * I64, I64, p - first, pair_count(p), av + first * I64);
         if (!f32_inputs) continue;
       }
 #endif
@@ -485,7 +529,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
       arrange_inputs(act, I, ad + p * IS);
     }
   });
-  run(dnb, dns, H, G2, ain, ain16, ainq, y);
+  run(dnb, dns, H, G2, ain, ain16, ainq, av, y);
 
   // out[t] = sum of its pairs (expert order) gate · (y + b2)
   std::vector<std::vector<int64_t>> tok_pairs(T);

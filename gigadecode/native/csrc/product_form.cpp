@@ -15,6 +15,9 @@
 #include <cstring>
 #include <string>
 
+#include <ATen/native/CPUBlas.h>
+
+#include "amx_experts.h"
 #include "bf16dot.h"
 #include "common.h"
 #include "kernels.h"
@@ -68,6 +71,39 @@ ProductForm bf16_products() {
   return ProductForm(f);
 }
 #endif
+
+#ifdef GD_BF16DOT
+namespace {
+// PyTorch packs bf16 GEMM operands for its batch-reduce GEMM exactly where that GEMM runs on AMX tiles
+bool amx_present() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+std::atomic<int> amx_state{-1};                   // -1: not decided yet; 0 / 1: off / on
+}  // namespace
+
+bool amx_experts() {
+  int s = amx_state.load(std::memory_order_relaxed);
+  if (s < 0) {
+    const char* env = std::getenv("GIGADECODE_MOE_AMX");
+    s = env != nullptr && std::strcmp(env, "0") == 0 ? 0 : int(amx_present());
+    amx_state.store(s, std::memory_order_relaxed);
+  }
+  return s == 1;
+}
+#endif
+
+std::string moe_amx(const std::string& mode) {
+  TORCH_CHECK(mode.empty() || mode == "auto" || mode == "on" || mode == "off",
+              "moe_amx: expected '', 'auto', 'on' or 'off', got '", mode, "'");
+#ifdef GD_BF16DOT
+  if (mode == "on") TORCH_CHECK(amx_present(), "moe_amx: this CPU has no AMX-BF16 tiles");
+  if (!mode.empty()) amx_state.store(mode == "auto" ? -1 : mode == "on" ? 1 : 0);
+  if (!amx_present()) return "unavailable";
+  return amx_experts() ? "on" : "off";
+#else
+  TORCH_CHECK(mode != "on", "moe_amx: this build (", GD_ISA, ") has no AMX form");
+  return "unavailable";
+#endif
+}
 
 std::string product_form(const std::string& form) {
 #ifdef GD_BF16DOT

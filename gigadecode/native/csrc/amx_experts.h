@@ -1,0 +1,63 @@
+// The MoE's experts on AMX tiles (AVX512-BF16 builds on CPUs with AMX-BF16): for experts with many bf16
+// inputs the fp32 FMAs (or vdpbf16ps) that multiply a decoded strip of rows are the bottleneck, and an AMX
+// tile multiply does ~10x their products a cycle. A strip is decoded once (`decode_rows_scaled_bf16`: exact
+// bf16 values in the 128-value chunk order of the bf16 inputs) and multiplied with the expert's inputs by
+// PyTorch's oneDNN batch-reduce GEMM (`at::native::cpublas::brgemm`: bf16 x bf16 -> fp32, no rounding of
+// the products' sums to bf16). A dot product may take its terms in any order as long as both sides use the
+// same one, so the inputs stay in the chunk order too; the GEMM only wants them pair-interleaved ("VNNI":
+// [K/2][n][2]), which `put_vnni` writes once per expert and step. Products are exact, sums fp32 in the
+// tile's order: the same values as the other forms up to fp32 rounding.
+#pragma once
+
+#include <ATen/native/CPUBlas.h>
+
+#include "bf16dot.h"
+#include "common.h"
+
+#ifdef GD_BF16DOT
+namespace gd {
+
+// whether experts with AMX_MIN_INPUTS or more bf16 inputs take the AMX form (product_form.cpp: the CPU has
+// AMX-BF16 and GIGADECODE_MOE_AMX is not 0, or the `moe_amx` op set it)
+bool amx_experts();
+
+// From 5 inputs the AMX form is ahead: the other forms' costs grow with the inputs, its cost is the strip's
+// decode (an Intel Xeon with AMX, 2 threads, 8 experts of n inputs each, `small` / 20b shapes: n = 4 0.96x /
+// 0.78x, 5 1.30x / 1.10x, 6 1.43x / 1.22x, 8 2.6x / 2.3x against the fp32 form)
+constexpr int64_t AMX_MIN_INPUTS = 5;
+constexpr int64_t AMX_BLOCK = 32;      // inputs per GEMM call (its N): two 16-column tiles
+constexpr int64_t AMX_STRIP = 64;      // rows a work item (its M): 4 x 2 tiles of fp32 sums, each input tile
+                                       // loaded once for four tiles of rows
+
+// Input j of an expert with n inputs, a row of K bf16 values (K even), into the expert's pair-interleaved
+// inputs at `dst`: blocks of AMX_BLOCK inputs, block b at dst + b * AMX_BLOCK * K laid out [K/2][nb][2]
+// (nb: the inputs in that block).
+inline void put_vnni(const uint16_t* row, int64_t K, int64_t j, int64_t n, uint16_t* dst) {
+  const int64_t b = j / AMX_BLOCK, jj = j % AMX_BLOCK, nb = std::min(AMX_BLOCK, n - b * AMX_BLOCK);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst + b * AMX_BLOCK * K) + jj;
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(row);
+  for (int64_t k = 0; k < K / 2; ++k) d[k * nb] = s[k];
+}
+
+// rows [r0, r1) of an expert matrix (blk, scl: its first row; G groups a row) times its n inputs in
+// `put_vnni`'s layout (K = the inputs' chunk-padded length, (G + 3) / 4 * 128) -> out[i * ldo + r] for i < n.
+// False (nothing written) when a scale of the strip leaves the bf16 values subnormal or infinite.
+inline bool expert_rows_amx(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
+                            const uint16_t* vnni, int64_t n, float* out, int64_t ldo) {
+  const int64_t K = (G + 3) / 4 * 128, rows = r1 - r0;
+  uint16_t* wb = reinterpret_cast<uint16_t*>(scratch(0, rows * K / 2 + 16));   // A [rows, K]
+  if (!decode_rows_scaled_bf16(blk + r0 * G * 16, scl + r0 * G, G, rows, wb, K)) return false;
+  float* c = scratch(4, rows * AMX_BLOCK);                                      // C [rows, nb]
+  for (int64_t b = 0; b * AMX_BLOCK < n; ++b) {
+    const int64_t nb = std::min(AMX_BLOCK, n - b * AMX_BLOCK);
+    at::native::cpublas::brgemm(rows, nb, K, K, nb, nb, false, reinterpret_cast<const at::BFloat16*>(wb),
+                                reinterpret_cast<const at::BFloat16*>(vnni + b * AMX_BLOCK * K), c, true);
+    float* o = out + b * AMX_BLOCK * ldo + r0;
+    for (int64_t j = 0; j < nb; ++j)
+      for (int64_t i = 0; i < rows; ++i) o[j * ldo + i] = c[i * nb + j];
+  }
+  return true;
+}
+
+}  // namespace gd
+#endif
