@@ -66,27 +66,27 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 PRODUCT_FORMS = ["bf16", "fp32"] if native.isa() == "avx512-bf16" else ["fp32"]
 
 
-# ... and the MoE's: those, each with the AMX form off, plus the AMX form ('amx': experts with 5+ inputs on AMX
-# tiles, the rest in the measured form) where the CPU has AMX-BF16 (`native.moe_amx`)
-AMX = native.moe_amx() != "unavailable"
-MOE_FORMS = PRODUCT_FORMS + (["amx"] if AMX else [])
+# ... those, each with AMX tiles off, plus 'amx' where the CPU has AMX-BF16 (`native.amx_tiles`): the MoE's
+# experts with 5+ inputs and linear's bf16 weights at 16+ rows on AMX tiles, the rest in the measured form
+AMX = native.amx_tiles() != "unavailable"
+ALL_FORMS = PRODUCT_FORMS + (["amx"] if AMX else [])
 
 
 @contextlib.contextmanager
 def products(form: str):
-    """moe_mxfp4 and linear multiplying bf16 inputs in `form` ('bf16' dot products or 'fp32' FMAs, the AMX
-    form off; 'amx': AMX tiles for the MoE's experts with 5+ inputs), restored after."""
-    before, amx_before = native.product_form(), native.moe_amx()
+    """moe_mxfp4 and linear multiplying bf16 inputs in `form` ('bf16' dot products or 'fp32' FMAs, AMX tiles
+    off; 'amx': AMX tiles on), restored after."""
+    before, amx_before = native.product_form(), native.amx_tiles()
     if form != "amx":
         native.product_form(form)
     if AMX:
-        native.moe_amx("on" if form == "amx" else "off")
+        native.amx_tiles("on" if form == "amx" else "off")
     try:
         yield
     finally:
         native.product_form(before)
         if AMX:
-            native.moe_amx(amx_before)
+            native.amx_tiles(amx_before)
 
 
 # ---- linear ------------------------------------------------------------------------------------------
@@ -97,7 +97,9 @@ LIN_N = (1, 3, 33, 130)
 
 
 # bf16 x bf16 under each product form (AVX-512 from 4 rows: the pair tiles, in fp32, unless the form is bf16)
-LIN_CASES = [(F32, F32, None)] + [(BF16, BF16, f) for f in PRODUCT_FORMS] + [(F32, BF16, None), (BF16, F32, None)]
+# (and on AMX tiles from 16 rows, where the CPU has them: K even; 17, 33, 40, 95, 130 rows: blocks of 32 inputs
+# and their tails, N = 130: strips of 64 rows and a short one)
+LIN_CASES = [(F32, F32, None)] + [(BF16, BF16, f) for f in ALL_FORMS] + [(F32, BF16, None), (BF16, F32, None)]
 
 
 @pytest.mark.parametrize("xdt,wdt,form", LIN_CASES,
@@ -414,7 +416,7 @@ def test_moe_mxfp4_edge_routing():
     _check_moe(x * 40, idx, torch.rand(6, 2, generator=g), weights, 1.702, 7.0, 0)
 
 
-@pytest.mark.parametrize("form", MOE_FORMS)
+@pytest.mark.parametrize("form", ALL_FORMS)
 @pytest.mark.parametrize("H,I,xdt", [(160, 96, BF16), (256, 128, BF16), (32, 288, BF16), (1024, 64, BF16),
                                      (160, 96, F32), (1024, 64, F32)])
 def test_moe_mxfp4_many_tokens_per_expert(H, I, xdt, form):
@@ -449,11 +451,11 @@ def test_moe_product_forms_agree():
     T = len(idx)
     x = randn(g, T, H, dtype=BF16, scale=2.0)
     outs = {}
-    for form in MOE_FORMS:
+    for form in ALL_FORMS:
         with products(form):
-            assert form == "amx" and native.moe_amx() == "on" or native.product_form() == form
+            assert form == "amx" and native.amx_tiles() == "on" or native.product_form() == form
             outs[form] = OPS.moe_mxfp4(x, idx, torch.ones(T, 1), *weights, 1.702, 7.0, 0)
-    for form in MOE_FORMS:
+    for form in ALL_FORMS:
         torch.testing.assert_close(outs["fp32"].float(), outs[form].float(), rtol=2 * BF16_RTOL, atol=1e-4)
     before = native.product_form()
     assert native.product_form("auto") in PRODUCT_FORMS
@@ -468,7 +470,7 @@ def test_moe_product_forms_agree():
 @pytest.mark.skipif(not AMX, reason="the CPU has no AMX-BF16 tiles (or the build no bf16 dot products)")
 @pytest.mark.parametrize("H,I,offset", [(160, 96, 0), (736, 224, 2), (96, 1056, 0)])
 def test_moe_mxfp4_amx_form(H, I, offset):
-    """The AMX form (`amx_experts.h`): experts with 5 or more bf16 inputs, in blocks of 32 inputs (first slots
+    """The AMX form (`amx_tiles.h`): experts with 5 or more bf16 inputs, in blocks of 32 inputs (first slots
     5, 8, 31, 32, 33 and 70 an expert, second slots adding to them: partial and whole blocks), strips of 64 rows (R = 192, 160, 448, 736, 2112, 96: whole and short last
     strips), rows whose group count is not a multiple of four (the chunk-padded K: H = 160, 736, 96), a strip
     with a scale outside [2, 252] (its values not all normal bf16: that strip falls back to the bf16 tiles), EP
@@ -493,11 +495,11 @@ def test_moe_mxfp4_amx_form(H, I, offset):
         with products(form), num_threads(3):
             outs[form], _ = _check_moe(x, idx, gate_w, weights, 1.702, 7.0, offset)
     torch.testing.assert_close(outs["amx"].float(), outs["fp32"].float(), rtol=2 * BF16_RTOL, atol=1e-4)
-    before = native.moe_amx()
-    assert native.moe_amx("off") == "off" and native.moe_amx("auto") == "on"
-    native.moe_amx(before)
-    with pytest.raises(RuntimeError, match="moe_amx"):
-        native.moe_amx("int8")
+    before = native.amx_tiles()
+    assert native.amx_tiles("off") == "off" and native.amx_tiles("auto") == "on"
+    native.amx_tiles(before)
+    with pytest.raises(RuntimeError, match="amx_tiles"):
+        native.amx_tiles("int8")
 
 
 def test_moe_mxfp4_bf16_wide_range_and_nan():
@@ -527,7 +529,7 @@ def test_moe_mxfp4_bf16_wide_range_and_nan():
     assert torch.equal(out_nan[[0, 1, 3, 4]], out[[0, 1, 3, 4]])
 
 
-@pytest.mark.parametrize("form", MOE_FORMS)
+@pytest.mark.parametrize("form", ALL_FORMS)
 def test_moe_mxfp4_register_tile_paths(form):
     """bf16 experts with 1, 2, 3, 4, 6 and 9 tokens in one call: every register tile (4 rows x 1-2 inputs,
     2 rows x 3-4 inputs decoded first, 2 rows x 8; in the fp32 form, fp32 tiles from 2 inputs) and the strip

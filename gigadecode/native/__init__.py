@@ -46,7 +46,7 @@ from .build import isa, load, status
 
 __all__ = ["moe_mxfp4", "mxfp4_dequant", "mxfp4_dequant_into", "swiglu", "linear", "paged_decode_attention", "paged_decode_attention_partial",
            "rope_kv_write", "rms_norm", "prefill_attention", "prefill_attention_supported", "gk_decode_layers",
-           "GK_STACKS", "product_form", "moe_amx",
+           "GK_STACKS", "product_form", "amx_tiles",
            "available", "isa", "status", "twins"]
 
 
@@ -78,17 +78,17 @@ def product_form(form: str = "") -> str:
     return str(ops.product_form(form))
 
 
-def moe_amx(mode: str = "") -> str:
-    """Whether `moe_mxfp4`'s experts with 5 or more bf16 inputs multiply on AMX tiles (oneDNN's batch-reduce
-    GEMM, fp32 sums): 'on' where the CPU has AMX-BF16 (GIGADECODE_MOE_AMX=0 turns it off), 'off', or
+def amx_tiles(mode: str = "") -> str:
+    """Whether bf16 products run on AMX tiles (oneDNN's batch-reduce GEMM, fp32 sums): `moe_mxfp4`'s experts
+    with 5 or more bf16 inputs, and `linear`'s bf16 weights at 16 rows or more: 'on' where the CPU has AMX-BF16 (GIGADECODE_AMX=0 turns it off), 'off', or
     'unavailable' (no AMX, or a build without bf16 dot products; the twins). `mode` ('auto', 'on' or 'off') sets
     it first; '' only asks."""
     ops = load()
     if ops is None:
         if mode == "on":
-            raise RuntimeError("moe_amx: the native kernels are not built")
+            raise RuntimeError("amx_tiles: the native kernels are not built")
         return "unavailable"
-    return str(ops.moe_amx(mode))
+    return str(ops.amx_tiles(mode))
 
 
 def mxfp4_dequant(blocks, scales, dtype: torch.dtype = torch.float32) -> torch.Tensor:

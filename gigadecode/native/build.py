@@ -132,5 +132,5 @@ def status() -> str:
     if ops is None:
         return f"torch twins ({_state.get('reason')})"
     form = f", bf16 products in {ops.product_form('')}" if _state["isa"] == "avx512-bf16" else ""
-    amx = {"on": ", MoE experts on AMX tiles", "off": ", AMX tiles off"}.get(str(ops.moe_amx("")), "")
+    amx = {"on": ", AMX tiles", "off": ", AMX tiles off"}.get(str(ops.amx_tiles("")), "")
     return f"native ({_state['isa']}{form}{amx})"

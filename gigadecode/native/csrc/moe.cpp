@@ -13,7 +13,7 @@
 #include <array>
 #include <utility>
 
-#include "amx_experts.h"
+#include "amx_tiles.h"
 #include "bf16dot.h"
 #include "common.h"
 #include "mxfp4_avx2.h"
@@ -362,11 +362,11 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
     return q16 ? n >= STRIP_MIN_INPUTS : bf ? bf_f32 && n >= F32_FORM_MIN_INPUTS : true;
   };
 #ifdef GD_BF16DOT
-  const bool amx = bf && amx_experts();
+  const bool amx = bf && amx_tiles_on();
 #else
   const bool amx = false;
 #endif
-  const auto amx_expert = [&](int64_t n) { return amx && n >= AMX_MIN_INPUTS; };   // `amx_experts.h`
+  const auto amx_expert = [&](int64_t n) { return amx && n >= AMX_MIN_INPUTS; };   // `amx_tiles.h`
   bool f32_inputs = false, amx_inputs = false;    // fp32 / pair-interleaved copies of the inputs: if some expert
   for (int64_t e : rt.active) {                   // takes that form
     const int64_t n = rt.expert_start[e + 1] - rt.expert_start[e];

@@ -33,7 +33,7 @@ TORCH_LIBRARY(gigadecode_native, m) {
   m.def("isa() -> str", &gd::isa);
   m.def("prefill_attention_supported(int head_dim) -> bool", &gd::prefill_attention_supported);
   m.def("product_form(str form) -> str", &gd::product_form);
-  m.def("moe_amx(str mode) -> str", &gd::moe_amx);
+  m.def("amx_tiles(str mode) -> str", &gd::amx_tiles_mode);
 }
 
 TORCH_LIBRARY_IMPL(gigadecode_native, CPU, m) {

@@ -17,7 +17,7 @@
 
 #include <ATen/native/CPUBlas.h>
 
-#include "amx_experts.h"
+#include "amx_tiles.h"
 #include "bf16dot.h"
 #include "common.h"
 #include "kernels.h"
@@ -80,10 +80,10 @@ bool amx_present() { return at::native::cpublas::could_pack(at::kBFloat16); }
 std::atomic<int> amx_state{-1};                   // -1: not decided yet; 0 / 1: off / on
 }  // namespace
 
-bool amx_experts() {
+bool amx_tiles_on() {
   int s = amx_state.load(std::memory_order_relaxed);
   if (s < 0) {
-    const char* env = std::getenv("GIGADECODE_MOE_AMX");
+    const char* env = std::getenv("GIGADECODE_AMX");
     s = env != nullptr && std::strcmp(env, "0") == 0 ? 0 : int(amx_present());
     amx_state.store(s, std::memory_order_relaxed);
   }
@@ -91,16 +91,16 @@ bool amx_experts() {
 }
 #endif
 
-std::string moe_amx(const std::string& mode) {
+std::string amx_tiles_mode(const std::string& mode) {
   TORCH_CHECK(mode.empty() || mode == "auto" || mode == "on" || mode == "off",
-              "moe_amx: expected '', 'auto', 'on' or 'off', got '", mode, "'");
+              "amx_tiles: expected '', 'auto', 'on' or 'off', got '", mode, "'");
 #ifdef GD_BF16DOT
-  if (mode == "on") TORCH_CHECK(amx_present(), "moe_amx: this CPU has no AMX-BF16 tiles");
+  if (mode == "on") TORCH_CHECK(amx_present(), "amx_tiles: this CPU has no AMX-BF16 tiles");
   if (!mode.empty()) amx_state.store(mode == "auto" ? -1 : mode == "on" ? 1 : 0);
   if (!amx_present()) return "unavailable";
-  return amx_experts() ? "on" : "off";
+  return amx_tiles_on() ? "on" : "off";
 #else
-  TORCH_CHECK(mode != "on", "moe_amx: this build (", GD_ISA, ") has no AMX form");
+  TORCH_CHECK(mode != "on", "amx_tiles: this build (", GD_ISA, ") has no AMX form");
   return "unavailable";
 #endif
 }

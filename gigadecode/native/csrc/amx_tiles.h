@@ -1,12 +1,14 @@
-// The MoE's experts on AMX tiles (AVX512-BF16 builds on CPUs with AMX-BF16): for experts with many bf16
-// inputs the fp32 FMAs (or vdpbf16ps) that multiply a decoded strip of rows are the bottleneck, and an AMX
-// tile multiply does ~10x their products a cycle. A strip is decoded once (`decode_rows_scaled_bf16`: exact
-// bf16 values in the 128-value chunk order of the bf16 inputs) and multiplied with the expert's inputs by
-// PyTorch's oneDNN batch-reduce GEMM (`at::native::cpublas::brgemm`: bf16 x bf16 -> fp32, no rounding of
-// the products' sums to bf16). A dot product may take its terms in any order as long as both sides use the
-// same one, so the inputs stay in the chunk order too; the GEMM only wants them pair-interleaved ("VNNI":
-// [K/2][n][2]), which `put_vnni` writes once per expert and step. Products are exact, sums fp32 in the
-// tile's order: the same values as the other forms up to fp32 rounding.
+// bf16 products on AMX tiles (AVX512-BF16 builds on CPUs with AMX-BF16), through PyTorch's oneDNN
+// batch-reduce GEMM (`at::native::cpublas::brgemm`: bf16 x bf16 -> fp32, no rounding of the sums to bf16):
+// the MoE's experts with many bf16 inputs (moe.cpp) and the dense projections' bf16 weights at 16 inputs or
+// more (linear.cpp), where the fp32 FMAs (or vdpbf16ps) of the other forms are the bottleneck and a tile
+// multiply does ~10x their products a cycle. An expert's strip of rows is decoded once
+// (`decode_rows_scaled_bf16`: exact bf16 values in the 128-value chunk order of the bf16 inputs) and
+// multiplied with its inputs; a dot product may take its terms in any order as long as both sides use the
+// same one, so the inputs stay in the chunk order too. The GEMM wants its second operand pair-interleaved
+// ("VNNI": [K/2][n][2]): that operand is the inputs, which `put_vnni` lays out once per expert (or call),
+// so no weight is repacked. Products are exact, sums fp32 in the tile's order: the same values as the other
+// forms up to fp32 rounding.
 #pragma once
 
 #include <ATen/native/CPUBlas.h>
@@ -17,9 +19,9 @@
 #ifdef GD_BF16DOT
 namespace gd {
 
-// whether experts with AMX_MIN_INPUTS or more bf16 inputs take the AMX form (product_form.cpp: the CPU has
-// AMX-BF16 and GIGADECODE_MOE_AMX is not 0, or the `moe_amx` op set it)
-bool amx_experts();
+// whether bf16 products take AMX tiles where this file says (product_form.cpp: the CPU has AMX-BF16 and
+// GIGADECODE_AMX is not 0, or the `amx_tiles` op set it)
+bool amx_tiles_on();
 
 // From 5 inputs the AMX form is ahead: the other forms' costs grow with the inputs, its cost is the strip's
 // decode (an Intel Xeon with AMX, 2 threads, 8 experts of n inputs each, `small` / 20b shapes: n = 4 0.96x /
