@@ -97,7 +97,7 @@ LIN_N = (1, 3, 33, 130)
 
 
 # bf16 x bf16 under each product form (AVX-512 from 4 rows: the pair tiles, in fp32, unless the form is bf16)
-# (and on AMX tiles from 16 rows, where the CPU has them: K even; 17, 33, 40, 95, 130 rows: blocks of 32 inputs
+# (and on AMX tiles from 5 rows, where the CPU has them: K even; 5, 8, 17, 33, 40, 95, 130 rows: blocks of 32 inputs
 # and their tails, N = 130: strips of 64 rows and a short one)
 LIN_CASES = [(F32, F32, None)] + [(BF16, BF16, f) for f in ALL_FORMS] + [(F32, BF16, None), (BF16, F32, None)]
 

@@ -80,7 +80,8 @@ def product_form(form: str = "") -> str:
 
 def amx_tiles(mode: str = "") -> str:
     """Whether bf16 products run on AMX tiles (oneDNN's batch-reduce GEMM, fp32 sums): `moe_mxfp4`'s experts
-    with 5 or more bf16 inputs, and `linear`'s bf16 weights at 16 rows or more: 'on' where the CPU has AMX-BF16 (GIGADECODE_AMX=0 turns it off), 'off', or
+    with 5 or more bf16 inputs, and `linear`'s bf16 weights at 5 rows or more: 'on' where the CPU has AMX-BF16
+    (GIGADECODE_AMX=0 turns it off), 'off', or
     'unavailable' (no AMX, or a build without bf16 dot products; the twins). `mode` ('auto', 'on' or 'off') sets
     it first; '' only asks."""
     ops = load()

@@ -225,11 +225,12 @@ void linear_strips_bf16(const uint16_t* w, int64_t N, int64_t K, const float* x,
 
 #ifdef GD_BF16DOT
 // bf16 weights x bf16 inputs on AMX tiles (`amx_tiles.h`), from this many inputs (an Intel Xeon with AMX,
-// 2 threads, against the pair tiles: `small`'s lm_head [32000, 1024] at 8 / 16 / 32 inputs 1.41 / 2.40 /
-// 3.73x, its qkv [1536, 1024] 1.28 / 2.37 / 2.53x, a 20b-shape qkv [5120, 2880] 0.67 / 2.10 / 2.65x; 2 inputs
-// 0.6-0.9x). The weight's rows are the GEMM's first operand as they are (strips of AMX_STRIP rows), the inputs
-// its pair-interleaved second (laid out once a call); fp32 sums: y [M, N].
-constexpr int64_t LINEAR_AMX_MIN_ROWS = 16;
+// 2 threads, against the fp32 pair tiles, medians of alternated calls: `small`'s lm_head [32000, 1024] at 4 / 5
+// / 8 / 16 inputs 0.89 / 1.26 / 1.44 / 2.59x, its qkv [1536, 1024] 1.58 / 2.01 / 2.48 / 3.66x, 20b-shape
+// projections ([5120, 2880], [2880, 4096], [8192, 2880]) 1.05-1.11 / 1.40-1.45 / 1.69-1.78 / 2.31-2.93x; 2-3
+// inputs 0.87-1.48x). The weight's rows are the GEMM's first operand as they are (strips of AMX_STRIP rows),
+// the inputs its pair-interleaved second (laid out once a call); fp32 sums: y [M, N].
+constexpr int64_t LINEAR_AMX_MIN_ROWS = 5;
 void linear_amx(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M, float* y) {
   uint16_t* xv = reinterpret_cast<uint16_t*>(shared_scratch(8, M * K / 2 + 16));
   for (int64_t t = 0; t < M; ++t) put_vnni(x + t * K, K, t, M, xv);
