@@ -16,7 +16,6 @@
 #include "bf16dot.h"
 #include "common.h"
 
-#ifdef GD_BF16DOT
 namespace gd {
 
 // whether bf16 products take AMX tiles where this file says (product_form.cpp: the CPU has AMX-BF16 and
@@ -31,6 +30,7 @@ constexpr int64_t AMX_BLOCK = 32;      // inputs per GEMM call (its N): two 16-c
 constexpr int64_t AMX_STRIP = 64;      // rows a work item (its M): 4 x 2 tiles of fp32 sums, each input tile
                                        // loaded once for four tiles of rows
 
+#ifdef GD_BF16DOT
 // Input j of an expert with n inputs, a row of K bf16 values (K even), into the expert's pair-interleaved
 // inputs at `dst`: blocks of AMX_BLOCK inputs, block b at dst + b * AMX_BLOCK * K laid out [K/2][nb][2]
 // (nb: the inputs in that block).
@@ -61,5 +61,5 @@ inline bool expert_rows_amx(const uint8_t* blk, const uint8_t* scl, int64_t G, i
   return true;
 }
 
-}  // namespace gd
 #endif
+}  // namespace gd
