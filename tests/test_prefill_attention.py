@@ -3,6 +3,8 @@ prefill attention) against the dense `ops.sink_attention` with repeated kv heads
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -128,7 +130,24 @@ needs_kernel = pytest.mark.skipif(not native.prefill_attention_supported(torch.b
                                   reason="the native kernels are not built here")
 
 
+# where the CPU has AMX tiles the kernel's scores and P·V take them (chunks of 128 keys) unless told not to
+AMX_MODES = ["on", "off"] if native.amx_tiles() != "unavailable" else ["unavailable"]
+
+
+@contextlib.contextmanager
+def amx_mode(mode: str):
+    before = native.amx_tiles()
+    if mode != "unavailable":
+        native.amx_tiles(mode)
+    try:
+        yield
+    finally:
+        if mode != "unavailable":
+            native.amx_tiles(before)
+
+
 @needs_kernel
+@pytest.mark.parametrize("amx", AMX_MODES)
 @pytest.mark.parametrize("T,S,nkv,rep,d,q_start,k_start,window", [
     (1, 1, 1, 1, 16, 0, 0, None),          # one query, one key
     (5, 9, 2, 2, 32, 4, 0, None),          # the chunk after 4 cached tokens
@@ -154,10 +173,11 @@ needs_kernel = pytest.mark.skipif(not native.prefill_attention_supported(torch.b
     (12, 30, 1, 2, 130, 18, 0, None),      # d 130: past the pair kernel's 128
     (16, 40, 1, 1, 256, 24, 0, 16),        # d 256
 ])
-def test_native_prefill_attention_matches_dense(T, S, nkv, rep, d, q_start, k_start, window):
+def test_native_prefill_attention_matches_dense(T, S, nkv, rep, d, q_start, k_start, window, amx):
     q, k, v, q_pos, k_pos, sinks = make_case(T, S, nkv, rep, d, q_start, k_start, torch.bfloat16, seed=T + 7 * S)
     scale = d ** -0.5
-    ours = native.prefill_attention(q, k, v, q_pos, k_start, sinks, scale, window or 0)
+    with amx_mode(amx):
+        ours = native.prefill_attention(q, k, v, q_pos, k_start, sinks, scale, window or 0)
     ref = dense_reference(q.float(), k.float(), v.float(), q_pos, k_pos, sinks.float(), scale, window)
     assert ours.shape == q.shape and ours.dtype == torch.bfloat16
     # bf16 inputs, fp32 scores and softmax, probabilities rounded to bf16 for PV by the pair kernel (2^-9 of
@@ -231,14 +251,22 @@ def test_model_prefill_with_the_native_kernel(tmp_path, name):
     cfg = preset_config("tiny", experts).with_(num_hidden_layers=len(over["layer_types"]), **over)
     ckpt = make_checkpoint(tmp_path / name, cfg=cfg, seed=3, experts=experts)
     cfg = GptOssConfig.from_hf(ckpt)
-    rnd = random.Random(name)
-    prompt = [rnd.randrange(3, cfg.vocab_size) for _ in range(n)]
-    ref = prefill_logits(ckpt, cfg, torch.float32, prompt, block, chunk)
-    ours = prefill_logits(ckpt, cfg, torch.bfloat16, prompt, block, chunk, native_attention=True)
-    torch_form = prefill_logits(ckpt, cfg, torch.bfloat16, prompt, block, chunk, native_attention=False)
-    span = float(ref.max() - ref.min())
-    err, err_torch = float((ours - ref).abs().max()) / span, float((torch_form - ref).abs().max()) / span
+    errs, errs_torch = [], []
+    for i in range(5):
+        rnd = random.Random(f"{name}-{i}")
+        prompt = [rnd.randrange(3, cfg.vocab_size) for _ in range(n)]
+        ref = prefill_logits(ckpt, cfg, torch.float32, prompt, block, chunk)
+        ours = prefill_logits(ckpt, cfg, torch.bfloat16, prompt, block, chunk, native_attention=True)
+        torch_form = prefill_logits(ckpt, cfg, torch.bfloat16, prompt, block, chunk, native_attention=False)
+        span = float(ref.max() - ref.min())
+        errs.append(float((ours - ref).abs().max()) / span)
+        errs_torch.append(float((torch_form - ref).abs().max()) / span)
     # both bf16 models round the same activations; the two attentions differ in sum order, exp and (where the
     # CPU has bf16 GEMMs) the torch form's bf16 products: bf16 noise, which the layers after them amplify
-    # alike, so the native kernel's model must be as close to the fp32 model as the torch form's
-    assert err <= 1.25 * err_torch + 2e-3, (err, err_torch)
+    # alike, so the native kernel's model must be as close to the fp32 model as the torch form's. One prompt's
+    # error is mostly where that amplification happened to land (over 8 prompts of the gqa5 model the pair
+    # kernel's error ran 0.42-1.43x the torch form's, the AMX form's 0.53-1.43x): the median over five, and
+    # no prompt far off
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    assert med(errs) <= 1.25 * med(errs_torch) + 2e-3, (errs, errs_torch)
+    assert all(e <= 2 * et + 2e-3 for e, et in zip(errs, errs_torch)), (errs, errs_torch)

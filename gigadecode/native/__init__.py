@@ -31,8 +31,8 @@ and its twin (`twins.py`, same signature) otherwise.
 - `rms_norm(x [M, H], weight [H], eps) -> [M, H]`.
 - `prefill_attention(q [T, nh, d] bf16, k, v [S, nkv, d] bf16, q_pos [T], k_start, sinks [nh], scale, window)
   -> [T, nh, d]`: a prefill chunk's causal GQA attention with the sink over the keys at positions k_start..
-  (window > 0: sliding), flash style: bf16 pair products on AVX512-BF16 for head dims that are multiples of
-  16 up to 128, fp32 products everywhere else (`prefill_attention_supported` says when it applies).
+  (window > 0: sliding), flash style: bf16 pair products on AVX512-BF16 (AMX tiles where `amx_tiles`) for head
+  dims that are multiples of 16 up to 128, fp32 products everywhere else (`prefill_attention_supported` says when it applies).
 All compute in fp32 and return x's dtype unless stated.
 """
 
@@ -80,10 +80,9 @@ def product_form(form: str = "") -> str:
 
 def amx_tiles(mode: str = "") -> str:
     """Whether bf16 products run on AMX tiles (oneDNN's batch-reduce GEMM, fp32 sums): `moe_mxfp4`'s experts
-    with 5 or more bf16 inputs, and `linear`'s bf16 weights at 5 rows or more: 'on' where the CPU has AMX-BF16
-    (GIGADECODE_AMX=0 turns it off), 'off', or
-    'unavailable' (no AMX, or a build without bf16 dot products; the twins). `mode` ('auto', 'on' or 'off') sets
-    it first; '' only asks."""
+    with 5 or more bf16 inputs, `linear`'s bf16 weights at 5 rows or more, `prefill_attention`'s scores and P·V:
+    'on' where the CPU has AMX-BF16 (GIGADECODE_AMX=0 turns it off), 'off', or 'unavailable' (no AMX, or a build
+    without bf16 dot products; the twins). `mode` ('auto', 'on' or 'off') sets it first; '' only asks."""
     ops = load()
     if ops is None:
         if mode == "on":

@@ -1,7 +1,7 @@
 // bf16 products on AMX tiles (AVX512-BF16 builds on CPUs with AMX-BF16), through PyTorch's oneDNN
 // batch-reduce GEMM (`at::native::cpublas::brgemm`: bf16 x bf16 -> fp32, no rounding of the sums to bf16):
 // the MoE's experts with many bf16 inputs (moe.cpp) and the dense projections' bf16 weights at 5 inputs or
-// more (linear.cpp), where the fp32 FMAs (or vdpbf16ps) of the other forms are the bottleneck and a tile
+// more (linear.cpp) and prefill attention's scores and P·V (prefill_attention.cpp), where the fp32 FMAs (or vdpbf16ps) of the other forms are the bottleneck and a tile
 // multiply does ~10x their products a cycle. An expert's strip of rows is decoded once
 // (`decode_rows_scaled_bf16`: exact bf16 values in the 128-value chunk order of the bf16 inputs) and
 // multiplied with its inputs; a dot product may take its terms in any order as long as both sides use the

@@ -16,11 +16,13 @@
 // Work: (kv head, 16 query positions) items over the threads; the rep = nh / nkv query heads of a kv head are
 // its rows (row = t * rep + head), processed 8 at a time for the scores and in groups of 16 / (d / 16) for PV.
 // Key chunks of 32 are skipped for a row group none of whose queries sees them. Softmax in fp32, P rounded to
-// bf16 for PV (as the torch form does), the sink applied at the end as out * sigmoid(lse - sink).
+// bf16 for PV (as the torch form does), the sink applied at the end as out * sigmoid(lse - sink). Where the CPU
+// has AMX tiles (`amx_tiles.h`) the two products run there instead (`amx_window`), on the same layouts.
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "bf16dot.h"
 #include "common.h"
 #include "flash_rows.h"
@@ -71,6 +73,90 @@ constexpr PvFn PV[9] = {nullptr, pv_for<1>(), pv_for<2>(), pv_for<3>(), pv_for<4
 // the head dims the pair kernel takes (d / 2 pairs, 16 output dims a vector, up to 8 vectors in registers)
 bool pair_kernel_takes(int64_t d) { return d % 16 == 0 && d >= 16 && d <= 128; }
 
+// The AMX form of one window's items (CPUs with AMX-BF16, `amx_tiles.h`): the pair layouts above are the
+// batch-reduce GEMM's pair-interleaved operands as they are (Kt: [d/2][keys][2], Vp: [keys/2][d][2]), so per
+// chunk of KCA keys an item's R rows take one GEMM for their scores (q rows gathered once an item) and one
+// for P·V into the rows' fp32 sums; the online softmax between them as in the pair kernel.
+constexpr int64_t KCA = 128;   // keys per chunk: a [R, 128] score tile per GEMM
+
+void amx_window(const FlashRows& st, const uint16_t* qd, const int64_t* qp, const uint32_t* kt, const uint32_t* vpairs,
+                int64_t ws, int64_t we, int64_t Sw, int64_t k_start, int64_t window, float sc) {
+  const int64_t nh = st.nh, d = st.ld, half = d / 2;
+  at::parallel_for(0, st.items, 1, [&](int64_t w0, int64_t w1) {
+    uint16_t* qrows = reinterpret_cast<uint16_t*>(scratch(0, st.Rmax * half + 16));   // [R][d] bf16
+    float* scores = scratch(1, st.Rmax * KCA);                                          // [R][KCA]
+    uint16_t* prob = reinterpret_cast<uint16_t*>(scratch(4, st.Rmax * KCA / 2 + 16));   // [R][KCA] bf16
+    std::vector<int64_t> rpos(st.Rmax);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t h = st.head(w), R = st.rows(w);
+      float* acc = st.acc + w * st.Rmax * d;
+      float* mx = st.mx + w * st.Rmax;
+      float* sum = st.sum + w * st.Rmax;
+      int64_t qmin = INT64_MAX, qmax = INT64_MIN;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t t = st.token(w, r);
+        rpos[r] = qp[t];
+        qmin = std::min(qmin, rpos[r]);
+        qmax = std::max(qmax, rpos[r]);
+        std::copy(qd + (t * nh + st.q_head(w, r)) * d, qd + (t * nh + st.q_head(w, r)) * d + d, qrows + r * d);
+      }
+      const uint32_t* kth = kt + h * half * Sw;
+      const uint32_t* vph = vpairs + h * (Sw / 2) * d;
+      const int64_t last = std::min<int64_t>(we - 1, qmax - k_start);
+      const int64_t first = std::max<int64_t>(ws, window ? qmin - window + 1 - k_start : 0);
+      for (int64_t c0 = ws + (first - ws) / KCA * KCA; c0 <= last; c0 += KCA) {
+        const int64_t lc = c0 - ws;                                  // the chunk's column in the window
+        at::native::cpublas::brgemm(R, KCA, d, d, Sw, KCA, false, reinterpret_cast<const at::BFloat16*>(qrows),
+                                    reinterpret_cast<const at::BFloat16*>(kth + lc), scores, true);
+        for (int64_t r = 0; r < R; ++r) {                            // online softmax, as the pair kernel's
+          const int64_t pos = rpos[r];
+          const int limit = int(std::min<int64_t>(we, pos - k_start + 1));
+          __m512 sv[KCA / 16];
+          __mmask16 vis[KCA / 16];
+          __mmask16 any = 0;
+          __m512 vmax = _mm512_set1_ps(-INFINITY);
+          for (int v = 0; v < KCA / 16; ++v) {
+            const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(int(c0 + 16 * v)), lane);
+            __mmask16 m = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(limit));
+            if (window) m &= _mm512_cmpgt_epi32_mask(idx, _mm512_set1_epi32(int(pos - window - k_start)));
+            vis[v] = m;
+            any |= m;
+            sv[v] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m,
+                                       _mm512_mul_ps(_mm512_loadu_ps(scores + r * KCA + 16 * v), _mm512_set1_ps(sc)));
+            vmax = _mm512_max_ps(vmax, sv[v]);
+          }
+          uint16_t* prow = prob + r * KCA;
+          const float cmax = _mm512_reduce_max_ps(vmax);
+          if (!any || cmax == -INFINITY) {
+            std::fill(prow, prow + KCA, uint16_t(0));
+            continue;
+          }
+          const float mnew = std::max(mx[r], cmax);
+          const float corr = mx[r] == -INFINITY ? 0.f : std::exp(mx[r] - mnew);
+          const __m512 mv = _mm512_set1_ps(mnew);
+          __m512 psum = _mm512_setzero_ps();
+          for (int v = 0; v < KCA / 16; v += 2) {
+            const __m512 p0 = _mm512_maskz_mov_ps(vis[v], vexp({_mm512_sub_ps(sv[v], mv)}).v);
+            const __m512 p1 = _mm512_maskz_mov_ps(vis[v + 1], vexp({_mm512_sub_ps(sv[v + 1], mv)}).v);
+            psum = _mm512_add_ps(psum, _mm512_add_ps(p0, p1));
+            _mm512_storeu_si512(prow + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));   // keys in order
+          }
+          sum[r] = sum[r] * corr + _mm512_reduce_add_ps(psum);
+          mx[r] = mnew;
+          if (corr != 1.f) {
+            float* a = acc + r * d;
+            for (int64_t j = 0; j < d; j += 16) _mm512_storeu_ps(a + j, _mm512_mul_ps(_mm512_loadu_ps(a + j), _mm512_set1_ps(corr)));
+          }
+        }
+        at::native::cpublas::brgemm(R, d, KCA, KCA, d, d, true, reinterpret_cast<const at::BFloat16*>(prob),
+                                    reinterpret_cast<const at::BFloat16*>(vph + (lc / 2) * d), acc, true);
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+
 at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& q_pos, int64_t k_start, const at::Tensor& sinks, double scale,
                                    int64_t window) {
@@ -91,9 +177,11 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
   const float sc = float(scale);
   const int rp = DV <= 4 ? 4 : 2;
   const PvFn pv = PV[DV];
+  const bool amx = amx_tiles_on();
+  const int64_t chunk = amx ? KCA : KC;
   for (int64_t ws = k_first; ws <= k_last; ws += KW) {
     const int64_t we = std::min<int64_t>(std::min<int64_t>(S, k_last + 1), ws + KW);   // keys [ws, we)
-    const int64_t Sw = (we - ws + KC - 1) / KC * KC;                  // padded to whole chunks (zeros)
+    const int64_t Sw = (we - ws + chunk - 1) / chunk * chunk;         // padded to whole chunks (zeros)
     // Kt [nkv][half][Sw] and Vp [nkv][Sw / 2][d] 32-bit words of keys ws..
     uint32_t* kt = reinterpret_cast<uint32_t*>(shared_scratch(0, nkv * half * Sw));
     uint32_t* vpairs = reinterpret_cast<uint32_t*>(shared_scratch(1, nkv * (Sw / 2) * d));
@@ -116,6 +204,10 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
         for (int64_t c = 0; c < d; ++c) dst[c] = uint32_t(v0 ? v0[c] : 0) | uint32_t(v1 ? v1[c] : 0) << 16;
       }
     });
+    if (amx) {
+      amx_window(st, qd, qp, kt, vpairs, ws, we, Sw, k_start, window, sc);
+      continue;
+    }
 
     at::parallel_for(0, st.items, 1, [&](int64_t w0, int64_t w1) {
       uint32_t* pb = reinterpret_cast<uint32_t*>(scratch(0, st.Rmax * KC / 2));   // [R][KC / 2] bf16 prob. pairs
