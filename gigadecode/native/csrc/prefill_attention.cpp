@@ -73,6 +73,15 @@ constexpr PvFn PV[9] = {nullptr, pv_for<1>(), pv_for<2>(), pv_for<3>(), pv_for<4
 // the head dims the pair kernel takes (d / 2 pairs, 16 output dims a vector, up to 8 vectors in registers)
 bool pair_kernel_takes(int64_t d) { return d % 16 == 0 && d >= 16 && d <= 128; }
 
+// The chunks of `chunk` keys, counted from the window's first key ws, that queries at positions qmin..qmax may
+// see among the window's keys [ws, we): (the first chunk's first key, the last key); none when first > last.
+inline std::pair<int64_t, int64_t> seen_chunks(int64_t ws, int64_t we, int64_t qmin, int64_t qmax, int64_t k_start,
+                                               int64_t window, int64_t chunk) {
+  const int64_t last = std::min<int64_t>(we - 1, qmax - k_start);
+  const int64_t first = std::max<int64_t>(ws, window ? qmin - window + 1 - k_start : 0);
+  return {ws + (first - ws) / chunk * chunk, last};
+}
+
 // The AMX form of one window's items (CPUs with AMX-BF16, `amx_tiles.h`): the pair layouts above are the
 // batch-reduce GEMM's pair-interleaved operands as they are (Kt: [d/2][keys][2], Vp: [keys/2][d][2]), so per
 // chunk of KCA keys an item's R rows take one GEMM for their scores (q rows gathered once an item) and one
@@ -103,9 +112,8 @@ void amx_window(const FlashRows& st, const uint16_t* qd, const int64_t* qp, cons
       }
       const uint32_t* kth = kt + h * half * Sw;
       const uint32_t* vph = vpairs + h * (Sw / 2) * d;
-      const int64_t last = std::min<int64_t>(we - 1, qmax - k_start);
-      const int64_t first = std::max<int64_t>(ws, window ? qmin - window + 1 - k_start : 0);
-      for (int64_t c0 = ws + (first - ws) / KCA * KCA; c0 <= last; c0 += KCA) {
+      const auto [c_first, last] = seen_chunks(ws, we, qmin, qmax, k_start, window, KCA);
+      for (int64_t c0 = c_first; c0 <= last; c0 += KCA) {
         const int64_t lc = c0 - ws;                                  // the chunk's column in the window
         at::native::cpublas::brgemm(R, KCA, d, d, Sw, KCA, false, reinterpret_cast<const at::BFloat16*>(qrows),
                                     reinterpret_cast<const at::BFloat16*>(kth + lc), scores, true);
@@ -225,9 +233,8 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
         }
         const uint32_t* kth = kt + h * half * Sw;
         const uint32_t* vph = vpairs + h * (Sw / 2) * d;
-        const int64_t last = std::min<int64_t>(we - 1, qmax - k_start);
-        const int64_t first = std::max<int64_t>(ws, window ? qmin - window + 1 - k_start : 0);
-        for (int64_t c0 = ws + (first - ws) / KC * KC; c0 <= last; c0 += KC) {
+        const auto [c_first, last] = seen_chunks(ws, we, qmin, qmax, k_start, window, KC);
+        for (int64_t c0 = c_first; c0 <= last; c0 += KC) {
           const int64_t lc = c0 - ws;                                // the chunk's column in the window
           for (int64_t g = 0; g < Rp; g += RG) {
             int64_t gmin = INT64_MAX, gmax = INT64_MIN;
