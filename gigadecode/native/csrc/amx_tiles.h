@@ -41,6 +41,21 @@ inline void put_vnni(const uint16_t* row, int64_t K, int64_t j, int64_t n, uint1
   for (int64_t k = 0; k < K / 2; ++k) d[k * nb] = s[k];
 }
 
+// a [rows, K] bf16 (row-major) times n inputs in `put_vnni`'s layout -> out[i * ldo + r] = row r · input i,
+// block by block of AMX_BLOCK inputs through an fp32 [rows, nb] tile buffer (rows <= AMX_STRIP)
+inline void rows_times_inputs_amx(const uint16_t* a, int64_t rows, int64_t K, const uint16_t* vnni, int64_t n,
+                                  float* out, int64_t ldo) {
+  float* c = scratch(4, rows * AMX_BLOCK);
+  for (int64_t b = 0; b * AMX_BLOCK < n; ++b) {
+    const int64_t nb = std::min(AMX_BLOCK, n - b * AMX_BLOCK);
+    at::native::cpublas::brgemm(rows, nb, K, K, nb, nb, false, reinterpret_cast<const at::BFloat16*>(a),
+                                reinterpret_cast<const at::BFloat16*>(vnni + b * AMX_BLOCK * K), c, true);
+    float* o = out + b * AMX_BLOCK * ldo;
+    for (int64_t j = 0; j < nb; ++j)
+      for (int64_t i = 0; i < rows; ++i) o[j * ldo + i] = c[i * nb + j];
+  }
+}
+
 // rows [r0, r1) of an expert matrix (blk, scl: its first row; G groups a row) times its n inputs in
 // `put_vnni`'s layout (K = the inputs' chunk-padded length, (G + 3) / 4 * 128) -> out[i * ldo + r] for i < n.
 // False (nothing written) when a scale of the strip leaves the bf16 values subnormal or infinite.
@@ -49,15 +64,7 @@ inline bool expert_rows_amx(const uint8_t* blk, const uint8_t* scl, int64_t G, i
   const int64_t K = (G + 3) / 4 * 128, rows = r1 - r0;
   uint16_t* wb = reinterpret_cast<uint16_t*>(scratch(0, rows * K / 2 + 16));   // A [rows, K]
   if (!decode_rows_scaled_bf16(blk + r0 * G * 16, scl + r0 * G, G, rows, wb, K)) return false;
-  float* c = scratch(4, rows * AMX_BLOCK);                                      // C [rows, nb]
-  for (int64_t b = 0; b * AMX_BLOCK < n; ++b) {
-    const int64_t nb = std::min(AMX_BLOCK, n - b * AMX_BLOCK);
-    at::native::cpublas::brgemm(rows, nb, K, K, nb, nb, false, reinterpret_cast<const at::BFloat16*>(wb),
-                                reinterpret_cast<const at::BFloat16*>(vnni + b * AMX_BLOCK * K), c, true);
-    float* o = out + b * AMX_BLOCK * ldo + r0;
-    for (int64_t j = 0; j < nb; ++j)
-      for (int64_t i = 0; i < rows; ++i) o[j * ldo + i] = c[i * nb + j];
-  }
+  rows_times_inputs_amx(wb, rows, K, vnni, n, out + r0, ldo);
   return true;
 }
 

@@ -234,19 +234,10 @@ constexpr int64_t LINEAR_AMX_MIN_ROWS = 5;
 void linear_amx(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M, float* y) {
   uint16_t* xv = reinterpret_cast<uint16_t*>(shared_scratch(8, M * K / 2 + 16));
   for (int64_t t = 0; t < M; ++t) put_vnni(x + t * K, K, t, M, xv);
-  const int64_t blocks = (M + AMX_BLOCK - 1) / AMX_BLOCK;
   at::parallel_for(0, (N + AMX_STRIP - 1) / AMX_STRIP, 1, [&](int64_t s0, int64_t s1) {
-    float* c = scratch(4, AMX_STRIP * AMX_BLOCK);
     for (int64_t s = s0; s < s1; ++s) {
-      const int64_t r0 = s * AMX_STRIP, rows = std::min(AMX_STRIP, N - r0);
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t nb = std::min(AMX_BLOCK, M - b * AMX_BLOCK);
-        at::native::cpublas::brgemm(rows, nb, K, K, nb, nb, false, reinterpret_cast<const at::BFloat16*>(w + r0 * K),
-                                    reinterpret_cast<const at::BFloat16*>(xv + b * AMX_BLOCK * K), c, true);
-        float* o = y + b * AMX_BLOCK * N + r0;
-        for (int64_t j = 0; j < nb; ++j)
-          for (int64_t i = 0; i < rows; ++i) o[j * N + i] = c[i * nb + j];
-      }
+      const int64_t r0 = s * AMX_STRIP;
+      rows_times_inputs_amx(w + r0 * K, std::min(AMX_STRIP, N - r0), K, xv, M, y + r0, N);
     }
     at::native::cpublas::brgemm_release();
   });

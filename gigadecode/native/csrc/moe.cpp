@@ -463,26 +463,28 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
       for (int64_t i = i0; i < std::min(i1, n_items); ++i) {
         const int64_t e = items[i].e, r0 = items[i].r0, r1 = items[i].r1;
         const int64_t p0 = rt.expert_start[e], n = rt.expert_start[e + 1] - p0;
+        const uint8_t* eb = blk + e * R * G * 16;                 // the expert's MXFP4 rows and scales
+        const uint8_t* es = scl + e * R * G;
+        float* out = dst + p0 * R;                                // its pairs' output rows
 #ifdef GD_BF16DOT
         if (amx_expert(n)) {     // a scale outside the bf16 range: the bf16 tiles (which scale each group's sums)
-          const int64_t K = (G + 3) / 4 * 128;
-          if (!expert_rows_amx(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, vnni + p0 * K, n, dst + p0 * R, R))
-            expert_rows_bf16(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in16.data() + p0, n, dst + p0 * R, R);
+          if (!expert_rows_amx(eb, es, G, r0, r1, vnni + p0 * ((G + 3) / 4 * 128), n, out, R))
+            expert_rows_bf16(eb, es, G, r0, r1, in16.data() + p0, n, out, R);
           used_amx = true;
           continue;
         }
         if (bf && !fp32_expert(n)) {
-          expert_rows_bf16(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in16.data() + p0, n, dst + p0 * R, R);
+          expert_rows_bf16(eb, es, G, r0, r1, in16.data() + p0, n, out, R);
           continue;
         }
 #endif
 #ifdef GD_X64_DECODE
         if (q16 && !fp32_expert(n)) {
-          expert_rows_i16(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, inq.data() + p0, n, dst + p0 * R, R);
+          expert_rows_i16(eb, es, G, r0, r1, inq.data() + p0, n, out, R);
           continue;
         }
 #endif
-        expert_rows_f32(blk + e * R * G * 16, scl + e * R * G, G, r0, r1, in.data() + p0, n, dst + p0 * R, R);
+        expert_rows_f32(eb, es, G, r0, r1, in.data() + p0, n, out, R);
       }
       if (used_amx) at::native::cpublas::brgemm_release();   // the thread's AMX tile state
     });
