@@ -344,11 +344,12 @@ def quantize_groups_i16(x: torch.Tensor) -> torch.Tensor:
     return q.view(n, -1)[:, :K]
 
 
-def moe_reference_quantized(x, idx, gate_w, weights, alpha, limit, offset):
+def moe_reference_quantized(x, idx, gate_w, weights, alpha, limit, offset, quantize=True):
     """The twin's math in fp32 on the inputs and the (bf16-rounded) activations through `quantize_groups_i16`,
-    as the AVX2 kernel computes bf16 activations. Also returns, per output, what one activation's bf16 rounding
-    going the other way moves it by at most (2^-8 of the largest |gate · w2[h, j] · a_j|): the kernel's SwiGLU
-    (a vectorized exp within a few ulp) can round an activation to the neighbouring bf16 value."""
+    as the AVX2 kernel computes bf16 activations (`quantize=False`: on the values as they are). Also returns, per
+    output, what one activation's bf16 rounding going the other way moves it by at most (2^-8 of the largest
+    |gate · w2[h, j] · a_j|): the kernel's SwiGLU (a vectorized exp within a few ulp) and its fp32 sums (in the
+    order of its form: register tiles, AMX tiles) can round an activation to the neighbouring bf16 value."""
     gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias = weights
     xf, out = x.float(), torch.zeros(x.shape, dtype=F32)
     flip = torch.zeros(x.shape, dtype=F32)
@@ -359,9 +360,10 @@ def moe_reference_quantized(x, idx, gate_w, weights, alpha, limit, offset):
         tok, slot = torch.where(e == le)
         w1 = twins.mxfp4_dequant(gu_b[le], gu_s[le], F32)
         w2 = twins.mxfp4_dequant(dn_b[le], dn_s[le], F32)
-        h = quantize_groups_i16(xf[tok]) @ w1.T + gu_bias[le].float()
+        q = quantize_groups_i16 if quantize else (lambda v: v)
+        h = q(xf[tok]) @ w1.T + gu_bias[le].float()
         a = twins.swiglu(h, alpha, limit).to(BF16).float()
-        y = quantize_groups_i16(a) @ w2.T + dn_bias[le].float()
+        y = q(a) @ w2.T + dn_bias[le].float()
         g = gate_w[tok, slot, None].float()
         out.index_add_(0, tok, y * g)
         flip.index_add_(0, tok, 2.0 ** -8 * (a.abs()[:, None, :] * w2.abs()[None]).amax(-1) * g.abs())
@@ -376,9 +378,9 @@ def _check_moe(x, idx, gate_w, weights, alpha, limit, offset):
     if x.dtype == F32:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=atol)
         return out, ref
-    flip = torch.zeros(x.shape)
+    ref_q, flip = moe_reference_quantized(x, idx, gate_w, weights, alpha, limit, offset, QUANTIZED_BF16_MOE)
     if QUANTIZED_BF16_MOE:
-        ref, flip = moe_reference_quantized(x, idx, gate_w, weights, alpha, limit, offset)
+        ref = ref_q
     # both round once at the end (two bf16 steps apart at most) and the activations once (an activation's
     # rounding may go the other way: `flip`, twice for two of them)
     err = (out.float() - ref.float()).abs()
@@ -471,31 +473,40 @@ def test_moe_product_forms_agree():
 @pytest.mark.skipif(not AMX, reason="the CPU has no AMX-BF16 tiles (or the build no bf16 dot products)")
 @pytest.mark.parametrize("H,I,offset", [(160, 96, 0), (736, 224, 2), (96, 1056, 0)])
 def test_moe_mxfp4_amx_form(H, I, offset):
-    """The AMX form (`amx_tiles.h`): experts with 5 or more bf16 inputs, in blocks of 32 inputs (first slots
-    5, 8, 31, 32, 33 and 70 an expert, second slots adding to them: partial and whole blocks), strips of 64 rows (R = 192, 160, 448, 736, 2112, 96: whole and short last
-    strips), rows whose group count is not a multiple of four (the chunk-padded K: H = 160, 736, 96), a strip
-    with a scale outside [2, 252] (its values not all normal bf16: that strip falls back to the bf16 tiles), EP
-    ids outside the local range, experts of 1-4 inputs alongside (the other forms); against the twin, and
-    agreeing with the AMX form off to a bf16 rounding. The switch can be asked, set and refused."""
+    """The AMX forms (`amx_tiles.h`): experts with 5 to 16 bf16 inputs on our own tile code (one tile of
+    inputs), more through oneDNN's GEMM in blocks of 32 inputs (partial and whole blocks); experts of 1-4 inputs
+    alongside (the other forms); strips of 64 rows (R = 192, 160, 448, 736, 2112, 96: whole and short last
+    strips), rows whose group count is not a multiple of four (the chunk-padded K: H = 160, 736, 96), in each
+    AMX form an expert with a scale outside [2, 252] (its values not all normal bf16: that strip falls back to
+    the bf16 tiles), EP ids outside the local range; against the twin, and agreeing with the AMX form off to a
+    bf16 rounding. The switch can be asked, set and refused."""
     g = gen(H + I)
-    counts = [5, 8, 1, 31, 32, 4, 33, 70]
+    counts = [5, 8, 1, 16, 17, 31, 32, 4, 33, 70, 2, 12]   # first slots; a second slot for every fifth token
     E = len(counts)
-    gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias = _moe_weights(g, E, H, I, BF16)
-    gu_s[3, 70] = 1                                   # expert 3: one gate_up row in the second strip at 2^-126
-    dn_s[6, 2, 0] = 0                                 # expert 6: a down group at 2^-127 (subnormal)
-    weights = (gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias)
     ids = torch.tensor([e for e, c in enumerate(counts) for _ in range(c)])
     T = len(ids)
-    other = (ids + 1 + torch.arange(T) % 3) % E        # a second slot: counts mixed, some past 5 either way
-    idx = torch.stack([ids, other], 1)[torch.randperm(T, generator=g)] + offset
-    idx[::7, 1] = offset + E + 1                       # some pairs routed to another rank
+    other = torch.full((T,), offset + E + 1)           # routed to another rank (outside the local range) ...
+    other[::5] = torch.where(ids[::5] == 9, 6, 9) + offset   # ... or to one of the experts with many
+    idx = torch.stack([ids + offset, other], 1)[torch.randperm(T, generator=g)]
+    n = torch.bincount(idx.flatten() - offset, minlength=E + 2)[:E]
+    small, tiled, gemm = [(n >= lo) & (n <= hi) for lo, hi in ((1, 4), (5, 16), (17, 10**6))]
+    assert small.sum() >= 2 and tiled.sum() >= 3 and gemm.sum() >= 3, n.tolist()
+    gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias = _moe_weights(g, E, H, I, BF16)
+    e_tiled, e_gemm = int(tiled.nonzero()[1]), int(gemm.nonzero()[1])
+    gu_s[e_tiled, 70] = 1                              # one gate_up row in the second strip at 2^-126
+    gu_s[e_gemm, 70] = 1
+    dn_s[e_tiled, 2, 0] = 0                            # a down group at 2^-127 (subnormal)
+    dn_s[e_gemm, 2, 0] = 0
+    weights = (gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias)
     gate_w = torch.softmax(torch.randn(T, 2, generator=g), -1)
     x = randn(g, T, H, dtype=BF16, scale=2.0)
     outs = {}
     for form in ("amx", "fp32"):
         with products(form), num_threads(3):
             outs[form], _ = _check_moe(x, idx, gate_w, weights, 1.702, 7.0, offset)
-    torch.testing.assert_close(outs["amx"].float(), outs["fp32"].float(), rtol=2 * BF16_RTOL, atol=1e-4)
+    _, flip = moe_reference_quantized(x, idx, gate_w, weights, 1.702, 7.0, offset, quantize=False)
+    err = (outs["amx"].float() - outs["fp32"].float()).abs()          # a bf16 rounding, or an activation's
+    assert (err <= 2 * BF16_RTOL * outs["fp32"].float().abs() + 1e-4 + 2 * flip).all(), err.max()
     before = native.amx_tiles()
     auto = "off" if os.environ.get("GIGADECODE_AMX") == "0" else "on"      # 'auto' decides again, as at start
     assert native.amx_tiles("off") == "off" and native.amx_tiles("auto") == auto

@@ -1,14 +1,17 @@
-// bf16 products on AMX tiles (AVX512-BF16 builds on CPUs with AMX-BF16), through PyTorch's oneDNN
-// batch-reduce GEMM (`at::native::cpublas::brgemm`: bf16 x bf16 -> fp32, no rounding of the sums to bf16):
-// the MoE's experts with many bf16 inputs (moe.cpp) and the dense projections' bf16 weights at 5 inputs or
-// more (linear.cpp) and prefill attention's scores and P·V (prefill_attention.cpp), where the fp32 FMAs (or vdpbf16ps) of the other forms are the bottleneck and a tile
-// multiply does ~10x their products a cycle. An expert's strip of rows is decoded once
-// (`decode_rows_scaled_bf16`: exact bf16 values in the 128-value chunk order of the bf16 inputs) and
-// multiplied with its inputs; a dot product may take its terms in any order as long as both sides use the
-// same one, so the inputs stay in the chunk order too. The GEMM wants its second operand pair-interleaved
-// ("VNNI": [K/2][n][2]): that operand is the inputs, which `put_vnni` lays out once per expert (or call),
-// so no weight is repacked. Products are exact, sums fp32 in the tile's order: the same values as the other
-// forms up to fp32 rounding.
+// bf16 products on AMX tiles (AVX512-BF16 builds on CPUs with AMX-BF16): the MoE's experts with 5 or more
+// bf16 inputs (moe.cpp), the dense projections' bf16 weights at 5 inputs or more (linear.cpp) and prefill
+// attention's scores and P·V (prefill_attention.cpp), where the fp32 FMAs (or vdpbf16ps) of the other forms are
+// the bottleneck and a tile multiply does ~10x their products a cycle. Two ways onto the tiles:
+// - PyTorch's oneDNN batch-reduce GEMM (`at::native::cpublas::brgemm`: bf16 x bf16 -> fp32, no rounding of the
+//   sums to bf16) for the projections, attention and experts with more than AMX_TILE_INPUTS inputs: an
+//   expert's strip of rows is decoded once (`decode_rows_scaled_bf16`: exact bf16 values in the 128-value
+//   chunk order of the bf16 inputs) and multiplied with all its inputs;
+// - our own tile instructions for experts with fewer (`expert_rows_amx_l1`), whose cost is the decode: each
+//   64-byte chunk of 16 rows goes to an L1 buffer and straight onto the tiles, not to L2 and back.
+// A dot product may take its terms in any order as long as both sides use the same one, so the inputs stay in
+// the chunk order too. The tiles want the second operand pair-interleaved ("VNNI": [K/2][n][2]): that operand
+// is the inputs, which `put_vnni` lays out once per expert (or call), so no weight is repacked. Products are
+// exact, sums fp32 in the tiles' order: the same values as the other forms up to fp32 rounding.
 #pragma once
 
 #include <ATen/native/CPUBlas.h>
@@ -22,9 +25,10 @@ namespace gd {
 // GIGADECODE_AMX is not 0, or the `amx_tiles` op set it)
 bool amx_tiles_on();
 
-// From 5 inputs the AMX form is ahead: the other forms' costs grow with the inputs, its cost is the strip's
-// decode (an Intel Xeon with AMX, 2 threads, 8 experts of n inputs each, `small` / 20b shapes: n = 4 0.96x /
-// 0.78x, 5 1.30x / 1.10x, 6 1.43x / 1.22x, 8 2.6x / 2.3x against the fp32 form)
+// From 5 inputs the AMX forms are ahead: the other forms' costs grow with the inputs, theirs is the decode's
+// (an Intel Xeon with AMX, 2 threads, all 32 experts of a layer with n inputs each, streamed from memory,
+// `small` / 20b shapes, `expert_rows_amx_l1` against the fp32 form: n = 2 0.75-0.83x / 0.85x, 4 0.88-0.90x /
+// 1.03x, 5 1.17-1.21x / 1.43x, 8 2.3-2.5x)
 constexpr int64_t AMX_MIN_INPUTS = 5;
 constexpr int64_t AMX_BLOCK = 32;      // inputs per GEMM call (its N): two 16-column tiles
 constexpr int64_t AMX_STRIP = 64;      // rows a work item (its M): 4 x 2 tiles of fp32 sums, each input tile
@@ -65,6 +69,96 @@ inline bool expert_rows_amx(const uint8_t* blk, const uint8_t* scl, int64_t G, i
   uint16_t* wb = reinterpret_cast<uint16_t*>(scratch(0, rows * K / 2 + 16));   // A [rows, K]
   if (!decode_rows_scaled_bf16(blk + r0 * G * 16, scl + r0 * G, G, rows, wb, K)) return false;
   rows_times_inputs_amx(wb, rows, K, vnni, n, out + r0, ldo);
+  return true;
+}
+
+// Experts with at most this many inputs (one tile's 16 columns) take `expert_rows_amx_l1`: the strip's decode
+// to L2 and back was what `expert_rows_amx` cost them (all 32 experts of a `small` layer with 8 inputs each:
+// 4.9 against 6.1 ms; 20b-shape decode steps at batch 32 1.15x)
+constexpr int64_t AMX_TILE_INPUTS = 16;
+
+struct alignas(64) TileConfig {                       // the `ldtilecfg` operand (palette 1)
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};                             // bytes a row, per tile
+  uint8_t rows[16] = {};
+};
+
+// sum tiles C0, C1 += 16 decoded rows' chunk `a` ([16][128]) times its 64 input pairs `b` ([64][n][2]), the
+// chunk's four K steps of 32 alternating between the two sums; tiles 2, 3 take the rows, 4, 5 the inputs.
+// (The tile intrinsics paste their tile numbers into the instruction text, hence a macro, not a template.)
+#define GD_CHUNK_PRODUCTS(NAME, C0, C1)                                                                        \
+  __attribute__((target("amx-tile,amx-bf16"))) inline void NAME(const uint16_t* a, const uint16_t* b, int64_t n) { \
+    const int64_t ldb = n * 4;                          /* bytes an input pair-row */                          \
+    _tile_loadd(2, a, 256);                                                                                    \
+    _tile_loadd(4, b, ldb);                                                                                    \
+    _tile_dpbf16ps(C0, 2, 4);                                                                                  \
+    _tile_loadd(3, a + 32, 256);                                                                               \
+    _tile_loadd(5, b + 16 * n * 2, ldb);                                                                       \
+    _tile_dpbf16ps(C1, 3, 5);                                                                                  \
+    _tile_loadd(2, a + 64, 256);                                                                               \
+    _tile_loadd(4, b + 32 * n * 2, ldb);                                                                       \
+    _tile_dpbf16ps(C0, 2, 4);                                                                                  \
+    _tile_loadd(3, a + 96, 256);                                                                               \
+    _tile_loadd(5, b + 48 * n * 2, ldb);                                                                       \
+    _tile_dpbf16ps(C1, 3, 5);                                                                                  \
+  }
+GD_CHUNK_PRODUCTS(chunk_products_even, 0, 1)
+GD_CHUNK_PRODUCTS(chunk_products_odd, 6, 7)
+#undef GD_CHUNK_PRODUCTS
+
+// rows [r0, r1) (at most AMX_STRIP) of an expert matrix times its n <= AMX_TILE_INPUTS inputs in `put_vnni`'s
+// layout -> out[i * ldo + r], as `expert_rows_amx`. Groups of 16 rows alternate between two pairs of sum tiles
+// (0, 1 and 6, 7), so a group's sums are stored once the next group's first chunk is under way and the store
+// does not wait for the last products of its own group.
+__attribute__((target("amx-tile,amx-bf16")))
+inline bool expert_rows_amx_l1(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
+                               const uint16_t* vnni, int64_t n, float* out, int64_t ldo) {
+  if (!scales_fit_bf16(scl + r0 * G, (r1 - r0) * G)) return false;
+  TileConfig cfg;                    // sums [16 rows][n] fp32, rows [16][32 values], inputs [16 pairs][n][2]
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = uint16_t(t == 2 || t == 3 ? 64 : n * 4);
+  }
+  _tile_loadconfig(&cfg);
+  const ScaledChunkDecoder decode;
+  const int64_t chunks = (G + 3) / 4;
+  uint16_t* abuf = reinterpret_cast<uint16_t*>(scratch(0, 2 * 16 * 128 / 2));   // two [16][128] chunk buffers
+  float* cbuf = scratch(4, 2 * 16 * 16);                                       // [2][16][16] sums of a group
+  const auto store = [&](int64_t g0, bool odd) {        // the finished group at row g0 -> out
+    if (odd) { _tile_stored(6, cbuf, 64); _tile_stored(7, cbuf + 256, 64); }
+    else { _tile_stored(0, cbuf, 64); _tile_stored(1, cbuf + 256, 64); }
+    const int64_t rows = std::min<int64_t>(16, r1 - g0);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t r = 0; r < rows; ++r) out[i * ldo + g0 + r] = cbuf[r * 16 + i] + cbuf[256 + r * 16 + i];
+  };
+  // step s = (group k, chunk c): decode step s + 1 into the other buffer before step s's products load
+  // theirs, so a tile load never waits for the stores that just wrote its rows
+  const int64_t groups = (r1 - r0 + 15) / 16, steps = groups * chunks;
+  const auto decode_step = [&](int64_t s) {
+    const int64_t g0 = r0 + s / chunks * 16, c = s % chunks, rows = std::min<int64_t>(16, r1 - g0);
+    uint16_t* a = abuf + (s & 1) * 16 * 128;        // a short last group: the tiles' other rows unused
+    const int ng = int(std::min<int64_t>(4, G - 4 * c));
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* p = blk + (g0 + r) * G * 16 + c * 64;
+      prefetch_l2(p, MOE_PREFETCH_ROWS * G * 16);       // the same line of the next group
+      decode(p, scl + (g0 + r) * G + 4 * c, ng, a + r * 128);
+    }
+  };
+  decode_step(0);
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t k = s / chunks, c = s % chunks;
+    const bool odd = k & 1;
+    if (s + 1 < steps) decode_step(s + 1);
+    if (c == 0) { if (odd) { _tile_zero(6); _tile_zero(7); } else { _tile_zero(0); _tile_zero(1); } }
+    const uint16_t* a = abuf + (s & 1) * 16 * 128;
+    const uint16_t* b = vnni + c * 64 * n * 2;          // the chunk's 64 input pairs
+    if (odd) chunk_products_odd(a, b, n); else chunk_products_even(a, b, n);
+    if (c == 0 && k > 0) store(r0 + (k - 1) * 16, !odd);
+  }
+  store((r1 - r0 - 1) / 16 * 16 + r0, ((r1 - r0 - 1) / 16) & 1);
+  _tile_release();
+  at::native::cpublas::brgemm_release();   // the next oneDNN GEMM of this thread configures its tiles again
   return true;
 }
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 
 #include "common.h"
 #include "vec.h"
@@ -95,39 +96,73 @@ inline __m512 quad_scales(__m512 s16, int j) {
   return _mm512_permutexvar_ps(idx, s16);
 }
 
-// The MXFP4 codes of `rows` rows (row r at blk + r*G*16, scales at scl + r*G) as bf16 values times their
-// group's power of two, each row `ld` values (G*32 rounded up to whole 128-value chunks, zero-padded) in the
-// lane order of decode_e2m1_bf16x4. Exact: e2m1 values have two significant bits and the power of two only
-// moves the exponent (added to the bf16 exponent field; zeros stay zero), as long as every scale is in
-// [2, 252], where 0.5 * 2^(s-127) .. 6 * 2^(s-127) are normal bf16 numbers; false (nothing usable) when one
-// is not, since `vdpbf16ps` would flush subnormals (the caller keeps the scale-after-dot tile then).
-inline bool decode_rows_scaled_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t rows, uint16_t* out,
-                                    int64_t ld) {
+// Whether every E8M0 scale of `n` keeps its group's e2m1 values normal bf16 numbers (in [2, 252], where
+// 0.5 * 2^(s-127) .. 6 * 2^(s-127) are), as the exact bf16 decode below needs: `vdpbf16ps` and AMX tiles
+// flush subnormals.
+inline bool scales_fit_bf16(const uint8_t* scl, int64_t n) {
   const __m512i s_lo = _mm512_set1_epi8(2), s_hi = _mm512_set1_epi8(char(252));
-  for (int64_t i = 0; i < rows * G; i += 64) {           // the rows' scales are contiguous
-    const __mmask64 m = rows * G - i >= 64 ? ~0ull : (~0ull) >> (64 - (rows * G - i));
+  for (int64_t i = 0; i < n; i += 64) {
+    const __mmask64 m = n - i >= 64 ? ~0ull : (~0ull) >> (64 - (n - i));
     const __m512i v = _mm512_maskz_loadu_epi8(m, scl + i);
     if ((_mm512_cmplt_epu8_mask(v, s_lo) | _mm512_cmpgt_epu8_mask(v, s_hi)) & m) return false;
   }
+  return true;
+}
+
+// A row's 64-byte chunk of MXFP4 codes (four groups) as 128 exact bf16 values times their group's power of
+// two, in the lane order of decode_e2m1_bf16x4 (scales as `scales_fit_bf16` requires). One 64-entry table
+// of the chunk's four groups (entry 16L + code: group L's value of `code`, its exponent already moved by the
+// group's scale) is looked up by vpermt2w with index code | L << 4 (L: the word's 128-bit lane, i.e. its
+// group), so the scaling is paid once a chunk on 64 table entries, not on its 128 values.
+struct ScaledChunkDecoder {
+  static constexpr __mmask32 NONZERO = 0xFEFEFEFEu;    // every table entry but codes 0 and 8 (±0) of each 16
+  __m512i base, pick01, pick23, lane_bits, nibble;
+  ScaledChunkDecoder() {
+    const __m512i lut = _mm512_broadcast_i64x4(_mm256_setr_epi16(0, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040,
+        0x4080, 0x40C0, short(0x8000), short(0xBF00), short(0xBF80), short(0xBFC0), short(0xC000), short(0xC040),
+        short(0xC080), short(0xC0C0)));
+    // the codes' bf16 bits less the exponent bias 127 << 7, so that adding s << 7 scales by 2^(s-127); the
+    // zeros stay as they are
+    base = _mm512_mask_sub_epi16(lut, NONZERO, lut, _mm512_set1_epi16(127 << 7));
+    // vpshufb controls: scale byte L of a broadcast dword into the low byte of the words of table half 0
+    // (groups 0, 1: 128-bit lanes 0-1 take byte 0, lanes 2-3 byte 1) or half 1 (groups 2, 3), high bytes zero
+    pick01 = _mm512_set_epi64(0x8001800180018001ll, 0x8001800180018001ll, 0x8001800180018001ll,
+        0x8001800180018001ll, 0x8000800080008000ll, 0x8000800080008000ll, 0x8000800080008000ll, 0x8000800080008000ll);
+    pick23 = _mm512_add_epi16(pick01, _mm512_set1_epi16(2));
+    lane_bits = _mm512_set_epi64(0x0030003000300030ll, 0x0030003000300030ll, 0x0020002000200020ll,
+        0x0020002000200020ll, 0x0010001000100010ll, 0x0010001000100010ll, 0, 0);
+    nibble = _mm512_set1_epi16(0x000F);
+  }
+  // the chunk at p (ng < 4 groups: the row's last, zero-padded), its ng scales at s -> o[0, 128)
+  inline void operator()(const uint8_t* p, const uint8_t* s, int ng, uint16_t* o) const {
+    uint32_t s4 = 0;                                      // past the row: scale 0, its codes (0) stay 0
+    if (ng == 4) std::memcpy(&s4, s, 4); else std::memcpy(&s4, s, size_t(ng));
+    const __m512i sb = _mm512_set1_epi32(int(s4));
+    const __m512i t0 = _mm512_mask_add_epi16(base, NONZERO, base, _mm512_slli_epi16(_mm512_shuffle_epi8(sb, pick01), 7));
+    const __m512i t1 = _mm512_mask_add_epi16(base, NONZERO, base, _mm512_slli_epi16(_mm512_shuffle_epi8(sb, pick23), 7));
+    const __m512i v = ng == 4 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(__mmask64((~0ull) >> (64 - ng * 16)), p);
+    // nibble q of every word (q = 0: bits 0-3, ..., 3: bits 12-15) | its lane's group
+    const auto index = [&](__m512i w) { return _mm512_ternarylogic_epi32(w, nibble, lane_bits, 0xEA); };   // w & nibble | lane
+    _mm512_storeu_si512(o, _mm512_permutex2var_epi16(t0, index(v), t1));
+    _mm512_storeu_si512(o + 32, _mm512_permutex2var_epi16(t0, index(_mm512_srli_epi16(v, 4)), t1));
+    _mm512_storeu_si512(o + 64, _mm512_permutex2var_epi16(t0, index(_mm512_srli_epi16(v, 8)), t1));
+    _mm512_storeu_si512(o + 96, _mm512_permutex2var_epi16(t0, _mm512_or_si512(_mm512_srli_epi16(v, 12), lane_bits), t1));
+  }
+};
+
+// The MXFP4 codes of `rows` rows (row r at blk + r*G*16, scales at scl + r*G) as bf16 values times their
+// group's power of two (`ScaledChunkDecoder`), each row `ld` values (G*32 rounded up to whole 128-value chunks,
+// zero-padded). False (nothing written) when a scale does not fit (`scales_fit_bf16`); the caller keeps the
+// scale-after-dot tiles then.
+inline bool decode_rows_scaled_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t rows, uint16_t* out,
+                                    int64_t ld) {
+  if (!scales_fit_bf16(scl, rows * G)) return false;   // the rows' scales are contiguous
+  const ScaledChunkDecoder decode;
   const int64_t chunks = (G + 3) / 4;
-  const __m512i lane_of = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < chunks; ++c) {
-      const int ng = int(std::min<int64_t>(4, G - 4 * c));
-      // exponent shift (s - 127) << 7 of group 4c+L in both 16-bit halves of lane L's words (0 past the row)
-      const __m512i s = _mm512_permutexvar_epi32(lane_of, _mm512_cvtepu8_epi32(
-          _mm_maskz_loadu_epi8(__mmask16((1u << ng) - 1), scl + r * G + 4 * c)));
-      __m512i k = _mm512_maskz_sub_epi32(__mmask16((1u << (4 * ng)) - 1), s, _mm512_set1_epi32(127));
-      k = _mm512_and_si512(_mm512_slli_epi32(k, 7), _mm512_set1_epi32(0xFFFF));
-      const __m512i shift = _mm512_or_si512(k, _mm512_slli_epi32(k, 16));
-      __m512i w[4];
       prefetch_l2(blk + r * G * 16 + c * 64, MOE_PREFETCH_ROWS * G * 16);   // a line of the row 16 rows on
-      decode_e2m1_bf16x4(blk + r * G * 16 + c * 64, ng * 16, w);
-      for (int q = 0; q < 4; ++q) {
-        const __m512i v = _mm512_mask_add_epi16(w[q], _mm512_test_epi16_mask(w[q], magnitude), w[q], shift);
-        _mm512_storeu_si512(out + r * ld + c * 128 + q * 32, v);
-      }
+      decode(blk + r * G * 16 + c * 64, scl + r * G + 4 * c, int(std::min<int64_t>(4, G - 4 * c)), out + r * ld + c * 128);
     }
   return true;
 }

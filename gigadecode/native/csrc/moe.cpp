@@ -445,6 +445,10 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
     // threads take contiguous runs of work items of about equal cost (an item's cost: its expert's inputs
     // times its rows, plus some for streaming its bytes), so one expert with many tokens does not leave a
     // thread idle
+    // an item's cost a row, in the time measured for experts of n inputs (`small` and 20b shapes, one form at a
+    // time): the register tiles' grows from ~9 + n (its bytes, then n inputs' products), the AMX forms' is
+    // about their decode's, whatever n
+    const auto item_cost = [&](int64_t n) { return amx_expert(n) ? 15 + n / 8 : n <= 4 ? 9 + n : 3 * n; };
     std::vector<Item> items;
     std::vector<int64_t> done(1, 0);                          // cumulative cost before item i
     for (int64_t e : rt.active) {
@@ -452,7 +456,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
       const int64_t strip = amx_expert(n) ? AMX_STRIP : RT_MAX * 4;
       for (int64_t r0 = 0; r0 < R; r0 += strip) {
         items.push_back({e, r0, std::min(R, r0 + strip)});
-        done.push_back(done.back() + (items.back().r1 - r0) * ((amx_expert(n) ? n / 8 : n) + 4));
+        done.push_back(done.back() + (items.back().r1 - r0) * item_cost(n));
       }
     }
     const int64_t parts = at::get_num_threads(), total = done.back(), n_items = items.size();
@@ -468,7 +472,9 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
         float* out = dst + p0 * R;                                // its pairs' output rows
 #ifdef GD_BF16DOT
         if (amx_expert(n)) {     // a scale outside the bf16 range: the bf16 tiles (which scale each group's sums)
-          if (!expert_rows_amx(eb, es, G, r0, r1, vnni + p0 * ((G + 3) / 4 * 128), n, out, R))
+          const uint16_t* v = vnni + p0 * ((G + 3) / 4 * 128);
+          if (!(n <= AMX_TILE_INPUTS ? expert_rows_amx_l1(eb, es, G, r0, r1, v, n, out, R)
+                                     : expert_rows_amx(eb, es, G, r0, r1, v, n, out, R)))
             expert_rows_bf16(eb, es, G, r0, r1, in16.data() + p0, n, out, R);
           used_amx = true;
           continue;

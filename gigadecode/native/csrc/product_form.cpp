@@ -15,6 +15,9 @@
 #include <cstring>
 #include <string>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <ATen/native/CPUBlas.h>
 
 #include "amx_tiles.h"
@@ -74,8 +77,16 @@ ProductForm bf16_products() {
 
 #ifdef GD_BF16DOT
 namespace {
+// Linux lets a process use the AMX tile data only once it has asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA; oneDNN asks too, but our own tile code may run first). Asking again is harmless.
+bool tile_data_permitted() {
+  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return ok;
+}
+
 // PyTorch packs bf16 GEMM operands for its batch-reduce GEMM exactly where that GEMM runs on AMX tiles
-bool amx_present() { return at::native::cpublas::could_pack(at::kBFloat16); }
+bool amx_present() { return at::native::cpublas::could_pack(at::kBFloat16) && tile_data_permitted(); }
 
 std::atomic<int> amx_state{-1};                   // -1: not decided yet; 0 / 1: off / on
 }  // namespace
