@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-timeout-s", type=float, default=None,
                    help="how long one prefill server may take to answer before the next is tried, or a 502 "
                         "(default: no limit)")
+    p.add_argument("--decode-timeout-s", type=float, default=None,
+                   help="how long the decode server may take to start its answer (a stream's first bytes, a "
+                        "non-streaming request's whole answer) before a 504 (default: no limit)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

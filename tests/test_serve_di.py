@@ -255,6 +255,34 @@ def test_proxy_moves_on_from_a_prefill_server_that_never_answers(di):
         wedged.close()
 
 
+def test_proxy_gives_up_on_a_decode_server_that_never_answers(di):
+    """A decode server that accepts and then says nothing: with --decode-timeout-s the client gets a 504 naming
+    it (streaming or not) and the prefill's KV lease is released at once, not when it runs out."""
+    import socket
+
+    import httpx
+    wedged = socket.socket()
+    wedged.bind(("127.0.0.1", 0))
+    wedged.listen(16)                                  # accepts (the kernel does), never answers
+    port = free_port()
+    proxy = start_gigadecode(["proxy", "--prefill", di["prefill"], "--decode",
+                              f"http://127.0.0.1:{wedged.getsockname()[1]}", "--port", str(port),
+                              "--decode-timeout-s", "1"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_port(port, proxy)
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": random_prompt(40, 1024, seed=5), "max_tokens": 4, "stream": stream}
+            t0 = time.monotonic()
+            r = httpx.post(url + "/v1/completions", timeout=60, json=body)
+            assert r.status_code == 504 and time.monotonic() - t0 < 20, r.text
+            assert r.json()["error"]["code"] == "decode_timeout" and str(wedged.getsockname()[1]) in r.text
+            assert wait_idle(di["prefill"], timeout=3)["gigadecode_kv_leases"] == 0
+    finally:
+        stop_process_tree(proxy)
+        wedged.close()
+
+
 def test_requests_the_decode_refuses_hold_no_prefill_kv(di):
     # the proxy prefills with max_tokens=1, n=1, no stream: what only the decode server refuses is refused after
     # a prefill; the proxy then has the prefill release its lease (10 s here) at once

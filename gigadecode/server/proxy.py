@@ -88,11 +88,17 @@ def _headers(request: Request) -> dict[str, str]:
 
 def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx.AsyncClient | None = None,
                     max_request_bytes: int = 4 << 20, prefill_vllm: Sequence[str] = (), kv_secret: str | None = None,
-                    vllm_lease_s: float = 30.0, prefill_timeout_s: float | None = None) -> FastAPI:
+                    vllm_lease_s: float = 30.0, prefill_timeout_s: float | None = None,
+                    decode_timeout_s: float | None = None) -> FastAPI:
     """`prefill_timeout_s`: how long one prefill server may take to answer before the next one is tried
-    (None: no limit; a stopped or wedged prefill server otherwise holds its requests forever)."""
-    if prefill_timeout_s is not None and not prefill_timeout_s > 0:
-        raise ValueError(f"--prefill-timeout-s must be > 0 (got {prefill_timeout_s})")
+    (None: no limit; a stopped or wedged prefill server otherwise holds its requests forever).
+    `decode_timeout_s`: how long the decode server may take to start its answer (its response headers: a
+    stream's first bytes, a non-streaming request's whole answer) before the client gets a 504 and the
+    prefill's lease is released (None: no limit). It is not retried elsewhere: the decode server may have
+    read the KV already."""
+    for name, t in (("prefill", prefill_timeout_s), ("decode", decode_timeout_s)):
+        if t is not None and not t > 0:
+            raise ValueError(f"--{name}-timeout-s must be > 0 (got {t})")
     if prefill and prefill_vllm:
         raise ValueError("give gigadecode prefill servers (--prefill) or vLLM ones (--prefill-vllm), not both")
     vllm = bool(prefill_vllm)
@@ -197,7 +203,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         if not stream:
             try:
                 r = await unless_disconnected(request, _prefill_and_decode(http, decodes, path, headers,
-                                                                           prepare_decode))
+                                                                           prepare_decode, decode_timeout_s))
             except ClientGone:
                 await _release(http, leased, headers)
                 return Response(status_code=499)
@@ -219,7 +225,11 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             up.in_flight += 1
             req = http.build_request("POST", up.url + path, json=dbody, headers=headers)
             try:
-                r = await unless_disconnected(request, http.send(req, stream=True))
+                r = await unless_disconnected(request, _within(http.send(req, stream=True), decode_timeout_s))
+            except TimeoutError:                 # it took the request and said nothing: a 504, KV released
+                up.in_flight -= 1
+                await _release(http, leased, headers)
+                return _decode_timeout(up, decode_timeout_s)
             except httpx.ConnectError as e:      # nothing reached it: another decode server may take it
                 up.in_flight -= 1
                 log.warning("decode server %s unreachable: %s", up.url, e)
@@ -326,9 +336,19 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
     return app
 
 
+def _within(aw: Awaitable, timeout_s: float | None) -> Awaitable:
+    return aw if timeout_s is None else asyncio.wait_for(aw, timeout_s)
+
+
+def _decode_timeout(up: Upstream, timeout_s: float | None) -> JSONResponse:
+    return _error(504, f"decode server {up.url} did not start its answer within {timeout_s} s",
+                  code="decode_timeout")
+
+
 async def _prefill_and_decode(http: httpx.AsyncClient, decodes: Pool, path: str, headers: dict[str, str],
-                              prefill) -> Response:
-    """Non-streaming: prefill, then one decode request whose answer is returned as it is."""
+                              prefill, timeout_s: float | None = None) -> Response:
+    """Non-streaming: prefill, then one decode request whose answer is returned as it is (a 504 when it takes
+    longer than `timeout_s`)."""
     dbody = await prefill()
     if isinstance(dbody, Response):
         return dbody
@@ -337,7 +357,10 @@ async def _prefill_and_decode(http: httpx.AsyncClient, decodes: Pool, path: str,
         tried.append(up)
         up.in_flight += 1
         try:
-            r = await http.post(up.url + path, json=dbody, headers=headers)
+            r = await _within(http.post(up.url + path, json=dbody, headers=headers), timeout_s)
+        except TimeoutError:
+            log.warning("decode server %s did not answer within %s s", up.url, timeout_s)
+            return _decode_timeout(up, timeout_s)
         except httpx.ConnectError as e:
             log.warning("decode server %s unreachable: %s", up.url, e)
             continue
@@ -397,7 +420,8 @@ def run_proxy(args: Any) -> int:
     app = build_proxy_app(args.prefill, args.decode, max_request_bytes=getattr(args, "max_request_bytes", 4 << 20),
                           prefill_vllm=vllm, kv_secret=getattr(args, "kv_secret", None),
                           vllm_lease_s=getattr(args, "vllm_kv_lease_s", 30.0),
-                          prefill_timeout_s=getattr(args, "prefill_timeout_s", None))
+                          prefill_timeout_s=getattr(args, "prefill_timeout_s", None),
+                          decode_timeout_s=getattr(args, "decode_timeout_s", None))
     print(f"gigadecode proxy: prefill {args.prefill or vllm}{' (vLLM)' if vllm else ''} -> decode {args.decode}; listening on "
           f"http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
