@@ -5,8 +5,9 @@
 // (element [b, h, p, j, s] = token 2p+s, dim j). FP8 is e4m3 with a per-tensor scale (stored = x / scale).
 // Attention for slot b reads the blocks of its table row that hold frame positions [lo, pos] (lo = pos-W+1
 // on sliding layers, 0 on full ones; the partial op's lo = first) with an online softmax; the work is split
-// over (slot, kv head) and, when that leaves threads idle on a long context, over block ranges merged by
-// their log-sum-exp. The sink joins the softmax denominator at the merge:
+// over slots (each item all of a slot's kv heads, which share its blocks) or, with fewer slots than twice the
+// threads, over (slot, kv head) and, when that leaves threads idle on a long context, over block ranges merged
+// by their log-sum-exp. The sink joins the softmax denominator at the merge:
 // out = Σ_s o_s e^{m_s-M} / (Σ_s l_s e^{m_s-M} + e^{sink-M}). Without a sink (the partial op, for decode
 // context parallelism) the merge also gives lse = M + log Σ_s l_s e^{m_s-M}, so ranks holding disjoint
 // parts of a sequence merge their partials exactly, adding the sink once.
@@ -181,30 +182,35 @@ inline void softmax_update(float* sc, int64_t ld, int64_t n, int64_t rep, int64_
   }
 }
 
-// One (slot, kv head, block range) item: partial (o [rep, d] unnormalized, m [rep], l [rep]) into `part`.
-// The range is read in spans of blocks (`SPAN_TOKENS`): K of each block scored, one softmax update, then
-// o += p · V block by block.
+// One (slot, kv heads [h0, h1), block range) item: partials (o [rep, d] unnormalized, m [rep], l [rep]) of
+// head h into part + (h - h0) * stride. The range is read in spans of blocks (`SPAN_TOKENS`); within a span the
+// heads take turns (K of each block scored, one softmax update, then o += p · V block by block), so a block's
+// heads, contiguous in the cache, are read close together.
 template <typename KT, typename VT>
 void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, const int64_t* table, int64_t lo,
-                  int64_t pos, int64_t jb0, int64_t jb1, int64_t b, int64_t h, float qmul, float* part) {
-  const int64_t rep = s.rep, d = s.d, B = s.B;
+                  int64_t pos, int64_t jb0, int64_t jb1, int64_t b, int64_t h0, int64_t h1, float qmul, float* part,
+                  int64_t stride) {
+  const int64_t rep = s.rep, d = s.d, B = s.B, kv = s.kv;
   const int64_t span_blocks = std::max<int64_t>(1, SPAN_TOKENS / B), ld = span_blocks * B;
-  float* qs = scratch(0, rep * 2 * d);               // q · scale · k multiplier (packed: each dim twice)
+  float* qs_all = scratch(0, (h1 - h0) * rep * 2 * d);   // q · scale · k multiplier (packed: each dim twice), a head
   float* sc = scratch(1, rep * ld + W);              // scores of one span [rep][ld]
   float* kf = scratch(3, 16 * d);                     // 8 rows of K (token pairs or tokens) in fp32
   float* vf = scratch(2, B * d);                      // a block's V rows in fp32 (slot 2: free until the merge)
-  for (int64_t r = 0; r < rep; ++r) {
-    const float* qr = q + (b * s.nh + h * rep + r) * d;
-    for (int64_t j = 0; j < d; ++j) {
-      if (s.packed) qs[r * 2 * d + 2 * j] = qs[r * 2 * d + 2 * j + 1] = qr[j] * qmul;
-      else qs[r * 2 * d + j] = qr[j] * qmul;
+  for (int64_t h = h0; h < h1; ++h) {
+    float* qs = qs_all + (h - h0) * rep * 2 * d;
+    for (int64_t r = 0; r < rep; ++r) {
+      const float* qr = q + (b * s.nh + h * rep + r) * d;
+      for (int64_t j = 0; j < d; ++j) {
+        if (s.packed) qs[r * 2 * d + 2 * j] = qs[r * 2 * d + 2 * j + 1] = qr[j] * qmul;
+        else qs[r * 2 * d + j] = qr[j] * qmul;
+      }
     }
-  }
-  float* o = part;                                      // [rep][d + 2]: o, then m, l
-  for (int64_t r = 0; r < rep; ++r) {
-    std::fill(o + r * (d + 2), o + r * (d + 2) + d, 0.f);
-    o[r * (d + 2) + d] = -INFINITY;
-    o[r * (d + 2) + d + 1] = 0.f;
+    float* o = part + (h - h0) * stride;                // [rep][d + 2]: o, then m, l
+    for (int64_t r = 0; r < rep; ++r) {
+      std::fill(o + r * (d + 2), o + r * (d + 2) + d, 0.f);
+      o[r * (d + 2) + d] = -INFINITY;
+      o[r * (d + 2) + d + 1] = 0.f;
+    }
   }
   // block jb's visible in-block range [t0, t1]
   auto in_block = [&](int64_t jb, int64_t& t0, int64_t& t1) {
@@ -216,44 +222,48 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
   const bool vector_rows = nv >= 1 && nv <= 8;       // accumulate_v's sizes; else the scalar loop
   for (int64_t j0 = jb0; j0 <= jb1; j0 += span_blocks) {
     const int64_t j1 = std::min(jb1, j0 + span_blocks - 1);
-    // scores sc[r][n ..): each K element converted once, then dotted with every q head of the group
-    int64_t n = 0;
-    for (int64_t jb = j0; jb <= j1; ++jb) {
-      int64_t t0, t1;
-      const int64_t nt = in_block(jb, t0, t1);
-      if (nt <= 0) continue;
-      if (jb + 2 <= jb1) {                            // blocks are scattered: fetch two ahead by hand
-        const int64_t nxt = table[b * s.n_table + jb + 2];
-        prefetch_rows(K + (nxt * s.kv + h) * B * d, B * d * int64_t(sizeof(KT)));
-        prefetch_rows(V + (nxt * s.kv + h) * B * d, B * d * int64_t(sizeof(VT)));
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* qs = qs_all + (h - h0) * rep * 2 * d;
+      float* o = part + (h - h0) * stride;
+      // scores sc[r][n ..): each K element converted once, then dotted with every q head of the group
+      int64_t n = 0;
+      for (int64_t jb = j0; jb <= j1; ++jb) {
+        int64_t t0, t1;
+        const int64_t nt = in_block(jb, t0, t1);
+        if (nt <= 0) continue;
+        if (jb + 2 <= jb1) {                            // blocks are scattered: fetch two ahead by hand
+          const int64_t nxt = table[b * s.n_table + jb + 2];
+          prefetch_rows(K + (nxt * kv + h) * B * d, B * d * int64_t(sizeof(KT)));
+          prefetch_rows(V + (nxt * kv + h) * B * d, B * d * int64_t(sizeof(VT)));
+        }
+        const int64_t bid = table[b * s.n_table + jb];
+        block_scores(K + (bid * kv + h) * B * d, qs, t0, t1, d, rep, ld, s.packed, kf, sc + n);
+        n += nt;
       }
-      const int64_t bid = table[b * s.n_table + jb];
-      block_scores(K + (bid * s.kv + h) * B * d, qs, t0, t1, d, rep, ld, s.packed, kf, sc + n);
-      n += nt;
-    }
-    if (n == 0) continue;
-    softmax_update(sc, ld, n, rep, d, o);
-    // o += p · V with the accumulators in registers: V read in place when every head fits one pass, else
-    // each block's V rows converted to fp32 once first
-    n = 0;
-    for (int64_t jb = j0; jb <= j1; ++jb) {
-      int64_t t0, t1;
-      const int64_t nt = in_block(jb, t0, t1);
-      if (nt <= 0) continue;
-      const VT* Vr = V + (table[b * s.n_table + jb] * s.kv + h) * B * d + t0 * d;
-      const float* p = sc + n;
-      n += nt;
-      if (vector_rows && rep <= heads_per_pass(int(nv))) {
-        accumulate_v_n(nv, Vr, nt, d, p, ld, rep, o);
-        continue;
-      }
-      convert_row(Vr, nt * d, vf);                    // the block's rows are contiguous
-      if (vector_rows) {
-        accumulate_v_n(nv, vf, nt, d, p, ld, rep, o);
-      } else {
-        for (int64_t t = 0; t < nt; ++t)
-          for (int64_t r = 0; r < rep; ++r)
-            for (int64_t c = 0; c < d; ++c) o[r * (d + 2) + c] += p[r * ld + t] * vf[t * d + c];
+      if (n == 0) continue;
+      softmax_update(sc, ld, n, rep, d, o);
+      // o += p · V with the accumulators in registers: V read in place when every head fits one pass, else
+      // each block's V rows converted to fp32 once first
+      n = 0;
+      for (int64_t jb = j0; jb <= j1; ++jb) {
+        int64_t t0, t1;
+        const int64_t nt = in_block(jb, t0, t1);
+        if (nt <= 0) continue;
+        const VT* Vr = V + (table[b * s.n_table + jb] * kv + h) * B * d + t0 * d;
+        const float* p = sc + n;
+        n += nt;
+        if (vector_rows && rep <= heads_per_pass(int(nv))) {
+          accumulate_v_n(nv, Vr, nt, d, p, ld, rep, o);
+          continue;
+        }
+        convert_row(Vr, nt * d, vf);                    // the block's rows are contiguous
+        if (vector_rows) {
+          accumulate_v_n(nv, vf, nt, d, p, ld, rep, o);
+        } else {
+          for (int64_t t = 0; t < nt; ++t)
+            for (int64_t r = 0; r < rep; ++r)
+              for (int64_t c = 0; c < d; ++c) o[r * (d + 2) + c] += p[r * ld + t] * vf[t * d + c];
+        }
       }
     }
   }
@@ -270,22 +280,30 @@ void attention_impl(const AttnShape& s, const float* q, const KT* K, const VT* V
   int64_t max_blocks = 1;                             // the most blocks one slot reads
   for (int64_t b = 0; b < s.Bt; ++b)
     if (active[b] && pos[b] >= lo[b]) max_blocks = std::max(max_blocks, pos[b] / s.B - lo[b] / s.B + 1);
+  // items: (slot, G kv heads, block range): every head of a slot in one item where the slots alone keep the
+  // threads busy (a block's heads read together), else one head an item and, where that still leaves threads
+  // idle on a long context, S block ranges a head
+  const int64_t G = s.Bt >= 2 * nthreads ? s.kv : 1, groups = s.Bt * (s.kv / G);
   int64_t S = 1;
-  if (base < 2 * nthreads && max_blocks >= 8) S = std::max<int64_t>(1, std::min((2 * nthreads + base - 1) / base, max_blocks / 4));
+  if (groups < 2 * nthreads && max_blocks >= 8) S = std::max<int64_t>(1, std::min((2 * nthreads + groups - 1) / groups, max_blocks / 4));
   const int64_t stride = s.rep * (s.d + 2);
-  float* part = shared_scratch(0, base * S * stride);
-  at::parallel_for(0, base * S, 1, [&](int64_t i0, int64_t i1) {
+  float* part = shared_scratch(0, base * S * stride);   // [Bt][kv][S] partials
+  at::parallel_for(0, groups * S, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / (s.kv * S), h = (i / S) % s.kv, sp = i % S;
-      float* pr = part + i * stride;
+      const int64_t b = i / (S * (s.kv / G)), h0 = (i / S) % (s.kv / G) * G, sp = i % S;
+      float* pr = part + ((b * s.kv + h0) * S + sp) * stride;   // head h's at pr + (h - h0) * S * stride
       const int64_t p = pos[b], l0 = lo[b];
       const int64_t jb0 = l0 / s.B, jb1 = p / s.B, nb = jb1 - jb0 + 1;
       const int64_t a = jb0 + nb * sp / S, e = jb0 + nb * (sp + 1) / S - 1;
       if (!active[b] || p < l0 || e < a) {
-        for (int64_t r = 0; r < s.rep; ++r) { pr[r * (s.d + 2) + s.d] = -INFINITY; pr[r * (s.d + 2) + s.d + 1] = 0.f; }
+        for (int64_t h = 0; h < G; ++h)
+          for (int64_t r = 0; r < s.rep; ++r) {
+            pr[h * S * stride + r * (s.d + 2) + s.d] = -INFINITY;
+            pr[h * S * stride + r * (s.d + 2) + s.d + 1] = 0.f;
+          }
         continue;
       }
-      attend_range<KT, VT>(s, q, K, V, table, l0, p, a, e, b, h, qmul, pr);
+      attend_range<KT, VT>(s, q, K, V, table, l0, p, a, e, b, h0, h0 + G, qmul, pr, S * stride);
     }
   });
   // merge the block ranges (with the sink when there is one)
