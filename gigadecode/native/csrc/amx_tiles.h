@@ -72,6 +72,17 @@ inline bool expert_rows_amx(const uint8_t* blk, const uint8_t* scl, int64_t G, i
   return true;
 }
 
+// Our own tile code needs a compiler that knows the AMX intrinsics (GCC 11, clang 12); an older one builds the
+// kernels without it, and those experts take `expert_rows_amx`.
+#if defined(__clang__)
+#if __clang_major__ >= 12
+#define GD_AMX_OWN_TILES 1
+#endif
+#elif defined(__GNUC__) && __GNUC__ >= 11
+#define GD_AMX_OWN_TILES 1
+#endif
+
+#ifdef GD_AMX_OWN_TILES
 // Experts with at most this many inputs (one tile's 16 columns) take `expert_rows_amx_l1`: the strip's decode
 // to L2 and back was what `expert_rows_amx` cost them (all 32 experts of a `small` layer with 8 inputs each:
 // 4.9 against 6.1 ms; 20b-shape decode steps at batch 32 1.15x)
@@ -160,6 +171,17 @@ inline bool expert_rows_amx_l1(const uint8_t* blk, const uint8_t* scl, int64_t G
   _tile_release();
   at::native::cpublas::brgemm_release();   // the next oneDNN GEMM of this thread configures its tiles again
   return true;
+}
+#endif  // GD_AMX_OWN_TILES
+
+// An AMX expert's rows [r0, r1) times its n inputs in `put_vnni`'s layout: our own tile code up to
+// AMX_TILE_INPUTS inputs, oneDNN's GEMM over decoded strips beyond. False as those are.
+inline bool expert_rows_on_tiles(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
+                                 const uint16_t* vnni, int64_t n, float* out, int64_t ldo) {
+#ifdef GD_AMX_OWN_TILES
+  if (n <= AMX_TILE_INPUTS) return expert_rows_amx_l1(blk, scl, G, r0, r1, vnni, n, out, ldo);
+#endif
+  return expert_rows_amx(blk, scl, G, r0, r1, vnni, n, out, ldo);
 }
 
 #endif

@@ -217,8 +217,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 #ifdef GD_BF16DOT
         if (amx_expert(n)) {     // a scale outside the bf16 range: the bf16 tiles (which scale each group's sums)
           const uint16_t* v = vnni + p0 * ((G + 3) / 4 * 128);
-          if (!(n <= AMX_TILE_INPUTS ? expert_rows_amx_l1(eb, es, G, r0, r1, v, n, out, R)
-                                     : expert_rows_amx(eb, es, G, r0, r1, v, n, out, R)))
+          if (!expert_rows_on_tiles(eb, es, G, r0, r1, v, n, out, R))
             expert_rows_bf16(eb, es, G, r0, r1, in16.data() + p0, n, out, R);
           used_amx = true;
           continue;
