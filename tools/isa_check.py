@@ -31,8 +31,9 @@ sys.path.insert(0, str(ROOT))
 from gigadecode.native import build  # noqa: E402
 
 ISAS = ("avx2", "avx512", "avx512-bf16")                  # each a superset of the one before
-KERNEL_TESTS = ["tests/test_native.py", "tests/test_gk.py", "tests/test_prefill_attention.py",
-                "tests/test_shapes.py", "tests/test_fp8_kv_oracle.py"]
+KERNEL_TESTS = ["tests/test_native_dense.py", "tests/test_native_moe.py", "tests/test_native_attention.py",
+                "tests/test_gk.py", "tests/test_prefill_attention.py", "tests/test_shapes.py",
+                "tests/test_fp8_kv_oracle.py"]
 SIMDE = "simde-py==0.8.2.post1"
 BASE = build.CACHE_DIR.parent / "isa-check"
 # the source's ISA tests, renamed so that only the emulation defines them (GCC's own macros would pull in the

@@ -1,0 +1,474 @@
+"""The native KV write (`rope_kv_write`) and paged decode attention (full and partial) against their torch twins:
+every KV layout (packed FP8, plain FP8 / bf16 / fp32) with odd head dims, block sizes 1..64, GQA, padded batch
+slots, positions at block edges, sliding windows and the block-range split of long contexts.
+
+The kernels are called through `torch.ops.gigadecode_native` directly (not the Python wrappers, which fall
+back to the twins), so a pass here is about the C++ code. Skipped as a whole where the kernels cannot be built.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gigadecode import native
+from gigadecode.kv.cache import FP8
+from gigadecode.native import twins
+
+from native_cases import (BF16, F32, KV_FORMS, OPS, assert_rounded, bits, gen, kv_views, make_kv, num_threads,
+                          randn)
+
+if OPS is None:
+    pytest.skip(f"native kernels not available here: {native.status()}", allow_module_level=True)
+
+
+# ---- KV: rope_kv_write, paged_decode_attention -------------------------------------------------------
+
+# FP8 carries per-tensor scales != 1; plain bf16 / fp32 KV ignores them (kernel and twin), so the same odd values
+# are passed for every layout
+KS, VS = 0.37, 1.75
+
+
+def assert_kv_written(out_buf, ref_buf, written: int):
+    """Whole KV buffers after a write: bf16 / fp32 tight; FP8 by decoded value within one e4m3 step (a rounding
+    tie can go either way when the fp32 input differs in its last bit), and >= 99.9% of written bytes exact."""
+    if out_buf.dtype == F32:
+        torch.testing.assert_close(out_buf, ref_buf, rtol=1e-6, atol=1e-6)
+        return
+    if out_buf.dtype == BF16:
+        torch.testing.assert_close(out_buf.float(), ref_buf.float(), rtol=2.0 ** -7, atol=1e-6)
+    else:
+        a, b = out_buf.float(), ref_buf.float()
+        step = torch.maximum(a.abs(), b.abs()) * 2.0 ** -3 + 2.0 ** -9      # one e4m3 step (subnormal: 2^-9)
+        assert ((a - b).abs() <= step).all()
+    mismatched = (bits(out_buf) != bits(ref_buf)).sum().item()
+    assert mismatched <= 0.001 * written, f"{mismatched} of {written} written values differ"
+
+
+def rope_cos_sin(g, Bt, d, dtype):
+    pos = torch.randint(0, 5000, (Bt,), generator=g).float()
+    inv = 150000.0 ** (-torch.arange(0, d // 2).float() / (d // 2))
+    f = pos[:, None] * inv[None, :]
+    return f.cos().to(dtype), f.sin().to(dtype)
+
+
+def _kv_cases():
+    """(layout, block size, head dim): packed FP8 needs an even block; d = 18 leaves a scalar tail."""
+    cases = []
+    for form in KV_FORMS:
+        for B in (1, 2, 4, 16, 64):
+            if form == "fp8-packed" and B == 1:
+                continue
+            for d in (16, 18, 64):
+                cases.append((form, B, d))
+    return cases
+
+
+@pytest.mark.parametrize("form,B,d", _kv_cases())
+def test_rope_kv_write(form, B, d):
+    g = gen("rope", form, B, d)
+    for i, (kv, rep) in enumerate(((1, 1), (2, 4), (3, 1))):
+        nh = kv * rep
+        nb = 6
+        Bt = 1 + (i * 2 + B + d) % 5
+        buf, K, V = make_kv(g, form, nb, kv, B, d)
+        slot = torch.randperm(nb * B, generator=g)[:Bt]           # distinct slots, any block (0 included)
+        qdt, cdt = ((F32, F32), (BF16, BF16), (F32, BF16))[i]
+        qkv = randn(g, Bt, (nh + 2 * kv) * d, dtype=qdt, scale=2.0)
+        cos, sin = rope_cos_sin(g, Bt, d, cdt)
+        ks, vs = KS, VS
+        ref_buf = buf.clone()
+        rK, rV = kv_views(ref_buf, form)
+        q = OPS.rope_kv_write(qkv, cos, sin, K, V, slot, nh, ks, vs)
+        q_ref = twins.rope_kv_write(qkv, cos, sin, rK, rV, slot, nh, ks, vs)
+        assert q.shape == (Bt, nh, d) and q.dtype == F32
+        torch.testing.assert_close(q, q_ref, rtol=1e-6, atol=1e-6)
+        assert_kv_written(buf, ref_buf, 2 * Bt * kv * d)
+
+
+def _fp8_sweep() -> torch.Tensor:
+    """fp32 values that exercise fp32 -> e4m3 rounding: every e4m3 value, every midpoint between neighbours
+    (ties, incl. the subnormal ones) and their fp32 neighbours, the ±448 clamp, inf, signed zeros."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    vals = codes.view(FP8).float()
+    vals = vals[torch.isfinite(vals)]
+    pos = torch.unique(vals[vals >= 0])                                  # sorted, 0 .. 448
+    mids = (pos[1:] + pos[:-1]) / 2                                      # exact in fp32
+    up, down = torch.nextafter(mids, torch.tensor(math.inf)), torch.nextafter(mids, torch.tensor(-math.inf))
+    big = torch.tensor([447.0, 448.0, 449.0, 463.9, 464.0, 464.1, 479.0, 480.0, 500.0, 1e4, 3e38, math.inf])
+    tiny = torch.tensor([2.0 ** -10, 2.0 ** -11, 2.0 ** -20, 1e-40, 3 * 2.0 ** -11, 2.0 ** -6 - 2.0 ** -12])
+    mags = torch.cat((pos, mids, up, down, big, tiny, torch.rand(300, generator=gen(7)) * 2.0 ** -6,
+                      torch.exp2(torch.rand(300, generator=gen(8)) * 20 - 11)))
+    return torch.cat((mags, -mags, torch.tensor([0.0, -0.0])))
+
+
+@pytest.mark.parametrize("form", ["fp8-packed", "fp8"])
+@pytest.mark.parametrize("scale", [1.0, 0.5, 0.37, 2.5])
+def test_fp8_conversion_matches_torch(form, scale):
+    """The V half is stored without RoPE: the written bytes must be torch's (x / scale).clamp(±448) -> e4m3."""
+    sweep = _fp8_sweep()
+    d, kv, B = 64, 2, 4
+    n_tok = -(-sweep.numel() // (kv * d))
+    vals = torch.cat((sweep, torch.zeros(n_tok * kv * d - sweep.numel())))
+    nb = n_tok // B + 2
+    buf = torch.zeros(2, nb, kv, B, d, dtype=FP8)
+    K, V = kv_views(buf, form)
+    slot = torch.randperm(nb * B, generator=gen(9))[:n_tok]
+    finite = torch.where(torch.isfinite(vals), vals, torch.zeros(()))            # K gets no inf (inf * 0 = nan)
+    qkv = torch.cat((torch.randn(n_tok, d, generator=gen(10)), finite.view(n_tok, kv * d),
+                     vals.view(n_tok, kv * d)), 1)
+    cos, sin = torch.ones(n_tok, d // 2), torch.zeros(n_tok, d // 2)
+    OPS.rope_kv_write(qkv, cos, sin, K, V, slot, 1, scale, scale)
+    blk, off = slot // B, slot % B
+    want = (vals.view(n_tok, kv, d) / scale).clamp(-448, 448).to(FP8)
+    got = V[blk, :, off, :]                                                        # [n_tok, kv, d]
+    bad = (bits(got) != bits(want)).nonzero()
+    assert bad.numel() == 0, [(vals.view(n_tok, kv, d)[tuple(i)].item(), bits(got)[tuple(i)].item(),
+                               bits(want)[tuple(i)].item()) for i in bad[:10]]
+    # K (RoPE with cos 1, sin 0) against the twin's bytes
+    ref_buf = torch.zeros_like(buf)
+    rK, rV = kv_views(ref_buf, form)
+    twins.rope_kv_write(qkv, cos, sin, rK, rV, slot, 1, scale, scale)
+    assert torch.equal(bits(buf), bits(ref_buf))
+
+
+def test_rope_kv_write_errors():
+    g = gen(11)
+    buf, K, V = make_kv(g, "fp8-packed", 3, 1, 4, 16)
+    qkv, cos, sin = torch.zeros(1, 3 * 16), torch.ones(1, 8), torch.zeros(1, 8)
+    with pytest.raises(RuntimeError, match="outside the KV buffer"):
+        OPS.rope_kv_write(qkv, cos, sin, K, V, torch.tensor([12]), 1, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="does not match"):
+        OPS.rope_kv_write(torch.zeros(1, 4 * 16), cos, sin, K, V, torch.tensor([1]), 1, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="cos/sin"):
+        OPS.rope_kv_write(qkv, torch.ones(1, 16), torch.zeros(1, 16), K, V, torch.tensor([1]), 1, 1.0, 1.0)
+
+
+def make_tables(g, nb: int, B: int, pos: list[int], active: list[bool], extra: int = 1):
+    """table [Bt, n] (n covers the largest position, plus `extra` unused columns of junk): each active slot
+    gets distinct random block ids >= 1 for its blocks; padded slots a row of zeros."""
+    n = max(p // B for p in pos) + 1 + extra
+    table = torch.zeros(len(pos), n, dtype=torch.long)
+    for b, (p, a) in enumerate(zip(pos, active)):
+        if a:
+            need = p // B + 1
+            table[b, :need] = torch.randperm(nb - 1, generator=g)[:need] + 1
+            table[b, need:] = torch.randint(0, nb, (n - need,), generator=g)
+    return table
+
+
+def check_attention(g, form, K, V, table, pos, active, nh, window, out_dtype=F32, sink_dtype=F32):
+    Bt, d = table.shape[0], V.shape[-1]
+    q = randn(g, Bt, nh, d, scale=2.0)
+    sinks = randn(g, nh, dtype=sink_dtype)
+    scale = 1.0 / math.sqrt(d)
+    ks, vs = KS, VS
+    pos_t, act_t = torch.tensor(pos, dtype=torch.long), torch.tensor(active)
+    out = OPS.paged_decode_attention(q, K, V, table, pos_t, act_t, sinks, window, scale, ks, vs, out_dtype)
+    ref32 = twins.paged_decode_attention(q, K, V, table, pos_t, act_t, sinks, window, scale, ks, vs, F32)
+    assert out.shape == (Bt, nh * d) and out.dtype == out_dtype
+    atol = 2e-5 * max(1.0, ref32.abs().max().item())
+    if out_dtype == F32:
+        torch.testing.assert_close(out, ref32, rtol=1e-5, atol=atol)
+    else:
+        assert_rounded(out, ref32, atol)
+    assert torch.equal(out[~act_t].float(), torch.zeros(int((~act_t).sum()), nh * d))   # padded slots: 0
+    return out
+
+
+@pytest.mark.parametrize("form,B,d", _kv_cases())
+def test_paged_decode_attention(form, B, d):
+    g = gen("attn", form, B, d)
+    long = max(300, 9 * B) + int(torch.randint(0, B, (1,), generator=g))
+    # slots: block edges (0, B-1, B, 2B-1), a long context, padded inactive slots
+    pos = [0, B - 1, B, long, 2 * B - 1, 0, 7]
+    active = [True, True, True, True, True, False, False]
+    nb = long // B + 4
+    # (kv heads, GQA rep, which slots): all 7, then a batch of 2 (one padded), then a single slot at 0
+    for i, (kv, rep, slots) in enumerate(((1, 1, range(7)), (2, 4, range(7)), (1, 4, (3, 6)), (2, 1, (0,)))):
+        buf, K, V = make_kv(g, form, nb, kv, B, d)
+        p, a = [pos[s] for s in slots], [active[s] for s in slots]
+        table = make_tables(g, nb, B, p, a)
+        for j, window in enumerate((0, 5, 16, long + 50)):
+            k = i * 4 + j
+            check_attention(g, form, K, V, table, p, a, kv * rep, window,
+                            out_dtype=(F32, BF16)[k % 2], sink_dtype=(F32, BF16)[(k // 2) % 2])
+
+
+@pytest.mark.parametrize("form", KV_FORMS)
+@pytest.mark.parametrize("threads", [1, 4])
+def test_paged_decode_attention_split_long_context(form, threads):
+    """Few (slot, kv head) items and >= 8 blocks: the block ranges are split and merged by log-sum-exp
+    (some ranges empty for the shorter slot)."""
+    g = gen(12 + threads)
+    with num_threads(threads):
+        for B, d in ((2, 18), (4, 64), (16, 16)):
+            if form != "fp8-packed":
+                B = B // 2 if B == 2 else B                # plain layouts also at B = 1
+            long = 37 * B + 3
+            for pos, active in (([long], [True]), ([long, 3 * B + 1], [True, True]), ([long, 0], [True, False])):
+                nb = long // B + 4
+                buf, K, V = make_kv(g, form, nb, 1, B, d)
+                table = make_tables(g, nb, B, pos, active, extra=0)
+                for window in (0, 8 * B + 1, 100):
+                    check_attention(g, form, K, V, table, pos, active, 4, window)
+
+
+@pytest.mark.parametrize("form", KV_FORMS)
+@pytest.mark.parametrize("rep,d", [(4, 64), (5, 64), (8, 64), (8, 32), (3, 48)])
+def test_paged_decode_attention_v_paths(form, rep, d):
+    """V rows read in place (every head of a kv group fits one register pass: rep <= 16 / (d / 16)) and
+    through the block's fp32 copy (they do not), against the twin."""
+    g = gen("vpath", form, rep, d)
+    B, pos, active = 16, [5, 40, 130], [True, True, True]
+    nb = 130 // B + 8
+    buf, K, V = make_kv(g, form, nb, 2, B, d)
+    table = make_tables(g, nb, B, pos, active)
+    for window in (0, 20):
+        check_attention(g, form, K, V, table, pos, active, 2 * rep, window)
+
+
+def test_paged_decode_attention_sliding_window_null_blocks():
+    """Blocks wholly before a sliding window may be freed (table entry 0): no error, same result."""
+    g = gen(13)
+    B, d, nb = 4, 64, 40
+    buf, K, V = make_kv(g, "fp8-packed", nb, 2, B, d)
+    pos = [40, 13, 2]
+    table = make_tables(g, nb, B, pos, [True] * 3)
+    window = 6
+    for b, p in enumerate(pos):
+        table[b, : max(0, p - window + 1) // B] = 0
+    assert (table[0] == 0).any()
+    check_attention(g, "fp8-packed", K, V, table, pos, [True] * 3, 8, window)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float64])
+def test_paged_decode_attention_other_out_dtype_is_refused(out_dtype):
+    g = gen(15)
+    B, d, nb = 4, 16, 10
+    buf, K, V = make_kv(g, "fp32", nb, 1, B, d)
+    table = make_tables(g, nb, B, [9], [True], extra=0)
+    args = (torch.randn(1, 2, d, generator=g), K, V, table, torch.tensor([9]), torch.tensor([True]), torch.zeros(2),
+            0, 0.25, 1.0, 1.0, out_dtype)
+    with pytest.raises(RuntimeError, match="out_dtype must be float32 or bfloat16"):
+        OPS.paged_decode_attention(*args)
+
+
+def test_paged_decode_attention_errors():
+    g = gen(14)
+    B, d, nb = 4, 16, 10
+    buf, K, V = make_kv(g, "fp8-packed", nb, 1, B, d)
+    q, sinks = torch.randn(2, 2, d), torch.zeros(2)
+    table = make_tables(g, nb, B, [9, 5], [True, True], extra=0)      # 3 columns: positions < 12
+    act = torch.tensor([True, True])
+
+    def call(table, pos, window=0, active=act, k=K, v=V):
+        return OPS.paged_decode_attention(q, k, v, table, torch.tensor(pos), active, sinks, window, 0.25, 1.0,
+                                          1.0, F32)
+
+    call(table, [9, 5])
+    null = table.clone()
+    null[1, 0] = 0                                     # the null block for visible position 0..3 of slot 1
+    with pytest.raises(RuntimeError, match="slot 1: block id 0 out of range"):
+        call(null, [9, 5])
+    call(null, [9, 5], window=2)                       # ... fine once the window starts past it
+    oob = table.clone()
+    oob[0, 1] = nb                                     # a block id past the buffer
+    with pytest.raises(RuntimeError, match="slot 0: block id 10 out of range"):
+        call(oob, [9, 5])
+    with pytest.raises(RuntimeError, match="slot 0: position 12 past its table"):
+        call(table, [12, 5])
+    with pytest.raises(RuntimeError, match="slot 1: position 16 past its table"):
+        call(table, [9, 16])
+    with pytest.raises(RuntimeError, match="position -1"):
+        call(table, [9, -1])
+    call(table, [9, 99], active=torch.tensor([True, False]))    # inactive slots are not checked
+    with pytest.raises(RuntimeError, match="does not match V"):
+        call(table, [9, 5], k=torch.zeros(nb, 1, B, d + 2))
+
+
+# ---- paged_decode_attention_partial (decode context parallelism) -------------------------------------
+
+def visible_nothing(first, pos, active) -> torch.Tensor:
+    """[Bt] bool: slots that see no key (inactive, pos < 0 or first > pos), from the lists themselves."""
+    return torch.tensor([not a or max(f, 0) > p for f, p, a in zip(first, pos, active)])
+
+
+def check_partial(g, K, V, table, first, pos, active, nh):
+    """Kernel against twin: out and lse close, -inf lse and zero out exactly on the slots that see nothing."""
+    Bt, d = table.shape[0], V.shape[-1]
+    q = randn(g, Bt, nh, d, scale=2.0)
+    args = (q, K, V, table, torch.tensor(pos, dtype=torch.long), torch.tensor(first, dtype=torch.long),
+            torch.tensor(active), 1.0 / math.sqrt(d), KS, VS)
+    out, lse = OPS.paged_decode_attention_partial(*args)
+    ref, ref_lse = twins.paged_decode_attention_partial(*args)
+    assert out.shape == ref.shape == (Bt, nh, d) and lse.shape == ref_lse.shape == (Bt, nh)
+    assert out.dtype == lse.dtype == ref.dtype == ref_lse.dtype == F32
+    empty = visible_nothing(first, pos, active)
+    for o, l in ((out, lse), (ref, ref_lse)):
+        assert torch.equal(torch.isneginf(l), empty[:, None].expand(Bt, nh))
+        assert torch.isfinite(l[~empty]).all() and torch.isfinite(o).all()
+        assert torch.equal(o[empty], torch.zeros(int(empty.sum()), nh, d))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5 * max(1.0, ref.abs().max().item()))
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    return out, lse
+
+
+def _partial_slots(g, B: int, long: int, Bt: int):
+    """(first, pos, active) for Bt slots: the long contexts first (so one or two slots split their block
+    range), then the awkward ones (nothing visible: first > pos or pos < 0; first == pos; first < 0; one whole
+    block; first at a block edge; padded inactive slots), then random ranges (some empty), shuffled past 2."""
+    fixed = [(long // 3 + 1, long, True), (0, long, True), (5, 5, True), (B + 1, B, True), (0, 0, True),
+             (B, 2 * B - 1, True), (-3, B, True), (0, -1, True), (2 * B, 3 * B + 1, True), (0, 7, False),
+             (3, long, False)]
+    slots = fixed[:Bt]
+    while len(slots) < Bt:
+        p = int(torch.randint(0, long + 1, (1,), generator=g))
+        f = int(torch.randint(-2, p + 3, (1,), generator=g))
+        slots.append((f, p, bool(torch.rand(1, generator=g) < 0.9)))
+    if Bt > 2:
+        head, rest = slots[:2], slots[2:]
+        slots = head + [rest[i] for i in torch.randperm(len(rest), generator=g).tolist()]
+    return [s[0] for s in slots], [s[1] for s in slots], [s[2] for s in slots]
+
+
+def partial_tables(g, nb, B, first, pos, active):
+    """make_tables, then the blocks before each slot's range are freed (0) and a slot that sees nothing gets a
+    row of junk ids (both never read)."""
+    table = make_tables(g, nb, B, [max(p, 0) for p in pos], active)
+    for b, (f, p, a) in enumerate(zip(first, pos, active)):
+        if a and max(f, 0) > p:
+            table[b] = torch.randint(-5, 2 * nb, (table.shape[1],), generator=g)
+        elif a:
+            table[b, : max(f, 0) // B] = 0
+    return table
+
+
+@pytest.mark.parametrize("form,B,d", _kv_cases())
+def test_paged_decode_attention_partial(form, B, d):
+    g = gen("partial", form, B, d)
+    long = max(300, 12 * B) + int(torch.randint(0, B, (1,), generator=g))
+    nb = long // B + 4
+    # (kv heads, GQA rep, slots, threads): one or two long slots split over block ranges (4 threads: more
+    # ranges), then batches with padded slots and empty / single-key ranges
+    for kv, rep, Bt, threads in ((1, 1, 1, 4), (1, 3, 2, 2), (3, 1, 5, 2), (1, 8, 17, 2), (2, 3, 33, 4)):
+        buf, K, V = make_kv(g, form, nb, kv, B, d)
+        first, pos, active = _partial_slots(g, B, long, Bt)
+        table = partial_tables(g, nb, B, first, pos, active)
+        with num_threads(threads):
+            check_partial(g, K, V, table, first, pos, active, kv * rep)
+
+
+def _pieces(g, lo: int, p: int, n: int):
+    """n disjoint (first, pos) pieces covering [lo, p] in order; any piece may be empty (first = pos + 1)."""
+    cuts = sorted(int(c) for c in torch.randint(lo, p + 2, (n - 1,), generator=g))
+    edges = [lo, *cuts, p + 1]
+    return [(edges[i], edges[i + 1] - 1) for i in range(n)]
+
+
+def merge_with_sink(parts, sinks):
+    """Exact merge of partials (out_i [Bt, nh, d], lse_i [Bt, nh]) with the sink, in float64:
+    M = max(lse_i, sink); out = Σ e^{lse_i-M} out_i / (Σ e^{lse_i-M} + e^{sink-M})."""
+    outs = torch.stack([o.double() for o, _ in parts])            # [P, Bt, nh, d]
+    lses = torch.stack([l.double() for _, l in parts])            # [P, Bt, nh]
+    sink = sinks.double()[None, :]
+    M = torch.maximum(lses.amax(0), sink)
+    w = torch.exp(lses - M)                                       # e^{-inf} = 0 for empty pieces
+    return (w[..., None] * outs).sum(0) / (w.sum(0) + torch.exp(sink - M))[..., None]
+
+
+@pytest.mark.parametrize("form", KV_FORMS)
+@pytest.mark.parametrize("threads", [1, 4])
+def test_paged_decode_attention_partial_merges_to_the_full_op(form, threads):
+    """Each slot's visible range [lo, p] split into 2-3 disjoint pieces (first / pos differ per call, some
+    pieces empty), their partials merged with the sink, must give paged_decode_attention over the whole range
+    with that sink (sliding: window = p - lo + 1 for every slot; full: lo = 0): for the kernels and the twins."""
+    g = gen("partial-merge", form, threads)
+    for B, d, kv, rep in ((2, 18, 1, 3), (4, 64, 2, 4), (16, 16, 1, 8)):
+        if form != "fp8-packed" and B == 2:
+            B = 1
+        long = 37 * B + 3
+        nb = long // B + 4
+        pos = [long, 3 * B + 1, 0, B - 1, 9 * B, 11]
+        active = [True, True, True, True, True, False]
+        nh = kv * rep
+        buf, K, V = make_kv(g, form, nb, kv, B, d)
+        q = randn(g, len(pos), nh, d, scale=2.0)
+        sinks = randn(g, nh)
+        scale = 1.0 / math.sqrt(d)
+        pos_t, act_t = torch.tensor(pos), torch.tensor(active)
+        for window in (0, 8 * B + 1, 5):
+            lo = [max(0, p - window + 1) if window else 0 for p in pos]
+            table = make_tables(g, nb, B, pos, active, extra=0)
+            for b, l in enumerate(lo):
+                table[b, : l // B] = 0                                # freed blocks before the window
+            n = 3 if window != 5 else 2
+            pieces = [_pieces(g, l, p, n) for l, p in zip(lo, pos)]  # [slot][piece] -> (first, pos)
+            with num_threads(threads):
+                for impl in (OPS, twins):
+                    parts = [impl.paged_decode_attention_partial(
+                        q, K, V, table, torch.tensor([pieces[b][i][1] for b in range(len(pos))]),
+                        torch.tensor([pieces[b][i][0] for b in range(len(pos))]), act_t, scale, KS, VS)
+                        for i in range(n)]
+                    merged = merge_with_sink(parts, sinks).float().reshape(len(pos), nh * d)
+                    full = impl.paged_decode_attention(q, K, V, table, pos_t, act_t, sinks, window, scale, KS, VS,
+                                                       F32)
+                    torch.testing.assert_close(merged, full, rtol=1e-5,
+                                               atol=2e-5 * max(1.0, full.abs().max().item()))
+                    assert torch.equal(merged[~act_t], torch.zeros(int((~act_t).sum()), nh * d))
+        # the wrapper calls the kernel
+        first_t = torch.tensor([pieces[b][0][0] for b in range(len(pos))])
+        got = native.paged_decode_attention_partial(q, K, V, table, pos_t, first_t, act_t, scale, KS, VS)
+        want = OPS.paged_decode_attention_partial(q, K, V, table, pos_t, first_t, act_t, scale, KS, VS)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_paged_decode_attention_partial_errors():
+    g = gen("partial-errors")
+    B, d, nb = 4, 16, 10
+    buf, K, V = make_kv(g, "fp8-packed", nb, 1, B, d)
+    q = torch.randn(2, 2, d, generator=g)
+    table = make_tables(g, nb, B, [9, 5], [True, True], extra=0)      # 3 columns: positions < 12
+    act = torch.tensor([True, True])
+
+    def call(table, first, pos, active=act, k=K, v=V, q=q):
+        first = first if isinstance(first, torch.Tensor) else torch.tensor(first)
+        return OPS.paged_decode_attention_partial(q, k, v, table, torch.tensor(pos), first, active, 0.25, 1.0, 1.0)
+
+    call(table, [0, 0], [9, 5])
+    null = table.clone()
+    null[1, 0] = 0                                     # the null block for positions 0..3 of slot 1
+    with pytest.raises(RuntimeError, match="slot 1: block id 0 out of range"):
+        call(null, [0, 3], [9, 5])
+    call(null, [0, 4], [9, 5])                         # ... fine once the range starts past it
+    oob = table.clone()
+    oob[0, 1] = nb                                     # a block id past the buffer (positions 4..7)
+    with pytest.raises(RuntimeError, match="slot 0: block id 10 out of range"):
+        call(oob, [7, 0], [9, 5])
+    with pytest.raises(RuntimeError, match="slot 0: block id -1 out of range"):
+        call(torch.full_like(table, -1), [3, 9], [3, 5])
+    call(oob, [8, 0], [9, 5])
+    with pytest.raises(RuntimeError, match="slot 0: position 12 past its table"):
+        call(table, [11, 0], [12, 5])
+    # nothing visible is not checked: first > pos, pos < 0, inactive
+    junk = torch.full_like(table, nb + 7)
+    out, lse = call(junk, [13, 0], [12, -1])
+    assert torch.isneginf(lse).all() and not out.any()
+    call(table, [0, 0], [9, 99], active=torch.tensor([True, False]))
+    # shapes and dtypes
+    with pytest.raises(RuntimeError, match="first must be int64"):
+        call(table, torch.tensor([0, 0], dtype=torch.int32), [9, 5])
+    with pytest.raises(RuntimeError, match="first must be int64"):
+        call(table, [0, 0, 0], [9, 5])
+    with pytest.raises(RuntimeError, match="pos \\(int64\\) and active"):
+        call(table, [0, 0], [9, 5, 1])
+    with pytest.raises(RuntimeError, match="table must be int64"):
+        call(table[:1], [0, 0], [9, 5])
+    with pytest.raises(RuntimeError, match="q must be float32"):
+        call(table, [0, 0], [9, 5], q=q.to(BF16))
+    with pytest.raises(RuntimeError, match="does not fit KV heads"):
+        call(table, [0, 0], [9, 5], q=torch.zeros(2, 2, d + 2))
+    with pytest.raises(RuntimeError, match="does not match V"):
+        call(table, [0, 0], [9, 5], k=torch.zeros(nb, 1, B, d + 2))
