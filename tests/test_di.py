@@ -258,6 +258,35 @@ def test_a_load_given_up_tells_the_producer_to_free(producer, consumer, single):
     assert run(consumer, prompt, kv=producer.prefill(prompt)).output_ids == run(single, prompt).output_ids
 
 
+
+def test_a_give_up_notice_that_cannot_be_sent_is_left_to_the_lease(producer, consumer, single, monkeypatch):
+    """Telling the producer to free a given-up load is best effort: when the notification cannot be sent, the
+    abort still succeeds and frees the consumer's blocks, the producer keeps its lease until it runs out, and
+    the next request is served as before."""
+    warm = random_prompt(20, 1024, seed=62)
+    assert run(consumer, warm, kv=producer.prefill(warm)).error is None
+    _pools_back(consumer, producer)
+    consumer.connector.notify_on_read = False
+    prompt = random_prompt(40, 1024, seed=63)
+    kv = producer.prefill(prompt)
+    rid = consumer.add_request(prompt, greedy(), kv_transfer_params=kv)
+    t0 = time.monotonic()
+    while not (rid in consumer.connector.loads and consumer.connector.loads[rid].posted):
+        consumer.step()
+        assert time.monotonic() - t0 < 10
+
+    def peer_gone(*args, **kwargs):
+        raise RuntimeError("the producer's agent is gone")
+
+    monkeypatch.setattr(consumer.connector.agent, "send_notif", peer_gone)
+    assert consumer.abort(rid)
+    assert consumer.kv_manager.num_free_blocks == NUM_BLOCKS - 1
+    assert producer.call("leases") == 1                                   # never told: still leased
+    assert producer.call("expire", kv["remote_request_id"]) == NUM_BLOCKS - 1   # the lease running out frees it
+    monkeypatch.undo()
+    consumer.connector.notify_on_read = True
+    assert run(consumer, prompt, kv=producer.prefill(prompt)).output_ids == run(single, prompt).output_ids
+
 def test_lease_expired_before_read(tiny_ckpt, consumer):
     from gigadecode.engine import RequestError
     short = Producer(tiny_ckpt, **{**BASE, "kv_lease_s": 0.3})

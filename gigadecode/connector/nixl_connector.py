@@ -432,8 +432,7 @@ class NixlConnector(KVConnectorBase):
             self._vllm.notify(request_id)
             return
         load = self.landed.pop(request_id, None)
-        for r in (load.reads if load is not None else []):
-            self.agent.send_notif(r.remote, r.source.remote_request_id.encode())
+        self._free_at_producers(load.reads if load is not None else [])
 
     def cancel(self, request_id: str) -> None:
         """A consumer gives up its KV (aborted, preempted, failed): stop its reads and tell the producer ranks
@@ -444,11 +443,18 @@ class NixlConnector(KVConnectorBase):
         reads = [r for ld in loads for r in ld.reads]
         for ld in loads:
             self._release(ld)
+        self._free_at_producers(reads, best_effort=True)
+
+    def _free_at_producers(self, reads, best_effort: bool = False) -> None:
+        """Notify the producer rank of each read (the notification is its remote request id) that it may free
+        those blocks. `best_effort`: a send that fails is left to the lease, which frees them when it runs out;
+        otherwise the failure propagates to the caller."""
         for r in reads:
             try:
                 self.agent.send_notif(r.remote, r.source.remote_request_id.encode())
-            except Exception:  # noqa: BLE001, S110 - the lease runs out instead
-                pass
+            except Exception:  # noqa: BLE001 - which failures are fatal is the caller's choice
+                if not best_effort:
+                    raise
 
     def close(self) -> None:
         if self._vllm is not None:
