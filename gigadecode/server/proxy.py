@@ -341,6 +341,7 @@ def _within(aw: Awaitable, timeout_s: float | None) -> Awaitable:
 
 
 def _decode_timeout(up: Upstream, timeout_s: float | None) -> JSONResponse:
+    log.warning("decode server %s did not answer within %s s", up.url, timeout_s)
     return _error(504, f"decode server {up.url} did not start its answer within {timeout_s} s",
                   code="decode_timeout")
 
@@ -359,7 +360,6 @@ async def _prefill_and_decode(http: httpx.AsyncClient, decodes: Pool, path: str,
         try:
             r = await _within(http.post(up.url + path, json=dbody, headers=headers), timeout_s)
         except TimeoutError:
-            log.warning("decode server %s did not answer within %s s", up.url, timeout_s)
             return _decode_timeout(up, timeout_s)
         except httpx.ConnectError as e:
             log.warning("decode server %s unreachable: %s", up.url, e)
