@@ -1,7 +1,8 @@
 """The per-layer GPT-OSS model (the seed's "native per-layer model"): the prefill role and the oracle.
 
 It runs a flat batch of sequence chunks (prefill chunks and single-token decodes alike) layer by layer:
-attention writes the chunk's K/V into the paged cache through the layer's group block table, then
+attention writes the chunk's K/V into the paged cache through the layer's group block table (bf16: RoPE and the
+write in the native kernel the decode step uses, so both leave the same bytes), then
 reads back the keys it may see (sliding layers only the window, `q - W < k <= q`) and attends with
 sinks, flash style (bf16: the native `prefill_attention` kernel; otherwise `ops.flash_sink_attention`:
 tiled online softmax, GQA without repeated K/V, fully masked key tiles skipped); MoE reads only the experts
@@ -86,9 +87,13 @@ class GptOssModel:
         x = w.embed[ids]                                                     # [N, H]
         counts = par.ep_token_counts(x.shape[0]) if par is not None else None
         lm_head = w.lm_head if par is None else w.lm_head[: par.vocab_len]  # real vocabulary rows only
+        B, groups = kv.block_size, kv.config.layer_group                   # each token's KV slot, per group
+        slots = {g: torch.tensor([c.block_tables[g][p // B] * B + p % B for c in chunks
+                                  for p in range(c.start, c.start + len(c.token_ids))], dtype=torch.long)
+                 for g in set(groups)} if par is None or par.dcp_size == 1 else {}   # DCP: its own, local
         for layer, lw in enumerate(w.layers):
             h = self._norm(x, lw.input_norm, cfg.rms_norm_eps)
-            x = x + self.attention(layer, h, cos, sin, chunks, kv)
+            x = x + self.attention(layer, h, cos, sin, chunks, kv, slots.get(groups[layer]))
             h = self._norm(x, lw.post_norm, cfg.rms_norm_eps)
             x = x + self.moe(layer, h, counts)
         x = self._norm(x, w.norm, cfg.rms_norm_eps)
@@ -129,18 +134,27 @@ class GptOssModel:
 
     # ----------------------------------------------------------------------------------------------
     def attention(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  chunks: list[SeqChunk], kv: KVCache) -> torch.Tensor:
+                  chunks: list[SeqChunk], kv: KVCache, slots: torch.Tensor | None) -> torch.Tensor:
+        """h [N, H] -> [N, H]. `slots` [N]: each token's KV slot in this layer's group, the chunks' tokens in
+        order (None under DCP, whose ranks hold their own tokens' slots)."""
         cfg, lw, d = self.cfg, self.w.layers[layer], self.cfg.head_dim
         nh, nkv = self.num_heads, self.num_kv_heads
         qkv = native.projection(h, lw.qkv_w, lw.qkv_b)        # [N, (nh + 2 nkv) d]
-        q = qkv[:, : nh * d].view(-1, nh, d)
-        k = qkv[:, nh * d: (nh + nkv) * d].view(-1, nkv, d)
-        v = qkv[:, (nh + nkv) * d:].view(-1, nkv, d)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         group = kv.config.layer_group[layer]
         window = cfg.sliding_window if cfg.is_sliding(layer) else None
         B = kv.block_size
-        if self.parallel is not None and self.parallel.dcp_size > 1:
+        dcp = self.parallel is not None and self.parallel.dcp_size > 1
+        if self._native_attention and not dcp:
+            # RoPE and the K/V write in one call, the decode step's kernel (fp32 math, rounded once into the
+            # cache), so prefill and decode leave the same bytes for the same K/V
+            kb, vb = kv.layer_kv(layer)
+            q = native.rope_kv_write(qkv, cos, sin, kb, vb, slots, nh, kv.k_scale, kv.v_scale).to(qkv.dtype)
+            k = v = None                                                     # [N, nh, d] q; K/V in the cache
+        else:
+            q = apply_rope(qkv[:, : nh * d].view(-1, nh, d), cos, sin)
+            k = apply_rope(qkv[:, nh * d: (nh + nkv) * d].view(-1, nkv, d), cos, sin)
+            v = qkv[:, (nh + nkv) * d:].view(-1, nkv, d)
+        if dcp:
             a = self._dcp_attention(layer, q, k, v, chunks, kv, group, window)
             return self.parallel.row_parallel_linear(a, lw.o_w, lw.o_b, native.projection)
         rep = nh // nkv                                                      # local heads (TP shard)
@@ -149,15 +163,17 @@ class GptOssModel:
             n = len(c.token_ids)
             table = c.block_tables[group]
             qpos = torch.arange(c.start, c.start + n)
-            slots = torch.tensor([table[p // B] * B + p % B for p in qpos.tolist()], dtype=torch.long)
-            kv.write(layer, slots, k[off: off + n], v[off: off + n])
+            if k is not None:
+                kv.write(layer, slots[off: off + n], k[off: off + n], v[off: off + n])
             lo = max(0, c.start - window + 1) if window else 0
             b0, b1 = lo // B, (c.start + n - 1) // B
-            keys, vals = kv.gather(layer, torch.tensor(table[b0: b1 + 1], dtype=torch.long))  # [S, nkv, d]
-            if self._native_attention:
+            ids = torch.tensor(table[b0: b1 + 1], dtype=torch.long)
+            if self._native_attention:                                      # keys, values [S, nkv, d]
+                keys, vals = native.kv_gather(*kv.layer_kv(layer), ids, kv.k_scale, kv.v_scale, kv.compute_dtype)
                 o = native.prefill_attention(q[off: off + n], keys, vals, qpos, b0 * B, lw.sinks, self.scale,
                                              window or 0)
             else:
+                keys, vals = kv.gather(layer, ids)
                 o = flash_sink_attention(q[off: off + n], keys, vals, qpos, torch.arange(b0 * B, (b1 + 1) * B),
                                          lw.sinks, self.scale, window or None,
                                          tile=max(256, 2**16 // (rep * min(n, 128))), q_tile=128)

@@ -67,6 +67,31 @@ def _kv_cases():
 
 
 @pytest.mark.parametrize("form,B,d", _kv_cases())
+def test_kv_gather(form, B, d):
+    """The blocks of a table read back token-major (prefill's keys): bit-equal to the twin for both output
+    dtypes, FP8 buffers holding every byte but NaN (subnormals included) with scales != 1, repeated blocks."""
+    g = gen("gather", form, B, d)
+    nb, kv = 7, 3
+    buf, K, V = make_kv(g, form, nb, kv, B, d)
+    if buf.dtype == FP8:
+        raw = torch.randint(0, 256, buf.shape, generator=g, dtype=torch.uint8)
+        raw[(raw & 0x7F) == 0x7F] = 0x42                                  # e4m3's NaN codes
+        buf.view(torch.uint8).copy_(raw)
+    ids = torch.tensor([5, 0, 2, 5, 6])
+    for dtype in (F32, BF16):
+        k, v = OPS.kv_gather(K, V, ids, KS, VS, dtype)
+        rk, rv = twins.kv_gather(K, V, ids, KS, VS, dtype)
+        assert k.shape == v.shape == (len(ids) * B, kv, d) and k.dtype == v.dtype == dtype
+        assert torch.equal(bits(k), bits(rk)) and torch.equal(bits(v), bits(rv))
+    k, v = OPS.kv_gather(K, V, ids[:0], KS, VS, BF16)
+    assert k.shape == v.shape == (0, kv, d)
+    with pytest.raises(RuntimeError, match="outside the buffer"):
+        OPS.kv_gather(K, V, torch.tensor([1, nb]), KS, VS, BF16)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        OPS.kv_gather(K, V, ids, KS, VS, torch.float16)
+
+
+@pytest.mark.parametrize("form,B,d", _kv_cases())
 def test_rope_kv_write(form, B, d):
     g = gen("rope", form, B, d)
     for i, (kv, rep) in enumerate(((1, 1), (2, 4), (3, 1))):

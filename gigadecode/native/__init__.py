@@ -28,6 +28,8 @@ and its twin (`twins.py`, same signature) otherwise.
   those keys, lse their log-sum-exp (natural log of the scaled scores); 0 / -inf where nothing is visible.
 - `rope_kv_write(qkv [Bt, (nh + 2kv) d], cos, sin [Bt, d/2], k_cache, v_cache, slot [Bt], num_heads, k_scale,
   v_scale) -> q [Bt, nh, d] fp32`: RoPE on q and k, k and v stored at `slot` (FP8: x / scale, clamped).
+- `kv_gather(k_cache, v_cache, block_ids [n], k_scale, v_scale, dtype) -> (k, v [n*B, kv, d])`: the blocks read
+  back token-major in `dtype` (fp32 or bf16; FP8 values times their scale, rounded once), for prefill attention.
 - `rms_norm(x [M, H], weight [H], eps) -> [M, H]`.
 - `prefill_attention(q [T, nh, d] bf16, k, v [S, nkv, d] bf16, q_pos [T], k_start, sinks [nh], scale, window)
   -> [T, nh, d]`: a prefill chunk's causal GQA attention with the sink over the keys at positions k_start..
@@ -45,7 +47,7 @@ from . import twins
 from .build import isa, load, status
 
 __all__ = ["moe_mxfp4", "mxfp4_dequant", "mxfp4_dequant_into", "swiglu", "linear", "paged_decode_attention", "paged_decode_attention_partial",
-           "rope_kv_write", "rms_norm", "prefill_attention", "prefill_attention_supported", "gk_decode_layers",
+           "rope_kv_write", "kv_gather", "rms_norm", "prefill_attention", "prefill_attention_supported", "gk_decode_layers",
            "GK_STACKS", "product_form", "amx_tiles",
            "available", "isa", "status", "twins"]
 
@@ -164,6 +166,11 @@ def rope_kv_write(qkv, cos, sin, k_cache, v_cache, slot, num_heads: int, k_scale
                   v_scale: float = 1.0) -> torch.Tensor:
     return _op("rope_kv_write")(qkv.contiguous(), cos, sin, k_cache, v_cache, slot.contiguous(), int(num_heads),
                                 float(k_scale), float(v_scale))
+
+
+def kv_gather(k_cache, v_cache, block_ids, k_scale: float, v_scale: float, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _op("kv_gather")(k_cache, v_cache, block_ids.contiguous(), float(k_scale), float(v_scale), dtype)
 
 
 def rms_norm(x, weight, eps: float) -> torch.Tensor:

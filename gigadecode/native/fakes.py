@@ -43,6 +43,12 @@ def register_fakes() -> None:
     def _(qkv, cos, sin, k, v, slot, nh, ks, vs):
         return qkv.new_empty((qkv.shape[0], nh, v.shape[-1]), dtype=torch.float32)
 
+    @torch.library.register_fake(lib + "kv_gather")
+    def _(k, v, block_ids, ks, vs, dtype):
+        kv, d = v.shape[1], v.shape[3]
+        shape = (block_ids.shape[0] * v.shape[2], kv, d)
+        return v.new_empty(shape, dtype=dtype), v.new_empty(shape, dtype=dtype)
+
     @torch.library.register_fake(lib + "rms_norm")
     def _(x, weight, eps):
         return torch.empty_like(x)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kv.cache import dequantize, packed_to_token_major, write_kv
+from ..kv.cache import dequantize, gather_kv, packed_to_token_major, write_kv
 from ..mxfp4 import decode_mxfp4
 from ..ops import moe_routed, rms_norm as _rms_norm, sink_attention, swiglu as _swiglu
 from ..rope import apply_rope
@@ -61,6 +61,11 @@ def rope_kv_write(qkv, cos, sin, k_cache, v_cache, slot, num_heads: int, k_scale
     v = x[:, (num_heads + kvh) * d:].reshape(-1, kvh, d)
     write_kv(k_cache, v_cache, slot, k, v, B, k_scale, v_scale)
     return q.contiguous()
+
+
+def kv_gather(k_cache, v_cache, block_ids, k_scale: float, v_scale: float, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    return gather_kv(k_cache, v_cache, block_ids, dtype, k_scale, v_scale)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, active: torch.Tensor,

@@ -22,6 +22,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_partial(const at::Tens
                                                                   const at::Tensor&, double, double, double);
 at::Tensor rope_kv_write(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor,
                          const at::Tensor&, int64_t, double, double);
+std::tuple<at::Tensor, at::Tensor> kv_gather(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
+                                             at::ScalarType);
 at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double);
 at::Tensor prefill_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                              const at::Tensor&, double, int64_t);

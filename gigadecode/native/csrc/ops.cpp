@@ -23,6 +23,8 @@ TORCH_LIBRARY(gigadecode_native, m) {
         "Tensor first, Tensor active, float scale, float k_scale, float v_scale) -> (Tensor, Tensor)");
   m.def("rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot, "
         "int num_heads, float k_scale, float v_scale) -> Tensor");
+  m.def("kv_gather(Tensor k_cache, Tensor v_cache, Tensor block_ids, float k_scale, float v_scale, ScalarType dtype) "
+        "-> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor q_pos, int k_start, Tensor sinks, float scale, "
         "int window) -> Tensor");
@@ -45,6 +47,7 @@ TORCH_LIBRARY_IMPL(gigadecode_native, CPU, m) {
   m.impl("paged_decode_attention", &gd::paged_decode_attention);
   m.impl("paged_decode_attention_partial", &gd::paged_decode_attention_partial);
   m.impl("rope_kv_write", &gd::rope_kv_write);
+  m.impl("kv_gather", &gd::kv_gather);
   m.impl("rms_norm", &gd::rms_norm);
   m.impl("prefill_attention", &gd::prefill_attention);
   m.impl("gk_decode_layers", &gd::gk_decode_layers);

@@ -1,5 +1,8 @@
-// The small fused pieces of a decode layer around attention: RoPE on q and k with the step's K/V written into
-// the paged buffer (packed-FP8 or plain, in place), and RMSNorm.
+// The small fused pieces of a layer around attention: RoPE on q and k with the K/V written into the paged
+// buffer (packed-FP8 or plain, in place), the blocks of a table read back token-major in the compute dtype
+// (prefill attends over them), and RMSNorm.
+#include <tuple>
+
 #include "common.h"
 #include "kv_layout.h"
 
@@ -72,6 +75,68 @@ at::Tensor rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at:
     }
   });
   return q;
+}
+
+// n contiguous cache elements of type e from element i0 -> fp32 (FP8: value * scale, rounded once)
+static void kv_row_f32(const void* base, Elem e, int64_t i0, int64_t n, float scale, float* out) {
+  int64_t j = 0;
+  if (e == Elem::F32) {
+    std::memcpy(out, static_cast<const float*>(base) + i0, n * sizeof(float));
+    return;
+  }
+  if (e == Elem::BF16) {
+    bf16_to_f32_row(static_cast<const uint16_t*>(base) + i0, n, out);
+    return;
+  }
+  const uint8_t* p = static_cast<const uint8_t*>(base) + i0;
+  const VF s256 = vset1(256.f * scale);               // (value / 256) * (256 scale): one rounding, as value * scale
+  for (; j + W <= n; j += W) vstore(out + j, vmul(vload_fp8_div256(p + j), s256));
+  for (; j < n; ++j) out[j] = fp8_to_f32(p[j]) * scale;
+}
+
+// blocks `block_ids` [n] of a K/V buffer pair -> k, v [n * B, kv, d] token-major in `dtype` (fp32 or bf16; FP8
+// values times their scale, rounded once; plain bf16 / fp32 buffers unscaled)
+std::tuple<at::Tensor, at::Tensor> kv_gather(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                             const at::Tensor& block_ids, double k_scale, double v_scale,
+                                             at::ScalarType dtype) {
+  const auto [nb, kv, B, d] = kv_dims(k_cache, v_cache);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "kv_gather: dtype must be float32 or bfloat16");
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.dim() == 1 && block_ids.is_contiguous(),
+              "kv_gather: block_ids must be int64 [n]");
+  const int64_t n = block_ids.numel();
+  const int64_t* ids = block_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ids[i] >= 0 && ids[i] < nb, "kv_gather: block ", ids[i], " outside the buffer");
+  at::Tensor k = at::empty({n * B, kv, d}, k_cache.options().dtype(dtype));
+  at::Tensor v = at::empty({n * B, kv, d}, v_cache.options().dtype(dtype));
+  const bool packed = k_cache.dim() == 5;
+  const Elem ke = elem_of(k_cache), ve = elem_of(v_cache);
+  const float ks = ke == Elem::FP8 ? float(k_scale) : 1.f, vs = ve == Elem::FP8 ? float(v_scale) : 1.f;
+  const void* kp = k_cache.data_ptr();
+  const void* vp = v_cache.data_ptr();
+  at::parallel_for(0, n * kv, 1, [&](int64_t i0, int64_t i1) {
+    float* row = scratch(0, 4 * d);                   // [d] a row; packed K: [2d] a token pair's values, then [d]
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t blk = ids[i / kv], h = i % kv, first = (i / kv) * B;   // the block's first output token
+      const int64_t src = (blk * kv + h) * B * d;                         // [blk, h] in either layout
+      for (int64_t t = 0; t < B; ++t) {
+        const int64_t o = ((first + t) * kv + h) * d;
+        kv_row_f32(vp, ve, src + t * d, d, vs, row);
+        store_row(row, v, o, d);
+        if (!packed) {
+          kv_row_f32(kp, ke, src + t * d, d, ks, row);
+          store_row(row, k, o, d);
+        } else if (t % 2 == 0) {                      // tokens t, t + 1: their d (token t, token t + 1) pairs
+          kv_row_f32(kp, ke, src + t * d, 2 * d, ks, row);
+          float* one = row + 2 * d;
+          for (int64_t s = 0; s < 2; ++s) {
+            for (int64_t j = 0; j < d; ++j) one[j] = row[2 * j + s];
+            store_row(one, k, o + s * kv * d, d);
+          }
+        }
+      }
+    }
+  });
+  return {k, v};
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
