@@ -80,12 +80,14 @@ inline void bf16_to_f32_row(const uint16_t* p, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = bf16_to_f32(p[i]);
 }
 
-// rows of `x` [M, K] (float or bf16) as contiguous fp32 [M, K]
+// rows of `x` [M, K] (float or bf16) as contiguous fp32 [M, K] (a prefill chunk's rows converted over the
+// threads; a decode batch's, too few to share, by the caller)
 inline const float* rows_as_f32(const at::Tensor& x, int slot) {
   const int64_t n = x.numel();
   if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
   float* out = scratch(slot, n);
-  bf16_to_f32_row(reinterpret_cast<const uint16_t*>(x.data_ptr()), n, out);
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  at::parallel_for(0, n, 1 << 16, [&](int64_t i0, int64_t i1) { bf16_to_f32_row(p + i0, i1 - i0, out + i0); });
   return out;
 }
 

@@ -244,7 +244,10 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
               continue;                                              // no query of the group sees the chunk
             }
             // scores of RG rows × 32 keys: the query's dim pairs broadcast against 16 keys a vector
+            // (the sums stay in registers through the loop, fully unrolled, and go to `sbuf` once after it: read
+            // with a row index the softmax loop below picks at run time, they were stored every iteration)
             __m512 s[RG][2];
+#pragma GCC unroll 16
             for (int r = 0; r < RG; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
             const uint32_t* qrow[RG];
             for (int r = 0; r < RG; ++r) {
@@ -253,17 +256,25 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
             }
             for (int64_t p = 0; p < half; ++p) {
               const __m512i k0 = _mm512_loadu_si512(kth + p * Sw + lc), k1 = _mm512_loadu_si512(kth + p * Sw + lc + 16);
+#pragma GCC unroll 16
               for (int r = 0; r < RG; ++r) {
                 const __m512i qb = _mm512_set1_epi32(int(qrow[r][p]));
                 s[r][0] = _mm512_dpbf16_ps(s[r][0], (__m512bh)k0, (__m512bh)qb);
                 s[r][1] = _mm512_dpbf16_ps(s[r][1], (__m512bh)k1, (__m512bh)qb);
               }
             }
+            alignas(64) float sbuf[RG][KC];
+#pragma GCC unroll 16
+            for (int r = 0; r < RG; ++r) {
+              _mm512_store_ps(sbuf[r], s[r][0]);
+              _mm512_store_ps(sbuf[r] + 16, s[r][1]);
+            }
             // online softmax per row; invisible keys (future, outside the window, padding) get probability 0
             const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
             for (int r = 0; r < RG; ++r) {
               const int64_t row = g + r, pos = rpos[row];
               __mmask16 vis[2];
+              __m512 sr[2];
               for (int hlf = 0; hlf < 2; ++hlf) {
                 const int64_t base = c0 + 16 * hlf;                  // key index of lane 0
                 const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(int(base)), lane);
@@ -271,10 +282,10 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
                 if (window)
                   m &= _mm512_cmpgt_epi32_mask(idx, _mm512_set1_epi32(int(pos - window - k_start)));
                 vis[hlf] = m;
-                s[r][hlf] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, _mm512_mul_ps(s[r][hlf], _mm512_set1_ps(sc)));
+                sr[hlf] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, _mm512_mul_ps(_mm512_load_ps(sbuf[r] + 16 * hlf), _mm512_set1_ps(sc)));
               }
               uint32_t* prow = pb + row * (KC / 2);
-              const float cmax = _mm512_reduce_max_ps(_mm512_max_ps(s[r][0], s[r][1]));
+              const float cmax = _mm512_reduce_max_ps(_mm512_max_ps(sr[0], sr[1]));
               if (!(vis[0] | vis[1]) || cmax == -INFINITY) {
                 std::fill(prow, prow + KC / 2, 0u);
                 continue;
@@ -282,8 +293,8 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
               const float mnew = std::max(mx[row], cmax);
               const float corr = mx[row] == -INFINITY ? 0.f : std::exp(mx[row] - mnew);
               const __m512 mv = _mm512_set1_ps(mnew);
-              const __m512 p0 = _mm512_maskz_mov_ps(vis[0], vexp({_mm512_sub_ps(s[r][0], mv)}).v);
-              const __m512 p1 = _mm512_maskz_mov_ps(vis[1], vexp({_mm512_sub_ps(s[r][1], mv)}).v);
+              const __m512 p0 = _mm512_maskz_mov_ps(vis[0], vexp({_mm512_sub_ps(sr[0], mv)}).v);
+              const __m512 p1 = _mm512_maskz_mov_ps(vis[1], vexp({_mm512_sub_ps(sr[1], mv)}).v);
               sum[row] = sum[row] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
               mx[row] = mnew;
               if (corr != 1.f) {

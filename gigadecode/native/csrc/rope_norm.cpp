@@ -144,11 +144,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && weight.numel() == x.size(1), "rms_norm: x ", x.sizes(), " vs weight ", weight.sizes());
   const int64_t M = x.size(0), H = x.size(1);
   const float* xf = rows_as_f32(x, 0);
-  at::Tensor wc = weight.contiguous();
-  const FloatView w(wc);
+  const at::Tensor wc = weight.to(at::kFloat).contiguous();   // bf16 weights: H values converted once
+  const float* wp = wc.data_ptr<float>();
   at::Tensor out = at::empty_like(x);
-  const bool wf = weight.scalar_type() == at::kFloat;
-  const float* wp = wf ? wc.data_ptr<float>() : nullptr;
   const int64_t Hv = H / W * W;
   at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
     float* row = scratch(1, H);
@@ -159,13 +157,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       float ss = vsum(acc);
       for (int64_t j = Hv; j < H; ++j) ss += xr[j] * xr[j];
       const float inv = 1.f / std::sqrt(ss / float(H) + float(eps));
-      if (wf) {
-        const VF iv = vset1(inv);
-        for (int64_t j = 0; j < Hv; j += W) vstore(row + j, vmul(vload(wp + j), vmul(vload(xr + j), iv)));
-        for (int64_t j = Hv; j < H; ++j) row[j] = wp[j] * (xr[j] * inv);
-      } else {
-        for (int64_t j = 0; j < H; ++j) row[j] = w[j] * (xr[j] * inv);
-      }
+      const VF iv = vset1(inv);
+      for (int64_t j = 0; j < Hv; j += W) vstore(row + j, vmul(vload(wp + j), vmul(vload(xr + j), iv)));
+      for (int64_t j = Hv; j < H; ++j) row[j] = wp[j] * (xr[j] * inv);
       store_row(row, out, m * H, H);
     }
   });
