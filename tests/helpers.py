@@ -161,18 +161,24 @@ def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
 # batchings are equal, or equal up to a step where the reference's top two logprobs are this close and the
 # other stream took the runner-up (vLLM's tests allow the same).
 NEAR_TIE_NATS = 0.01
+# bf16 (the served default) rounds every layer's activations and the logits themselves (a logit in [4, 8) to
+# steps of 2^-5), and the MoE and projection kernels sum in an order that depends on how many tokens share the
+# call: two batchings of the tiny model's streams were seen to part at a top-two gap of 0.06 nats
+BF16_NEAR_TIE_NATS = 0.125
 
 
-def assert_greedy_matches(got: list[int], want: list[int], want_logprobs: list, what: str = "") -> None:
+def assert_greedy_matches(got: list[int], want: list[int], want_logprobs: list, what: str = "",
+                          near_tie: float = NEAR_TIE_NATS) -> None:
     """`got` == `want` (greedy ids), or equal until a step where `want`'s logprobs (top >= 2, from the reference
-    run) show a near-tie that `got` resolved the other way; nothing after that step is compared."""
+    run) show a near-tie (within `near_tie` nats) that `got` resolved the other way; nothing after that step is
+    compared."""
     assert len(got) == len(want), (what, len(got), len(want))
     d = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if d is None:
         return
     top = want_logprobs[d].top
     assert len(top) >= 2 and top[0][0] == want[d], (what, d, top)
-    assert top[1][0] == got[d] and top[0][1] - top[1][1] < NEAR_TIE_NATS, \
+    assert top[1][0] == got[d] and top[0][1] - top[1][1] < near_tie, \
         f"{what}: diverges at token {d}: got {got[d]}, reference {want[d]} (top logprobs {top})"
 
 

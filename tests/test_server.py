@@ -40,7 +40,7 @@ from gigadecode.server.async_engine import AsyncEngine
 from gigadecode.server.proxy import build_proxy_app
 from gigadecode.tokenizer import TextCodec
 
-from .helpers import KV_SECRET, hf_greedy, random_prompt
+from .helpers import BF16_NEAR_TIE_NATS, KV_SECRET, assert_greedy_matches, hf_greedy, random_prompt
 
 KEY = "sk-test-key"
 ENGINE_FLAGS = ["--num-blocks", "256", "--block-size", "16", "--kv-dtype", "fp8", "--max-num-seqs", "32"]
@@ -277,8 +277,8 @@ def test_chat_equals_engine(client, engine, codec):
 def test_16_concurrent_streams(server, engine):
     prompts = [random_prompt(3 + 5 * i, 1024, seed=100 + i) for i in range(16)]
     max_toks = [8 + (i % 5) for i in range(16)]
-    want = [r.output_ids for r in engine.generate(
-        prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_toks])]
+    want = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=2)
+                                     for m in max_toks])
 
     async def one(ac, p, m):
         toks, reason = [], None
@@ -294,7 +294,9 @@ def test_16_concurrent_streams(server, engine):
             return await asyncio.gather(*(one(ac, p, m) for p, m in zip(prompts, max_toks)))
 
     got = asyncio.run(main())
-    assert [g[0] for g in got] == want
+    # the server batches the streams as they arrive, not as `generate` did: bf16 near-ties may go the other way
+    for i, ((toks, _), r) in enumerate(zip(got, want)):
+        assert_greedy_matches(toks, r.output_ids, r.output_logprobs, f"stream {i}", near_tie=BF16_NEAR_TIE_NATS)
     assert all(g[1] == "length" for g in got)
     wait_idle(server)
 
