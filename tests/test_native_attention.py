@@ -1,6 +1,7 @@
-"""The native KV write (`rope_kv_write`) and paged decode attention (full and partial) against their torch twins:
-every KV layout (packed FP8, plain FP8 / bf16 / fp32) with odd head dims, block sizes 1..64, GQA, padded batch
-slots, positions at block edges, sliding windows and the block-range split of long contexts.
+"""The native KV write (`rope_kv_write`), read-back (`kv_gather`) and paged decode attention (full and partial)
+against their torch twins: every KV layout (packed FP8, plain FP8 / bf16 / fp32) with odd head dims, block sizes
+1..64, GQA, padded batch slots, positions at block edges, sliding windows and the block-range split of long
+contexts.
 
 The kernels are called through `torch.ops.gigadecode_native` directly (not the Python wrappers, which fall
 back to the twins), so a pass here is about the C++ code. Skipped as a whole where the kernels cannot be built.
