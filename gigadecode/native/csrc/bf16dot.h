@@ -36,9 +36,12 @@ inline __m512 lane_sums4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
 }
 // n accumulators (fully unrolled callers) -> their sums in out[0..n): sixteen at a time, then four, then one
+// (every loop unrolled, so a caller's accumulators are indexed by constants and stay in registers: with a
+// loop left rolled for odd counts, GCC kept e.g. a 2 x 7 tile's 14 sums in memory, stored every step)
 template <int N>
 inline void hsums(const __m512 (&a)[N], float* out) {
   int i = 0;
+#pragma GCC unroll 16
   for (; i + 16 <= N; i += 16) {
     const __m512 u0 = lane_sums4(a[i], a[i + 1], a[i + 2], a[i + 3]);
     const __m512 u1 = lane_sums4(a[i + 4], a[i + 5], a[i + 6], a[i + 7]);
@@ -49,11 +52,13 @@ inline void hsums(const __m512 (&a)[N], float* out) {
     const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, 0x44), _mm512_shuffle_f32x4(u2, u3, 0xEE));
     _mm512_storeu_ps(out + i, _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD)));
   }
+#pragma GCC unroll 16
   for (; i + 4 <= N; i += 4) {
     const __m512 u = lane_sums4(a[i], a[i + 1], a[i + 2], a[i + 3]);
     const __m512 h = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, 0x4E));   // lanes (0+2, 1+3, ..)
     _mm_storeu_ps(out + i, _mm512_castps512_ps128(_mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, 0xB1))));
   }
+#pragma GCC unroll 16
   for (; i < N; ++i) out[i] = _mm512_reduce_add_ps(a[i]);
 }
 
