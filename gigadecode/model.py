@@ -144,10 +144,10 @@ class GptOssModel:
         window = cfg.sliding_window if cfg.is_sliding(layer) else None
         B = kv.block_size
         dcp = self.parallel is not None and self.parallel.dcp_size > 1
+        kb, vb = kv.layer_kv(layer)
         if self._native_attention and not dcp:
             # RoPE and the K/V write in one call, the decode step's kernel (fp32 math, rounded once into the
             # cache), so prefill and decode leave the same bytes for the same K/V
-            kb, vb = kv.layer_kv(layer)
             q = native.rope_kv_write(qkv, cos, sin, kb, vb, slots, nh, kv.k_scale, kv.v_scale).to(qkv.dtype)
             k = v = None                                                     # [N, nh, d] q; K/V in the cache
         else:
@@ -169,7 +169,7 @@ class GptOssModel:
             b0, b1 = lo // B, (c.start + n - 1) // B
             ids = torch.tensor(table[b0: b1 + 1], dtype=torch.long)
             if self._native_attention:                                      # keys, values [S, nkv, d]
-                keys, vals = native.kv_gather(*kv.layer_kv(layer), ids, kv.k_scale, kv.v_scale, kv.compute_dtype)
+                keys, vals = native.kv_gather(kb, vb, ids, kv.k_scale, kv.v_scale, kv.compute_dtype)
                 o = native.prefill_attention(q[off: off + n], keys, vals, qpos, b0 * B, lw.sinks, self.scale,
                                              window or 0)
             else:

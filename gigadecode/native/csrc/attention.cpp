@@ -18,43 +18,6 @@ namespace gd {
 
 namespace {
 
-template <typename T>
-inline VF kvload(const T* p) {
-  if constexpr (std::is_same_v<T, float>) return vload(p);
-  else if constexpr (std::is_same_v<T, uint16_t>) return vload_bf16(p);
-  else return vload_fp8_div256(p);
-}
-// scalar twin of kvload (FP8 also divided by 256: the caller's multiplier folds it back)
-template <typename T>
-inline float kvscalar(const T* p) {
-  if constexpr (std::is_same_v<T, float>) return *p;
-  else if constexpr (std::is_same_v<T, uint16_t>) return bf16_to_f32(*p);
-  else return fp8_to_f32(*p) * (1.f / 256.f);
-}
-// n cache elements -> fp32 (FP8 / 256, as kvload), four or two vectors at a time where the type has a wider load
-template <typename T>
-inline void convert_row(const T* src, int64_t n, float* dst) {
-  int64_t c = 0;
-  if constexpr (std::is_same_v<T, uint8_t>) {
-    for (; c + 4 * W <= n; c += 4 * W) {
-      VF v[4];
-      vload4_fp8_div256(src + c, v);
-      for (int i = 0; i < 4; ++i) vstore(dst + c + i * W, v[i]);
-    }
-    for (; c + 2 * W <= n; c += 2 * W) {
-      VF a, b;
-      vload2_fp8_div256(src + c, a, b);
-      vstore(dst + c, a);
-      vstore(dst + c + W, b);
-    }
-  }
-  for (; c + W <= n; c += W) vstore(dst + c, kvload(src + c));
-  for (; c < n; ++c) dst[c] = kvscalar(src + c);
-}
-// what a loaded element is multiplied by: FP8 carries its per-tensor scale (and the 256 of kvload); plain
-// fp32 / bf16 KV is stored unscaled
-template <typename T>
-float kv_multiplier(double scale) { return std::is_same_v<T, uint8_t> ? float(scale) * 256.f : 1.f; }
 
 struct AttnShape {
   int64_t Bt, nh, kv, rep, d, B, n_table;

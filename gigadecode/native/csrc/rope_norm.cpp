@@ -77,21 +77,14 @@ at::Tensor rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at:
   return q;
 }
 
-// n contiguous cache elements of type e from element i0 -> fp32 (FP8: value * scale, rounded once)
-static void kv_row_f32(const void* base, Elem e, int64_t i0, int64_t n, float scale, float* out) {
-  int64_t j = 0;
-  if (e == Elem::F32) {
-    std::memcpy(out, static_cast<const float*>(base) + i0, n * sizeof(float));
-    return;
-  }
-  if (e == Elem::BF16) {
-    bf16_to_f32_row(static_cast<const uint16_t*>(base) + i0, n, out);
-    return;
-  }
-  const uint8_t* p = static_cast<const uint8_t*>(base) + i0;
-  const VF s256 = vset1(256.f * scale);               // (value / 256) * (256 scale): one rounding, as value * scale
-  for (; j + W <= n; j += W) vstore(out + j, vmul(vload_fp8_div256(p + j), s256));
-  for (; j < n; ++j) out[j] = fp8_to_f32(p[j]) * scale;
+// n contiguous cache elements of type e from element i0 -> fp32 (`convert_row`; FP8 times `kv_multiplier`:
+// (value / 256) * (256 scale), one rounding, as value * scale)
+static void kv_row_f32(const void* base, Elem e, int64_t i0, int64_t n, double scale, float* out) {
+  if (e == Elem::F32) return convert_row(static_cast<const float*>(base) + i0, n, out);
+  if (e == Elem::BF16) return convert_row(static_cast<const uint16_t*>(base) + i0, n, out);
+  convert_row(static_cast<const uint8_t*>(base) + i0, n, out);
+  const float m = kv_multiplier<uint8_t>(scale);
+  for (int64_t j = 0; j < n; ++j) out[j] *= m;
 }
 
 // blocks `block_ids` [n] of a K/V buffer pair -> k, v [n * B, kv, d] token-major in `dtype` (fp32 or bf16; FP8
@@ -110,7 +103,6 @@ std::tuple<at::Tensor, at::Tensor> kv_gather(const at::Tensor& k_cache, const at
   at::Tensor v = at::empty({n * B, kv, d}, v_cache.options().dtype(dtype));
   const bool packed = k_cache.dim() == 5;
   const Elem ke = elem_of(k_cache), ve = elem_of(v_cache);
-  const float ks = ke == Elem::FP8 ? float(k_scale) : 1.f, vs = ve == Elem::FP8 ? float(v_scale) : 1.f;
   const void* kp = k_cache.data_ptr();
   const void* vp = v_cache.data_ptr();
   at::parallel_for(0, n * kv, 1, [&](int64_t i0, int64_t i1) {
@@ -120,13 +112,13 @@ std::tuple<at::Tensor, at::Tensor> kv_gather(const at::Tensor& k_cache, const at
       const int64_t src = (blk * kv + h) * B * d;                         // [blk, h] in either layout
       for (int64_t t = 0; t < B; ++t) {
         const int64_t o = ((first + t) * kv + h) * d;
-        kv_row_f32(vp, ve, src + t * d, d, vs, row);
+        kv_row_f32(vp, ve, src + t * d, d, v_scale, row);
         store_row(row, v, o, d);
         if (!packed) {
-          kv_row_f32(kp, ke, src + t * d, d, ks, row);
+          kv_row_f32(kp, ke, src + t * d, d, k_scale, row);
           store_row(row, k, o, d);
         } else if (t % 2 == 0) {                      // tokens t, t + 1: their d (token t, token t + 1) pairs
-          kv_row_f32(kp, ke, src + t * d, 2 * d, ks, row);
+          kv_row_f32(kp, ke, src + t * d, 2 * d, k_scale, row);
           float* one = row + 2 * d;
           for (int64_t s = 0; s < 2; ++s) {
             for (int64_t j = 0; j < d; ++j) one[j] = row[2 * j + s];
