@@ -57,6 +57,34 @@ class LLMEngine:
         self._stats = EngineStats()
         self.max_model_len = self._context_limit()
 
+    def warm_up(self) -> float | None:
+        """One prefill chunk (`max_prefill_tokens` tokens, fewer where the context or the pool holds less) and,
+        unless this engine only prefills (kv_producer), one decode step after it, on KV blocks borrowed from
+        the pool and given back. What a first chunk pays once (memory touched for the first time, oneDNN's
+        kernels for its shapes) is paid here, so the first request runs at full speed. Nothing else changes:
+        no request, no counted tokens, every block free again. Call it on the thread that will step the
+        engine: its OpenMP workers, its malloc arena and the kernels' per-thread scratch are that thread's.
+        (A parallel engine's replicas warm up together: `DistributedEngine.warm_up`.) -> seconds, or None
+        when the pool cannot hold even a 1-token chunk."""
+        n = min(self.ecfg.max_prefill_tokens, self.max_model_len - 1)
+        while n > 1 and not self._fits_pool(n + 1):
+            n //= 2
+        rid = "\0warm-up"                     # held and given back before any request exists
+        if n < 1 or not self._fits_pool(n + 1) or not self.kv_manager.allocate(rid, n + 1, 0):
+            return None
+        t0 = time.perf_counter()
+        try:
+            tables = self.kv_manager.block_tables(rid)
+            self.runner.prefill([SeqChunk([0] * n, 0, tables, "last")])
+            if self.ecfg.kv_role != "kv_producer":
+                self.runner.decode([DecodeSeq(0, n, tables)], pad_to=1)
+        finally:
+            self.kv_manager.free(rid)
+        took = time.perf_counter() - t0
+        log.info("warm-up: a %d-token prefill chunk%s in %.2f s", n,
+                 "" if self.ecfg.kv_role == "kv_producer" else " and a decode step", took)
+        return took
+
     @property
     def waiting(self):
         return self.scheduler.waiting

@@ -143,7 +143,9 @@ def _generate_parallel(args: argparse.Namespace, ecfg) -> int:
             run_worker(replica, ctx)
             return 0
         with DistributedEngine(replica, ctx) as engine:
-            return _run_generate(args, ecfg, engine, *_codec_and_requests(args),
+            codec_and_requests = _codec_and_requests(args)
+            _warm_up(args, engine)
+            return _run_generate(args, ecfg, engine, *codec_and_requests,
                                  layout=f"TP{ecfg.tp} × DP{ecfg.dp} × EP{ecfg.ep}, ")
     finally:
         dist.destroy_process_group()
@@ -159,7 +161,21 @@ def run_generate_command(args: argparse.Namespace) -> int:
     from .engine import LLMEngine
     from .runner import ModelRunner
     codec, reqs = _codec_and_requests(args)                          # a bad file fails before the model loads
-    return _run_generate(args, ecfg, LLMEngine(ModelRunner(args.model, ecfg, progress=not args.json)), codec, reqs)
+    engine = LLMEngine(ModelRunner(args.model, ecfg, progress=not args.json))
+    _warm_up(args, engine)
+    return _run_generate(args, ecfg, engine, codec, reqs)
+
+
+def _warm_up(args: argparse.Namespace, engine) -> None:
+    """The start-up warm-up (`LLMEngine.warm_up`; every rank of a parallel engine) unless --no-warmup, on this
+    thread, which steps the engine. A failure is said on stderr and costs only the first request's speed."""
+    if getattr(args, "no_warmup", False):
+        return
+    try:
+        engine.warm_up()
+    except Exception as e:  # noqa: BLE001 - the requests still run (and fail on their own if the engine is broken)
+        print(f"gigadecode generate: the warm-up failed ({type(e).__name__}: {e}); going on without it",
+              file=sys.stderr)
 
 
 def _codec_and_requests(args: argparse.Namespace):

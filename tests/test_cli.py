@@ -66,6 +66,27 @@ def test_json_reports_ttft_and_prompt_throughput(tiny_ckpt):
     assert 0 < d["ttft_s"] < 60 and d["prompt_tok_s"] > 0 and d["decode_tok_s"] > 0
 
 
+@pytest.mark.parametrize("flag", [[], ["--no-warmup"]])
+def test_generate_warms_up_unless_told_not_to(tiny_ckpt, monkeypatch, capsys, flag):
+    """generate warms the engine up once, before its requests (`LLMEngine.warm_up`), unless --no-warmup; a
+    warm-up that fails is said on stderr and the requests still run."""
+    calls = []
+
+    def warm_up(self):
+        calls.append(len(self.requests))
+        raise RuntimeError("injected warm-up failure")
+
+    monkeypatch.setattr(LLMEngine, "warm_up", warm_up)
+    assert main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,2,3", "--max-tokens", "2", "--json",
+                 "--threads", "1", *flag]) == 0
+    out, err = capsys.readouterr()
+    assert len(json.loads(out)["token_ids"]) == 2
+    if flag:
+        assert calls == [] and "warm-up" not in err
+    else:
+        assert calls == [0] and "the warm-up failed (RuntimeError: injected warm-up failure)" in err
+
+
 def test_fast_defaults_give_the_reference_tokens_in_fp32(tiny_ckpt):
     """gk-native + FP8 KV (the default decoder and KV) against the per-layer model on the same FP8 KV, in fp32
     (the tiny checkpoint says bfloat16, which `--dtype auto` would pick: bf16 paths agree only within the

@@ -84,6 +84,32 @@ def test_preemption_keeps_outputs(tiny_ckpt, prompts, alone):
     assert eng.kv_manager.num_free_blocks == 64
 
 
+@pytest.mark.parametrize("num_blocks, max_prefill_tokens", [(600, 64), (100, 512)])
+def test_warm_up_runs_the_model_and_leaves_nothing_behind(tiny_ckpt, prompts, alone, num_blocks, max_prefill_tokens):
+    """`warm_up` runs a prefill chunk and a decode step on borrowed blocks (a pool too small for a whole
+    chunk gets a shorter one) and changes nothing a request sees: the pool is free again, nothing is counted,
+    and the tokens are those of an engine that never warmed up."""
+    eng = make_engine(tiny_ckpt, num_blocks=num_blocks, max_prefill_tokens=max_prefill_tokens)
+    kv_before = [b.clone() for b in eng.runner.kv.group_bufs]
+    calls = []
+    for name in ("prefill", "decode"):                      # the runner's two programs, each called once
+        fn = getattr(eng.runner, name)
+        setattr(eng.runner, name, lambda *a, _fn=fn, _name=name, **k: calls.append((_name, a)) or _fn(*a, **k))
+    took = eng.warm_up()
+    assert took is not None and took > 0
+    assert [c[0] for c in calls] == ["prefill", "decode"]
+    n = len(calls[0][1][0][0].token_ids)
+    if num_blocks == 600:
+        assert n == max_prefill_tokens
+    else:                                                   # halved until its blocks fit the pool
+        assert n < max_prefill_tokens and eng._fits_pool(n + 1) and not eng._fits_pool(2 * n + 1)
+    assert any(not torch.equal(a, b) for a, b in zip(kv_before, eng.runner.kv.group_bufs))   # KV was written
+    assert eng.kv_manager.num_free_blocks == num_blocks - 1 and not eng.requests
+    assert eng.stats.prefill_tokens == eng.stats.decode_tokens == eng.stats.steps == 0
+    out = run_staggered(eng, prompts[:6], [greedy(m) for m in MAX_TOKENS[:6]])
+    assert list(out.values()) == alone[:6]
+
+
 def test_a_prompt_as_long_as_the_context_runs_in_a_small_pool(tiny_ckpt):
     """The engine admits what its max_model_len advertises: a sliding group holds a prefill chunk and the
     window before it, not the whole prompt, so a prompt filling the context runs in a pool far smaller than

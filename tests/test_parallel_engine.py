@@ -6,7 +6,8 @@ in chunks while other requests decode (so, where an EP group spans DP groups, on
 another decodes and the engine pads their model calls to match), the KV pool is small enough that
 requests are preempted and recomputed, the sampling mixes plain greedy (distributed argmax) with seeded
 temperature / top-k / top-p sampling, penalties, min_tokens and logprobs (gathered logits), one request
-is aborted mid-way and bad requests are refused while the rest keep running.
+is aborted mid-way and bad requests are refused while the rest keep running. The parallel engine warms up
+first (every replica at once), the single rank does not: the warm-up changes no token.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def world_session(rank: int, model_dir: str, layout: tuple[int, int, int]) -> di
         run_worker(replica, ctx)
         return {"dp_rank": ctx.dp_rank, "produced": produced}
     with DistributedEngine(replica, ctx) as eng:
-        res = session(eng, replica.cfg.vocab_size)
+        # every replica warms up in lockstep first (its forward's collectives must line up): tokens unchanged
+        res = {"warm_up_s": eng.warm_up(), **session(eng, replica.cfg.vocab_size)}
         res["preemptions"] = eng.stats.preemptions
         res["kv_used"] = eng.kv_usage()[0]
         res["unseeded"] = res.pop("unseeded_ids")
@@ -149,7 +151,7 @@ def test_parallel_engine_session_equals_single_rank(tiny_ckpt, single, layout):
         assert (g_toks, g_reason) == (toks, reason), rid
         assert [t for t, _ in g_lps] == [t for t, _ in lps]
         assert all(abs(a - b) < 2e-3 for (_, a), (_, b) in zip(g_lps, lps))
-    assert got["kv_used"] == 0
+    assert got["kv_used"] == 0 and got["warm_up_s"] > 0
     assert len(got["unseeded"]) == 6
     # every rank of a DP group produced the same tokens (unseeded sampling included: rank 0 seeds it)
     by_group: dict[int, dict] = {}

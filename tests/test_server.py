@@ -12,6 +12,7 @@ against the real server standing in for both roles.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
@@ -458,6 +459,39 @@ def test_engine_failures_become_errors_and_serving_goes_on(tiny_ckpt, codec):
         assert m["gigadecode_engine_step_failures_total"] == 2
         assert m['gigadecode_requests_total{finish_reason="error"}'] == 4
         assert not eng.requests                  # finished requests are not kept
+
+
+def test_warm_up_runs_on_the_engine_thread_before_health_says_ok(tiny_ckpt, engine):
+    """`serve` warms its engine up on the engine thread (whose OpenMP workers, malloc arena and kernel scratch
+    serve the requests); /health is 503 `engine_warming_up` until it is done, and a request sent meanwhile
+    waits for it, then gets the tokens it gets from a cold engine."""
+    args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *ENGINE_FLAGS])
+    eng = engine_from_args(args, "both")
+    assert args.no_warmup is False                          # the command line's default: warm up
+    gate, seen = threading.Event(), []
+    real_warm_up = eng.warm_up
+
+    def warm_up():
+        seen.append(threading.current_thread().name)
+        assert gate.wait(30)
+        return real_warm_up()
+
+    eng.warm_up = warm_up
+    want = greedy(engine, [[9, 10, 11]], 5)[0]
+    app = build_app(AsyncEngine(eng, codec=None, warm_up=True), "tiny")
+    body = {"prompt": [9, 10, 11], "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as hc:
+        r = hc.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_warming_up"
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            sent = ex.submit(hc.post, "/v1/completions", json=body)
+            time.sleep(0.3)
+            assert not sent.done()                          # queued behind the warm-up
+            gate.set()
+            r = sent.result(30)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
+        assert hc.get("/health").status_code == 200
+    assert seen == ["gigadecode-engine"]
 
 
 def test_token_id_only_model(tiny_ckpt, engine):

@@ -28,6 +28,7 @@ This is SGLang's arrangement (a scheduler on every rank, requests broadcast from
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -47,6 +48,8 @@ from ..sampling import SamplingParams
 from ..distributed.context import ParallelContext, init_distributed, make_parallel_context
 from ..distributed.mesh import LayoutError
 
+log = logging.getLogger("gigadecode.parallel")
+
 
 @dataclass
 class StepInbox:
@@ -55,6 +58,7 @@ class StepInbox:
     #     (dp group, request id, prompt, params, kv_transfer_params)
     aborts: list[tuple[int, str]] = field(default_factory=list)                            # (dp group, id)
     releases: list[str] = field(default_factory=list)     # DI producer: leases to end now, on every rank
+    warm_up: bool = False                                 # every replica runs `LLMEngine.warm_up` first
     stop: bool = False
 
 
@@ -145,6 +149,11 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
             engine.requests.pop(rid, None)
     for rid in inbox.releases:               # every rank of the group holding the lease ends it in this step
         engine.release_lease(rid)
+    if inbox.warm_up:                        # every rank at once: the forward's collectives line up
+        try:
+            engine.warm_up()
+        except Exception:  # noqa: BLE001 - it costs the first request's speed, nothing more
+            log.exception("engine warm-up failed; serving without it")
     s0 = engine.stats.as_dict()
     ctx.stats.reset()
     t0 = time.perf_counter()
@@ -271,6 +280,14 @@ class DistributedEngine:
 
     def has_unfinished(self) -> bool:
         return any(not r.finished for r in self.requests.values())
+
+    def warm_up(self) -> float:
+        """Every rank warms its replica up (`LLMEngine.warm_up`, the same calls on every rank), in one
+        step of otherwise nothing; call it on the thread that steps this engine. -> seconds it took here."""
+        t0 = time.perf_counter()
+        self._inbox.warm_up = True
+        self.step()
+        return time.perf_counter() - t0
 
     def step(self) -> list[RequestOutput]:
         if self._stopped:

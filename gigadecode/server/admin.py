@@ -26,6 +26,9 @@ async def health(request: Request) -> JSONResponse:
     if aeng is None or not aeng.is_running:
         return JSONResponse(error_body("the engine is not running", "server_error", code="engine_unavailable"),
                             status_code=503)
+    if not aeng.ready.is_set():              # requests sent now wait in the queue until it is done
+        return JSONResponse(error_body("the engine is warming up", "server_error", code="engine_warming_up"),
+                            status_code=503)
     s = deps.settings(request)
     return JSONResponse({"status": "ok", "role": s.role, "model": s.served_model_name})
 

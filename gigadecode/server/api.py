@@ -146,7 +146,8 @@ def _serve_engine(args: Any, engine: Any, t0: float) -> int:
     from ..tokenizer import TextCodec
     prometheus_client.disable_created_metrics()
     name = args.served_model_name or Path(args.model).resolve().name
-    aeng = AsyncEngine(engine, codec=TextCodec.from_dir(args.model), model_dir=str(args.model))
+    aeng = AsyncEngine(engine, codec=TextCodec.from_dir(args.model), model_dir=str(args.model),
+                       warm_up=not getattr(args, "no_warmup", False))
     app = build_app(aeng, name, api_key=args.api_key, role=args.role,
                     kv_advertise_host=getattr(args, "kv_advertise_host", None),
                     max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))

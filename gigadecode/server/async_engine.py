@@ -191,13 +191,17 @@ class AsyncEngine:
     for the HTTP layer. Call `start()` (the app's lifespan does) before submitting requests."""
 
     def __init__(self, engine: Any, codec: Any = None, model_dir: str | None = None,
-                 forget_finished: bool = True) -> None:
+                 forget_finished: bool = True, warm_up: bool = False) -> None:
         self.engine = engine
         self.codec = codec
         self.model_dir = model_dir
         # Drop a finished request from engine.requests once its final output is delivered (a server
         # would otherwise keep every request forever). Set False if the engine needs them later.
         self.forget_finished = forget_finished
+        # `engine.warm_up()` on the engine thread before its first step (its OpenMP workers, malloc arena
+        # and kernel scratch are that thread's); `ready` is set once it is done (or not asked for)
+        self.warm_up = warm_up
+        self.ready = threading.Event()
         self.metrics = EngineMetrics()
         self.max_model_len: int = int(engine.max_model_len)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -328,6 +332,14 @@ class AsyncEngine:
 
     def _run(self) -> None:
         eng = self.engine
+        if self.warm_up and not self.ready.is_set():
+            try:
+                took = eng.warm_up()
+                if took is not None:
+                    log.info("engine warmed up in %.2f s", took)
+            except Exception:  # noqa: BLE001 - a failed warm-up costs the first request's speed, nothing more
+                log.exception("engine warm-up failed; serving without it")
+        self.ready.set()
         last_step = 0.0
         while not self._stopping:
             try:
