@@ -31,23 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gigadecode.demo import wait_healthy  # noqa: E402
 from gigadecode.ports import free_port  # noqa: E402
 
 CACHE = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode"))
 KINDS = {"warm-up": [], "no warm-up": ["--no-warmup"]}
-
-
-def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 600.0) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with code {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"the server was not ready after {timeout_s:.0f} s")
 
 
 def stream_one(port: int, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
@@ -78,7 +66,7 @@ def run_server(model_dir: Path, flags: list[str], prompts: list[list[int]], outp
                              "--port", str(port), "--threads", str(threads), *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        wait_ready(port, proc)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=600.0)
         ready = time.perf_counter() - t0
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
             name = json.load(r)["data"][0]["id"]

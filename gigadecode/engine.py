@@ -64,8 +64,9 @@ class LLMEngine:
         kernels for its shapes) is paid here, so the first request runs at full speed. Nothing else changes:
         no request, no counted tokens, every block free again. Call it on the thread that will step the
         engine: its OpenMP workers, its malloc arena and the kernels' per-thread scratch are that thread's.
-        (A parallel engine's replicas warm up together: `DistributedEngine.warm_up`.) -> seconds, or None
-        when the pool cannot hold even a 1-token chunk."""
+        (A parallel engine's replicas warm up together: `DistributedEngine.warm_up`.) A failure is logged and
+        costs the first request's speed, nothing more. -> seconds, or None when it failed or the pool cannot
+        hold even a 1-token chunk."""
         n = min(self.ecfg.max_prefill_tokens, self.max_model_len - 1)
         while n > 1 and not self._fits_pool(n + 1):
             n //= 2
@@ -78,6 +79,9 @@ class LLMEngine:
             self.runner.prefill([SeqChunk([0] * n, 0, tables, "last")])
             if self.ecfg.kv_role != "kv_producer":
                 self.runner.decode([DecodeSeq(0, n, tables)], pad_to=1)
+        except Exception:  # noqa: BLE001 - the requests still run (and fail on their own if the engine is broken)
+            log.exception("warm-up failed; going on without it")
+            return None
         finally:
             self.kv_manager.free(rid)
         took = time.perf_counter() - t0

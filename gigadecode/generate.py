@@ -168,14 +168,9 @@ def run_generate_command(args: argparse.Namespace) -> int:
 
 def _warm_up(args: argparse.Namespace, engine) -> None:
     """The start-up warm-up (`LLMEngine.warm_up`; every rank of a parallel engine) unless --no-warmup, on this
-    thread, which steps the engine. A failure is said on stderr and costs only the first request's speed."""
-    if getattr(args, "no_warmup", False):
-        return
-    try:
+    thread, which steps the engine."""
+    if not getattr(args, "no_warmup", False):
         engine.warm_up()
-    except Exception as e:  # noqa: BLE001 - the requests still run (and fail on their own if the engine is broken)
-        print(f"gigadecode generate: the warm-up failed ({type(e).__name__}: {e}); going on without it",
-              file=sys.stderr)
 
 
 def _codec_and_requests(args: argparse.Namespace):

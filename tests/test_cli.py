@@ -67,24 +67,26 @@ def test_json_reports_ttft_and_prompt_throughput(tiny_ckpt):
 
 
 @pytest.mark.parametrize("flag", [[], ["--no-warmup"]])
-def test_generate_warms_up_unless_told_not_to(tiny_ckpt, monkeypatch, capsys, flag):
-    """generate warms the engine up once, before its requests (`LLMEngine.warm_up`), unless --no-warmup; a
-    warm-up that fails is said on stderr and the requests still run."""
-    calls = []
+def test_generate_warms_up_unless_told_not_to(tiny_ckpt, monkeypatch, capsys, caplog, flag):
+    """generate runs a warm-up prefill chunk before its requests (`LLMEngine.warm_up`), unless --no-warmup; a
+    warm-up that fails (here its prefill) is logged and the request still runs."""
+    chunks, real_prefill = [], ModelRunner.prefill
 
-    def warm_up(self):
-        calls.append(len(self.requests))
-        raise RuntimeError("injected warm-up failure")
+    def prefill(self, c):
+        chunks.append(len(c[0].token_ids))
+        if len(chunks) == 1 and not flag:
+            raise RuntimeError("injected warm-up failure")
+        return real_prefill(self, c)
 
-    monkeypatch.setattr(LLMEngine, "warm_up", warm_up)
+    monkeypatch.setattr(ModelRunner, "prefill", prefill)
     assert main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,2,3", "--max-tokens", "2", "--json",
                  "--threads", "1", *flag]) == 0
-    out, err = capsys.readouterr()
-    assert len(json.loads(out)["token_ids"]) == 2
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 2
     if flag:
-        assert calls == [] and "warm-up" not in err
+        assert chunks == [3]
     else:
-        assert calls == [0] and "the warm-up failed (RuntimeError: injected warm-up failure)" in err
+        assert len(chunks) == 2 and chunks[0] > 3 and chunks[1] == 3      # the warm-up's chunk, then the prompt
+        assert "warm-up failed" in caplog.text and "injected warm-up failure" in caplog.text
 
 
 def test_fast_defaults_give_the_reference_tokens_in_fp32(tiny_ckpt):

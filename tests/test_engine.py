@@ -110,6 +110,21 @@ def test_warm_up_runs_the_model_and_leaves_nothing_behind(tiny_ckpt, prompts, al
     assert list(out.values()) == alone[:6]
 
 
+def test_a_failed_warm_up_leaves_the_engine_serving(tiny_ckpt, prompts, alone, caplog):
+    eng = make_engine(tiny_ckpt)
+    real_decode = eng.runner.decode
+
+    def decode(*a, **k):
+        raise RuntimeError("injected warm-up failure")
+
+    eng.runner.decode = decode
+    assert eng.warm_up() is None
+    assert "warm-up failed" in caplog.text and "injected warm-up failure" in caplog.text
+    assert eng.kv_manager.num_free_blocks == eng.runner.kv.num_blocks - 1 and not eng.requests
+    eng.runner.decode = real_decode
+    assert eng.generate([prompts[3]], greedy(MAX_TOKENS[3]))[0].output_ids == alone[3]
+
+
 def test_a_prompt_as_long_as_the_context_runs_in_a_small_pool(tiny_ckpt):
     """The engine admits what its max_model_len advertises: a sliding group holds a prefill chunk and the
     window before it, not the whole prompt, so a prompt filling the context runs in a pool far smaller than

@@ -28,7 +28,6 @@ This is SGLang's arrangement (a scheduler on every rank, requests broadcast from
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import time
@@ -47,8 +46,6 @@ from ..runner import ModelRunner
 from ..sampling import SamplingParams
 from ..distributed.context import ParallelContext, init_distributed, make_parallel_context
 from ..distributed.mesh import LayoutError
-
-log = logging.getLogger("gigadecode.parallel")
 
 
 @dataclass
@@ -150,10 +147,7 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
     for rid in inbox.releases:               # every rank of the group holding the lease ends it in this step
         engine.release_lease(rid)
     if inbox.warm_up:                        # every rank at once: the forward's collectives line up
-        try:
-            engine.warm_up()
-        except Exception:  # noqa: BLE001 - it costs the first request's speed, nothing more
-            log.exception("engine warm-up failed; serving without it")
+        engine.warm_up()
     s0 = engine.stats.as_dict()
     ctx.stats.reset()
     t0 = time.perf_counter()
