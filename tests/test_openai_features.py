@@ -156,6 +156,33 @@ def test_unsupported_fields_are_refused_by_name(live, chat):
         assert e.value.body["param"] == "n"
 
 
+# a field whose value no member of its union takes: (body, param, message) — the param names the field (not
+# pydantic's member tag, `stop.str`), at the place the value went wrong, with what each member wanted there
+UNION_TYPE_ERRORS = [
+    ({"prompt": "x", "stop": 5}, "stop", "stop: Input should be a valid string, or a valid list"),
+    ({"prompt": "x", "stop": ["a", 5]}, "stop.1", "stop.1: Input should be a valid string"),
+    ({"prompt": None}, "prompt", "prompt: Input should be a valid string, or a valid list"),
+    ({"prompt": [1.5, 2]}, "prompt.0", "prompt.0: Input should be a valid integer, or a valid string, or a valid list"),
+    ({"prompt": "x", "logit_bias": {"7": "up"}}, "logit_bias.7",
+     "logit_bias.7: Input should be a valid integer, or a valid number"),
+    ({"messages": [{"role": "user", "content": [{"type": 5, "text": "hi"}]}]}, "messages.0.content.0.type",
+     "messages.0.content.0.type: Input should be a valid string"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": 5}, "tool_choice",
+     "tool_choice: Input should be a valid string, or a valid dictionary"),
+]
+
+
+@pytest.mark.parametrize("body,param,message", UNION_TYPE_ERRORS)
+def test_type_errors_in_union_fields_name_the_field(live, body, param, message):
+    _, client = live
+    with pytest.raises(openai.BadRequestError) as e:
+        if "messages" in body:
+            client.chat.completions.create(model="m", max_tokens=2, **body)
+        else:
+            client.completions.create(model="m", max_tokens=2, **body)
+    assert (e.value.body["param"], e.value.body["message"]) == (param, message)
+
+
 def test_text_offset_is_the_position_in_the_text(live, tiny_ckpt):
     # special tokens are left out of the text, so their strings must not move the offsets of what follows;
     # streamed and whole answers agree

@@ -11,6 +11,7 @@ output), never silently ignored; fields that change nothing here (`user`, `metad
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -56,13 +57,37 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+_UNION_MEMBER = re.compile(r"(str|int|float|bool|[a-z_]+\[.*\]|[A-Z]\w*)")
+
+
+def _is_union_member(part: Any) -> bool:
+    """Whether a part of a pydantic error's `loc` is the union member the value was tried as (`str`,
+    `list[int]`, `dict[str,any]`), not a field name, key or index."""
+    return isinstance(part, str) and _UNION_MEMBER.fullmatch(part) is not None
+
+
 def validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
     err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
     if err.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json")
+
+    def path(e: Mapping[str, Any]) -> list[str]:
+        return [str(p) for p in e.get("loc", ()) if p != "body" and not _is_union_member(p)]
+
+    loc, msg = path(err), str(err.get("msg"))
+    raw = tuple(err.get("loc", ()))
+    tag = next((i for i, p in enumerate(raw) if _is_union_member(p)), None)
+    if tag is not None:
+        # A value no member of a union field takes (`stop: str | list[str]`) fails once per member, each
+        # error under the member's name (`stop`, `list[str]`, 0): name the place without those names, where
+        # a member got furthest into the value, with what each member wanted there.
+        same = [e for e in errors if tuple(e.get("loc", ()))[:tag] == raw[:tag]
+                and len(e.get("loc", ())) > tag and _is_union_member(e["loc"][tag])]
+        loc = max((path(e) for e in same), key=len)
+        wanted = list(dict.fromkeys(str(e.get("msg")) for e in same if path(e) == loc))
+        msg = ", or ".join([wanted[0]] + [w.removeprefix("Input should be ") for w in wanted[1:]])
     param = ".".join(loc) or None
-    return APIError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param=param)
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param)
 
 
 def engine_error(e: BaseException, prompt_param: str) -> APIError:
