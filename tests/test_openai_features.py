@@ -183,6 +183,25 @@ def test_type_errors_in_union_fields_name_the_field(live, body, param, message):
     assert (e.value.body["param"], e.value.body["message"]) == (param, message)
 
 
+def test_errors_in_max_completion_tokens_name_it(live):
+    """Chat takes OpenAI's `max_completion_tokens` (before `max_tokens`); a bad value is a 400 naming the
+    field the client sent, not `max_tokens`, which it did not."""
+    _, client = live
+    msgs = [{"role": "user", "content": "hi"}]
+    for value, code in (("5", None), (0, None), (10**6, "context_length_exceeded")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="m", messages=msgs, max_completion_tokens=value)
+        body = e.value.body
+        assert (body["param"], body["code"]) == ("max_completion_tokens", code), body
+        assert code is not None or "max_completion_tokens" in body["message"], body
+    r = client.chat.completions.create(model="m", messages=msgs, max_completion_tokens=3, max_tokens=5,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=msgs, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+
+
 def test_text_offset_is_the_position_in_the_text(live, tiny_ckpt):
     # special tokens are left out of the text, so their strings must not move the offsets of what follows;
     # streamed and whole answers agree

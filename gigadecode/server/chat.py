@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -86,6 +88,18 @@ def _delta(pieces: list, include_reasoning: bool) -> dict[str, Any]:
     return d
 
 
+@contextmanager
+def _naming_max_tokens(field: str) -> Iterator[None]:
+    """A 400 about the output's length names the field the client set it with (`max_completion_tokens`,
+    which chat reads first, or `max_tokens`); the engine only knows it as max_tokens."""
+    try:
+        yield
+    except APIError as e:
+        if e.param == "max_tokens" and field != "max_tokens":
+            e.param, e.message = field, e.message.replace("parameter max_tokens", f"parameter {field}", 1)
+        raise
+
+
 @router.post("/v1/chat/completions", dependencies=[Depends(deps.check_key)])
 async def chat_completions(request: Request) -> Response:
     raw, req, aeng, name = await deps.open_generation(request, ChatBody, chat=True)
@@ -98,12 +112,13 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}] (got {req.top_logprobs})",
                        param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = raw.get("max_completion_tokens")
+    max_tokens, max_param = raw.get("max_completion_tokens"), "max_completion_tokens"
     if max_tokens is None:
-        max_tokens = raw.get("max_tokens")
+        max_tokens, max_param = raw.get("max_tokens"), "max_tokens"
     if max_tokens is None:
         max_tokens = max(1, aeng.max_model_len - len(prompt))
-    params = sampling_params(raw, max_tokens, logprobs, deps.sampling_defaults(aeng))
+    with _naming_max_tokens(max_param):
+        params = sampling_params(raw, max_tokens, logprobs, deps.sampling_defaults(aeng))
     from ..harmony import HarmonyTokens
     tokens = HarmonyTokens.from_codec(codec)
 
@@ -111,8 +126,9 @@ async def chat_completions(request: Request) -> Response:
         return HarmonyRenderer(codec, tokens) if tokens is not None else TextRenderer(codec)
 
     kv = deps.advertised(request, req.kv_transfer_params)
-    rid, choices = await start(aeng, [prompt], params, "chatcmpl", req.n or 1, kv, "messages", renderer,
-                               stop_strings(req))
+    with _naming_max_tokens(max_param):
+        rid, choices = await start(aeng, [prompt], params, "chatcmpl", req.n or 1, kv, "messages", renderer,
+                                   stop_strings(req))
     head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
             "created": int(time.time()), "model": name}
     reasoning = req.include_reasoning is not False
