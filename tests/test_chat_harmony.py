@@ -17,6 +17,7 @@ from gigadecode.request import EngineStats
 from gigadecode.server.api import build_app
 from gigadecode.server.async_engine import AsyncEngine
 from gigadecode.tokenizer import TextCodec
+from gigadecode.tokenizer_data import HARMONY_CHAT_TEMPLATE
 
 from .test_server import ServerThread
 
@@ -162,3 +163,38 @@ def test_a_stop_string_after_a_tool_call_still_reports_tool_calls(codec):
             ch = c.chat.completions.create(model="demo", messages=MSGS, tools=TOOLS, max_tokens=200, stop=stop,
                                            extra_body={"ignore_eos": True}).choices[0]
             assert (ch.finish_reason, len(ch.message.tool_calls), ch.message.content) == ("tool_calls", 1, content)
+
+
+# The message loop of the chat template openai/gpt-oss-20b and -120b publish, cut to what renders an earlier call
+# and its result: the call's arguments go through `tojson`, as transformers' templates take them (an object)
+PUBLISHED_CALL_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' and 'tool_calls' in message -%}"
+    "{%- set tool_call = message.tool_calls[0] -%}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif -%}"
+    "{{- '<|start|>assistant to=functions.' + tool_call.name + '<|channel|>commentary json<|message|>' -}}"
+    "{{- tool_call.arguments|tojson -}}{{- '<|call|>' -}}"
+    "{%- elif message.role == 'tool' -%}"
+    "{{- '<|start|>functions.add to=assistant<|channel|>commentary<|message|>' + message.content|tojson + '<|end|>' -}}"
+    "{%- else -%}{{- '<|start|>' + message.role + '<|message|>' + message.content + '<|end|>' -}}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
+
+
+@pytest.mark.parametrize("published", [False, True])     # the demo model's template, or GPT-OSS's
+def test_an_earlier_calls_arguments_are_rendered_as_json_not_as_a_quoted_string(codec, published):
+    """OpenAI clients send an earlier call's arguments back as the JSON string the server answered; chat
+    templates render them with `tojson` (GPT-OSS's published one does, always), which would quote that string
+    ("{\\"a\\": 37, ...}"): the prompt must hold the call as the model wrote it, as vLLM renders it."""
+    template = PUBLISHED_CALL_TEMPLATE if published else HARMONY_CHAT_TEMPLATE
+    codec = TextCodec(codec.tokenizer, {**codec.config, "chat_template": template})
+    srv, c = client_for(codec, REPLY_ANSWER)
+    try:
+        call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 37, "b": 45}'}}
+        follow = MSGS + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "82"}]
+        r = c.chat.completions.create(model="demo", messages=follow, tools=TOOLS, max_tokens=5,
+                                      extra_body={"return_token_ids": True})
+        prompt = codec.decode(r.model_extra["prompt_token_ids"], skip_special_tokens=False)
+        assert '<|message|>{"a": 37, "b": 45}<|call|>' in prompt, prompt
+    finally:
+        srv.__exit__()

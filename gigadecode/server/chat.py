@@ -13,6 +13,7 @@ Without those tokens the output is plain content.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,6 +46,8 @@ def chat_prompt(codec: Any, req: ChatBody) -> list[int]:
                                    param=f"messages.{i}.content.{j}.text")
             content = "".join(p.text for p in content)
         d = {**m.model_dump(exclude_none=True), "role": m.role, "content": content}
+        if d.get("tool_calls"):
+            d["tool_calls"] = [_arguments_as_object(c) for c in d["tool_calls"]]
         if m.reasoning_content is not None:
             d["thinking"] = m.reasoning_content          # the GPT-OSS template's name for it
         messages.append(d)
@@ -59,6 +62,19 @@ def chat_prompt(codec: Any, req: ChatBody) -> list[int]:
     except Exception as e:  # noqa: BLE001 - a template that cannot render these messages
         raise APIError(400, f"cannot apply the chat template to these messages: {type(e).__name__}: {e}",
                        param="messages") from None
+
+
+def _arguments_as_object(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier call with its arguments as the JSON value they encode. OpenAI sends them as a JSON string,
+    but chat templates take an object (transformers' convention; vLLM parses them too): GPT-OSS's published
+    template renders `arguments|tojson`, which would put a quoted string into the prompt. Arguments that are
+    not JSON stay text; empty ones are {}."""
+    fn = call["function"]
+    try:
+        args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def _message(c: Choice, include_reasoning: bool) -> dict[str, Any]:
