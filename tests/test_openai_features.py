@@ -91,6 +91,23 @@ def test_n_choices(live):
     assert [c.index for c in chat.choices] == [0, 1]
 
 
+def test_n_choices_with_the_largest_seed(live):
+    """The j-th of n seeded sequences draws with seed + j: from the top of the seed range that wraps around
+    instead of failing the request with a 500 (any seed a single request takes, n > 1 takes too)."""
+    eng, client = live
+    top = 2**64 - 1
+    r = client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=4, temperature=1.0, seed=top, n=3,
+                                  extra_body=EXTRA)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    again = client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=4, temperature=1.0, seed=top, n=3,
+                                      extra_body=EXTRA)
+    assert [c.token_ids for c in again.choices] == [c.token_ids for c in r.choices]
+    single = client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=4, temperature=1.0, seed=top,
+                                       extra_body=EXTRA)
+    assert single.choices[0].token_ids == r.choices[0].token_ids       # choice 0 draws with the seed itself
+    assert not eng.requests
+
+
 def test_logit_bias_forces_and_bans_tokens(live):
     _, client = live
     prompt = random_prompt(9, 1024, seed=7)

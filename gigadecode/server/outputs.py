@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from ..sampling import SamplingParams
+from ..sampling import SEED_MAX, SamplingParams
 from .async_engine import SHUTTING_DOWN, AsyncEngine, RequestStream
 from .disconnect import ClientGone, unless_disconnected
 from .protocol import MAX_SEQUENCES, APIError, engine_error, error_body
@@ -275,7 +275,7 @@ async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingPar
                 kv: Any, prompt_param: str, make_renderer: Callable[[], Any],
                 stops: Sequence[str]) -> tuple[str, list[Choice]]:
     """Submit `n` sequences per prompt (choice index = prompt index · n + j). A seeded request's j-th
-    sequence draws with seed + j. DI params go with the first sequence of the (single) prompt only: a
+    sequence draws with seed + j (`_nth_seed`). DI params go with the first sequence of the (single) prompt only: a
     prefill's KV is read once; the other sequences prefill here."""
     if len(prompts) * n > MAX_SEQUENCES:
         raise APIError(400, f"a request may ask for at most {MAX_SEQUENCES} sequences (prompts × n; got "
@@ -291,7 +291,7 @@ async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingPar
             for j in range(n):
                 index = pi * n + j
                 rid = base if len(prompts) * n == 1 else f"{base}-{index}"
-                p = params if j == 0 or params.seed is None else replace(params, seed=params.seed + j)
+                p = params if j == 0 or params.seed is None else replace(params, seed=_nth_seed(params.seed, j))
                 try:
                     stream = await aeng.submit(ids, p, rid, kv if index == 0 else None)
                 except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
@@ -303,6 +303,13 @@ async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingPar
             c.stream.close()
         raise
     return base, choices
+
+
+def _nth_seed(seed: int, j: int) -> int:
+    """seed + j, wrapped past the top of the range `torch.Generator.manual_seed` takes (a request may send
+    the largest seed with n > 1; it must not become a 500)."""
+    s = seed + j
+    return s - 2**64 if s > SEED_MAX else s
 
 
 async def merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
