@@ -108,6 +108,20 @@ def test_n_choices_with_the_largest_seed(live):
     assert not eng.requests
 
 
+
+def test_an_explicit_null_max_tokens_runs_each_prompt_to_the_context(live):
+    """max_tokens left out is OpenAI's 16; an explicit null is each prompt's rest of the context, as in vLLM
+    (prompts of different lengths get different budgets)."""
+    _, client = live
+    ctx = client.models.list().data[0].max_model_len
+    prompts = [random_prompt(ctx - 5, 1024, seed=7), random_prompt(ctx - 3, 1024, seed=8)]
+    r = client.completions.create(model="m", prompt=prompts, max_tokens=None, temperature=0, extra_body=EXTRA)
+    assert [len(c.token_ids) for c in r.choices] == [5, 3]
+    assert [c.finish_reason for c in r.choices] == ["length", "length"]
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):   # left out: 16, past the context
+        client.completions.create(model="m", prompt=prompts[:1], temperature=0, extra_body=EXTRA)
+
+
 def test_logit_bias_forces_and_bans_tokens(live):
     _, client = live
     prompt = random_prompt(9, 1024, seed=7)

@@ -66,11 +66,16 @@ async def completions(request: Request) -> Response:
     raw, req, aeng, name = await deps.open_generation(request, CompletionBody, chat=False)
     codec = aeng.codec
     prompts = await asyncio.to_thread(completion_prompts, req.prompt, codec)   # long text: off the event loop
-    params = sampling_params(raw, raw.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS), raw.get("logprobs"),
-                             deps.sampling_defaults(aeng))
+    # max_tokens left out: OpenAI's 16; an explicit null: each prompt's rest of the context (as vLLM)
+    rest = None
+    if "max_tokens" in raw and raw["max_tokens"] is None:
+        def rest(ids: list[int]) -> int:
+            return max(1, aeng.max_model_len - len(ids))
+    max_tokens = raw.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS) if rest is None else max(map(rest, prompts))
+    params = sampling_params(raw, max_tokens, raw.get("logprobs"), deps.sampling_defaults(aeng))
     kv = deps.advertised(request, req.kv_transfer_params)
     rid, choices = await start(aeng, prompts, params, "cmpl", req.n or 1, kv, "prompt",
-                               lambda: TextRenderer(codec), stop_strings(req))
+                               lambda: TextRenderer(codec), stop_strings(req), max_tokens_of=rest)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name}
 
     def choice_body(c: Choice, text: str, lps: Sequence[Any], first: int) -> dict[str, Any]:

@@ -273,10 +273,12 @@ def sse(obj: Any) -> str:
 # --------------------------------------------------------------------------------------------------
 async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingParams, prefix: str, n: int,
                 kv: Any, prompt_param: str, make_renderer: Callable[[], Any],
-                stops: Sequence[str]) -> tuple[str, list[Choice]]:
+                stops: Sequence[str], max_tokens_of: Callable[[list[int]], int] | None = None
+                ) -> tuple[str, list[Choice]]:
     """Submit `n` sequences per prompt (choice index = prompt index · n + j). A seeded request's j-th
     sequence draws with seed + j (`_nth_seed`). DI params go with the first sequence of the (single) prompt only: a
-    prefill's KV is read once; the other sequences prefill here."""
+    prefill's KV is read once; the other sequences prefill here. `max_tokens_of(prompt)`, when given, sets each
+    prompt's max_tokens (the rest of the context, for a request that leaves it open)."""
     if len(prompts) * n > MAX_SEQUENCES:
         raise APIError(400, f"a request may ask for at most {MAX_SEQUENCES} sequences (prompts × n; got "
                             f"{len(prompts)} × {n})", param=prompt_param)
@@ -288,10 +290,12 @@ async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingPar
     choices: list[Choice] = []
     try:
         for pi, ids in enumerate(prompts):
+            prompt_params = params if max_tokens_of is None else replace(params, max_tokens=max_tokens_of(ids))
             for j in range(n):
                 index = pi * n + j
                 rid = base if len(prompts) * n == 1 else f"{base}-{index}"
-                p = params if j == 0 or params.seed is None else replace(params, seed=_nth_seed(params.seed, j))
+                p = (prompt_params if j == 0 or params.seed is None
+                     else replace(prompt_params, seed=_nth_seed(params.seed, j)))
                 try:
                     stream = await aeng.submit(ids, p, rid, kv if index == 0 else None)
                 except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
