@@ -181,6 +181,7 @@ def test_unsupported_fields_are_refused_by_name(live, chat):
         with pytest.raises(openai.BadRequestError) as e:        # top_logprobs without logprobs (as vLLM)
             call(top_logprobs=2)
         assert e.value.body["param"] == "top_logprobs"
+        assert call(top_logprobs=0).choices[0].logprobs is None     # asks for nothing: accepted (as vLLM)
     else:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="m", prompt="x", max_tokens=2, n=0)

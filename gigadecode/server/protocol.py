@@ -261,7 +261,8 @@ def refuse_unsupported(raw: Mapping[str, Any], chat: bool) -> None:
         if choice not in (None, "auto", "none"):
             raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported (a forced tool call needs "
                                 "guided decoding)", param="tool_choice")
-        if raw.get("top_logprobs") is not None and raw.get("logprobs") is not True:
+        top = raw.get("top_logprobs")
+        if top is not None and top != 0 and raw.get("logprobs") is not True:   # 0 asks for nothing (as vLLM)
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if raw.get("stream_options") and raw.get("stream") is not True:
         raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
