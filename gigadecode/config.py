@@ -285,10 +285,17 @@ class GptOssConfig:
             theta = _as_float("rope_theta", d["rope_theta"])
         else:
             theta = RopeConfig.theta
+        # a top-level `original_max_position_embeddings` (Phi-3's form) wins over the YaRN dict's, as in
+        # transformers (`standardize_rope_params` gives the attribute priority)
+        top_orig = d.get("original_max_position_embeddings")
+        top_orig = None if top_orig is None else _as_int("original_max_position_embeddings", top_orig)
         if rp is None:
             rope = RopeConfig(theta=theta)
+            if top_orig is not None:
+                rope = replace(rope, original_max_position_embeddings=top_orig)
         else:
-            rope = _rope_from_dict(rp, theta, d.get("max_position_embeddings", cls.max_position_embeddings), rk)
+            rope = _rope_from_dict(rp, theta, d.get("max_position_embeddings", cls.max_position_embeddings), rk,
+                                   top_orig)
 
         qc = d.get("quantization_config")
         quant = None
@@ -395,7 +402,8 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _rope_from_dict(rp: dict[str, Any], theta: float, max_positions: Any, rk: Callable[[str], str]) -> RopeConfig:
+def _rope_from_dict(rp: dict[str, Any], theta: float, max_positions: Any, rk: Callable[[str], str],
+                    top_orig: int | None = None) -> RopeConfig:
     """A config.json's RoPE dict -> RopeConfig, with transformers' defaults for the keys it leaves out."""
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     rope_type = _as_str(rk("rope_type"), rope_type)
@@ -410,7 +418,8 @@ def _rope_from_dict(rp: dict[str, Any], theta: float, max_positions: Any, rk: Ca
     if rope_type != "yarn":
         return RopeConfig(rope_type=rope_type, theta=theta)
     orig = rp.get("original_max_position_embeddings")
-    orig = (_as_int("max_position_embeddings", max_positions) if orig is None
+    orig = (top_orig if top_orig is not None
+            else _as_int("max_position_embeddings", max_positions) if orig is None
             else _as_int(rk("original_max_position_embeddings"), orig))
     factor = rp["factor"]                   # null: the ratio of the context to the pretraining length
     factor = (_as_int("max_position_embeddings", max_positions) / orig if factor is None

@@ -435,6 +435,9 @@ ROPE_CASES = {
     "mscale-alone": _yarn_case(32768, factor=16.0, mscale=0.7),
     "mscale-ratio": _yarn_case(32768, factor=16.0, mscale=0.7, mscale_all_dim=1.3),
     "linear": dict(_yarn_case(8192), rope_scaling={"rope_type": "linear", "factor": 3.0}),
+    # a top-level original_max_position_embeddings wins over the YaRN dict's (and over GPT-OSS's default YaRN)
+    "top-level-original-length": dict(_yarn_case(32768, factor=8.0), original_max_position_embeddings=1024),
+    "top-level-original-length-no-rope-dict": dict(_NO_ROPE, original_max_position_embeddings=2048),
 }
 
 
