@@ -279,6 +279,12 @@ class GptOssConfig:
         def rk(k: str) -> str:
             return f"{rp_key}.{k}"
 
+        # transformers moves a top-level partial_rotary_factor into the RoPE dict (the dict's own wins)
+        prf = d.get("partial_rotary_factor")
+        if prf is not None and prf != 1.0 and "partial_rotary_factor" not in (rp or {}):
+            raise ConfigError(f"config.json 'partial_rotary_factor' = {prf!r} is not supported (GPT-OSS rotates "
+                              f"whole heads)")
+
         if rp is not None and rp.get("rope_theta") is not None:
             theta = _as_float(rk("rope_theta"), rp["rope_theta"])
         elif d.get("rope_theta") is not None:

@@ -414,6 +414,12 @@ def test_rope_forms_we_cannot_run_are_refused():
                {"rope_type": "dynamic", "factor": 4.0}):                         # scaled by the sequence length
         with pytest.raises(ConfigError, match="rope_parameters|rope_type 'dynamic' is not supported"):
             GptOssConfig.from_hf({**_NO_ROPE, "rope_parameters": rp})
+    # a top-level partial_rotary_factor joins the RoPE dict in transformers (whose GPT-OSS then fails in its
+    # forward): refused as well, not run with whole heads rotated
+    for rp in (None, {"rope_type": "default"}, {"rope_type": "yarn", "factor": 4.0}):
+        with pytest.raises(ConfigError, match="partial_rotary_factor.* = 0.5 is not supported"):
+            GptOssConfig.from_hf({**_NO_ROPE, "rope_parameters": rp, "partial_rotary_factor": 0.5})
+    assert GptOssConfig.from_hf({**_NO_ROPE, "partial_rotary_factor": 1.0}) == GptOssConfig.from_hf(_NO_ROPE)
 
 
 def _yarn_case(max_pos: int, theta: float = 150000, **rope) -> dict:
