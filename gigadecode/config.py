@@ -261,7 +261,7 @@ class GptOssConfig:
                 raise ConfigError(f"{path} is not valid JSON: {e}") from None
             if not isinstance(source, dict):
                 raise ConfigError(f"{path} must hold a JSON object (got a {type(source).__name__})")
-        d = dict(source)
+        d = _untag_floats(dict(source))
 
         mt = d.get("model_type")
         if mt is not None and mt != "gpt_oss":
@@ -366,6 +366,22 @@ class GptOssConfig:
 
     def with_(self, **changes: Any) -> GptOssConfig:
         return replace(self, **changes)
+
+
+# transformers writes the floats JSON has no literal for as {"__float__": "Infinity" | "-Infinity" | "NaN"}
+_FLOAT_TAGS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _untag_floats(v: Any) -> Any:
+    """A parsed config.json with transformers' tagged non-finite floats read back as floats (as it reads them)."""
+    if isinstance(v, dict):
+        tag = v.get("__float__")
+        if len(v) == 1 and isinstance(tag, str) and tag in _FLOAT_TAGS:
+            return _FLOAT_TAGS[tag]
+        return {k: _untag_floats(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_untag_floats(x) for x in v]
+    return v
 
 
 # config.json readers: a value of the wrong JSON type is a ConfigError naming its key

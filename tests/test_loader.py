@@ -320,6 +320,22 @@ def test_from_hf_missing_key_takes_transformers_default(key):
                                                                      hf.sliding_window)
 
 
+def test_from_hf_reads_the_non_finite_floats_transformers_writes(tmp_path):
+    """transformers 5 writes inf / NaN floats to config.json as {"__float__": "Infinity"} (JSON has no such
+    numbers) and reads them back: a config it saved with an unclamped SwiGLU (swiglu_limit inf) loads here
+    as well, as inf (it was refused: 'swiglu_limit' must be a number)."""
+    hf = transformers.GptOssConfig(swiglu_limit=math.inf, num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, num_local_experts=4, vocab_size=100)
+    hf.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["swiglu_limit"] == {"__float__": "Infinity"}
+    c = GptOssConfig.from_hf(tmp_path)
+    assert c.swiglu_limit == math.inf == transformers.AutoConfig.from_pretrained(tmp_path).swiglu_limit
+    assert GptOssConfig.from_hf(json.loads((tmp_path / "config.json").read_text())) == c
+    edit_config(tmp_path, swiglu_limit={"__float__": "NaN"})
+    with pytest.raises(ConfigError, match="swiglu_limit must be > 0"):
+        GptOssConfig.from_hf(tmp_path)
+
+
 def test_attention_bias_false_loads_zero_biases(tmp_path, monkeypatch):
     """attention_bias: false — no file fills the q/k/v/o bias stacks, so they must be zeros, not whatever
     memory they were allocated on (which gave NaN logits or wrong tokens); new stacks here start as NaN."""
