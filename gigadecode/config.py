@@ -275,6 +275,10 @@ class GptOssConfig:
         rp = d.get(rp_key)
         if rp is not None and not isinstance(rp, dict):
             raise _bad(rp_key, rp, "an object")
+        if rp is not None and any(k in (SLIDING, FULL) for k in rp):
+            raise ConfigError(f"config.json {rp_key} is nested by layer type ({', '.join(sorted(rp))}): per-layer-type "
+                              f"RoPE is not supported (GPT-OSS has one RoPE for every layer, and transformers' "
+                              f"GPT-OSS cannot run it either)")
 
         def rk(k: str) -> str:
             return f"{rp_key}.{k}"

@@ -436,6 +436,12 @@ def test_rope_forms_we_cannot_run_are_refused():
         with pytest.raises(ConfigError, match="partial_rotary_factor.* = 0.5 is not supported"):
             GptOssConfig.from_hf({**_NO_ROPE, "rope_parameters": rp, "partial_rotary_factor": 0.5})
     assert GptOssConfig.from_hf({**_NO_ROPE, "partial_rotary_factor": 1.0}) == GptOssConfig.from_hf(_NO_ROPE)
+    # RoPE parameters nested by layer type (transformers' form for models with one RoPE per layer type; its
+    # GPT-OSS fails on them with a KeyError): refused, not read as a dict without a type (plain RoPE)
+    yarn = dict(GPT_OSS_20B["rope_scaling"], rope_theta=150000.0)
+    for key in ("rope_parameters", "rope_scaling"):
+        with pytest.raises(ConfigError, match=f"{key} is nested by layer type.*not supported"):
+            GptOssConfig.from_hf({**_NO_ROPE, key: {FULL: yarn, SLIDING: yarn}})
 
 
 def _yarn_case(max_pos: int, theta: float = 150000, **rope) -> dict:
