@@ -359,10 +359,13 @@ class GptOssConfig:
             pad = pad if pad is None or 0 <= pad < vocab else None
             if not 0 <= kw.get("bos_token_id", 0) < vocab:
                 kw["bos_token_id"] = None
+        # transformers reads the legacy layer type "attention" as full attention (`remap_legacy_layer_types`)
+        layer_types = tuple(FULL if t == "attention" else t
+                            for t in _as_strs("layer_types", d.get("layer_types") or ()))
         return cls(
             rope=rope,
             quantization=quant,
-            layer_types=_as_strs("layer_types", d.get("layer_types") or ()),
+            layer_types=layer_types,
             eos_token_ids=eos_ids,
             pad_token_id=pad,
             **kw,

@@ -376,6 +376,18 @@ def test_from_hf_eos_list_and_missing_layer_types():
     assert c.layer_types == (SLIDING, FULL) * 12                 # GPT-OSS default alternation
 
 
+def test_from_hf_legacy_attention_layer_type_is_full_attention():
+    """transformers reads the legacy layer type "attention" as "full_attention" (its `remap_legacy_layer_types`)
+    and runs such a GPT-OSS: it loads here too, the same layers full (it was refused as an unknown layer type);
+    a name transformers does not know is still refused."""
+    d = dict(GPT_OSS_20B, layer_types=["sliding_attention", "attention"] * 12)
+    hf = transformers.GptOssConfig(**json.loads(json.dumps(d)))
+    c = GptOssConfig.from_hf(d)
+    assert list(c.layer_types) == list(hf.layer_types) == [SLIDING, FULL] * 12
+    with pytest.raises(ConfigError, match="unknown layer_types \\['global'\\]"):
+        GptOssConfig.from_hf(dict(GPT_OSS_20B, layer_types=["sliding_attention", "global"] * 12))
+
+
 def test_from_hf_agrees_with_transformers_config():
     """transformers parses the same dict to the same numbers (rope included)."""
     hf = transformers.GptOssConfig(**json.loads(json.dumps(GPT_OSS_20B)))
