@@ -24,7 +24,7 @@ from .kv_transfers import KVTransfers
 from .model import SeqChunk
 from .request import EngineStats, Request, RequestError, RequestOutput, Status
 from .runner import DecodeSeq, ModelRunner
-from .sampling import Sampler, SamplingParams, make_generator
+from .sampling import Sampler, SamplingParams, make_generator, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
 
 __all__ = ["LLMEngine", "Request", "RequestError", "RequestOutput", "Status", "build_engine"]
@@ -133,6 +133,7 @@ class LLMEngine:
         self.check_request(prompt_ids, params)
         req = Request(rid, list(prompt_ids), params, generator=make_generator(params.seed))
         if kv_transfer_params:
+            self._refuse_prompt_logprobs_in_di(params)
             self._admit_di(req, self._parse_kv(kv_transfer_params))
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -162,8 +163,15 @@ class LLMEngine:
                                f"in the completion). Please reduce the length of the prompt or completion.",
                                param="max_tokens", code="context_length_exceeded")
         if kv_transfer_params:
+            self._refuse_prompt_logprobs_in_di(params)
             self._admit_di(Request("check", list(prompt_ids), params), self._parse_kv(kv_transfer_params),
                            lease_margin_s=LEASE_MARGIN_S)
+
+    @staticmethod
+    def _refuse_prompt_logprobs_in_di(params: SamplingParams) -> None:
+        if params.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs (or echo with logprobs) needs the prompt computed where the "
+                               "request is answered: not with kv_transfer_params", param="prompt_logprobs")
 
     def _admit_di(self, req: Request, params: KVTransferParams, lease_margin_s: float = 0.0) -> None:
         if self.transfers is None:
@@ -300,12 +308,15 @@ class LLMEngine:
                 req.prefill_start_time = now
             ids = req.all_ids[req.num_computed: req.num_computed + n]
             done = req.num_computed + n == req.num_tokens
-            chunks.append(SeqChunk(ids, req.num_computed, self.kv_manager.block_tables(req.request_id),
-                                   "last" if done else "none"))
+            want = "all" if self._prompt_targets(req, n) else "last" if done else "none"
+            chunks.append(SeqChunk(ids, req.num_computed, self.kv_manager.block_tables(req.request_id), want))
         logits = self.runner.prefill(chunks)
         self._stats.prefill_tokens += sum(n for _, n in prefills)
         ready, rows = [], []
         for (req, n), lg in zip(prefills, logits):
+            targets = self._prompt_targets(req, n)
+            if targets:
+                self._record_prompt_logprobs(req, lg, targets)
             req.num_computed += n
             if req.compute_limit is not None and req.num_computed == req.compute_limit:
                 self.kv_manager.remove_skipped_blocks(req.request_id, req.num_computed)
@@ -315,6 +326,26 @@ class LLMEngine:
                 rows.append(lg[-1])
         if ready:
             self._sample(ready, torch.stack(rows), outputs)
+            for req in ready:
+                if req.params.prompt_logprobs is not None and len(req.output_ids) == 1 and req.request_id in outputs:
+                    outputs[req.request_id].prompt_logprobs = list(req.prompt_logprobs)
+
+    @staticmethod
+    def _prompt_targets(req: Request, n: int) -> range:
+        """The prompt positions whose logprobs a chunk of `n` tokens from `req.num_computed` gives and that are
+        not recorded yet: the logits at position p score token p + 1 (a recompute after preemption records
+        nothing twice)."""
+        if req.params.prompt_logprobs is None:
+            return range(0)
+        return range(max(len(req.prompt_logprobs), req.num_computed + 1),
+                     min(req.num_computed + n + 1, len(req.prompt_ids)))
+
+    def _record_prompt_logprobs(self, req: Request, logits: torch.Tensor, targets: range) -> None:
+        """logits [n, V] of a chunk starting at req.num_computed -> the logprobs of the prompt tokens `targets`."""
+        a = targets.start - 1 - req.num_computed
+        raw = self.runner.full_logits(logits[a: a + len(targets)])
+        tokens = torch.tensor(req.prompt_ids[targets.start: targets.stop])
+        req.prompt_logprobs += token_logprobs(raw, tokens, [req.params.prompt_logprobs] * len(targets))
 
     def _run_decode(self, decodes: list[Request], outputs: dict[str, RequestOutput], pad_to: int = 0) -> None:
         seqs = [DecodeSeq(r.all_ids[-1], r.num_computed, self.kv_manager.block_tables(r.request_id))

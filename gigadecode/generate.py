@@ -241,11 +241,13 @@ def _run_generate(args: argparse.Namespace, ecfg, engine, codec, reqs: list[tupl
                 d["text"] = codec.decode(r.output_ids)
             if chat:
                 d.update(parse_reply(codec, r.output_ids))
+            floor = lambda v: max(float(v), -9999.0)              # noqa: E731 - JSON has no -inf
+            entry = lambda lp: lp and {"token_id": lp.token_id, "logprob": floor(lp.logprob), "rank": lp.rank,  # noqa: E731
+                                       "top_logprobs": [{"token_id": t, "logprob": floor(v)} for t, v in lp.top]}
             if r.params.logprobs is not None:      # raw logprobs of each token, and the top ones asked for
-                floor = lambda v: max(float(v), -9999.0)          # noqa: E731 - JSON has no -inf
-                d["logprobs"] = [{"token_id": lp.token_id, "logprob": floor(lp.logprob), "rank": lp.rank,
-                                  "top_logprobs": [{"token_id": t, "logprob": floor(v)} for t, v in lp.top]}
-                                 for lp in r.output_logprobs]
+                d["logprobs"] = [entry(lp) for lp in r.output_logprobs]
+            if r.params.prompt_logprobs is not None:   # the same per prompt token (the first: null)
+                d["prompt_logprobs"] = [entry(lp) for lp in r.prompt_logprobs]
             if r.error:
                 d["error"] = r.error
             print(json.dumps(d), flush=True)

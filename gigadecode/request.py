@@ -57,6 +57,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=lambda: [None])   # params.prompt_logprobs: per prompt token
     num_computed: int = 0
     status: Status = Status.WAITING
     error: str | None = None
@@ -100,6 +101,7 @@ class RequestOutput:
     finish_reason: str | None = None
     new_logprobs: list = field(default_factory=list)
     error: str | None = None
+    prompt_logprobs: list | None = None     # with the first token, when asked for: one per prompt token
 
 
 @dataclass

@@ -192,6 +192,11 @@ class ModelRunner:
             return torch.empty(0)
         return self.decoder.decode_batch(seqs, self.kv, pad_to)
 
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [R, this rank's vocab columns] -> [R, V] (gathered over TP: every TP rank calls it together,
+        as they run the same steps); one rank: as they are."""
+        return logits if self.parallel is None else self.parallel.gather_logits(logits)
+
     def sample(self, sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams],
                generators: list, histories: list[list[int]], outputs: list[list[int]]) -> SampleResult:
         """Logits [B, V] (this rank's columns with `parallel`) -> one token per row. With `parallel`, a batch

@@ -73,7 +73,8 @@ class SamplingParams:
 
     temperature 0 (anything below `GREEDY_EPS`) is greedy, as is top_k == 1. top_k 0 or -1 turns
     top-k off (-1 is stored as 0). logprobs: None returns none; N >= 0 returns the sampled token's
-    logprob plus the top N. Values are type-checked (a string, bool, NaN or inf is an error) and
+    logprob plus the top N. prompt_logprobs: the same for every prompt token after the first (the logprob
+    of that token given the ones before it, the first is None): vLLM's field, which OpenAI's `echo` asks for. Values are type-checked (a string, bool, NaN or inf is an error) and
     normalized (floats stored as float, stop_token_ids as a tuple) on construction.
     """
 
@@ -90,6 +91,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) added to the logits
 
     def __post_init__(self) -> None:
@@ -105,7 +107,7 @@ class SamplingParams:
             put(name, _real(name, getattr(self, name)))
         for name in ("top_k", "max_tokens", "min_tokens"):
             put(name, _int(name, getattr(self, name)))
-        for name in ("seed", "logprobs"):
+        for name in ("seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 put(name, _int(name, getattr(self, name)))
         if not isinstance(self.ignore_eos, bool):
@@ -149,6 +151,8 @@ class SamplingParams:
         need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         if self.logprobs is not None:
             need(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None:
+            need(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         need(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"may bias at most {MAX_LOGIT_BIAS} tokens")
         need(all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias), "logit_bias",
              "token ids must be >= 0 and biases in [-100, 100]")
@@ -440,16 +444,24 @@ class Sampler:
         if not rows:
             return result
         ri = torch.tensor(rows, device=raw.device)
-        lp = torch.log_softmax(raw[ri].float(), dim=-1)                              # [R, V]
-        tok = tokens[ri]                                                             # [R]
-        tok_lp = lp.gather(1, tok[:, None])                                          # [R, 1]
-        ranks = (lp >= tok_lp).sum(dim=-1)                                           # [R]
-        n_max = min(max(params[i].logprobs for i in rows), lp.shape[1])
-        top_v, top_i = lp.topk(n_max, dim=-1)                                       # [R, n_max]
-        tok_l, tok_lp_l, ranks_l = tok.tolist(), tok_lp.squeeze(1).tolist(), ranks.tolist()
-        top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
-        for j, i in enumerate(rows):
-            n = min(params[i].logprobs, lp.shape[1])
-            top = tuple(zip(top_i_l[j][:n], top_v_l[j][:n]))
-            result[i] = TokenLogprobs(tok_l[j], tok_lp_l[j], ranks_l[j], top)
+        for i, lp in zip(rows, token_logprobs(raw[ri], tokens[ri], [params[i].logprobs for i in rows])):
+            result[i] = lp
         return result
+
+
+def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, tops: Sequence[int]) -> list[TokenLogprobs]:
+    """Raw logits [R, V], one token per row [R] and how many top entries each row reports -> per row the
+    token's logprob (log_softmax in fp32), its rank and the top `tops[r]` (token id, logprob), best first."""
+    lp = torch.log_softmax(raw.float(), dim=-1)                                  # [R, V]
+    tok = tokens.to(device=lp.device, dtype=torch.long)                          # [R]
+    tok_lp = lp.gather(1, tok[:, None])                                          # [R, 1]
+    ranks = (lp >= tok_lp).sum(dim=-1)                                           # [R]
+    n_max = min(max(tops), lp.shape[1])
+    top_v, top_i = lp.topk(n_max, dim=-1)                                        # [R, n_max]
+    tok_l, tok_lp_l, ranks_l = tok.tolist(), tok_lp.squeeze(1).tolist(), ranks.tolist()
+    top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
+    out = []
+    for j, k in enumerate(tops):
+        n = min(k, lp.shape[1])
+        out.append(TokenLogprobs(tok_l[j], tok_lp_l[j], ranks_l[j], tuple(zip(top_i_l[j][:n], top_v_l[j][:n]))))
+    return out

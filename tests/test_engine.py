@@ -16,6 +16,7 @@ from gigadecode.runner import ModelRunner
 from gigadecode.sampling import SamplingError, SamplingParams
 from gigadecode.weights import load_weights
 
+from . import helpers
 from .helpers import cdiv, random_prompt
 
 LENGTHS = [1, 2, 3, 4, 5, 7, 9, 15, 16, 17, 19, 23, 30, 41, 50, 64]
@@ -82,6 +83,42 @@ def test_preemption_keeps_outputs(tiny_ckpt, prompts, alone):
     assert eng.stats.preemptions > 0
     assert list(out.values()) == alone
     assert eng.kv_manager.num_free_blocks == 64
+
+
+def test_prompt_logprobs_match_transformers_through_chunks_and_preemption(tiny_ckpt, hf_model, prompts):
+    """prompt_logprobs: per prompt token its logprob given the tokens before it (the first: None), with its rank
+    and the top N — transformers' log_softmax over the same prompt, gathered over prefill chunks (24 tokens)
+    and recorded once when a preempted request is computed again; the generated tokens are those of the same
+    engine without them."""
+    kw = dict(dtype="float32", kv_dtype="auto", num_blocks=45, max_prefill_tokens=24)
+    asks = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, prompt_logprobs=(None if i % 4 == 0 else 2))
+            for i, m in enumerate(MAX_TOKENS)]
+    eng = make_engine(tiny_ckpt, **kw)
+    out = run_staggered(eng, prompts, asks)
+    assert sum(eng.requests[r].num_preemptions for r, sp in zip(out, asks) if sp.prompt_logprobs) >= 2
+    assert list(out.values()) == list(run_staggered(make_engine(tiny_ckpt, **kw), prompts,
+                                                    [greedy(m) for m in MAX_TOKENS]).values())
+    checked = 0
+    for rid, prompt, sp in zip(out, prompts, asks):
+        got = eng.requests[rid].prompt_logprobs
+        if sp.prompt_logprobs is None:
+            continue
+        assert len(got) == len(prompt) and got[0] is None
+        if len(prompt) == 1:
+            continue
+        ref = torch.log_softmax(helpers.hf_logits(hf_model, prompt)[:-1], dim=-1)       # row i scores token i + 1
+        target = torch.tensor(prompt[1:])
+        ref_lp = ref[torch.arange(len(prompt) - 1), target]
+        assert [g.token_id for g in got[1:]] == prompt[1:]
+        assert torch.allclose(torch.tensor([g.logprob for g in got[1:]]), ref_lp, atol=1e-3)
+        ranks = torch.tensor([g.rank for g in got[1:]])             # 1 + the tokens at least as likely
+        assert ((ranks >= (ref > ref_lp[:, None] + 1e-4).sum(-1) + 1) & (ranks <= (ref >= ref_lp[:, None] - 1e-4).sum(-1))).all()
+        top = ref.topk(3, dim=-1)
+        clear = (top.values[:, 1] - top.values[:, 2] > 1e-3) & (top.values[:, 0] - top.values[:, 1] > 1e-3)
+        for i in torch.nonzero(clear).flatten().tolist():
+            assert [t for t, _ in got[i + 1].top] == top.indices[i, :2].tolist()
+            checked += 1
+    assert checked > 50
 
 
 @pytest.mark.parametrize("num_blocks, max_prefill_tokens", [(600, 64), (100, 512)])

@@ -122,6 +122,67 @@ def test_an_explicit_null_max_tokens_runs_each_prompt_to_the_context(live):
         client.completions.create(model="m", prompt=prompts[:1], temperature=0, extra_body=EXTRA)
 
 
+
+def test_echo_with_logprobs_scores_the_prompt(live, tiny_ckpt):
+    """echo + logprobs, as log-likelihood evaluations send it (lm-eval's local-completions: max_tokens 1,
+    logprobs 1): the prompt's text and then the completion's, and per token of both its logprob (the prompt's
+    first: null) — the prompt's those of vLLM's prompt_logprobs field, the completion's those of the same
+    request without echo — with offsets into that text; streamed alike. Without logprobs only the text."""
+    _, client = live
+    codec = TextCodec.from_dir(tiny_ckpt)
+    text = "the quick brown fox jumps over the lazy dog, and then"
+    ids = codec.encode(text)
+    kw = dict(model="m", prompt=text, max_tokens=3, temperature=0, logprobs=2, extra_body=EXTRA)
+    plain = client.completions.create(**kw).choices[0]
+    echo = client.completions.create(echo=True, **kw).choices[0]
+    assert echo.text == text + plain.text and echo.token_ids == plain.token_ids
+    lp = echo.logprobs
+    n = len(ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[n:] == plain.logprobs.token_logprobs and lp.tokens[n:] == plain.logprobs.tokens
+    assert lp.text_offset[n:] == [o + len(text) for o in plain.logprobs.text_offset]
+    assert [text[a:b] for a, b in zip(lp.text_offset[:n], lp.text_offset[1:n + 1])] == lp.tokens[:n]
+    assert all(v <= 0 and len(t) >= 1 for v, t in zip(lp.token_logprobs[1:n], lp.top_logprobs[1:n]))
+    # the same numbers through vLLM's prompt_logprobs field: {token id: {logprob, rank, decoded_token}}
+    field = client.completions.create(**{**kw, "extra_body": {**EXTRA, "prompt_logprobs": 2}}).choices[0]
+    plp = field.model_extra["prompt_logprobs"]
+    assert len(plp) == n and plp[0] is None
+    assert [e[str(t)]["logprob"] for e, t in zip(plp[1:], ids[1:])] == lp.token_logprobs[1:n]
+    assert all(1 <= e[str(t)]["rank"] and len(e) in (2, 3) for e, t in zip(plp[1:], ids[1:]))
+    # streamed: the prompt with the first chunk
+    chunks = list(client.completions.create(echo=True, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == echo.text
+    assert [v for c in chunks for v in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    # no logprobs: the text only
+    bare = client.completions.create(model="m", prompt=[ids, ids[:5]], max_tokens=2, temperature=0, echo=True,
+                                     n=2, extra_body=EXTRA)
+    assert [c.text[:len(text)] for c in bare.choices[:2]] == [text, text] and bare.choices[0].logprobs is None
+    assert all(c.text.startswith(codec.decode(ids[:5])) for c in bare.choices[2:])
+
+
+def test_prompt_logprobs_are_refused_where_the_prompt_is_not_computed(live):
+    """A DI request (kv_transfer_params) gets its prompt's KV from elsewhere: prompt_logprobs (or echo with
+    logprobs) is a 400 naming the field, before anything is queued; chat's echo is refused."""
+    eng, client = live
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=2, echo=True, logprobs=1,
+                                  extra_body={"kv_transfer_params": {"do_remote_decode": True}})
+    assert e.value.body["param"] == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=2, extra_body={"prompt_logprobs": 21})
+    assert e.value.body["param"] == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={"echo": True})
+    assert e.value.body["param"] == "echo"
+    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0, **EXTRA})
+    plp = chat.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(chat.model_extra["prompt_token_ids"])
+    assert not eng.requests
+
+
 def test_logit_bias_forces_and_bans_tokens(live):
     _, client = live
     prompt = random_prompt(9, 1024, seed=7)
@@ -142,7 +203,7 @@ def test_logit_bias_forces_and_bans_tokens(live):
 # naming the field on both routes; the value that asks for what it does anyway is accepted
 REFUSED_EITHER = [("response_format", {"type": "json_object"}, {"type": "text"}), ("guided_json", {"type": "object"}, None),
                   ("guided_regex", "[0-9]+", None), ("guided_choice", ["a", "b"], None),
-                  ("structured_outputs", {"choice": ["a"]}, None), ("prompt_logprobs", 1, None),
+                  ("structured_outputs", {"choice": ["a"]}, None),
                   ("truncate_prompt_tokens", 4, None), ("allowed_token_ids", [5, 6], []), ("bad_words", ["x"], []),
                   ("use_beam_search", True, False), ("length_penalty", 0.5, 1.0),
                   ("return_tokens_as_token_ids", True, False), ("detokenize", False, True),
@@ -151,7 +212,7 @@ REFUSED_EITHER = [("response_format", {"type": "json_object"}, {"type": "text"})
 REFUSED_CHAT = [("echo", True, False), ("best_of", 2, 1), ("continue_final_message", True, False),
                 ("chat_template", "{{ messages }}", None), ("chat_template_kwargs", {"reasoning_effort": "low"}, {}),
                 ("functions", [{"name": "f"}], None), ("audio", {"voice": "x"}, None)]
-REFUSED_COMPLETION = [("echo", True, False), ("suffix", "z", ""), ("best_of", 2, 1)]
+REFUSED_COMPLETION = [("suffix", "z", ""), ("best_of", 2, 1)]
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -33,7 +33,7 @@ def _params(i: int) -> SamplingParams:
         dict(temperature=0.8, top_k=50, seed=11, max_tokens=9, ignore_eos=True),      # seeded sampling
         dict(temperature=0.0, repetition_penalty=1.3, max_tokens=8, ignore_eos=True),  # greedy, penalized
         dict(temperature=1.0, top_p=0.9, seed=5, frequency_penalty=0.5, max_tokens=7, ignore_eos=True),
-        dict(temperature=0.0, logprobs=2, max_tokens=6, ignore_eos=True),            # greedy + logprobs
+        dict(temperature=0.0, logprobs=2, prompt_logprobs=1, max_tokens=6, ignore_eos=True),  # + logprobs
         dict(temperature=0.0, min_tokens=4, max_tokens=12),                          # stops at EOS after 4
     ]
     return SamplingParams(**kinds[i % len(kinds)])
@@ -70,6 +70,8 @@ def session(engine, vocab: int) -> dict:
     for rid in ids:
         r = engine.requests[rid]
         lps = [(lp.token_id, round(lp.logprob, 3)) for lp in r.output_logprobs] if r.output_logprobs else []
+        if r.params.prompt_logprobs is not None:      # the prompt's (logits gathered over TP), then the output's
+            lps = [(lp.token_id, round(lp.logprob, 3)) for lp in r.prompt_logprobs[1:]] + lps
         out[rid] = (r.output_ids, r.finish_reason, lps)
     # a server forgets each request once it has finished (the aborted one too): the engine serves on
     for rid in [*ids, "unseeded"]:
@@ -126,7 +128,7 @@ def test_single_rank_session_is_sane(single):
     assert single["refused"] == ["RequestError", "RequestError", "temperature"]
     assert reqs["r1"][1] == "abort" and 0 < len(reqs["r1"][0]) < 9
     assert all(reqs[r][1] in ("length", "stop") for r in reqs if r != "r1")
-    assert len(reqs["r4"][2]) == 6                                   # logprobs for every token
+    assert len(reqs["r4"][2]) == LENGTHS[4] - 1 + 6                  # logprobs for every token after the first
 
 
 LAYOUTS = [

@@ -314,6 +314,8 @@ class DistributedEngine:
             return False
         req.output_ids += out.new_token_ids
         req.output_logprobs += out.new_logprobs
+        if out.prompt_logprobs is not None:
+            req.prompt_logprobs = list(out.prompt_logprobs)
         if out.new_token_ids:
             req.first_token_time = req.first_token_time or now
             req.last_token_time = now

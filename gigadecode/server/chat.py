@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from ..sampling import MAX_LOGPROBS
 from . import deps
 from .outputs import (Choice, HarmonyRenderer, TextRenderer, chat_logprobs, run_to_end, sse_response, start,
-                      stream_chunk, stream_events, usage)
+                      stream_chunk, stream_events, usage, vllm_prompt_logprobs)
 from .protocol import APIError, ChatBody, sampling_params, stop_strings
 
 router = APIRouter()
@@ -134,7 +134,7 @@ async def chat_completions(request: Request) -> Response:
     if max_tokens is None:
         max_tokens = max(1, aeng.max_model_len - len(prompt))
     with _naming_max_tokens(max_param):
-        params = sampling_params(raw, max_tokens, logprobs, deps.sampling_defaults(aeng))
+        params = sampling_params(raw, max_tokens, logprobs, deps.sampling_defaults(aeng), req.prompt_logprobs)
     from ..harmony import HarmonyTokens
     tokens = HarmonyTokens.from_codec(codec)
 
@@ -184,4 +184,6 @@ async def chat_completions(request: Request) -> Response:
                             "kv_transfer_params": choices[0].kv_transfer_params if len(choices) == 1 else None}
     if req.return_token_ids:
         body["prompt_token_ids"] = choices[0].prompt_ids
+    if req.prompt_logprobs is not None:                  # vLLM's field: the rendered prompt's tokens, scored
+        body["prompt_logprobs"] = vllm_prompt_logprobs(codec, choices[0].prompt_logprobs or [None])
     return JSONResponse(body)

@@ -1,8 +1,10 @@
 """`POST /v1/completions`: raw text (or token ids) in, raw text out — no chat template, no harmony parsing.
 
 `prompt` is a string, a list of token ids, or a list of either (one set of `n` choices per prompt). Stop
-strings, `n`, `logit_bias` and logprobs (OpenAI's legacy shape) are supported; vLLM's extras
-(`return_token_ids`, `kv_transfer_params`, ...) as the module `api` lists.
+strings, `n`, `logit_bias`, logprobs (OpenAI's legacy shape) and `echo` (the prompt's text, and with
+`logprobs` its tokens' logprobs, before the completion's: what log-likelihood evaluations read) are
+supported; vLLM's extras (`return_token_ids`, `prompt_logprobs`, `kv_transfer_params`, ...) as the module
+`api` lists.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from fastapi.responses import JSONResponse, Response
 
 from . import deps
 from .body import BodyError, load_object
-from .outputs import (Choice, TextRenderer, completion_logprobs, run_to_end, sse_response, start, stream_chunk,
-                      stream_events, usage)
+from .outputs import (Choice, TextRenderer, completion_logprobs, echoed_prompt_logprobs, run_to_end, sse_response,
+                      start, stream_chunk, stream_events, usage, vllm_prompt_logprobs)
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_SEQUENCES, APIError, CompletionBody, sampling_params,
                        stop_strings)
 
@@ -42,6 +44,13 @@ def completion_prompts(prompt: Any, codec: Any) -> list[list[int]]:
     if isinstance(prompt[0], str):
         return [encode(p) for p in prompt]
     return [list(p) for p in prompt]
+
+
+def _rendered(codec: Any, ids: list[int]) -> tuple[str, list[int]]:
+    """A prompt's text as the completion's text is rendered (special tokens left out), and where each of its
+    tokens starts in it."""
+    r = TextRenderer(codec)
+    return "".join(p.text for p in r.push(ids, True)), r.token_offsets
 
 
 @router.post("/tokenize", dependencies=[Depends(deps.check_key)])
@@ -72,18 +81,33 @@ async def completions(request: Request) -> Response:
         def rest(ids: list[int]) -> int:
             return max(1, aeng.max_model_len - len(ids))
     max_tokens = raw.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS) if rest is None else max(map(rest, prompts))
-    params = sampling_params(raw, max_tokens, raw.get("logprobs"), deps.sampling_defaults(aeng))
+    # echo: the prompt's text before the completion's, and with `logprobs` the prompt tokens' logprobs before
+    # the completion's (vLLM: echo asks the engine for the prompt's logprobs at the same top N)
+    echo = bool(req.echo)
+    prompt_lps = req.prompt_logprobs if req.prompt_logprobs is not None else raw.get("logprobs") if echo else None
+    params = sampling_params(raw, max_tokens, raw.get("logprobs"), deps.sampling_defaults(aeng), prompt_lps)
     kv = deps.advertised(request, req.kv_transfer_params)
     rid, choices = await start(aeng, prompts, params, "cmpl", req.n or 1, kv, "prompt",
                                lambda: TextRenderer(codec), stop_strings(req), max_tokens_of=rest)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name}
+    echoes = [_rendered(codec, ids) for ids in prompts] if echo else []     # (text, token offsets) per prompt
 
-    def choice_body(c: Choice, text: str, lps: Sequence[Any], first: int) -> dict[str, Any]:
-        """`lps`: the logprobs of the choice's tokens from token `first` on"""
-        offsets = c.renderer.token_offsets[first:first + len(lps)]
-        return {"index": c.index, "text": text,
-                "logprobs": completion_logprobs(codec, lps, offsets) if params.logprobs is not None else None,
-                "finish_reason": c.finish_reason if c.done else None}
+    def choice_body(c: Choice, text: str, lps: Sequence[Any], first: int, with_prompt: bool) -> dict[str, Any]:
+        """`lps`: the logprobs of the choice's tokens from token `first` on; `with_prompt`: the chunk (or
+        whole answer) that carries the prompt (echo, vLLM's prompt_logprobs)"""
+        shift = len(echoes[c.prompt_index][0]) if echo else 0     # offsets count the echoed prompt's text
+        offsets = [o + shift for o in c.renderer.token_offsets[first:first + len(lps)]]
+        logprobs = completion_logprobs(codec, lps, offsets) if params.logprobs is not None else None
+        if echo and with_prompt:
+            prompt_text, prompt_offsets = echoes[c.prompt_index]
+            text = prompt_text + text
+            if logprobs is not None:
+                p = echoed_prompt_logprobs(codec, c.prompt_ids, c.prompt_logprobs, prompt_offsets)
+                logprobs = {k: p[k] + logprobs[k] for k in logprobs}
+        d = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason if c.done else None}
+        if req.prompt_logprobs is not None and with_prompt:
+            d["prompt_logprobs"] = vllm_prompt_logprobs(codec, c.prompt_logprobs or [None])
+        return d
 
     if req.stream:
         started: set[int] = set()           # choices whose first chunk went out (it carries the prompt's ids)
@@ -92,7 +116,8 @@ async def completions(request: Request) -> Response:
             text = "".join(p.text for p in pieces)
             if not text and not out.new_token_ids and not c.done:
                 return None
-            d = choice_body(c, text, out.new_logprobs or (), len(c.token_ids) - len(out.new_token_ids))
+            d = choice_body(c, text, out.new_logprobs or (), len(c.token_ids) - len(out.new_token_ids),
+                            c.index not in started)
             if req.return_token_ids and c.index not in started:
                 d["prompt_token_ids"] = c.prompt_ids
             started.add(c.index)
@@ -105,7 +130,7 @@ async def completions(request: Request) -> Response:
         return gone
     out_choices = []
     for c in choices:
-        d = choice_body(c, c.text() if codec is not None else "", c.logprobs, 0)
+        d = choice_body(c, c.text() if codec is not None else "", c.logprobs, 0, True)
         if req.return_token_ids:
             d["token_ids"] = c.token_ids
             d["prompt_token_ids"] = c.prompt_ids

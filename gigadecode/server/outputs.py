@@ -159,6 +159,7 @@ class Choice:
     kv_transfer_params: dict | None = None
     done: bool = False
     min_tokens: int = 0
+    prompt_logprobs: list[Any] | None = None               # TokenLogprobs per prompt token (the first: None)
 
     def absorb(self, out: Any) -> list[Piece]:
         """Take one RequestOutput -> the new pieces (stop strings applied). A stop string finishes the choice
@@ -171,6 +172,8 @@ class Choice:
         first = len(self.token_ids)
         self.token_ids.extend(ids)
         self.logprobs.extend(out.new_logprobs or ())
+        if getattr(out, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = list(out.prompt_logprobs)
         stop_id = ids.pop() if ids and out.finished and out.finish_reason == "stop" else None
         k = min(len(ids), max(0, self.min_tokens - first))
         rendered = [(p, True) for p in self.renderer.push(ids[:k], False)]
@@ -234,6 +237,39 @@ def completion_logprobs(codec: Any, lps: Sequence[Any], offsets: Sequence[int]) 
         token_lps.append(_lp(lp.logprob))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": list(offsets)}
+
+
+def echoed_prompt_logprobs(codec: Any, prompt_ids: Sequence[int], plps: Sequence[Any] | None,
+                           offsets: Sequence[int]) -> dict[str, Any]:
+    """The legacy completions logprobs object of an echoed prompt: the first token (and any the engine did not
+    score) with a null logprob and null top_logprobs, as vLLM writes them; `offsets` as in completion_logprobs."""
+    d: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": list(offsets)}
+    for i, t in enumerate(prompt_ids):
+        lp = plps[i] if plps is not None and i < len(plps) else None
+        if lp is None:
+            d["tokens"].append(_tok_text(codec, t))
+            d["token_logprobs"].append(None)
+            d["top_logprobs"].append(None)
+            continue
+        one = completion_logprobs(codec, [lp], [0])
+        for k in ("tokens", "token_logprobs", "top_logprobs"):
+            d[k] += one[k]
+    return d
+
+
+def vllm_prompt_logprobs(codec: Any, plps: Sequence[Any]) -> list[dict[int, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the prompt's token and the top ones asked for."""
+    out: list[dict[int, dict[str, Any]] | None] = []
+    for lp in plps:
+        if lp is None:
+            out.append(None)
+            continue
+        d = {lp.token_id: {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": _tok_text(codec, lp.token_id)}}
+        for rank, (t, v) in enumerate(lp.top, 1):
+            d.setdefault(t, {"logprob": _lp(v), "rank": rank, "decoded_token": _tok_text(codec, t)})
+        out.append(d)
+    return out
 
 
 def chat_logprobs(codec: Any, lps: Sequence[Any]) -> dict[str, Any]:

@@ -127,6 +127,7 @@ class _Body(_Model):
     stop: StrictStr | list[StrictStr] | None = Field(default=None)
     logit_bias: dict[StrictStr, StrictInt | StrictFloat] | None = None
     return_token_ids: StrictBool | None = False
+    prompt_logprobs: StrictInt | None = None
     kv_transfer_params: KVTransferParams | None = None
 
 
@@ -212,17 +213,18 @@ UNSUPPORTED_CHAT = {"functions": "the legacy `functions` field is not supported;
                     "continue_final_message": "continue_final_message is not supported",
                     "chat_template": "a request's own chat_template is not supported (the checkpoint's is used)",
                     "chat_template_kwargs": "chat_template_kwargs are not supported (use reasoning_effort)",
-                    "documents": "documents are not supported"}
-UNSUPPORTED_COMPLETION = {"suffix": "suffix is not supported"}
+                    "documents": "documents are not supported",
+                    "echo": "echo is not supported in chat (it is in /v1/completions)",
+                    "best_of": "only best_of=1 is supported"}
+UNSUPPORTED_COMPLETION = {"suffix": "suffix is not supported",
+                          "best_of": "only best_of=1 is supported"}
 # vLLM's extra fields that would change the output, on either route: a 400 unless the value is what this
 # server does anyway (`_ASKS_NOTHING`), so a client never gets output that differs from what it asked for
 UNSUPPORTED_EITHER = {
-    "echo": "echo is not supported", "best_of": "only best_of=1 is supported",
     "response_format": "structured output (response_format) is not supported",
     **{k: f"guided decoding ({k}) is not supported" for k in (
         "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
         "guided_whitespace_pattern", "structured_outputs")},
-    "prompt_logprobs": "prompt_logprobs are not supported",
     "truncate_prompt_tokens": "truncate_prompt_tokens is not supported (send a prompt that fits the context)",
     "allowed_token_ids": "allowed_token_ids is not supported (use logit_bias)",
     "bad_words": "bad_words is not supported (use logit_bias)",
@@ -269,13 +271,14 @@ def refuse_unsupported(raw: Mapping[str, Any], chat: bool) -> None:
 
 
 def sampling_params(raw: Mapping[str, Any], max_tokens: Any, logprobs: int | None,
-                    defaults: Sequence[tuple[str, Any]] = ()) -> SamplingParams:
+                    defaults: Sequence[tuple[str, Any]] = (), prompt_logprobs: int | None = None) -> SamplingParams:
     """The body's sampling fields; `defaults` (the checkpoint's generation_config.json) fill what it leaves
     unset (an explicit null counts as unset, as in vLLM)."""
     d = {k: v for k, v in defaults if k != "max_tokens"}
     d.update({k: raw[k] for k in SAMPLING_KEYS if raw.get(k) is not None})
     d["max_tokens"] = max_tokens
     d["logprobs"] = logprobs
+    d["prompt_logprobs"] = prompt_logprobs
     try:
         return SamplingParams.from_dict(d)
     except SamplingError as e:
