@@ -116,6 +116,9 @@ class LLMEngine:
                               f"{self._peak_blocks(asked)} KV blocks of {self.ecfg.block_size} tokens, but the pool "
                               f"has {self.runner.kv.num_blocks - 1} (it holds {lo} tokens); raise --num-blocks or "
                               f"--kv-budget-gib, or lower --max-model-len")
+        if lo < 2:                                       # not even a 1-token prompt and one generated token
+            raise ConfigError(f"the KV pool ({self.runner.kv.num_blocks - 1} blocks of {self.ecfg.block_size} "
+                              f"tokens) cannot hold one request of 2 tokens; raise --num-blocks or --kv-budget-gib")
         return lo
 
     # -- public API ------------------------------------------------------------------------------------

@@ -86,7 +86,8 @@ class EngineConfig:
             raise ConfigError(f"--kv-dtype must be one of {KV_DTYPES} (got {self.kv_dtype!r})")
         if (not isinstance(self.block_size, Integral) or self.block_size <= 0
                 or (self.kv_dtype == "fp8" and self.block_size % 2)):
-            raise ConfigError(f"--block-size must be positive (and even for packed fp8); got {self.block_size}")
+            raise ConfigError(f"--block-size must be positive (and even for the packed fp8 KV cache, --kv-dtype fp8: "
+                              f"the GK decoders' default); got {self.block_size}")
         if self.num_blocks is not None:
             at_least("--num-blocks", self.num_blocks, 2, "; block 0 is the reserved null block")
         if self.kv_budget_gib is not None:

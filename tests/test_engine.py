@@ -218,6 +218,10 @@ def test_max_model_len_past_the_model_or_the_pool_is_refused(tiny_ckpt):
                                           r"of 4 tokens, but the pool has 7 \(it holds \d+ tokens\)"):
         make_engine(tiny_ckpt, num_blocks=8, max_model_len=200)
     assert make_engine(tiny_ckpt, num_blocks=8, max_model_len=12).max_model_len == 12
+    # a pool that holds no request at all is a start-up error, not an engine that refuses every prompt
+    with pytest.raises(ConfigError, match=r"the KV pool \(1 blocks of 4 tokens\) cannot hold one request of 2 "
+                                          r"tokens; raise --num-blocks"):
+        make_engine(tiny_ckpt, num_blocks=2)
 
 
 def test_seeded_sampling_is_per_request(tiny_ckpt, prompts):
