@@ -9,9 +9,11 @@ import json
 import shutil
 import time
 
+import httpx
 import openai
 import pytest
 
+import gigadecode
 from gigadecode.cli import build_parser
 from gigadecode.server.api import build_app, engine_from_args
 from gigadecode.server.async_engine import AsyncEngine
@@ -181,6 +183,30 @@ def test_prompt_logprobs_are_refused_where_the_prompt_is_not_computed(live):
     plp = chat.model_extra["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(chat.model_extra["prompt_token_ids"])
     assert not eng.requests
+
+
+
+def test_tokenize_detokenize_and_version_routes(live, tiny_ckpt):
+    """vLLM's token routes: /tokenize a prompt (the completions' ids) or chat messages (the ids the chat route
+    renders for them, tools and reasoning effort included), /detokenize back to text, /version."""
+    _, client = live
+    codec = TextCodec.from_dir(tiny_ckpt)
+    url = str(client.base_url).removesuffix("/v1/")
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    with httpx.Client(base_url=url, timeout=30) as hc:
+        r = hc.post("/tokenize", json={"prompt": "hello there"}).json()
+        assert r["tokens"] == codec.encode("hello there") and r["count"] == len(r["tokens"]) and r["max_model_len"] > 0
+        chat = client.chat.completions.create(model="m", messages=msgs, max_tokens=1, tools=tools,
+                                              reasoning_effort="high", extra_body={"return_token_ids": True})
+        r = hc.post("/tokenize", json={"messages": msgs, "tools": tools, "reasoning_effort": "high"}).json()
+        assert r["tokens"] == chat.model_extra["prompt_token_ids"]
+        assert hc.post("/detokenize", json={"tokens": r["tokens"][-5:]}).json()["prompt"] == codec.decode(r["tokens"][-5:])
+        for bad, param in (({"tokens": [1, "x"]}, "tokens"), ({"tokens": [10 ** 9]}, "tokens"),
+                           ({"prompt": {"x": 1}}, "prompt"), ({"messages": []}, "messages")):
+            e = hc.post("/detokenize" if "tokens" in bad else "/tokenize", json=bad)
+            assert e.status_code == 400 and e.json()["error"]["param"] == param, bad
+        assert hc.get("/version").json()["version"] == gigadecode.__version__
 
 
 def test_logit_bias_forces_and_bans_tokens(live):

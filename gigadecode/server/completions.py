@@ -17,7 +17,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import deps
-from .body import BodyError, load_object
 from .outputs import (Choice, TextRenderer, completion_logprobs, echoed_prompt_logprobs, run_to_end, sse_response,
                       start, stream_chunk, stream_events, usage, vllm_prompt_logprobs)
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_SEQUENCES, APIError, CompletionBody, sampling_params,
@@ -51,23 +50,6 @@ def _rendered(codec: Any, ids: list[int]) -> tuple[str, list[int]]:
     tokens starts in it."""
     r = TextRenderer(codec)
     return "".join(p.text for p in r.push(ids, True)), r.token_offsets
-
-
-@router.post("/tokenize", dependencies=[Depends(deps.check_key)])
-async def tokenize(request: Request) -> JSONResponse:
-    """vLLM's `/tokenize` (a completions prompt): {"prompt": text or ids} -> {"tokens", "count", "max_model_len"}.
-    The router uses it to send a vLLM prefill the same token ids this server decodes."""
-    try:
-        raw = load_object(await request.body())
-    except BodyError as e:
-        raise APIError(400, str(e), code="invalid_json") from None
-    prompt = raw.get("prompt")
-    if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                                          for t in prompt))):
-        raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
-    aeng = deps.engine(request)
-    ids = completion_prompts(prompt, aeng.codec)[0]
-    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": aeng.max_model_len})
 
 
 @router.post("/v1/completions", dependencies=[Depends(deps.check_key)])

@@ -1,0 +1,62 @@
+"""vLLM's token routes: `/tokenize` (a completions prompt, or chat messages through the checkpoint's chat
+template, as `/v1/chat/completions` would render them) -> {"tokens", "count", "max_model_len"},
+`/detokenize` (token ids -> {"prompt": text}), and `/version`. The DI router asks `/tokenize` for the ids a
+vLLM prefill server gets."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from .. import __version__
+from . import deps
+from .chat import chat_prompt
+from .completions import completion_prompts
+from .protocol import APIError, ChatBody, parse, read_json
+
+router = APIRouter()
+
+
+@router.post("/tokenize", dependencies=[Depends(deps.check_key)])
+async def tokenize(request: Request) -> JSONResponse:
+    """{"prompt": text or ids} or {"messages": [...], "tools", "add_generation_prompt", "reasoning_effort"}
+    -> {"tokens", "count", "max_model_len"}."""
+    raw = await read_json(request)
+    aeng = deps.engine(request)
+    if "messages" in raw:
+        if aeng.codec is None:
+            raise APIError(400, "this model has no tokenizer (no chat template)", param="messages")
+        body = parse(ChatBody, raw)
+        ids = await asyncio.to_thread(chat_prompt, aeng.codec, body)
+    else:
+        prompt = raw.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
+            raise APIError(400, "prompt must be a string or a list of token ids (or send messages)", param="prompt")
+        ids = (await asyncio.to_thread(completion_prompts, prompt, aeng.codec))[0]
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": aeng.max_model_len})
+
+
+@router.post("/detokenize", dependencies=[Depends(deps.check_key)])
+async def detokenize(request: Request) -> JSONResponse:
+    """{"tokens": [ids]} -> {"prompt": their text} (special tokens left out, as completions' text)."""
+    raw = await read_json(request)
+    aeng = deps.engine(request)
+    tokens: Any = raw.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise APIError(400, "tokens must be a list of token ids", param="tokens")
+    vocab = aeng.engine.cfg.vocab_size
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+    if aeng.codec is None:
+        raise APIError(400, "this model has no tokenizer", param="tokens")
+    return JSONResponse({"prompt": aeng.codec.decode(tokens)})
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": __version__})
