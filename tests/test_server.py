@@ -267,6 +267,11 @@ def test_chat_equals_engine(client, engine, codec):
             text += ch.delta.content or ""
     assert first == "assistant" and toks == want and text == codec.decode(want)
     assert usage.completion_tokens == 10
+    # vLLM's continuous_usage_stats: every chunk after the role's carries the usage so far
+    counts = [c.usage.completion_tokens for c in client.chat.completions.create(
+        model="tiny_mxfp4", messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body=EXTRA) if c.usage]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-2:] == [10, 10] and len(counts) >= 10
 
     # logprobs come back in OpenAI's chat shape
     r = client.chat.completions.create(model="tiny_mxfp4", messages=messages, max_tokens=3, temperature=0,

@@ -167,7 +167,8 @@ async def chat_completions(request: Request) -> Response:
                                        "logprobs": None, "finish_reason": None}],
                   **({"prompt_token_ids": c.prompt_ids} if req.return_token_ids else {})} for c in choices]
         include = req.stream_options and req.stream_options.include_usage
-        return sse_response(stream_events(choices, chunk, first, {**head, "choices": []} if include else None))
+        return sse_response(stream_events(choices, chunk, first, {**head, "choices": []} if include else None,
+                                          bool(req.stream_options and req.stream_options.continuous)))
 
     gone = await run_to_end(request, choices)
     if gone is not None:

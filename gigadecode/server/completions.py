@@ -105,7 +105,8 @@ async def completions(request: Request) -> Response:
             started.add(c.index)
             return stream_chunk(head, c, d, out.new_token_ids if req.return_token_ids else None)
         include = req.stream_options and req.stream_options.include_usage
-        return sse_response(stream_events(choices, chunk, [], {**head, "choices": []} if include else None))
+        return sse_response(stream_events(choices, chunk, [], {**head, "choices": []} if include else None,
+                                          bool(req.stream_options and req.stream_options.continuous)))
 
     gone = await run_to_end(request, choices)
     if gone is not None:

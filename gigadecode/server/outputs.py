@@ -420,9 +420,11 @@ async def run_to_end(request: Request, choices: list[Choice]) -> Response | None
 
 
 async def stream_events(choices: list[Choice], make_chunk: Callable[[Choice, Any, list[Piece]], dict | None],
-                        first: list[dict[str, Any]], usage_chunk: dict[str, Any] | None) -> AsyncIterator[str]:
-    """SSE: `first` chunks, then one chunk per output (`make_chunk`, None = nothing to send), the usage chunk
-    when asked, `[DONE]`. A failed request ends the stream with an error event."""
+                        first: list[dict[str, Any]], usage_chunk: dict[str, Any] | None,
+                        continuous_usage: bool = False) -> AsyncIterator[str]:
+    """SSE: `first` chunks, then one chunk per output (`make_chunk`, None = nothing to send; with
+    `continuous_usage`, vLLM's `continuous_usage_stats`, each carries the usage so far), the usage chunk when
+    asked, `[DONE]`. A failed request ends the stream with an error event."""
     try:
         for chunk in first:
             yield sse(chunk)
@@ -437,6 +439,8 @@ async def stream_events(choices: list[Choice], make_chunk: Callable[[Choice, Any
                 break
             chunk = make_chunk(c, out, pieces)
             if chunk is not None:
+                if continuous_usage:
+                    chunk["usage"] = usage(choices)
                 yield sse(chunk)
             if all(c.done for c in choices):
                 break

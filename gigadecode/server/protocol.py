@@ -117,6 +117,11 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False      # vLLM: usage in every chunk (with include_usage)
+
+    @property
+    def continuous(self) -> bool:
+        return bool(self.include_usage and self.continuous_usage_stats)
 
 
 class _Body(_Model):
