@@ -84,6 +84,27 @@ def test_tool_call_round_trip(url):
     assert r.choices[0].message.content == "37 + 45 = 82" and r.choices[0].finish_reason == "stop"
 
 
+
+def test_responses_api(url):
+    """/v1/responses on `serve` and through the DI proxy (its prefill asked for one output token): the
+    reasoning item, the answer, a function_call and the answer after its output, whole and streamed."""
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    r = c.responses.create(model="demo", input="What is 37 + 45?", temperature=0, max_output_tokens=128)
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == "37 + 45 = 82"
+    assert "ones: 7 + 5 = 12" in r.output[0].content[0].text
+    streamed = [e for e in c.responses.create(model="demo", input="What is 37 + 45?", temperature=0,
+                                              max_output_tokens=128, stream=True)]
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == "37 + 45 = 82"
+    tool = {"type": "function", **ADD["function"]}
+    r = c.responses.create(model="demo", input="What is 37 + 45?", tools=[tool], temperature=0, max_output_tokens=128)
+    call = r.output[-1]
+    assert call.type == "function_call" and json.loads(call.arguments) == {"a": 37, "b": 45}
+    follow = [{"role": "user", "content": "What is 37 + 45?"}, *[o.model_dump(exclude_none=True) for o in r.output],
+              {"type": "function_call_output", "call_id": call.call_id, "output": "82"}]
+    r = c.responses.create(model="demo", input=follow, tools=[tool], temperature=0, max_output_tokens=128)
+    assert r.output_text == "37 + 45 = 82" and r.status == "completed"
+
+
 def test_stop_strings_and_n(url):
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
     r = c.chat.completions.create(model="demo", messages=ASK, temperature=0, max_tokens=128, stop=[" = "], n=2)

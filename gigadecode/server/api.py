@@ -47,7 +47,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import admin, chat, completions, tokens
+from . import admin, chat, completions, responses, tokens
 from .async_engine import AsyncEngine
 from .body import BodyLimit
 from .deps import ServerSettings
@@ -104,7 +104,7 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], served_model_name
         return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"),
                             status_code=500)
 
-    for module in (admin, completions, chat, tokens):
+    for module in (admin, completions, chat, responses, tokens):
         app.include_router(module.router)
     return app
 

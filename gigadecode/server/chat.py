@@ -105,9 +105,10 @@ def _delta(pieces: list, include_reasoning: bool) -> dict[str, Any]:
 
 
 @contextmanager
-def _naming_max_tokens(field: str) -> Iterator[None]:
+def naming_max_tokens(field: str) -> Iterator[None]:
     """A 400 about the output's length names the field the client set it with (`max_completion_tokens`,
-    which chat reads first, or `max_tokens`); the engine only knows it as max_tokens."""
+    which chat reads first, `max_tokens`, or the Responses API's `max_output_tokens`); the engine only knows
+    it as max_tokens."""
     try:
         yield
     except APIError as e:
@@ -133,7 +134,7 @@ async def chat_completions(request: Request) -> Response:
         max_tokens, max_param = raw.get("max_tokens"), "max_tokens"
     if max_tokens is None:
         max_tokens = max(1, aeng.max_model_len - len(prompt))
-    with _naming_max_tokens(max_param):
+    with naming_max_tokens(max_param):
         params = sampling_params(raw, max_tokens, logprobs, deps.sampling_defaults(aeng), req.prompt_logprobs)
     from ..harmony import HarmonyTokens
     tokens = HarmonyTokens.from_codec(codec)
@@ -142,7 +143,7 @@ async def chat_completions(request: Request) -> Response:
         return HarmonyRenderer(codec, tokens) if tokens is not None else TextRenderer(codec)
 
     kv = deps.advertised(request, req.kv_transfer_params)
-    with _naming_max_tokens(max_param):
+    with naming_max_tokens(max_param):
         rid, choices = await start(aeng, [prompt], params, "chatcmpl", req.n or 1, kv, "messages", renderer,
                                    stop_strings(req))
     head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",

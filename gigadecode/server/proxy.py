@@ -1,8 +1,9 @@
 """The DI router (`gigadecode proxy`): prefill on one server, decode on another, like vLLM's
 disaggregated proxy.
 
-For each POST /v1/completions or /v1/chat/completions:
-1. send the client's body to a prefill server with `max_tokens=1` (and `max_completion_tokens=1`),
+For each POST /v1/completions, /v1/chat/completions or /v1/responses:
+1. send the client's body to a prefill server with `max_tokens=1` (and `max_completion_tokens=1`, or
+   `max_output_tokens=1`),
    `stream=false` and `kv_transfer_params={"do_remote_decode": true}`; a prefill server that cannot be
    reached or answers 5xx is retried on the next one (each at most once); a 4xx goes back to the
    client as it is;
@@ -130,6 +131,8 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         pbody = {**body, "max_tokens": 1, "n": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         if "max_completion_tokens" in body or path.endswith("/chat/completions"):
             pbody["max_completion_tokens"] = 1
+        if path == "/v1/responses":
+            pbody["max_output_tokens"] = 1
         pbody.pop("stream_options", None)
         if isinstance(body.get("min_tokens"), int):        # the decode server applies it; the prefill makes 1
             pbody["min_tokens"] = min(body["min_tokens"], 1)
@@ -299,6 +302,10 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await handle(request, "/v1/chat/completions")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await handle(request, "/v1/responses")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -1,0 +1,349 @@
+"""`POST /v1/responses`: OpenAI's Responses API, the one GPT-OSS's own guides use, over the chat route's
+machinery. The input items become chat messages rendered by the checkpoint's chat template (`instructions`
+as a developer message, `function_call` / `function_call_output` items as a call and the tool's answer, a
+`reasoning` item as the next assistant turn's analysis); the reply's harmony channels become output items:
+analysis -> a `reasoning` item, final -> a `message` with `output_text`, calls -> `function_call` items.
+Streamed, the same items come as OpenAI's typed events (`response.output_item.added`,
+`response.reasoning_text.delta`, `response.output_text.delta`, `response.function_call_arguments.done`, ...,
+`response.completed`).
+
+The server keeps nothing: `previous_response_id` and `background` are refused (send the whole conversation
+as `input`), as are built-in tools (web search, file search, code interpreter, MCP) and non-text inputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import Field, StrictBool, StrictInt, StrictStr
+
+from ..connector.params import KVTransferParams
+from . import deps
+from .chat import chat_prompt, naming_max_tokens
+from .outputs import Choice, HarmonyRenderer, TextRenderer, merge, run_to_end, start
+from .protocol import APIError, ChatBody, _Model, parse, read_json, sampling_params
+
+router = APIRouter()
+
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesBody(_Model):
+    model: StrictStr | None = None
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = "auto"
+    reasoning: dict[str, Any] | None = None
+    stream: StrictBool | None = False
+    previous_response_id: StrictStr | None = None
+    background: StrictBool | None = False
+    text: dict[str, Any] | None = None
+    include: list[StrictStr] | None = None
+    top_logprobs: StrictInt | None = None
+    truncation: Literal["disabled"] | None = "disabled"
+    kv_transfer_params: KVTransferParams | None = None     # DI, as on the other routes (the proxy sends them)
+
+
+def _refuse(req: ResponsesBody) -> None:
+    """400 for what a stateless server over a harmony model cannot do (naming the field)."""
+    if req.previous_response_id is not None:
+        raise APIError(400, "this server keeps no responses: send the whole conversation as `input`",
+                       param="previous_response_id")
+    if req.background:
+        raise APIError(400, "background responses are not supported", param="background")
+    fmt = (req.text or {}).get("format")
+    if fmt not in (None, {"type": "text"}):
+        raise APIError(400, "structured output (text.format) is not supported", param="text.format")
+    if req.include:
+        raise APIError(400, f"include {req.include[0]!r} is not supported", param="include")
+    if req.top_logprobs:
+        raise APIError(400, "top_logprobs are not supported on /v1/responses (use /v1/chat/completions)",
+                       param="top_logprobs")
+    if req.tool_choice not in (None, "auto", "none"):
+        raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported (a forced tool call needs "
+                            "guided decoding)", param="tool_choice")
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content (a string or text parts) as text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: content must be a string or a list of text parts", param=where)
+    out = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"{where}.{j}: only text parts are supported (got {kind!r})", param=f"{where}.{j}")
+        out.append(part["text"])
+    return "".join(out)
+
+
+def chat_messages(req: ResponsesBody) -> list[dict[str, Any]]:
+    """The input items (and instructions) as chat messages."""
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "developer", "content": req.instructions})
+    thinking: str | None = None                      # a reasoning item: the next assistant turn's analysis
+
+    def assistant(m: dict[str, Any]) -> dict[str, Any]:
+        nonlocal thinking
+        if thinking is not None:
+            m["reasoning_content"], thinking = thinking, None
+        return m
+
+    for i, it in enumerate(items):
+        where = f"input.{i}"
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise APIError(400, f"{where}: role must be user, system, developer or assistant (got {role!r})",
+                               param=f"{where}.role")
+            m = {"role": role, "content": _text(it.get("content"), f"{where}.content")}
+            messages.append(assistant(m) if role == "assistant" else m)
+        elif kind == "function_call":
+            name, args, call_id = it.get("name"), it.get("arguments", "{}"), it.get("call_id")
+            if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
+                raise APIError(400, f"{where}: a function_call needs string name, arguments and call_id", param=where)
+            messages.append(assistant({"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}]}))
+        elif kind == "function_call_output":
+            out, call_id = it.get("output"), it.get("call_id")
+            if not isinstance(call_id, str):
+                raise APIError(400, f"{where}: a function_call_output needs a string call_id", param=where)
+            messages.append({"role": "tool", "tool_call_id": call_id,
+                             "content": out if isinstance(out, str) else _text(out, f"{where}.output")})
+        elif kind == "reasoning":
+            parts = it.get("content") or it.get("summary") or []
+            thinking = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+        else:
+            raise APIError(400, f"{where}: input items of type {kind!r} are not supported", param=f"{where}.type")
+    return messages
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses' flat function tools as chat's ({"type": "function", "function": {...}})."""
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if t.get("type") != "function":
+            raise APIError(400, f"tools.{i}: only function tools are supported (got {t.get('type')!r})",
+                           param=f"tools.{i}.type")
+        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                     if t.get(k) is not None}})
+    return out
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class OutputItems:
+    """The reply's pieces (in order) -> Responses output items, and, pushed piece by piece, the stream's
+    events: an item opens when a piece of another kind (or another call) arrives and closes before the next."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+        self._call_index: int | None = None
+
+    def push(self, p: Any) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        kind = "function_call" if p.kind == "tool_call" else "reasoning" if p.kind == "reasoning" else "message"
+        if self._open is None or self._open["type"] != kind or (kind == "function_call" and p.id is not None
+                                                                and p.index != self._call_index):
+            events += self.close()
+            events += self._start(kind, p)
+        item, at = self._open, len(self.items) - 1
+        if kind == "function_call":
+            if p.arguments:
+                item["arguments"] += p.arguments
+                events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                               "output_index": at, "delta": p.arguments})
+        elif p.text:
+            part = item["content"][0]
+            part["text"] += p.text
+            kind_ev = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+            ev = {"type": kind_ev, "item_id": item["id"], "output_index": at, "content_index": 0, "delta": p.text}
+            events.append({**ev, "logprobs": []} if kind == "message" else ev)
+        return events
+
+    def _start(self, kind: str, p: Any) -> list[dict[str, Any]]:
+        if kind == "function_call":
+            item = {"type": "function_call", "id": _new_id("fc"), "call_id": p.id or _new_id("call"),
+                    "name": p.name or "", "arguments": "", "status": "in_progress"}
+            self._call_index = p.index
+        elif kind == "reasoning":
+            item = {"type": "reasoning", "id": _new_id("rs"), "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+        else:
+            item = {"type": "message", "id": _new_id("msg"), "role": "assistant", "status": "in_progress",
+                    "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
+        self.items.append(item)
+        self._open = item
+        at = len(self.items) - 1
+        events = [{"type": "response.output_item.added", "output_index": at, "item": _snapshot(item, empty=True)}]
+        if kind != "function_call":
+            events.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": at,
+                           "content_index": 0, "part": {**item["content"][0], "text": ""}})
+        return events
+
+    def close(self, status: str = "completed") -> list[dict[str, Any]]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        item["status"] = status
+        at = self.items.index(item)
+        events: list[dict[str, Any]] = []
+        if item["type"] == "function_call":
+            events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
+                           "output_index": at, "arguments": item["arguments"]})
+        else:
+            part, text_kind = item["content"][0], ("output_text" if item["type"] == "message" else "reasoning_text")
+            events.append({"type": f"response.{text_kind}.done", "item_id": item["id"], "output_index": at,
+                           "content_index": 0, "text": part["text"], **({"logprobs": []} if text_kind == "output_text" else {})})
+            events.append({"type": "response.content_part.done", "item_id": item["id"], "output_index": at,
+                           "content_index": 0, "part": dict(part)})
+        events.append({"type": "response.output_item.done", "output_index": at, "item": _snapshot(item)})
+        return events
+
+
+def _snapshot(item: dict[str, Any], empty: bool = False) -> dict[str, Any]:
+    out = json.loads(json.dumps(item))
+    if empty:
+        if out["type"] == "function_call":
+            out["arguments"] = ""
+        else:
+            out["content"] = []
+    return out
+
+
+def reasoning_tokens(codec: Any, token_ids: list[int]) -> int:
+    """How many of the reply's tokens are analysis-channel text (harmony's reasoning)."""
+    from ..harmony import HarmonyTokens
+    t = HarmonyTokens.from_codec(codec)
+    if t is None:
+        return 0
+    count, header, in_body, analysis = 0, [], False, True     # the reply starts after "<|start|>assistant"
+    for tok in token_ids:
+        if in_body:
+            if tok in (t.end, t.return_, t.call):
+                in_body, header = False, []
+            elif analysis:
+                count += 1
+        elif tok == t.message:
+            text = codec.decode(header, skip_special_tokens=False)
+            analysis, in_body = "analysis" in text.split("<|message|>")[0], True
+        elif tok == t.start:
+            header = []
+        else:
+            header.append(tok)
+    return count
+
+
+@router.post("/v1/responses", dependencies=[Depends(deps.check_key)])
+async def responses(request: Request) -> Response:
+    raw = await read_json(request)
+    req = parse(ResponsesBody, raw)
+    deps.check_model(request, req.model)
+    _refuse(req)
+    aeng, name = deps.engine(request), deps.settings(request).served_model_name
+    codec = aeng.codec
+    if codec is None:
+        raise APIError(400, "this model has no tokenizer, so it cannot take messages; use /v1/completions "
+                            "with token ids", param="input")
+    effort = (req.reasoning or {}).get("effort")
+    if effort not in (None, "low", "medium", "high"):
+        raise APIError(400, f"reasoning.effort must be low, medium or high (got {effort!r})", param="reasoning.effort")
+    chat = parse(ChatBody, {"messages": chat_messages(req), "tools": chat_tools(req.tools),
+                            "tool_choice": req.tool_choice, "reasoning_effort": effort})
+    prompt = await asyncio.to_thread(chat_prompt, codec, chat)
+    max_tokens = req.max_output_tokens or max(1, aeng.max_model_len - len(prompt))
+    from ..harmony import HarmonyTokens
+    tokens = HarmonyTokens.from_codec(codec)
+    with naming_max_tokens("max_output_tokens"):
+        params = sampling_params(raw, max_tokens, None, deps.sampling_defaults(aeng))
+        _, choices = await start(aeng, [prompt], params, "resp", 1, deps.advertised(request, req.kv_transfer_params),
+                                 "input",
+                                 lambda: HarmonyRenderer(codec, tokens) if tokens is not None else TextRenderer(codec),
+                                 [])
+    c = choices[0]
+    head = {"id": _new_id("resp"), "object": "response", "created_at": int(time.time()), "model": name,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "temperature": params.temperature, "top_p": params.top_p, "tools": req.tools or [],
+            "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": raw.get("parallel_tool_calls", True),
+            "reasoning": {"effort": effort, "summary": None}, "text": {"format": {"type": "text"}},
+            "truncation": "disabled", "metadata": raw.get("metadata") or {}, "error": None,
+            "incomplete_details": None, "usage": None}
+
+    def final(items: OutputItems) -> dict[str, Any]:
+        incomplete = c.finish_reason == "length"
+        status = "incomplete" if incomplete else "completed"
+        for it in items.items:
+            it["status"] = "incomplete" if incomplete and it is items.items[-1] else "completed"
+        out_n = len(c.token_ids)
+        return {**head, "status": status, "output": items.items,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "usage": {"input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": 0},
+                          "output_tokens": out_n,
+                          "output_tokens_details": {"reasoning_tokens": reasoning_tokens(codec, c.token_ids)},
+                          "total_tokens": len(prompt) + out_n},
+                "kv_transfer_params": c.kv_transfer_params}
+
+    if req.stream:
+        return StreamingResponse(_events(c, head, final), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    gone = await run_to_end(request, choices)
+    if gone is not None:
+        return gone
+    items = OutputItems()
+    for p in c.pieces:
+        items.push(p)
+    items.close()
+    return JSONResponse(final(items))
+
+
+async def _events(c: Choice, head: dict[str, Any], final: Any) -> AsyncIterator[str]:
+    """The stream: response.created / in_progress, each piece's events as it comes, the last item closed,
+    response.completed (or response.incomplete); a failed request ends with an `error` event."""
+    seq = 0
+
+    def event(ev: dict[str, Any]) -> str:
+        nonlocal seq
+        ev = {**ev, "sequence_number": seq}
+        seq += 1
+        return f"event: {ev['type']}\ndata: {json.dumps(ev, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+    items = OutputItems()
+    started = {**head, "status": "in_progress", "output": []}
+    try:
+        yield event({"type": "response.created", "response": started})
+        yield event({"type": "response.in_progress", "response": started})
+        async for _, out in merge([c.stream]):
+            for p in c.absorb(out):
+                for ev in items.push(p):
+                    yield event(ev)
+            if c.done:
+                break
+        if c.error is not None:
+            yield event({"type": "error", "code": "request_failed", "message": f"request failed: {c.error}",
+                         "param": None})
+            return
+        for ev in items.close():
+            yield event(ev)
+        body = final(items)
+        yield event({"type": f"response.{body['status']}", "response": body})
+    finally:
+        c.stream.close()

@@ -1,0 +1,113 @@
+"""`/v1/responses` through the official `openai` client, on the demo model (which reasons on harmony's analysis
+channel, answers on final, and calls the `add` tool when offered): the output items carry exactly what the chat
+route returns for the same conversation (reasoning, answer, tool call), a function_call_output continues it,
+the stream's typed events add up to the whole response, and what a stateless server cannot do is refused."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from gigadecode.checkpoint import make_checkpoint
+
+from .test_openai_features import _serve
+
+ADD_CHAT = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+ADD = {"type": "function", **ADD_CHAT["function"]}          # the Responses API's flat form
+ASK = "What is 37 + 45?"
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    demo = make_checkpoint(tmp_path_factory.mktemp("demo") / "demo", "demo")
+    eng, srv = _serve(demo)
+    with srv:
+        yield eng, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def test_reasoning_and_answer_equal_the_chat_routes(client):
+    eng, c = client
+    chat = c.chat.completions.create(model="m", messages=[{"role": "developer", "content": "Be precise."},
+                                                          {"role": "user", "content": ASK}],
+                                     temperature=0, max_tokens=128, reasoning_effort="high")
+    r = c.responses.create(model="m", instructions="Be precise.", input=ASK, temperature=0, max_output_tokens=128,
+                           reasoning={"effort": "high"})
+    assert r.status == "completed" and [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == chat.choices[0].message.model_extra["reasoning_content"]
+    assert r.output_text == chat.choices[0].message.content == "37 + 45 = 82"
+    u = r.usage
+    assert u.input_tokens == chat.usage.prompt_tokens and u.output_tokens == chat.usage.completion_tokens
+    assert 0 < u.output_tokens_details.reasoning_tokens < u.output_tokens
+    assert not eng.requests
+
+
+def test_a_tool_call_and_its_output_continue_the_conversation(client):
+    _, c = client
+    chat = c.chat.completions.create(model="m", messages=[{"role": "user", "content": ASK}], tools=[ADD_CHAT],
+                                     temperature=0, max_tokens=64)
+    want = chat.choices[0].message.tool_calls[0].function
+    r = c.responses.create(model="m", input=ASK, tools=[ADD], temperature=0, max_output_tokens=64)
+    call = r.output[-1]
+    assert call.type == "function_call" and (call.name, call.arguments) == (want.name, want.arguments)
+    assert call.arguments == '{"a": 37, "b": 45}' and call.call_id
+    # the client sends back what it got plus the tool's answer, as OpenAI's guides do
+    follow = [{"role": "user", "content": ASK}, *[o.model_dump(exclude_none=True) for o in r.output],
+              {"type": "function_call_output", "call_id": call.call_id, "output": "82"}]
+    r2 = c.responses.create(model="m", input=follow, tools=[ADD], temperature=0, max_output_tokens=64)
+    chat_msgs = [{"role": "user", "content": ASK}, chat.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": chat.choices[0].message.tool_calls[0].id, "content": "82"}]
+    chat2 = c.chat.completions.create(model="m", messages=chat_msgs, tools=[ADD_CHAT], temperature=0, max_tokens=64)
+    assert r2.output_text == chat2.choices[0].message.content == "37 + 45 = 82"
+    assert r2.usage.input_tokens == chat2.usage.prompt_tokens
+
+
+def test_the_stream_adds_up_to_the_response(client):
+    _, c = client
+    whole = c.responses.create(model="m", input="What is 12 + 79?", temperature=0, max_output_tokens=128)
+    events = list(c.responses.create(model="m", input="What is 12 + 79?", temperature=0, max_output_tokens=128,
+                                     stream=True))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert reasoning == whole.output[0].content[0].text and text == whole.output_text == "12 + 79 = 91"
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert added == [0, 1] and done == ["reasoning", "message"]
+    assert events[-1].response.output_text == whole.output_text
+    calls = list(c.responses.create(model="m", input=ASK, tools=[ADD], temperature=0, max_output_tokens=64,
+                                    stream=True))
+    args = [e.arguments for e in calls if e.type == "response.function_call_arguments.done"]
+    assert args == ['{"a": 37, "b": 45}']
+
+
+def test_cut_off_by_max_output_tokens_is_incomplete(client):
+    _, c = client
+    r = c.responses.create(model="m", input=ASK, temperature=0, max_output_tokens=8)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 8 and r.output[-1].status == "incomplete"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"max_output_tokens": 10 ** 7}, "max_output_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"input": 5}, "input"),
+])
+def test_what_a_stateless_server_cannot_do_is_refused(client, extra, param):
+    eng, c = client
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(**{"model": "m", "input": ASK, **extra})
+    assert e.value.body["param"] == param, e.value.body
+    assert not eng.requests
