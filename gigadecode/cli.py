@@ -46,6 +46,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "sequence's tokens (divides --tp; tp/dcp must divide the kv heads)")
     g.add_argument("--dcp-interleave", type=int, default=None,
                    help="DCP: tokens per round-robin chunk (default: --block-size; a multiple of it)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep full KV blocks named by their tokens, so a prompt that starts like an earlier one "
+                        "(a system prompt, the turns of a conversation) takes their KV instead of computing it "
+                        "again (not with --dcp)")
     g.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up (one prefill chunk of --max-prefill-tokens and one decode "
                         "step on borrowed KV blocks, so the first request runs at full speed)")

@@ -40,7 +40,8 @@ class LLMEngine:
         self.runner = runner
         self.cfg = runner.cfg
         self.ecfg = ecfg or runner.ecfg
-        self.kv_manager = KVCacheManager(runner.kv.config, runner.block_size, runner.tokens)
+        self.kv_manager = KVCacheManager(runner.kv.config, runner.block_size, runner.tokens,
+                                         prefix_caching=self.ecfg.enable_prefix_caching)
         # stop tokens: config.json's eos_token_id and generation_config.json's (the real GPT-OSS checkpoints
         # list <|return|> and <|call|> only there); its sampling defaults are the server's to apply
         self.generation_defaults = GenerationDefaults.from_dir(runner.model_dir)
@@ -100,6 +101,8 @@ class LLMEngine:
     @property
     def stats(self) -> EngineStats:
         self._stats.preemptions = self.scheduler.num_preemptions
+        self._stats.prefix_cache_queries = self.scheduler.prefix_queried
+        self._stats.prefix_cache_hits = self.scheduler.prefix_hit
         return self._stats
 
     def _context_limit(self) -> int:
@@ -321,6 +324,7 @@ class LLMEngine:
             if targets:
                 self._record_prompt_logprobs(req, lg, targets)
             req.num_computed += n
+            self._name_computed(req)
             if req.compute_limit is not None and req.num_computed == req.compute_limit:
                 self.kv_manager.remove_skipped_blocks(req.request_id, req.num_computed)
                 self.transfers.hand_off(req, outputs)
@@ -332,6 +336,12 @@ class LLMEngine:
             for req in ready:
                 if req.params.prompt_logprobs is not None and len(req.output_ids) == 1 and req.request_id in outputs:
                     outputs[req.request_id].prompt_logprobs = list(req.prompt_logprobs)
+
+    def _name_computed(self, req: Request) -> None:
+        """Prefix caching: the request's blocks whose tokens are all computed here get their names (not KV
+        that came from a prefill server)."""
+        if self.kv_manager.prefix is not None and not req.remote_tokens:
+            self.kv_manager.name_computed(req.request_id, req.all_ids, req.num_computed)
 
     @staticmethod
     def _prompt_targets(req: Request, n: int) -> range:
@@ -359,6 +369,7 @@ class LLMEngine:
         self._stats.decode_tokens += len(decodes)
         for r in decodes:
             r.num_computed += 1
+            self._name_computed(r)
         self._sample(decodes, logits, outputs)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, outputs: dict[str, RequestOutput]) -> None:
@@ -375,6 +386,8 @@ class LLMEngine:
                 req.first_token_time = now
             req.last_token_time = now
             out = outputs.setdefault(req.request_id, RequestOutput(req.request_id, [], False))
+            if len(req.output_ids) == 1:
+                out.num_cached_tokens = req.num_cached_tokens
             out.new_token_ids.append(tok)
             if lp is not None:
                 out.new_logprobs.append(lp)

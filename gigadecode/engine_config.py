@@ -66,6 +66,7 @@ class EngineConfig:
     kv_failure_policy: str = "fail"     # DI consumer: fail | recompute (prefill locally) on a failed transfer
     kv_secret: str | None = field(default=None, repr=False)   # DI: the key P and D sign/verify KV params with
     vllm_kv_layout: str = "auto"        # DI consumer of a vLLM prefill: its CPU KV page order (auto | vec | amx)
+    enable_prefix_caching: bool = False  # full KV blocks found again by their tokens (kv/prefix_cache.py)
 
     def __post_init__(self) -> None:
         from numbers import Integral, Real
@@ -115,6 +116,8 @@ class EngineConfig:
             if self.dcp_interleave % self.block_size:
                 raise ConfigError(f"--dcp-interleave {self.dcp_interleave} must be a multiple of --block-size "
                                   f"{self.block_size} (a KV block holds the tokens of one DCP rank)")
+        if self.enable_prefix_caching and self.dcp > 1:
+            raise ConfigError("--enable-prefix-caching needs every token's KV on one rank: not with --dcp")
         if self.dcp > 1 and self.kv_role == "kv_producer":
             raise ConfigError("--dcp is for decode engines: a prefill engine keeps every token (its decode "
                               "engines read their DCP share of it)")
@@ -166,4 +169,5 @@ def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig
                         kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout_s", 10.0),
                         kv_failure_policy=getattr(args, "kv_failure_policy", "fail"),
                         vllm_kv_layout=getattr(args, "vllm_kv_layout", "auto"),
+                        enable_prefix_caching=bool(getattr(args, "enable_prefix_caching", False)),
                         kv_secret=getattr(args, "kv_secret", None) or None)

@@ -70,6 +70,7 @@ class Request:
     kv_transfer_params_out: dict | None = None  # DI: what a producer answers (signed, for the decode engine)
     compute_limit: int | None = None            # DI producer: compute only the first N-1 prompt tokens
     remote_tokens: int = 0                      # DI consumer: prompt tokens whose KV comes from the prefill
+    num_cached_tokens: int | None = None        # prefix caching: prompt tokens found in the cache at admission
 
     @property
     def all_ids(self) -> list[int]:
@@ -102,6 +103,7 @@ class RequestOutput:
     new_logprobs: list = field(default_factory=list)
     error: str | None = None
     prompt_logprobs: list | None = None     # with the first token, when asked for: one per prompt token
+    num_cached_tokens: int | None = None    # with the first token, under prefix caching: prompt tokens found
 
 
 @dataclass
@@ -116,6 +118,8 @@ class EngineStats:
     transfer_failures: int = 0
     recomputed_after_failure: int = 0
     step_failures: int = 0
+    prefix_cache_queries: int = 0     # prompt tokens of requests that looked in the prefix cache
+    prefix_cache_hits: int = 0        # ... and those found there (not computed again)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

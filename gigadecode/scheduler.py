@@ -46,6 +46,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_queried = 0        # prompt tokens of admissions that looked in the prefix cache
+        self.prefix_hit = 0            # ... and those found there
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -112,10 +114,20 @@ class Scheduler:
                 self.waiting.popleft()
                 out.handoffs.append(req)
                 continue
-            n = min(todo, budget)
-            if not self.kv_manager.allocate(req.request_id, req.num_computed + n, req.num_computed):
+            hit = self._cached_prefix(req)         # 0 unless nothing was computed yet
+            start = req.num_computed + hit
+            n = min(todo - hit, budget)
+            if not self.kv_manager.allocate(req.request_id, start + n, start):
+                if hit:
+                    self.kv_manager.free(req.request_id)      # the cached blocks' references go back
                 break
             self.waiting.popleft()
+            if self.kv_manager.prefix is not None and req.params.prompt_logprobs is None:
+                self.prefix_queried += req.target
+                self.prefix_hit += hit
+                if req.num_cached_tokens is None:
+                    req.num_cached_tokens = hit
+            req.num_computed = start
             req.status = Status.RUNNING
             self.running.append(req)
             if n == 1 and req.num_computed > 0 and req.compute_limit is None:
@@ -123,6 +135,15 @@ class Scheduler:
             else:
                 out.prefills.append((req, n))
             budget -= n
+
+    def _cached_prefix(self, req: Request) -> int:
+        """Tokens of a fresh (or preempted) request found in the prefix cache, its blocks then taken: whole
+        blocks, at least one token left to compute. Not for a request whose prompt logprobs must be computed,
+        nor for one whose KV is on its way from a prefill server."""
+        if (self.kv_manager.prefix is None or req.num_computed or req.remote_tokens
+                or req.params.prompt_logprobs is not None):
+            return 0
+        return self.kv_manager.take_cached_prefix(req.request_id, req.all_ids, req.target - 1)
 
     def preempt(self, req: Request) -> None:
         """Free all of req's KV; it is recomputed from prompt + output later (the output stays the same).

@@ -121,6 +121,41 @@ def test_prompt_logprobs_match_transformers_through_chunks_and_preemption(tiny_c
     assert checked > 50
 
 
+def _conversations(vocab: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts sharing a 37-token system prompt, and one of them again as a second turn (first turn + its
+    reply + a new question: the reply's KV was written by decode steps)."""
+    system = random_prompt(37, vocab, seed=70)
+    firsts = [system + random_prompt(3 + 4 * i, vocab, seed=71 + i) for i in range(5)]
+    return firsts, [9 + i for i in range(5)]
+
+
+@pytest.mark.parametrize("num_blocks", [600, 44], ids=["roomy", "preempting"])
+def test_prefix_caching_matches_transformers_and_the_uncached_engine(tiny_ckpt, hf_model, num_blocks):
+    """--enable-prefix-caching: requests that start like earlier ones (a shared system prompt, a second turn
+    whose first turn and reply are cached) take those blocks instead of computing them (most of their prompt
+    tokens are hits), and give transformers' greedy tokens and those of the same engine without the cache, in
+    fp32; with a pool small enough to preempt too. Afterwards every block is free (named ones included)."""
+    kw = dict(dtype="float32", kv_dtype="auto", num_blocks=num_blocks, max_prefill_tokens=24)
+    firsts, lens = _conversations(1024)
+
+    def run(cache: bool) -> tuple[LLMEngine, list[list[int]], list[list[int]]]:
+        eng = make_engine(tiny_ckpt, enable_prefix_caching=cache, **kw)
+        outs = list(run_staggered(eng, firsts, [greedy(n) for n in lens]).values())
+        seconds = [f + o + random_prompt(6, 1024, seed=90 + i) for i, (f, o) in enumerate(zip(firsts, outs))]
+        return eng, outs, list(run_staggered(eng, seconds, [greedy(8) for _ in seconds]).values())
+
+    eng, outs, outs2 = run(True)
+    plain_eng, plain, plain2 = run(False)
+    assert (outs, outs2) == (plain, plain2)
+    st = eng.stats
+    assert st.prefix_cache_hits >= (0.45 if num_blocks == 600 else 0.2) * st.prefix_cache_queries > 0
+    assert st.prefill_tokens < plain_eng.stats.prefill_tokens
+    assert st.preemptions > 0 if num_blocks == 44 else st.preemptions == 0
+    seconds = [f + o + random_prompt(6, 1024, seed=90 + i) for i, (f, o) in enumerate(zip(firsts, outs))]
+    assert helpers.assert_teacher_forced_argmax(hf_model, firsts + seconds, outs + outs2, clear=1e-3) > 30
+    assert eng.kv_manager.num_free_blocks == num_blocks - 1
+
+
 @pytest.mark.parametrize("num_blocks, max_prefill_tokens", [(600, 64), (100, 512)])
 def test_warm_up_runs_the_model_and_leaves_nothing_behind(tiny_ckpt, prompts, alone, num_blocks, max_prefill_tokens):
     """`warm_up` runs a prefill chunk and a decode step on borrowed blocks (a pool too small for a whole

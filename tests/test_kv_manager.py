@@ -320,3 +320,85 @@ def test_grouping_sffsff_layout():
     assert [t.shared_by for t in cfg.tensors] == [(0, 1, 4), (3, 2, 5)]
     assert cfg.layer_group == (0, 1, 1, 0, 2, 2)
     assert cfg.layer_buffer == (0, 0, 1, 1, 0, 1)
+
+
+# -- prefix caching -------------------------------------------------------------------------------
+def cached_manager(types: str = "SF", block: int = 4, window: int = 8, num_blocks: int = 40) -> KVCacheManager:
+    specs = get_kv_spec(tiny_cfg(types, window), block, 1)
+    return KVCacheManager(make_kv_cache_config(specs, num_blocks), block, prefix_caching=True)
+
+
+def computed(m: KVCacheManager, rid: str, ids: list[int], upto: int | None = None) -> None:
+    """A request that computed `ids` (all, or the first `upto`) in one go and named its full blocks."""
+    upto = len(ids) if upto is None else upto
+    assert m.allocate(rid, len(ids), 0)
+    m.name_computed(rid, ids, upto)
+
+
+def test_prefix_hit_takes_whole_named_blocks_and_leaves_a_token_to_compute():
+    """Full attention needs every block of the hit; a sliding group (window 8, block 4) only the blocks its
+    next query sees, the rest null. A hit is whole blocks, at most `max_tokens`, and only of named blocks
+    (computed ones); another prompt's blocks never match."""
+    m = cached_manager()
+    a = list(range(100, 130))                                    # 30 tokens: 7 full blocks
+    computed(m, "a", a, upto=22)                                 # 5 full blocks computed and named
+    b = a[:26] + [7, 7, 7]
+    assert m.take_cached_prefix("b", b, len(b) - 1) == 20        # 5 named blocks: 20 tokens
+    full, slide = m.managers[1].block_table("b"), m.managers[0].block_table("b")
+    assert full == m.managers[1].block_table("a")[:5]
+    # window 8 at position 20 sees tokens 13..19: blocks 3 and 4; blocks 0..2 are dead
+    assert slide[:3] == [NULL_BLOCK] * 3 and slide[3:] == m.managers[0].block_table("a")[3:5]
+    assert all(m.pool._ref[x] == 2 for x in full + slide[3:])
+    assert m.allocate("b", len(b), 20)                           # goes on from token 20
+    assert m.take_cached_prefix("c", a[:20], 19) == 16           # at most max_tokens, whole blocks
+    assert m.take_cached_prefix("d", [1] + a[1:20], 19) == 0     # the first block differs: the chain does
+    assert not m.has_request("d")
+    m2 = cached_manager()
+    computed(m2, "a", a)
+    assert m2.take_cached_prefix("x", a, 0) == 0 and m2.take_cached_prefix("y", a[:3], 2) == 0
+
+
+def test_freed_named_blocks_stay_hittable_until_handed_out_again():
+    m = cached_manager(types="F", num_blocks=9)                  # 8 usable blocks
+    a = list(range(200, 216))                                    # 4 blocks
+    computed(m, "a", a)
+    m.free("a")
+    assert m.num_free_blocks == 8                                # named but free: counted as free
+    assert m.take_cached_prefix("b", a + [1], 16) == 16          # taken back out of the free list
+    assert m.num_free_blocks == 4 and m.pool.num_used == 4
+    m.free("b")
+    # freed tail first, so the LRU end holds a's last blocks: 5 fresh blocks take 4 never-used ones and
+    # then a's last block, which loses its name; a's first three blocks still hit
+    assert m.allocate("c", 20, 0)
+    assert m.take_cached_prefix("d", a + [1], 16) == 12
+    m.free("c")
+    m.free("d")
+    assert m.allocate("e", 32, 0)                                # every block handed out: no name left
+    m.free("e")
+    assert m.take_cached_prefix("f", a + [1], 16) == 0 and m.num_free_blocks == 8
+
+
+def test_a_sliding_hit_needs_only_the_window_and_full_every_block():
+    """Sliding-only model: a hit needs the blocks the window sees; with the early blocks already freed (out
+    of the window) the hit still stands. A full group missing one early block gets no hit past it."""
+    m = cached_manager(types="S", window=8)
+    a = list(range(300, 340))                                    # 10 blocks
+    assert m.allocate("a", 40, 0)
+    m.name_computed("a", a, 40)
+    m.remove_skipped_blocks("a", 40)                              # blocks 0..7 are dead at 40 computed
+    m.free("a")
+    assert m.take_cached_prefix("b", a + [5], 40) == 40
+    f = cached_manager(types="F")
+    assert f.allocate("a", 40, 0)
+    f.name_computed("a", a, 40)
+    f.prefix.evict(f.managers[0].block_table("a")[2])             # as if block 2 were handed out again
+    assert f.take_cached_prefix("b", a + [5], 40) == 8
+
+
+def test_prefix_caching_is_off_by_default_and_refused_with_dcp():
+    m = kv_manager("SF", 4, 8, 40)
+    assert m.prefix is None and m.take_cached_prefix("a", list(range(40)), 39) == 0
+    from gigadecode.kv.dcp import TokenShard
+    specs = get_kv_spec(tiny_cfg("SF", 8), 4, 1)
+    with pytest.raises(ValueError, match="prefix caching"):
+        KVCacheManager(make_kv_cache_config(specs, 40), 4, TokenShard(rank=0, size=2, interleave=4), prefix_caching=True)

@@ -25,11 +25,12 @@ v1's `BlockPool` / `FullAttentionManager` / `SlidingWindowManager` / `KVCacheMan
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from typing import ClassVar
 
 from .dcp import TokenShard
+from .prefix_cache import PrefixCache, block_hashes
 from .spec import AttentionSpec, FullAttentionSpec, KVCacheConfig, KVSpec, SlidingWindowSpec, cdiv
 
 NULL_BLOCK = 0
@@ -49,13 +50,16 @@ class NoFreeBlocks(KVBlockError):
 
 # --------------------------------------------------------------------------------------------------
 class BlockPool:
-    """Block ids 1 … num_blocks-1 handed out FIFO; id 0 (the null block) never is."""
+    """Block ids 1 … num_blocks-1 handed out FIFO (least recently freed first); id 0 (the null block) never
+    is. With a prefix cache, a free block keeps its name until it is handed out for other tokens, and a hit
+    takes a named free block back out of the free list (`touch`)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, cache: PrefixCache | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1 (block 0 is the null block); got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self.cache = cache
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._ref: list[int] = [0] * num_blocks       # [num_blocks]; the null block stays 0
 
     @property
@@ -77,10 +81,20 @@ class BlockPool:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > len(self._free):
             raise NoFreeBlocks(n, len(self._free))
-        ids = [self._free.popleft() for _ in range(n)]
+        ids = [self._free.popitem(last=False)[0] for _ in range(n)]
         for b in ids:
             self._ref[b] = 1
+            if self.cache is not None:
+                self.cache.evict(b)
         return ids
+
+    def touch(self, ids: Iterable[int]) -> None:
+        """Take a reference to cached blocks, held or free (a prefix-cache hit)."""
+        for b in ids:
+            self._check_id(b)
+            if self._ref[b] == 0:
+                del self._free[b]
+            self._ref[b] += 1
 
     def share(self, ids: Iterable[int]) -> None:
         """Add a reference to blocks already held (prefix sharing); the null block is ignored."""
@@ -106,7 +120,7 @@ class BlockPool:
         for b, k in counts.items():
             self._ref[b] -= k
             if self._ref[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
@@ -252,7 +266,7 @@ class KVCacheManager:
     """One block pool shared by all KV groups; allocation succeeds in every group or in none."""
 
     def __init__(self, kv_cache_config: KVCacheConfig, block_size: int | None = None,
-                 tokens: TokenShard = TokenShard()) -> None:
+                 tokens: TokenShard = TokenShard(), prefix_caching: bool = False) -> None:
         groups = kv_cache_config.groups
         if not groups:
             raise ValueError("KV cache config has no groups")
@@ -261,10 +275,15 @@ class KVCacheManager:
                 raise ValueError(f"group spec block_size {g.spec.block_size} != manager block_size {block_size}")
         self.config = kv_cache_config
         self.block_size = block_size if block_size is not None else groups[0].spec.block_size
-        self.pool = BlockPool(kv_cache_config.num_blocks)
+        if prefix_caching and tokens.size > 1:
+            raise ValueError("prefix caching needs every token's KV on one rank (no decode context parallel)")
+        self.prefix = PrefixCache() if prefix_caching else None
+        self.pool = BlockPool(kv_cache_config.num_blocks, self.prefix)
         self.tokens = tokens
         self.managers: list[SingleTypeManager] = [make_manager(g.spec, self.pool, gi, tokens)
                                                   for gi, g in enumerate(groups)]
+        self._hashes: dict[str, list[bytes]] = {}      # prefix caching: per request its full blocks' hashes
+        self._named: dict[str, int] = {}               # ... and how many of its blocks are named in the cache
 
     # -- admission ---------------------------------------------------------------------------------
     @property
@@ -305,6 +324,49 @@ class KVCacheManager:
     def free(self, req_id: str) -> None:
         for m in self.managers:
             m.free(req_id)
+        self._hashes.pop(req_id, None)
+        self._named.pop(req_id, None)
+
+    # -- prefix caching ------------------------------------------------------------------------------
+    def take_cached_prefix(self, req_id: str, token_ids: list[int], max_tokens: int) -> int:
+        """For a request that holds nothing yet: the longest prefix of `token_ids`, whole blocks and at most
+        `max_tokens` tokens, whose blocks every group finds in the cache (a sliding group only those its next
+        query sees) -> its length L; the request's tables then hold those blocks (a reference each) and it
+        goes on from token L. 0 (nothing taken) without prefix caching or a hit."""
+        if self.prefix is None or self.has_request(req_id):
+            return 0
+        B = self.block_size
+        hashes = block_hashes(token_ids, B, max(0, max_tokens) // B, self._hashes.setdefault(req_id, []))
+
+        def found(m: SingleTypeManager, k: int) -> list[int] | None:
+            ids = [self.prefix.lookup(m.group_id, hashes[i]) for i in range(m.num_skipped_blocks(k * B), k)]
+            return None if None in ids else ids      # type: ignore[return-value]
+
+        for k in range(len(hashes), 0, -1):
+            hits = [found(m, k) for m in self.managers]
+            if all(h is not None for h in hits):
+                for m, ids in zip(self.managers, hits):
+                    self.pool.touch(ids)
+                    m.tables[req_id] = [NULL_BLOCK] * (k - len(ids)) + ids
+                self._named[req_id] = k
+                return k * B
+        return 0
+
+    def name_computed(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Name in the cache the request's blocks whose tokens are all computed (no-op without caching)."""
+        if self.prefix is None or not self.has_request(req_id):
+            return
+        B, start = self.block_size, self._named.get(req_id, 0)
+        k = num_computed // B
+        if k <= start:
+            return
+        hashes = block_hashes(token_ids, B, k, self._hashes.setdefault(req_id, []))
+        for m in self.managers:
+            table = m.tables[req_id]
+            for i in range(start, min(k, len(table))):
+                if table[i] != NULL_BLOCK:
+                    self.prefix.insert(m.group_id, hashes[i], table[i])
+        self._named[req_id] = k
 
     # -- tables ------------------------------------------------------------------------------------
     def block_tables(self, req_id: str) -> list[list[int]]:

@@ -316,6 +316,8 @@ class DistributedEngine:
         req.output_logprobs += out.new_logprobs
         if out.prompt_logprobs is not None:
             req.prompt_logprobs = list(out.prompt_logprobs)
+        if out.num_cached_tokens is not None:
+            req.num_cached_tokens = out.num_cached_tokens
         if out.new_token_ids:
             req.first_token_time = req.first_token_time or now
             req.last_token_time = now

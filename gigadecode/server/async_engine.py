@@ -84,7 +84,10 @@ class _SnapshotCollector:
             yield g
         for name, doc, key in (
                 ("gigadecode_kv_bytes_transferred", "Bytes of KV moved by the KV connector.", "kv_bytes"),
-                ("gigadecode_kv_transfer_failures", "KV transfers that failed.", "transfer_failures")):
+                ("gigadecode_kv_transfer_failures", "KV transfers that failed.", "transfer_failures"),
+                ("gigadecode_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
+                ("gigadecode_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again).",
+                 "prefix_hits")):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], s.get(key, 0))
             yield c
@@ -124,6 +127,8 @@ class EngineMetrics:
         s["kv_per_rank"] = per_rank() if per_rank is not None else {}
         s["kv_bytes"] = engine.stats.kv_bytes_transferred
         s["transfer_failures"] = engine.stats.transfer_failures
+        s["prefix_queries"] = engine.stats.prefix_cache_queries
+        s["prefix_hits"] = engine.stats.prefix_cache_hits
         leases = getattr(engine, "num_leases", None)
         s["kv_leases"] = leases() if leases is not None else 0
 

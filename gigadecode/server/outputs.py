@@ -160,6 +160,7 @@ class Choice:
     done: bool = False
     min_tokens: int = 0
     prompt_logprobs: list[Any] | None = None               # TokenLogprobs per prompt token (the first: None)
+    num_cached_tokens: int | None = None                   # prefix caching: prompt tokens found in the cache
 
     def absorb(self, out: Any) -> list[Piece]:
         """Take one RequestOutput -> the new pieces (stop strings applied). A stop string finishes the choice
@@ -174,6 +175,8 @@ class Choice:
         self.logprobs.extend(out.new_logprobs or ())
         if getattr(out, "prompt_logprobs", None) is not None:
             self.prompt_logprobs = list(out.prompt_logprobs)
+        if getattr(out, "num_cached_tokens", None) is not None:
+            self.num_cached_tokens = out.num_cached_tokens
         stop_id = ids.pop() if ids and out.finished and out.finish_reason == "stop" else None
         k = min(len(ids), max(0, self.min_tokens - first))
         rendered = [(p, True) for p in self.renderer.push(ids[:k], False)]
@@ -281,11 +284,17 @@ def chat_logprobs(codec: Any, lps: Sequence[Any]) -> dict[str, Any]:
                         for lp in lps]}
 
 
-def usage(choices: Sequence[Choice]) -> dict[str, int]:
-    """Prompt tokens counted once per prompt (n choices of one prompt share it), as OpenAI does."""
-    p = sum(len(c.prompt_ids) for c in {c.prompt_index: c for c in choices}.values())
+def usage(choices: Sequence[Choice]) -> dict[str, Any]:
+    """Prompt tokens counted once per prompt (n choices of one prompt share it), as OpenAI does; with prefix
+    caching, `prompt_tokens_details.cached_tokens` (those the first choice of each prompt found cached)."""
+    firsts = {c.prompt_index: c for c in reversed(choices)}.values()
+    p = sum(len(c.prompt_ids) for c in firsts)
     g = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+    out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+    cached = [c.num_cached_tokens for c in firsts if c.num_cached_tokens is not None]
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
+    return out
 
 
 def stream_chunk(head: dict[str, Any], c: Choice, d: dict[str, Any], token_ids: Sequence[int] | None

@@ -296,7 +296,7 @@ async def responses(request: Request) -> Response:
         out_n = len(c.token_ids)
         return {**head, "status": status, "output": items.items,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                "usage": {"input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": 0},
+                "usage": {"input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": c.num_cached_tokens or 0},
                           "output_tokens": out_n,
                           "output_tokens_details": {"reasoning_tokens": reasoning_tokens(codec, c.token_ids)},
                           "total_tokens": len(prompt) + out_n},
