@@ -26,8 +26,8 @@ FLAGS = ["--num-blocks", "128", "--block-size", "16", "--kv-dtype", "fp8", "--ma
 EXTRA = {"ignore_eos": True, "return_token_ids": True}
 
 
-def _serve(model_dir):
-    args = build_parser().parse_args(["serve", "--model", str(model_dir), *FLAGS])
+def _serve(model_dir, extra=()):
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), *FLAGS, *extra])
     eng = engine_from_args(args, "both")
     return eng, ServerThread(build_app(AsyncEngine(eng, codec=TextCodec.from_dir(model_dir),
                                                    model_dir=str(model_dir)), "m"))
@@ -71,6 +71,8 @@ def test_stop_strings_cut_across_token_boundaries(live, tiny_ckpt):
 
 def test_n_choices(live):
     _, client = live
+    r = client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens_details is None                  # no prefix caching: no cached count
     prompt = random_prompt(9, 1024, seed=6)
     greedy = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0, n=2, extra_body=EXTRA)
     assert [c.index for c in greedy.choices] == [0, 1]
@@ -207,6 +209,34 @@ def test_tokenize_detokenize_and_version_routes(live, tiny_ckpt):
             e = hc.post("/detokenize" if "tokens" in bad else "/tokenize", json=bad)
             assert e.status_code == 400 and e.json()["error"]["param"] == param, bad
         assert hc.get("/version").json()["version"] == gigadecode.__version__
+
+
+
+def test_prefix_caching_reports_cached_tokens(tiny_ckpt):
+    """With --enable-prefix-caching a prompt that starts like an earlier one reports its cached tokens in
+    usage.prompt_tokens_details (chat, completions, responses' input_tokens_details) and in /metrics, and its
+    tokens are those of the first run; without it no prompt_tokens_details."""
+    eng, srv = _serve(tiny_ckpt, ["--enable-prefix-caching"])
+    with srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        base = random_prompt(40, 1024, seed=41)
+        first = client.completions.create(model="m", prompt=base, max_tokens=6, temperature=0, extra_body=EXTRA)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        again = client.completions.create(model="m", prompt=base + [7, 8], max_tokens=6, temperature=0,
+                                          extra_body=EXTRA)
+        assert again.usage.prompt_tokens_details.cached_tokens == 32        # two whole 16-token blocks
+        same = client.completions.create(model="m", prompt=base, max_tokens=6, temperature=0, extra_body=EXTRA)
+        assert same.choices[0].token_ids == first.choices[0].token_ids
+        msgs = [{"role": "user", "content": "the same question, asked twice " * 4}]
+        client.chat.completions.create(model="m", messages=msgs, max_tokens=2)
+        chat = client.chat.completions.create(model="m", messages=msgs, max_tokens=2)
+        assert chat.usage.prompt_tokens_details.cached_tokens >= 16
+        client.responses.create(model="m", input="the same question, asked twice " * 4, max_output_tokens=2)
+        r = client.responses.create(model="m", input="the same question, asked twice " * 4, max_output_tokens=2)
+        assert r.usage.input_tokens_details.cached_tokens >= 16
+        m = httpx.get(srv.url + "/metrics").text
+        hits = float(next(ln.split()[-1] for ln in m.splitlines() if ln.startswith("gigadecode_prefix_cache_hits_total")))
+        assert hits >= 32 + 16 + 16
 
 
 def test_logit_bias_forces_and_bans_tokens(live):

@@ -73,7 +73,7 @@ def single(tiny_ckpt):
 
 # fp32 compute and fp32 KV: transformers' numbers (FP8 KV rounds what it stores: not token-identical to it)
 ORACLE_FLAGS = ["--served-model-name", MODEL, "--dtype", "float32", "--num-blocks", "64", "--block-size", "16",
-                "--kv-dtype", "auto", "--max-num-seqs", "8", "--kv-lease-s", "10"]
+                "--kv-dtype", "auto", "--max-num-seqs", "8", "--kv-lease-s", "10", "--enable-prefix-caching"]
 
 
 @pytest.fixture
@@ -103,11 +103,16 @@ def test_di_completions_equal_single_node(di, single):
 
 def test_di_equals_transformers(di_fp32_kv, hf_model, tiny_ckpt):
     """Prefill on one server, the KV sent to the other, decode there: transformers' own greedy tokens (its
-    `generate`, fp32, same checkpoint), for prompts across the block and window edges, and chat."""
+    `generate`, fp32, same checkpoint), for prompts across the block and window edges, and chat. Both servers
+    cache prefixes: prompts that start like the 47-token one find its blocks on the prefill server."""
     client = openai.OpenAI(base_url=di_fp32_kv["proxy"] + "/v1", api_key="x", max_retries=0, timeout=60)
     for n in (1, 15, 16, 17, 47):
         prompt = random_prompt(n, 1024, seed=750 + n)
         assert_completion_ids(client, MODEL, prompt, hf_greedy(hf_model, prompt, 12))
+    for extra in (1, 9, 20):
+        prompt = random_prompt(47, 1024, seed=797) + random_prompt(extra, 1024, seed=800 + extra)
+        assert_completion_ids(client, MODEL, prompt, hf_greedy(hf_model, prompt, 12))
+    assert metrics(di_fp32_kv["prefill"])["gigadecode_prefix_cache_hits_total"] >= 3 * 32
     assert_chat_equals_transformers(client, MODEL, hf_model, tiny_ckpt,
                                     [{"role": "user", "content": "How fast is the decode engine?"}], 10)
     m = metrics(di_fp32_kv["decode"])
