@@ -821,3 +821,44 @@ def test_a_prefill_whose_client_left_releases_its_lease():
         while not fake.released and time.monotonic() - t0 < 5:
             time.sleep(0.05)
     assert fake.released == list(fake.requests)
+
+
+def test_a_prefill_that_ends_after_its_client_left_releases_its_lease(monkeypatch):
+    # the router left while the prefill ran, and the prefill ended before the server next looked for its
+    # client (every DISCONNECT_POLL_S): the answer goes nowhere, so the server still ends the lease itself.
+    # It used to hold the blocks until the lease ran out (a short prompt's prefill fits the 0.2 s between looks)
+    import gigadecode.server.disconnect as disconnect
+    monkeypatch.setattr(disconnect, "DISCONNECT_POLL_S", 5.0)     # the next look comes long after the end
+    left = threading.Event()
+
+    class Producer(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.released: list[str] = []
+
+        def release_lease(self, rid: str) -> bool:
+            self.released.append(rid)
+            return True
+
+        def step(self):                              # the prefill ends 0.3 s after its client left
+            self.steps += 1
+            return super().step() if left.is_set() and time.monotonic() - left.t > 0.3 else []
+
+    fake = Producer()
+    app = build_app(AsyncEngine(fake), "fake", role="prefill")
+    with ServerThread(app) as srv:
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        client = socket.create_connection(("127.0.0.1", int(srv.url.rsplit(":", 1)[1])))
+        client.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                       f"content-length: {len(body)}\r\n\r\n{body}".encode())
+        t0 = time.monotonic()
+        while not fake.requests:
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.01)
+        (req,) = fake.requests.values()
+        client.close()                               # the client leaves while its prefill runs
+        left.t = time.monotonic()
+        left.set()
+        while not fake.released and time.monotonic() - left.t < 3:     # before the next look for the client
+            time.sleep(0.05)
+    assert req.finished and fake.released == [req.request_id]

@@ -420,6 +420,8 @@ async def run_to_end(request: Request, choices: list[Choice]) -> Response | None
     """Non-streaming: every choice to its end (None), or 499 when the client left; failures raise."""
     try:
         await unless_disconnected(request, _collect(choices))
+        if await request.is_disconnected():   # it left after the last look, before the end: nobody takes the answer
+            raise ClientGone()
     except ClientGone:
         for c in choices:                  # a prefill that finished unseen: its params can never be read
             c.stream.release_lease()
