@@ -26,6 +26,7 @@ from .request import EngineStats, Request, RequestError, RequestOutput, Status
 from .runner import DecodeSeq, ModelRunner
 from .sampling import Sampler, SamplingParams, make_generator, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
+from .structured import GuideFactory
 
 __all__ = ["LLMEngine", "Request", "RequestError", "RequestOutput", "Status", "build_engine"]
 
@@ -49,6 +50,7 @@ class LLMEngine:
                                                              *self.generation_defaults.eos_token_ids)
                                                  if 0 <= t < self.cfg.vocab_size))
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
+        self.guides = GuideFactory(runner.model_dir, self.cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.connector = connector     # DI (connector.nixl_connector.NixlConnector) or None
@@ -138,6 +140,8 @@ class LLMEngine:
             raise RequestError(f"request id {rid!r} is already in use")
         self.check_request(prompt_ids, params)
         req = Request(rid, list(prompt_ids), params, generator=make_generator(params.seed))
+        if params.guided is not None:
+            req.guide = self.guides.make(params.guided)
         if kv_transfer_params:
             self._refuse_prompt_logprobs_in_di(params)
             self._admit_di(req, self._parse_kv(kv_transfer_params))
@@ -149,6 +153,8 @@ class LLMEngine:
                       kv_transfer_params: KVTransferParams | dict | None = None) -> None:
         """Raise SamplingError / RequestError if this engine would refuse the request (changes nothing)."""
         params.validate(self.cfg.vocab_size)
+        if params.guided is not None:
+            self.guides.make(params.guided)                 # a grammar that does not compile: refused here
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
             raise RequestError("prompt is empty" if not prompt_ids else "prompt must be a list of token ids",
                                param="prompt")
@@ -373,12 +379,16 @@ class LLMEngine:
         self._sample(decodes, logits, outputs)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, outputs: dict[str, RequestOutput]) -> None:
+        allowed = [r.guide.allowed() if r.guide is not None else None for r in reqs]
         res = self.runner.sample(self.sampler, logits, [r.params for r in reqs], [r.generator for r in reqs],
-                                 [r.all_ids for r in reqs], [r.output_ids for r in reqs])
+                                 [r.all_ids for r in reqs], [r.output_ids for r in reqs],
+                                 allowed if any(a is not None for a in allowed) else None)
         now = time.monotonic()
         for i, req in enumerate(reqs):
             tok = int(res.token_ids[i])
             req.output_ids.append(tok)
+            if req.guide is not None:
+                req.guide.accept(tok)
             lp = res.logprobs[i] if res.logprobs else None
             if lp is not None:
                 req.output_logprobs.append(lp)

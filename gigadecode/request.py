@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -71,6 +72,7 @@ class Request:
     compute_limit: int | None = None            # DI producer: compute only the first N-1 prompt tokens
     remote_tokens: int = 0                      # DI consumer: prompt tokens whose KV comes from the prefill
     num_cached_tokens: int | None = None        # prefix caching: prompt tokens found in the cache at admission
+    guide: Any = None                           # structured output: its grammar's state (structured.Guide)
 
     @property
     def all_ids(self) -> list[int]:

@@ -198,14 +198,16 @@ class ModelRunner:
         return logits if self.parallel is None else self.parallel.gather_logits(logits)
 
     def sample(self, sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams],
-               generators: list, histories: list[list[int]], outputs: list[list[int]]) -> SampleResult:
+               generators: list, histories: list[list[int]], outputs: list[list[int]],
+               allowed: list | None = None) -> SampleResult:
         """Logits [B, V] (this rank's columns with `parallel`) -> one token per row. With `parallel`, a batch
         of plain greedy rows takes the distributed argmax (per-rank (value, index), reduced over TP); any
         other batch gathers the full logits over TP and samples them like one rank (every TP rank draws
         the same tokens: same logits, same per-request generators)."""
         par = self.parallel
         if par is not None:
-            if all(_plain_greedy(p, len(o)) for p, o in zip(params, outputs)):
+            if not any(a is not None for a in allowed or ()) and all(
+                    _plain_greedy(p, len(o)) for p, o in zip(params, outputs)):
                 return SampleResult(par.greedy(logits))
             logits = par.gather_logits(logits)
-        return sampler.sample(logits.float(), params, generators, histories, outputs)
+        return sampler.sample(logits.float(), params, generators, histories, outputs, allowed)

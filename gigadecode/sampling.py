@@ -74,7 +74,8 @@ class SamplingParams:
     temperature 0 (anything below `GREEDY_EPS`) is greedy, as is top_k == 1. top_k 0 or -1 turns
     top-k off (-1 is stored as 0). logprobs: None returns none; N >= 0 returns the sampled token's
     logprob plus the top N. prompt_logprobs: the same for every prompt token after the first (the logprob
-    of that token given the ones before it, the first is None): vLLM's field, which OpenAI's `echo` asks for. Values are type-checked (a string, bool, NaN or inf is an error) and
+    of that token given the ones before it, the first is None): vLLM's field, which OpenAI's `echo` asks for.
+    guided: (kind, source, scope) holds the output to a grammar (`structured.py`). Values are type-checked (a string, bool, NaN or inf is an error) and
     normalized (floats stored as float, stop_token_ids as a tuple) on construction.
     """
 
@@ -92,6 +93,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    guided: tuple[str, str, str] | None = None       # structured output: (kind, source, scope), structured.py
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) added to the logits
 
     def __post_init__(self) -> None:
@@ -133,6 +135,15 @@ class SamplingParams:
         else:
             bias = tuple((_int("logit_bias", t), _real("logit_bias", b)) for t, b in bias)
         put("logit_bias", bias)
+        g = self.guided
+        if g is not None:
+            from .structured import KINDS, SCOPES
+            if (isinstance(g, (str, bytes)) or not isinstance(g, Sequence) or len(g) != 3
+                    or not all(isinstance(x, str) for x in g)):
+                raise SamplingError("guided", f"must be [kind, source, scope] strings (got {g!r})")
+            if g[0] not in KINDS or g[2] not in SCOPES:
+                raise SamplingError("guided", f"kind must be one of {KINDS} and scope one of {SCOPES} (got {g!r})")
+            put("guided", tuple(g))
 
         need(self.temperature >= 0.0, "temperature", "must be >= 0 (0 = greedy)")
         need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
@@ -312,9 +323,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None] | None = None,
                prompt_and_output_ids: Sequence[Sequence[int] | torch.Tensor] | None = None,
-               output_ids: Sequence[Sequence[int] | torch.Tensor] | None = None) -> SampleResult:
+               output_ids: Sequence[Sequence[int] | torch.Tensor] | None = None,
+               allowed: Sequence[torch.Tensor | None] | None = None) -> SampleResult:
         """logits [B, V] (float32; other float dtypes are upcast); params, generators, histories: one per
-        row. Histories may be omitted (no penalties apply), as may generators (all unseeded)."""
+        row. Histories may be omitted (no penalties apply), as may generators (all unseeded). `allowed`: per
+        row None or a [V] bool mask of the only tokens it may draw (structured output), applied last."""
         if logits.dim() != 2 or logits.shape[1] == 0:
             raise SamplingError("logits", f"must be [B, V] with V >= 1 (got shape {tuple(logits.shape)})")
         b, v = logits.shape
@@ -349,6 +362,12 @@ class Sampler:
                 x[i].index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=dev, dtype=x.dtype))
         self._mask_min_tokens(x, params, output_ids)
         self._apply_penalties(x, params, prompt_and_output_ids, output_ids)
+        for i, a in enumerate(allowed or ()):
+            if a is not None:
+                a = a.to(dev)
+                row = x[i].masked_fill(~a, -math.inf)
+                # min_tokens may have masked the only tokens the grammar allows (its end): the grammar wins
+                x[i] = row if bool(torch.isfinite(row).any()) else raw[i].float().masked_fill(~a, -math.inf)
 
         tokens = torch.empty(b, dtype=torch.int64, device=dev)               # [B]
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]

@@ -13,6 +13,7 @@ first (every replica at once), the single rank does not: the warm-up changes no 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -35,6 +36,7 @@ def _params(i: int) -> SamplingParams:
         dict(temperature=1.0, top_p=0.9, seed=5, frequency_penalty=0.5, max_tokens=7, ignore_eos=True),
         dict(temperature=0.0, logprobs=2, prompt_logprobs=1, max_tokens=6, ignore_eos=True),  # + logprobs
         dict(temperature=0.0, min_tokens=4, max_tokens=12),                          # stops at EOS after 4
+        dict(temperature=0.0, max_tokens=12, guided=("regex", "[a-z]{2,8}", "all")),  # structured (gathered)
     ]
     return SamplingParams(**kinds[i % len(kinds)])
 
@@ -123,12 +125,16 @@ def single(tiny_ckpt):
     return res
 
 
-def test_single_rank_session_is_sane(single):
+def test_single_rank_session_is_sane(single, tiny_ckpt):
     reqs = single["requests"]
     assert single["refused"] == ["RequestError", "RequestError", "temperature"]
     assert reqs["r1"][1] == "abort" and 0 < len(reqs["r1"][0]) < 9
     assert all(reqs[r][1] in ("length", "stop") for r in reqs if r != "r1")
     assert len(reqs["r4"][2]) == LENGTHS[4] - 1 + 6                  # logprobs for every token after the first
+    from gigadecode.tokenizer import TextCodec
+    codec = TextCodec.from_dir(tiny_ckpt)
+    toks, reason, _ = reqs["r6"]
+    assert reason == "stop" and re.fullmatch("[a-z]{2,8}", codec.decode(toks[:-1])), codec.decode(toks)
 
 
 LAYOUTS = [

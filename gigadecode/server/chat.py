@@ -26,7 +26,7 @@ from ..sampling import MAX_LOGPROBS
 from . import deps
 from .outputs import (Choice, HarmonyRenderer, TextRenderer, chat_logprobs, run_to_end, sse_response, start,
                       stream_chunk, stream_events, usage, vllm_prompt_logprobs)
-from .protocol import APIError, ChatBody, sampling_params, stop_strings
+from .protocol import APIError, ChatBody, guided_errors_name, guided_of, sampling_params, stop_strings
 
 router = APIRouter()
 
@@ -134,16 +134,19 @@ async def chat_completions(request: Request) -> Response:
         max_tokens, max_param = raw.get("max_tokens"), "max_tokens"
     if max_tokens is None:
         max_tokens = max(1, aeng.max_model_len - len(prompt))
-    with naming_max_tokens(max_param):
-        params = sampling_params(raw, max_tokens, logprobs, deps.sampling_defaults(aeng), req.prompt_logprobs)
     from ..harmony import HarmonyTokens
     tokens = HarmonyTokens.from_codec(codec)
+    # structured output holds the answer (harmony's final message), not the reasoning before it
+    guided, guided_field = guided_of(raw, "final" if tokens is not None else "all")
+    with naming_max_tokens(max_param):
+        params = sampling_params(raw, max_tokens, logprobs, deps.sampling_defaults(aeng), req.prompt_logprobs,
+                                 guided)
 
     def renderer() -> Any:
         return HarmonyRenderer(codec, tokens) if tokens is not None else TextRenderer(codec)
 
     kv = deps.advertised(request, req.kv_transfer_params)
-    with naming_max_tokens(max_param):
+    with naming_max_tokens(max_param), guided_errors_name(guided_field):
         rid, choices = await start(aeng, [prompt], params, "chatcmpl", req.n or 1, kv, "messages", renderer,
                                    stop_strings(req))
     head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",

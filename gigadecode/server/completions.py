@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from . import deps
 from .outputs import (Choice, TextRenderer, completion_logprobs, echoed_prompt_logprobs, run_to_end, sse_response,
                       start, stream_chunk, stream_events, usage, vllm_prompt_logprobs)
-from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_SEQUENCES, APIError, CompletionBody, sampling_params,
-                       stop_strings)
+from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_SEQUENCES, APIError, CompletionBody, guided_errors_name,
+                       guided_of, sampling_params, stop_strings)
 
 router = APIRouter()
 
@@ -67,10 +67,12 @@ async def completions(request: Request) -> Response:
     # the completion's (vLLM: echo asks the engine for the prompt's logprobs at the same top N)
     echo = bool(req.echo)
     prompt_lps = req.prompt_logprobs if req.prompt_logprobs is not None else raw.get("logprobs") if echo else None
-    params = sampling_params(raw, max_tokens, raw.get("logprobs"), deps.sampling_defaults(aeng), prompt_lps)
+    guided, guided_field = guided_of(raw, "all")
+    params = sampling_params(raw, max_tokens, raw.get("logprobs"), deps.sampling_defaults(aeng), prompt_lps, guided)
     kv = deps.advertised(request, req.kv_transfer_params)
-    rid, choices = await start(aeng, prompts, params, "cmpl", req.n or 1, kv, "prompt",
-                               lambda: TextRenderer(codec), stop_strings(req), max_tokens_of=rest)
+    with guided_errors_name(guided_field):
+        rid, choices = await start(aeng, prompts, params, "cmpl", req.n or 1, kv, "prompt",
+                                   lambda: TextRenderer(codec), stop_strings(req), max_tokens_of=rest)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name}
     echoes = [_rendered(codec, ids) for ids in prompts] if echo else []     # (text, token offsets) per prompt
 

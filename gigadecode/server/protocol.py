@@ -11,8 +11,10 @@ output), never silently ignored; fields that change nothing here (`user`, `metad
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
 
 from fastapi import Request
@@ -226,10 +228,7 @@ UNSUPPORTED_COMPLETION = {"suffix": "suffix is not supported",
 # vLLM's extra fields that would change the output, on either route: a 400 unless the value is what this
 # server does anyway (`_ASKS_NOTHING`), so a client never gets output that differs from what it asked for
 UNSUPPORTED_EITHER = {
-    "response_format": "structured output (response_format) is not supported",
-    **{k: f"guided decoding ({k}) is not supported" for k in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern", "structured_outputs")},
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (JSON is laid out as json.dumps does)",
     "truncate_prompt_tokens": "truncate_prompt_tokens is not supported (send a prompt that fits the context)",
     "allowed_token_ids": "allowed_token_ids is not supported (use logit_bias)",
     "bad_words": "bad_words is not supported (use logit_bias)",
@@ -244,7 +243,7 @@ UNSUPPORTED_EITHER = {
 }
 # values of those fields that ask for exactly what the server does (None: the field left unset)
 _ASKS_NOTHING: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},), "use_beam_search": (False,), "length_penalty": (1, 1.0),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0),
     "return_tokens_as_token_ids": (False,), "detokenize": (True,), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "priority": (0,), "allowed_token_ids": ([],), "bad_words": ([],),
     "echo": (False,), "best_of": (1,), "continue_final_message": (False,), "chat_template_kwargs": ({},),
@@ -276,7 +275,8 @@ def refuse_unsupported(raw: Mapping[str, Any], chat: bool) -> None:
 
 
 def sampling_params(raw: Mapping[str, Any], max_tokens: Any, logprobs: int | None,
-                    defaults: Sequence[tuple[str, Any]] = (), prompt_logprobs: int | None = None) -> SamplingParams:
+                    defaults: Sequence[tuple[str, Any]] = (), prompt_logprobs: int | None = None,
+                    guided: tuple[str, str, str] | None = None) -> SamplingParams:
     """The body's sampling fields; `defaults` (the checkpoint's generation_config.json) fill what it leaves
     unset (an explicit null counts as unset, as in vLLM)."""
     d = {k: v for k, v in defaults if k != "max_tokens"}
@@ -284,6 +284,7 @@ def sampling_params(raw: Mapping[str, Any], max_tokens: Any, logprobs: int | Non
     d["max_tokens"] = max_tokens
     d["logprobs"] = logprobs
     d["prompt_logprobs"] = prompt_logprobs
+    d["guided"] = guided
     try:
         return SamplingParams.from_dict(d)
     except SamplingError as e:
@@ -297,3 +298,75 @@ async def read_body(request: Request, model: type[BaseModel], chat: bool) -> tup
     req = parse(model, raw)
     refuse_unsupported(raw, chat=chat)
     return raw, req
+
+
+# --------------------------------------------------------------------------------------------------
+# Structured output
+# --------------------------------------------------------------------------------------------------
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs")
+
+
+@contextmanager
+def guided_errors_name(field_: str | None) -> Iterator[None]:
+    """A grammar the engine cannot compile (param "guided") is named by the field the client sent it in."""
+    try:
+        yield
+    except APIError as e:
+        if e.param == "guided" and field_ is not None:
+            e.param = field_
+        raise
+
+
+def guided_of(raw: Mapping[str, Any], scope: str) -> tuple[tuple[str, str, str] | None, str | None]:
+    """The body's structured-output request (OpenAI's `response_format`, vLLM's `guided_*` fields or its
+    `structured_outputs`) -> ((kind, source, scope) for SamplingParams.guided, or None; the field it came
+    from). At most one may be set."""
+    given = [k for k in GUIDED_FIELDS if raw.get(k) is not None
+             and not (k == "response_format" and raw[k] == {"type": "text"})]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise APIError(400, f"give one structured-output field, not {' and '.join(given)}", param=given[1])
+    field_ = given[0]
+    v = raw[field_]
+    spec: dict[str, Any]
+    if field_ == "response_format":
+        if not isinstance(v, Mapping) or v.get("type") not in ("json_object", "json_schema"):
+            raise APIError(400, "response_format: type must be text, json_object or json_schema", param=field_)
+        if v["type"] == "json_object":
+            spec = {"json_object": True}
+        else:
+            js = v.get("json_schema")
+            if not isinstance(js, Mapping) or not isinstance(js.get("schema", {}), Mapping):
+                raise APIError(400, "response_format.json_schema must be an object with a `schema` object",
+                               param="response_format.json_schema")
+            spec = {"json": js.get("schema", {})}
+    elif field_ == "structured_outputs":
+        if not isinstance(v, Mapping):
+            raise APIError(400, "structured_outputs must be an object", param=field_)
+        spec = {k: v[k] for k in ("json", "regex", "choice", "grammar", "json_object") if v.get(k) not in (None, False)}
+        if len(spec) != 1:
+            raise APIError(400, "structured_outputs: give exactly one of json, regex, choice, grammar, json_object",
+                           param=field_)
+    else:
+        spec = {field_.removeprefix("guided_"): v}
+    (kind, value), = spec.items()
+    if kind == "json_object":
+        return ("json_object", "", scope), field_
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise APIError(400, f"{field_}: the schema is not JSON: {e}", param=field_) from None
+        if not isinstance(value, Mapping):
+            raise APIError(400, f"{field_}: the schema must be a JSON object", param=field_)
+        return ("json", json.dumps(value), scope), field_
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise APIError(400, f"{field_}: choices must be a non-empty list of strings", param=field_)
+        return ("choice", json.dumps(value), scope), field_
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"{field_}: the {kind} must be a non-empty string", param=field_)
+    return (kind, value, scope), field_

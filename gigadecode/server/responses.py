@@ -28,7 +28,7 @@ from ..connector.params import KVTransferParams
 from . import deps
 from .chat import chat_prompt, naming_max_tokens
 from .outputs import Choice, HarmonyRenderer, TextRenderer, merge, run_to_end, start
-from .protocol import APIError, ChatBody, _Model, parse, read_json, sampling_params
+from .protocol import APIError, ChatBody, _Model, guided_errors_name, parse, read_json, sampling_params
 
 router = APIRouter()
 
@@ -60,9 +60,6 @@ def _refuse(req: ResponsesBody) -> None:
                        param="previous_response_id")
     if req.background:
         raise APIError(400, "background responses are not supported", param="background")
-    fmt = (req.text or {}).get("format")
-    if fmt not in (None, {"type": "text"}):
-        raise APIError(400, "structured output (text.format) is not supported", param="text.format")
     if req.include:
         raise APIError(400, f"include {req.include[0]!r} is not supported", param="include")
     if req.top_logprobs:
@@ -71,6 +68,19 @@ def _refuse(req: ResponsesBody) -> None:
     if req.tool_choice not in (None, "auto", "none"):
         raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported (a forced tool call needs "
                             "guided decoding)", param="tool_choice")
+
+
+def _guided(req: ResponsesBody, scope: str) -> tuple[str, str, str] | None:
+    """`text.format`: text, json_object, or json_schema ({"type": "json_schema", "name", "schema", "strict"})."""
+    fmt = (req.text or {}).get("format")
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        return ("json_object", "", scope)
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
+        return ("json", json.dumps(fmt["schema"]), scope)
+    raise APIError(400, "text.format must be text, json_object or json_schema (with a `schema` object)",
+                   param="text.format")
 
 
 def _text(content: Any, where: str) -> str:
@@ -273,8 +283,9 @@ async def responses(request: Request) -> Response:
     max_tokens = req.max_output_tokens or max(1, aeng.max_model_len - len(prompt))
     from ..harmony import HarmonyTokens
     tokens = HarmonyTokens.from_codec(codec)
-    with naming_max_tokens("max_output_tokens"):
-        params = sampling_params(raw, max_tokens, None, deps.sampling_defaults(aeng))
+    guided = _guided(req, "final" if tokens is not None else "all")
+    with naming_max_tokens("max_output_tokens"), guided_errors_name("text.format"):
+        params = sampling_params(raw, max_tokens, None, deps.sampling_defaults(aeng), None, guided)
         _, choices = await start(aeng, [prompt], params, "resp", 1, deps.advertised(request, req.kv_transfer_params),
                                  "input",
                                  lambda: HarmonyRenderer(codec, tokens) if tokens is not None else TextRenderer(codec),
@@ -284,7 +295,7 @@ async def responses(request: Request) -> Response:
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": params.temperature, "top_p": params.top_p, "tools": req.tools or [],
             "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": raw.get("parallel_tool_calls", True),
-            "reasoning": {"effort": effort, "summary": None}, "text": {"format": {"type": "text"}},
+            "reasoning": {"effort": effort, "summary": None}, "text": req.text or {"format": {"type": "text"}},
             "truncation": "disabled", "metadata": raw.get("metadata") or {}, "error": None,
             "incomplete_details": None, "usage": None}
 

@@ -1,0 +1,139 @@
+"""Structured output: a request's tokens held to a JSON schema, a regex, a list of choices or a Lark grammar.
+
+`SamplingParams.guided` = (kind, source, scope): kind "json" (source: a JSON schema), "json_object" (any JSON
+object), "regex", "choice" (source: a JSON list of strings) or "grammar" (Lark, or GBNF); scope "all" (every generated
+token, as /v1/completions) or "final" (only the body of a harmony `final` message: a GPT-OSS chat reply reasons
+on the analysis channel freely, then answers in the format). llguidance (a Rust library, no other dependency)
+compiles the grammar against the checkpoint's tokenizer.json and gives, each step, the tokens that keep the
+text inside it; `Guide.allowed` turns that into a mask the sampler applies before it draws (greedy included),
+and `Guide.accept` moves the grammar on by the token drawn.
+
+The end of the structured part is the engine's: when the grammar is satisfied (or can take nothing more) the
+request's end tokens are allowed (scope "all": the EOS ids; "final": `<|return|>`), and the grammar never
+sees them. A grammar that cannot be compiled is the request's error (RequestError, param "guided").
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .request import RequestError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# JSON laid out as json.dumps does (", " and ": ", no other whitespace): free whitespace lets a model pad
+# forever (a schema's own "x-guidance" options still apply over these)
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+SCOPES = ("all", "final")
+
+
+class GuideFactory:
+    """One engine's grammar compiler: the tokenizer (built on first use) and the end tokens."""
+
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.model_dir, self.vocab_size, self.eos = Path(model_dir), vocab_size, tuple(eos_token_ids)
+        self._tok: Any = None
+        self._special: dict[str, int] = {}
+
+    def _tokenizer(self) -> Any:
+        if self._tok is None:
+            import llguidance
+            path = self.model_dir / "tokenizer.json"
+            if not path.is_file():
+                raise RequestError("structured output needs the checkpoint's tokenizer.json", param="guided")
+            text = path.read_text()
+            self._tok = llguidance.LLTokenizer(text, n_vocab=self.vocab_size)
+            added = json.loads(text).get("added_tokens", [])
+            self._special = {t["content"]: t["id"] for t in added if t.get("special")}
+        return self._tok
+
+    def make(self, guided: tuple[str, str, str]) -> Guide:
+        import llguidance
+        kind, source, scope = guided
+        tok = self._tokenizer()
+        try:
+            if kind in ("json", "json_object"):
+                schema = source if kind == "json" else {"type": "object"}
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+            elif kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(source)
+            elif kind == "choice":
+                choices = json.loads(source)
+                grammar = llguidance.LLMatcher.grammar_from_lark(
+                    "start: " + " | ".join(json.dumps(c) for c in choices))
+            else:                                          # Lark, or GBNF (vLLM's `::=` rules) converted
+                from llguidance.gbnf_to_lark import any_to_lark
+                grammar = llguidance.LLMatcher.grammar_from_lark(any_to_lark(source))
+            matcher = llguidance.LLMatcher(tok, grammar)
+        except Exception as e:  # noqa: BLE001 - the client's grammar: its error is the request's
+            raise RequestError(f"structured output ({kind}): {e}", param="guided") from None
+        if matcher.is_error():
+            raise RequestError(f"structured output ({kind}): {matcher.get_error()}", param="guided")
+        if scope == "final":
+            names = ("<|channel|>", "<|message|>", "<|return|>", "<|end|>", "<|start|>")
+            ids = [self._special.get(n) for n in names]
+            if None in ids:
+                raise RequestError("structured output in chat needs harmony's special tokens", param="guided")
+            return Guide(matcher, tok, self.vocab_size, ends=(ids[2],), gate=(ids[0], ids[1]))
+        return Guide(matcher, tok, self.vocab_size, ends=self.eos)
+
+
+class Guide:
+    """One request's grammar state. `gate` (scope "final": the ids of <|channel|> and <|message|>): the
+    grammar applies from the body of a message whose channel header reads `final` on."""
+
+    def __init__(self, matcher: Any, tok: Any, vocab_size: int, ends: tuple[int, ...],
+                 gate: tuple[int, int] | None = None) -> None:
+        self.matcher, self.tok, self.vocab_size, self.ends = matcher, tok, vocab_size, tuple(ends)
+        self.gate = gate
+        self.active = gate is None
+        self._header: list[int] | None = None          # ids after <|channel|>, until <|message|>
+        self._done = False                              # the structured part ended (an end token was drawn)
+        self._own_eos = set(getattr(tok, "eos_tokens", ()) or ()) - set(self.ends)
+
+    def allowed(self) -> torch.Tensor | None:
+        """[V] bool: the tokens that keep the output inside the grammar (the end tokens once it is satisfied),
+        or None where nothing is constrained (before a harmony final message, after the structured part)."""
+        if not self.active or self._done:
+            return None
+        m = self.matcher
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        if not m.is_stopped():
+            words = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)      # [ceil(V/32)]
+            bits = ((words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten().bool()
+            n = min(self.vocab_size, bits.numel())
+            mask[:n] = bits[:n]
+            for t in self._own_eos:                        # the tokenizer's own EOS: ours are `ends`
+                if t < self.vocab_size:
+                    mask[t] = False
+        if m.is_stopped() or m.is_accepting():
+            for t in self.ends:
+                if 0 <= t < self.vocab_size:
+                    mask[t] = True
+        if not bool(mask.any()):                           # nothing fits (a grammar error): let it end
+            mask[[t for t in self.ends if 0 <= t < self.vocab_size]] = True
+        return mask
+
+    def accept(self, token: int) -> None:
+        """The token drawn: the grammar moves on (or, before a final message, the gate watches headers)."""
+        if self._done:
+            return
+        if self.active:
+            if token in self.ends:
+                self._done = True
+            else:
+                self.matcher.consume_token(token)
+            return
+        channel, message = self.gate                       # type: ignore[misc]
+        if token == channel:
+            self._header = []
+        elif self._header is not None:
+            if token == message:
+                header = self.tok.decode_str(self._header).strip()
+                self._header = None
+                self.active = header.split()[0:1] == ["final"] if header else False
+            else:
+                self._header.append(token)

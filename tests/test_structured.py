@@ -1,0 +1,158 @@
+"""Structured output (`structured.py`, llguidance): the output held to a JSON schema, a regex, choices or a Lark
+grammar — over the whole output (completions) or only a harmony final message (chat: the reasoning stays free)
+— checked by parsing what comes out with Python's own json / re, never by the grammar that made it; a request
+that asks for none is not touched by a guided neighbour in its batch; bad grammars are the request's error."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+import torch
+
+from gigadecode.checkpoint import make_checkpoint
+from gigadecode.engine import LLMEngine, RequestError
+from gigadecode.engine_config import EngineConfig
+from gigadecode.runner import ModelRunner
+from gigadecode.sampling import Sampler, SamplingError, SamplingParams
+from gigadecode.tokenizer import TextCodec
+
+from .test_openai_features import _serve
+
+SCHEMA = {"type": "object", "properties": {"sum": {"type": "integer"}, "words": {"type": "array", "items": {
+    "type": "string", "enum": ["one", "two", "three"]}, "maxItems": 3}, "ok": {"type": "boolean"}},
+    "required": ["sum", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    d = make_checkpoint(tmp_path_factory.mktemp("demo") / "demo", "demo")
+    eng = LLMEngine(ModelRunner(d, EngineConfig(dtype="float32", kv_dtype="auto", num_blocks=200, block_size=4)))
+    return d, eng, TextCodec.from_dir(d)
+
+
+def _check_schema(obj: dict) -> None:
+    assert set(obj) <= {"sum", "words", "ok"} and {"sum", "ok"} <= set(obj)
+    assert isinstance(obj["sum"], int) and not isinstance(obj["sum"], bool) and isinstance(obj["ok"], bool)
+    assert all(w in ("one", "two", "three") for w in obj.get("words", [])) and len(obj.get("words", [])) <= 3
+
+
+def test_chat_answer_follows_the_schema_and_the_reasoning_stays_free(demo):
+    d, eng, codec = demo
+    prompt = codec.apply_chat_template([{"role": "user", "content": "What is 37 + 45?"}])
+    free = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=128))[0]
+    guided = [("json", json.dumps(SCHEMA), "final")] * 2 + [("json_object", "", "final")]
+    outs = eng.generate([prompt] * 3, [SamplingParams(temperature=t, seed=5, max_tokens=160, guided=g)
+                                       for t, g in zip((0, 1.0, 0), guided)])
+    text = codec.decode(free.output_ids, skip_special_tokens=False)
+    head = "<|start|>assistant<|channel|>final<|message|>"
+    for r in outs:
+        got = codec.decode(r.output_ids, skip_special_tokens=False)
+        assert r.finish_reason == "stop" and got.endswith("<|return|>")
+        reasoning, answer = got.split(head)
+        assert reasoning == text.split(head)[0]                # the analysis message is the free run's
+        obj = json.loads(answer.removesuffix("<|return|>"))
+        assert isinstance(obj, dict)
+    for r in outs[:2]:
+        _check_schema(json.loads(codec.decode(r.output_ids, skip_special_tokens=False).split(head)[1][:-10]))
+
+
+@pytest.mark.parametrize("kind, source, check", [
+    ("regex", r"[0-9]{3}-[a-z]{2,4}", lambda s: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", s)),
+    ("choice", json.dumps(["red", "green", "blue jay"]), lambda s: s in ("red", "green", "blue jay")),
+    ("grammar", 'start: "(" item ")" | "(" item "," item ")" | "(" item "," item "," item ")"\nitem: /[a-c]{1,3}/',
+     lambda s: re.fullmatch(r"\([a-c]{1,3}(,[a-c]{1,3}){0,2}\)", s)),
+    ("json", json.dumps(SCHEMA), lambda s: _check_schema(json.loads(s)) is None),
+])
+def test_whole_output_follows_the_grammar_sampled_or_greedy(demo, kind, source, check):
+    _, eng, codec = demo
+    prompts = [codec.encode("The answer: "), codec.encode("What is 2 + 2?")]
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=64, guided=(kind, source, "all"))
+              for t, s in ((0, None), (1.0, 1), (1.3, 2))]
+    for r in eng.generate([prompts[i % 2] for i in range(3)], params):
+        assert r.finish_reason == "stop", codec.decode(r.output_ids, skip_special_tokens=False)
+        assert r.output_ids[-1] in eng.eos_token_ids
+        assert check(codec.decode(r.output_ids[:-1], skip_special_tokens=False))
+
+
+def test_an_unguided_request_is_untouched_by_a_guided_neighbour_and_preemption_keeps_the_grammar(demo):
+    d, _, codec = demo
+    eng = LLMEngine(ModelRunner(d, EngineConfig(dtype="float32", kv_dtype="auto", num_blocks=60, block_size=4,
+                                                max_prefill_tokens=16)))
+    plain = codec.encode("What is 12 + 30?")
+    alone = eng.generate([plain], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].output_ids
+    chat = codec.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}])
+    guided = SamplingParams(temperature=0, max_tokens=110, guided=("json", json.dumps(SCHEMA), "final"))
+    rs = eng.generate([plain, chat, chat, chat], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+                      + [guided] * 3)
+    assert eng.stats.preemptions > 0
+    assert rs[0].output_ids == alone
+    for r in rs[1:]:
+        _check_schema(json.loads(codec.decode(r.output_ids, skip_special_tokens=False)
+                                 .split("<|channel|>final<|message|>")[1].removesuffix("<|return|>")))
+
+
+def test_bad_grammars_are_the_requests_error(demo):
+    _, eng, _ = demo
+    before = len(eng.requests)
+    for g in (("regex", "((", "all"), ("json", "{not json", "all"), ("grammar", "start: undefined_rule", "all")):
+        with pytest.raises(RequestError) as e:
+            eng.add_request([5, 6], SamplingParams(guided=g))
+        assert e.value.param == "guided"
+    with pytest.raises(SamplingError):
+        SamplingParams(guided=("xml", "", "all"))
+    with pytest.raises(SamplingError):
+        SamplingParams(guided=("regex", "a", "middle"))
+    assert len(eng.requests) == before                             # nothing queued
+    assert eng.generate([[5, 6]], SamplingParams(max_tokens=2))[0].finish_reason == "length"
+
+
+def test_the_sampler_draws_only_allowed_tokens():
+    """The mask holds for greedy and sampled rows alike, rows without one are left alone, and a mask that
+    min_tokens would leave empty (its only token is an EOS) still wins."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    allowed = torch.zeros(50, dtype=torch.bool)
+    allowed[[3, 17]] = True
+    eos = torch.zeros(50, dtype=torch.bool)
+    eos[7] = True
+    s = Sampler(eos_token_ids=(7,))
+    ps = [SamplingParams(temperature=0), SamplingParams(temperature=2.0, seed=1), SamplingParams(temperature=0)]
+    for _ in range(20):
+        r = s.sample(logits, ps, [None, torch.Generator().manual_seed(_), None], allowed=[allowed, allowed, None])
+        assert r.token_ids[0].item() in (3, 17) and r.token_ids[1].item() in (3, 17)
+        assert r.token_ids[2].item() == logits[2].argmax().item()
+    r = s.sample(logits[:1], [SamplingParams(temperature=0, min_tokens=4)], output_ids=[[]], allowed=[eos])
+    assert r.token_ids.tolist() == [7]
+
+
+def test_the_server_fields(demo):
+    """OpenAI's response_format (chat), vLLM's guided_* and structured_outputs (completions, GBNF converted),
+    the Responses API's text.format; a bad one is a 400 naming its field."""
+    d, _, _ = demo
+    eng, srv = _serve(d)
+    with srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        ask = [{"role": "user", "content": "What is 37 + 45?"}]
+        r = c.chat.completions.create(model="m", messages=ask, temperature=0, max_tokens=160, response_format={
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})
+        _check_schema(json.loads(r.choices[0].message.content))
+        assert "ones: 7 + 5 = 12" in r.choices[0].message.model_extra["reasoning_content"]
+        r = c.responses.create(model="m", input="What is 37 + 45?", temperature=0, max_output_tokens=160,
+                               text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}})
+        _check_schema(json.loads(r.output_text))
+        for extra, check in (({"guided_choice": ["yes", "no"]}, lambda s: s in ("yes", "no")),
+                             ({"guided_regex": "[a-c]{5}"}, lambda s: re.fullmatch("[a-c]{5}", s)),
+                             ({"structured_outputs": {"grammar": 'root ::= "x" [0-9] [0-9]'}},
+                              lambda s: re.fullmatch("x[0-9]{2}", s)),
+                             ({"guided_json": json.dumps(SCHEMA)}, lambda s: _check_schema(json.loads(s)) is None)):
+            out = c.completions.create(model="m", prompt="x", max_tokens=60, temperature=0, extra_body=extra)
+            assert out.choices[0].finish_reason == "stop" and check(out.choices[0].text), (extra, out.choices[0].text)
+        for extra, param in (({"guided_regex": "(("}, "guided_regex"), ({"guided_json": {"type": "nope"}}, "guided_json"),
+                             ({"guided_choice": []}, "guided_choice"), ({"response_format": {"type": "yaml"}}, "response_format"),
+                             ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice")):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.completions.create(model="m", prompt="x", max_tokens=2, extra_body=extra)
+            assert e.value.body["param"] == param, e.value.body
+        assert not eng.requests
