@@ -740,6 +740,32 @@ def test_proxy_least_loaded():
     assert pool.pick(exclude=[a, b, c]) is None
 
 
+def test_proxy_prefix_affinity():
+    """A prompt that starts like an earlier one goes to the prefill server that took the earlier one (its
+    prefix cache holds the blocks) while that server is at most AFFINITY_SLACK requests busier than the least
+    loaded; past that, or when it is excluded (failed), to the least loaded; prompts shorter than a chunk
+    have no keys."""
+    from gigadecode.server.proxy import AFFINITY_SLACK, Pool, prefix_keys
+    system = {"role": "system", "content": "You are a careful assistant. " * 40}
+    turn1 = {"messages": [system, {"role": "user", "content": "first question"}]}
+    turn2 = {"messages": turn1["messages"] + [{"role": "assistant", "content": "an answer"},
+                                              {"role": "user", "content": "second question"}]}
+    other = {"messages": [{"role": "system", "content": "Something else entirely. " * 40}]}
+    k1, k2, ko = prefix_keys(turn1), prefix_keys(turn2), prefix_keys(other)
+    assert k1 and len(k2) > len(k1) and k2[:len(k1) - 1] == k1[:len(k1) - 1] and not set(ko) & set(k1)
+    assert prefix_keys({"prompt": "short"}) == [] and prefix_keys({"prompt": list(range(400))})
+    pool = Pool("prefill", ["a", "b"])
+    a, b = pool.servers
+    assert pool.pick(keys=k1) is a
+    assert pool.pick(keys=ko) is b                   # another prompt: the least loaded (b, fewer sent)
+    a.in_flight = AFFINITY_SLACK
+    assert pool.pick(keys=k2) is a                   # busier, but it holds turn 1
+    a.in_flight = AFFINITY_SLACK + 1
+    assert pool.pick(keys=k2) is b                   # too busy: the least loaded, which now owns the keys
+    a.in_flight = 0
+    assert pool.pick(keys=k2) is b and pool.pick(exclude=[b], keys=k2) is a
+
+
 def test_proxy_passthrough_with_real_server(server):
     """One `--role both` server as prefill and decode: /v1/models and /health pass through. A both-role
     engine has no KV connector, so it refuses the prefill leg (`kv_transfer_params`) with a 400 naming the
