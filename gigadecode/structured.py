@@ -137,3 +137,26 @@ class Guide:
                 self.active = header.split()[0:1] == ["final"] if header else False
             else:
                 self._header.append(token)
+
+
+def forced_call_grammar(tools: list[dict[str, Any]], name: str | None = None) -> str:
+    """A Lark grammar (llguidance's: harmony's special tokens by name) for a GPT-OSS reply that must call a
+    function tool: optionally an analysis message first, then `<|channel|>commentary to=functions.NAME
+    <|constrain|>json<|message|>ARGS<|call|>` with ARGS held to that tool's parameter schema; `name`: that tool
+    only (OpenAI's named tool_choice), else any of `tools` ("required"). `tools` in chat's form."""
+    fns = [t["function"] for t in tools if t.get("type") == "function"]
+    if name is not None:
+        fns = [f for f in fns if f.get("name") == name]
+    if not fns:
+        raise ValueError(f"tool_choice names {name!r}, which is not among the request's tools" if name
+                         else "tool_choice requires a call, but the request offers no function tools")
+    rules = ["start: analysis? call",
+             'analysis: <|channel|> "analysis" <|message|> /(.|\\n)*/ <|end|> <|start|> "assistant"',
+             "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
+    for i, f in enumerate(fns):
+        schema = dict(f.get("parameters") or {"type": "object"})
+        schema["x-guidance"] = JSON_LAYOUT
+        head = json.dumps(f"commentary to=functions.{f['name']} ")
+        rules.append(f'call_{i}: <|channel|> {head} <|constrain|> "json" <|message|> args_{i} <|call|>')
+        rules.append(f"args_{i}: %json {json.dumps(schema)}")
+    return "\n".join(rules)

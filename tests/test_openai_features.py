@@ -290,7 +290,8 @@ def test_unsupported_fields_are_refused_by_name(live, chat):
     assert e.value.body["param"] == "stream_options"
     if chat:
         with pytest.raises(openai.BadRequestError) as e:
-            call(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}])
+            call(tool_choice={"type": "function", "function": {"name": "g"}},     # not among the tools
+                 tools=[{"type": "function", "function": {"name": "f"}}])
         assert e.value.body["param"] == "tool_choice"
         with pytest.raises(openai.BadRequestError) as e:        # top_logprobs without logprobs (as vLLM)
             call(top_logprobs=2)

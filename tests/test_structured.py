@@ -156,3 +156,43 @@ def test_the_server_fields(demo):
                 c.completions.create(model="m", prompt="x", max_tokens=2, extra_body=extra)
             assert e.value.body["param"] == param, e.value.body
         assert not eng.requests
+
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+MUL = {"type": "function", "function": {"name": "multiply", "description": "Multiply two numbers.", "parameters": {
+    "type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"],
+    "additionalProperties": False}}}
+
+
+def test_a_forced_tool_call(demo):
+    """tool_choice "required" (any of the tools) or a named function: the reply is a harmony call to it, its
+    arguments held to the tool's schema (the demo model, asked a sum with only `multiply` offered, answers
+    itself unless forced); chat and the Responses API; a named tool that is not offered, or a forced call with
+    structured output, is a 400 naming tool_choice."""
+    d, _, _ = demo
+    eng, srv = _serve(d)
+    ask = [{"role": "user", "content": "What is 37 + 45?"}]
+    with srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        free = c.chat.completions.create(model="m", messages=ask, tools=[MUL], temperature=0, max_tokens=128)
+        assert free.choices[0].message.content == "37 + 45 = 82" and not free.choices[0].message.tool_calls
+        for choice, tools in (("required", [MUL]), ({"type": "function", "function": {"name": "multiply"}}, [ADD, MUL])):
+            r = c.chat.completions.create(model="m", messages=ask, tools=tools, tool_choice=choice, temperature=0,
+                                          max_tokens=160)
+            (call,) = r.choices[0].message.tool_calls
+            assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "multiply"
+            args = json.loads(call.function.arguments)
+            assert set(args) == {"x", "y"} and all(isinstance(v, (int, float)) for v in args.values())
+        r = c.responses.create(model="m", input="What is 37 + 45?", temperature=0, max_output_tokens=160,
+                               tools=[{"type": "function", **MUL["function"]}],
+                               tool_choice={"type": "function", "name": "multiply"})
+        assert r.output[-1].type == "function_call" and r.output[-1].name == "multiply"
+        assert set(json.loads(r.output[-1].arguments)) == {"x", "y"}
+        for extra in ({"tool_choice": {"type": "function", "function": {"name": "divide"}}},
+                      {"tool_choice": "required", "response_format": {"type": "json_object"}},
+                      {"tool_choice": {"type": "function"}}):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(model="m", messages=ask, tools=[ADD, MUL], max_tokens=4, **extra)
+            assert e.value.body["param"] == "tool_choice", e.value.body
+        assert not eng.requests

@@ -3,7 +3,8 @@
 The prompt is rendered by the checkpoint's own template (`chat_template.jinja` / `tokenizer_config.json`)
 with what GPT-OSS's template takes: system / developer / user messages, earlier assistant turns (with
 `tool_calls` and `reasoning_content`, passed to the template as `thinking`), `role: "tool"` results,
-`tools` (OpenAI function tools; `tool_choice: "none"` leaves them out) and `reasoning_effort`
+`tools` (OpenAI function tools; `tool_choice: "none"` leaves them out, "required" or a named function holds
+the reply to a call: `structured.forced_call_grammar`) and `reasoning_effort`
 (low | medium | high). On a tokenizer with harmony's special tokens the output is parsed by channel
 (`harmony.HarmonyStreamParser`): analysis -> `reasoning_content`, final -> `content`, calls on commentary
 -> `tool_calls` with `finish_reason: "tool_calls"` — whole, and as stream deltas with vLLM's field names.
@@ -26,7 +27,8 @@ from ..sampling import MAX_LOGPROBS
 from . import deps
 from .outputs import (Choice, HarmonyRenderer, TextRenderer, chat_logprobs, run_to_end, sse_response, start,
                       stream_chunk, stream_events, usage, vllm_prompt_logprobs)
-from .protocol import APIError, ChatBody, guided_errors_name, guided_of, sampling_params, stop_strings
+from .protocol import (APIError, ChatBody, forced_call, guided_errors_name, guided_of, sampling_params,
+                       stop_strings)
 
 router = APIRouter()
 
@@ -138,6 +140,8 @@ async def chat_completions(request: Request) -> Response:
     tokens = HarmonyTokens.from_codec(codec)
     # structured output holds the answer (harmony's final message), not the reasoning before it
     guided, guided_field = guided_of(raw, "final" if tokens is not None else "all")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    guided = forced_call(raw, tools, True, tokens is not None, guided)
     with naming_max_tokens(max_param):
         params = sampling_params(raw, max_tokens, logprobs, deps.sampling_defaults(aeng), req.prompt_logprobs,
                                  guided)

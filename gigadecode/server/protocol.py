@@ -263,10 +263,7 @@ def refuse_unsupported(raw: Mapping[str, Any], chat: bool) -> None:
         if not _asks_nothing(k, raw.get(k)):
             raise APIError(400, why, param=k)
     if chat:
-        choice = raw.get("tool_choice")
-        if choice not in (None, "auto", "none"):
-            raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported (a forced tool call needs "
-                                "guided decoding)", param="tool_choice")
+        forced_tool(raw.get("tool_choice"), chat_form=True)           # a shape it cannot read: 400 here
         top = raw.get("top_logprobs")
         if top is not None and top != 0 and raw.get("logprobs") is not True:   # 0 asks for nothing (as vLLM)
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -316,6 +313,39 @@ def guided_errors_name(field_: str | None) -> Iterator[None]:
         if e.param == "guided" and field_ is not None:
             e.param = field_
         raise
+
+
+def forced_tool(choice: Any, chat_form: bool) -> tuple[bool, str | None]:
+    """`tool_choice` -> (a call is required, the function it must call or None for any). "auto" / "none" /
+    absent: (False, None); "required"; a named function: chat's {"type": "function", "function": {"name"}},
+    the Responses API's {"type": "function", "name"}."""
+    if choice in (None, "auto", "none"):
+        return False, None
+    if choice == "required":
+        return True, None
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name") if chat_form else choice.get("name")
+        if isinstance(name, str) and name:
+            return True, name
+    raise APIError(400, "tool_choice must be \"auto\", \"none\", \"required\" or a named function", param="tool_choice")
+
+
+def forced_call(raw: Mapping[str, Any], tools: list[dict[str, Any]] | None, chat_form: bool, harmony: bool,
+                guided: tuple[str, str, str] | None) -> tuple[str, str, str] | None:
+    """A forced tool call (`tool_choice` "required" or named) as the grammar of a harmony call to one of the
+    tools (`structured.forced_call_grammar`; `tools` in chat's form), or `guided` as it was."""
+    need, name = forced_tool(raw.get("tool_choice"), chat_form)
+    if not need:
+        return guided
+    if not harmony:
+        raise APIError(400, "a forced tool call needs a harmony chat template (GPT-OSS's)", param="tool_choice")
+    if guided is not None:
+        raise APIError(400, "a forced tool call and structured output cannot be asked for together", param="tool_choice")
+    from ..structured import forced_call_grammar
+    try:
+        return ("grammar", forced_call_grammar(tools or [], name), "all")
+    except ValueError as e:
+        raise APIError(400, f"tool_choice: {e}", param="tool_choice") from None
 
 
 def guided_of(raw: Mapping[str, Any], scope: str) -> tuple[tuple[str, str, str] | None, str | None]:

@@ -28,7 +28,8 @@ from ..connector.params import KVTransferParams
 from . import deps
 from .chat import chat_prompt, naming_max_tokens
 from .outputs import Choice, HarmonyRenderer, TextRenderer, merge, run_to_end, start
-from .protocol import APIError, ChatBody, _Model, guided_errors_name, parse, read_json, sampling_params
+from .protocol import (APIError, ChatBody, _Model, forced_call, guided_errors_name, parse, read_json,
+                       sampling_params)
 
 router = APIRouter()
 
@@ -65,9 +66,6 @@ def _refuse(req: ResponsesBody) -> None:
     if req.top_logprobs:
         raise APIError(400, "top_logprobs are not supported on /v1/responses (use /v1/chat/completions)",
                        param="top_logprobs")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported (a forced tool call needs "
-                            "guided decoding)", param="tool_choice")
 
 
 def _guided(req: ResponsesBody, scope: str) -> tuple[str, str, str] | None:
@@ -278,12 +276,14 @@ async def responses(request: Request) -> Response:
     if effort not in (None, "low", "medium", "high"):
         raise APIError(400, f"reasoning.effort must be low, medium or high (got {effort!r})", param="reasoning.effort")
     chat = parse(ChatBody, {"messages": chat_messages(req), "tools": chat_tools(req.tools),
-                            "tool_choice": req.tool_choice, "reasoning_effort": effort})
+                            "tool_choice": "none" if req.tool_choice == "none" else "auto",
+                            "reasoning_effort": effort})
     prompt = await asyncio.to_thread(chat_prompt, codec, chat)
     max_tokens = req.max_output_tokens or max(1, aeng.max_model_len - len(prompt))
     from ..harmony import HarmonyTokens
     tokens = HarmonyTokens.from_codec(codec)
-    guided = _guided(req, "final" if tokens is not None else "all")
+    guided = forced_call(raw, chat_tools(req.tools), False, tokens is not None,
+                         _guided(req, "final" if tokens is not None else "all"))
     with naming_max_tokens("max_output_tokens"), guided_errors_name("text.format"):
         params = sampling_params(raw, max_tokens, None, deps.sampling_defaults(aeng), None, guided)
         _, choices = await start(aeng, [prompt], params, "resp", 1, deps.advertised(request, req.kv_transfer_params),
