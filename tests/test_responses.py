@@ -9,6 +9,10 @@ import openai
 import pytest
 
 from gigadecode.checkpoint import make_checkpoint
+from gigadecode.server.chat import chat_prompt
+from gigadecode.server.protocol import ChatBody
+from gigadecode.server.responses import ResponsesBody, chat_messages, chat_tools
+from gigadecode.tokenizer import TextCodec
 
 from .test_openai_features import _serve
 
@@ -21,8 +25,12 @@ ASK = "What is 37 + 45?"
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    demo = make_checkpoint(tmp_path_factory.mktemp("demo") / "demo", "demo")
+def demo(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("demo") / "demo", "demo")
+
+
+@pytest.fixture(scope="module")
+def client(demo):
     eng, srv = _serve(demo)
     with srv:
         yield eng, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -112,3 +120,26 @@ def test_what_a_stateless_server_cannot_do_is_refused(client, extra, param):
         c.responses.create(**{"model": "m", "input": ASK, **extra})
     assert e.value.body["param"] == param, e.value.body
     assert not eng.requests
+
+
+def _rendered(demo, body):
+    """The prompt the route renders for a Responses body, as text (harmony's special tokens kept)."""
+    codec, req = TextCodec.from_dir(demo), ResponsesBody.model_validate(body)
+    chat = ChatBody.model_validate({"messages": chat_messages(req), "tools": chat_tools(req.tools)})
+    return codec.decode(chat_prompt(codec, chat), skip_special_tokens=False)
+
+
+def test_each_function_call_output_goes_to_its_function(demo):
+    """Two calls in one turn, then their outputs: each output is rendered as the answer of the function its
+    call_id names (the template's fallback is the last call's function), reasoning before the calls."""
+    tools = [ADD, {**ADD, "name": "mul"}]
+    text = _rendered(demo, {"tools": tools, "input": [
+        {"role": "user", "content": ASK},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "THINK"}]},
+        {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1, "b": 2}'},
+        {"type": "function_call", "call_id": "c2", "name": "mul", "arguments": '{"a": 3, "b": 4}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "ADDED"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "MULTIPLIED"}]}]})
+    assert "<|channel|>analysis<|message|>THINK<|end|><|start|>assistant<|channel|>commentary to=functions.add" in text
+    assert "<|start|>functions.add to=assistant<|channel|>commentary<|message|>ADDED<|end|>" in text
+    assert "<|start|>functions.mul to=assistant<|channel|>commentary<|message|>MULTIPLIED<|end|>" in text

@@ -36,6 +36,7 @@ router = APIRouter()
 def chat_prompt(codec: Any, req: ChatBody) -> list[int]:
     """The rendered prompt's token ids; 400 when the template cannot render these messages."""
     messages = []
+    called: dict[str, str] = {}          # tool call id -> its function's name, for the tool messages that answer it
     for i, m in enumerate(req.messages):
         content: Any = m.content if m.content is not None else ""
         if isinstance(content, list):
@@ -50,6 +51,9 @@ def chat_prompt(codec: Any, req: ChatBody) -> list[int]:
         d = {**m.model_dump(exclude_none=True), "role": m.role, "content": content}
         if d.get("tool_calls"):
             d["tool_calls"] = [_arguments_as_object(c) for c in d["tool_calls"]]
+            called.update((c["id"], c["function"]["name"]) for c in d["tool_calls"] if c.get("id"))
+        if m.role == "tool" and m.name is None and m.tool_call_id in called:
+            d["name"] = called[m.tool_call_id]       # the template's fallback is the last call's function
         if m.reasoning_content is not None:
             d["thinking"] = m.reasoning_content          # the GPT-OSS template's name for it
         messages.append(d)
