@@ -143,3 +143,12 @@ def test_each_function_call_output_goes_to_its_function(demo):
     assert "<|channel|>analysis<|message|>THINK<|end|><|start|>assistant<|channel|>commentary to=functions.add" in text
     assert "<|start|>functions.add to=assistant<|channel|>commentary<|message|>ADDED<|end|>" in text
     assert "<|start|>functions.mul to=assistant<|channel|>commentary<|message|>MULTIPLIED<|end|>" in text
+
+
+@pytest.mark.parametrize("role", ["developer", "system"])
+def test_instructions_keep_the_inputs_own_developer_message(demo, role):
+    """`instructions` and a developer (or system) message opening the input both reach the prompt (the
+    template reads only the first message as the developer's instructions)."""
+    text = _rendered(demo, {"instructions": "Be precise.", "input": [{"role": role, "content": "Answer briefly."},
+                                                                      {"role": "user", "content": ASK}]})
+    assert "<|start|>developer<|message|># Instructions\n\nBe precise.\n\nAnswer briefly.<|end|>" in text

@@ -1,7 +1,8 @@
 """`POST /v1/responses`: OpenAI's Responses API, the one GPT-OSS's own guides use, over the chat route's
 machinery. The input items become chat messages rendered by the checkpoint's chat template (`instructions`
-as a developer message, `function_call` / `function_call_output` items as a call and the tool's answer, a
-`reasoning` item as the next assistant turn's analysis); the reply's harmony channels become output items:
+as a developer message, a developer or system message that opens the input appended to it;
+`function_call` / `function_call_output` items as a call and the tool's answer, a `reasoning` item as the
+next assistant turn's analysis); the reply's harmony channels become output items:
 analysis -> a `reasoning` item, final -> a `message` with `output_text`, calls -> `function_call` items.
 Streamed, the same items come as OpenAI's typed events (`response.output_item.added`,
 `response.reasoning_text.delta`, `response.output_text.delta`, `response.function_call_arguments.done`, ...,
@@ -119,6 +120,9 @@ def chat_messages(req: ResponsesBody) -> list[dict[str, Any]]:
                 raise APIError(400, f"{where}: role must be user, system, developer or assistant (got {role!r})",
                                param=f"{where}.role")
             m = {"role": role, "content": _text(it.get("content"), f"{where}.content")}
+            if i == 0 and req.instructions and role in ("system", "developer"):
+                messages[0]["content"] += "\n\n" + m["content"]    # the template reads one developer message
+                continue
             messages.append(assistant(m) if role == "assistant" else m)
         elif kind == "function_call":
             name, args, call_id = it.get("name"), it.get("arguments", "{}"), it.get("call_id")
