@@ -113,6 +113,10 @@ def test_cut_off_by_max_output_tokens_is_incomplete(client):
     ({"max_output_tokens": 10 ** 7}, "max_output_tokens"),
     ({"temperature": -1}, "temperature"),
     ({"input": 5}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "82"}]}, "input"),
+    ({"tools": [{"type": "function", "parameters": {"type": "object"}}]}, "tools.0.name"),
+    ({"tools": [{**ADD, "parameters": "a, b"}]}, "tools.0.parameters"),
 ])
 def test_what_a_stateless_server_cannot_do_is_refused(client, extra, param):
     eng, c = client

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -158,6 +159,22 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return out
 
 
+def _responses_param(e: APIError) -> APIError:
+    """A 400 about the chat messages or tools the body became names the Responses field they came from:
+    `messages...` -> `input`, `tools.N.function.X` -> `tools.N.X` (Responses' tools are flat)."""
+    p = e.param or ""
+    if p == "messages" or p.startswith("messages."):
+        new = "input"
+    elif re.fullmatch(r"tools\.\d+\.function(\..+)?", p):
+        new = p.replace(".function", "", 1)
+    else:
+        return e
+    if e.message.startswith(p):
+        e.message = new + e.message[len(p):]
+    e.param = new
+    return e
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -279,10 +296,13 @@ async def responses(request: Request) -> Response:
     effort = (req.reasoning or {}).get("effort")
     if effort not in (None, "low", "medium", "high"):
         raise APIError(400, f"reasoning.effort must be low, medium or high (got {effort!r})", param="reasoning.effort")
-    chat = parse(ChatBody, {"messages": chat_messages(req), "tools": chat_tools(req.tools),
-                            "tool_choice": "none" if req.tool_choice == "none" else "auto",
-                            "reasoning_effort": effort})
-    prompt = await asyncio.to_thread(chat_prompt, codec, chat)
+    try:
+        chat = parse(ChatBody, {"messages": chat_messages(req), "tools": chat_tools(req.tools),
+                                "tool_choice": "none" if req.tool_choice == "none" else "auto",
+                                "reasoning_effort": effort})
+        prompt = await asyncio.to_thread(chat_prompt, codec, chat)
+    except APIError as e:
+        raise _responses_param(e) from None
     max_tokens = req.max_output_tokens or max(1, aeng.max_model_len - len(prompt))
     from ..harmony import HarmonyTokens
     tokens = HarmonyTokens.from_codec(codec)
