@@ -98,6 +98,10 @@ def test_cut_off_by_max_output_tokens_is_incomplete(client):
     r = c.responses.create(model="m", input=ASK, temperature=0, max_output_tokens=8)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 8 and r.output[-1].status == "incomplete"
+    events = list(c.responses.create(model="m", input=ASK, temperature=0, max_output_tokens=8, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[-1].status == "incomplete"
+    assert [i.status for i in done] == [o.status for o in events[-1].response.output] == [o.status for o in r.output]
 
 
 @pytest.mark.parametrize("extra, param", [

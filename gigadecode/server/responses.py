@@ -376,7 +376,7 @@ async def _events(c: Choice, head: dict[str, Any], final: Any) -> AsyncIterator[
             yield event({"type": "error", "code": "request_failed", "message": f"request failed: {c.error}",
                          "param": None})
             return
-        for ev in items.close():
+        for ev in items.close("incomplete" if c.finish_reason == "length" else "completed"):
             yield event(ev)
         body = final(items)
         yield event({"type": f"response.{body['status']}", "response": body})
