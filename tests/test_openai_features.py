@@ -184,6 +184,14 @@ def test_prompt_logprobs_are_refused_where_the_prompt_is_not_computed(live):
                                           extra_body={"prompt_logprobs": 0, **EXTRA})
     plp = chat.model_extra["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(chat.model_extra["prompt_token_ids"])
+    # a streamed chat completion has nowhere to put them: a 400 as in vLLM (0, which asks for none, streams)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       stream=True, extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"
+    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2, stream=True, extra_body={"prompt_logprobs": 0}))
+    assert chunks[-1].choices[0].finish_reason == "length"
     assert not eng.requests
 
 

@@ -135,6 +135,11 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}] (got {req.top_logprobs})",
                        param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    prompt_logprobs = req.prompt_logprobs
+    if req.stream and prompt_logprobs is not None:   # vLLM's rule: no chunk carries them (0 asks for none)
+        if prompt_logprobs != 0:
+            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        prompt_logprobs = None
     max_tokens, max_param = raw.get("max_completion_tokens"), "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_param = raw.get("max_tokens"), "max_tokens"
@@ -147,7 +152,7 @@ async def chat_completions(request: Request) -> Response:
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     guided = forced_call(raw, tools, True, tokens is not None, guided)
     with naming_max_tokens(max_param):
-        params = sampling_params(raw, max_tokens, logprobs, deps.sampling_defaults(aeng), req.prompt_logprobs,
+        params = sampling_params(raw, max_tokens, logprobs, deps.sampling_defaults(aeng), prompt_logprobs,
                                  guided)
 
     def renderer() -> Any:
