@@ -267,11 +267,13 @@ def test_chat_equals_engine(client, engine, codec):
             text += ch.delta.content or ""
     assert first == "assistant" and toks == want and text == codec.decode(want)
     assert usage.completion_tokens == 10
-    # vLLM's continuous_usage_stats: every chunk after the role's carries the usage so far
-    counts = [c.usage.completion_tokens for c in client.chat.completions.create(
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far (the role's: no tokens yet)
+    chunks = list(client.chat.completions.create(
         model="tiny_mxfp4", messages=messages, max_tokens=10, temperature=0, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body=EXTRA) if c.usage]
-    assert counts == sorted(counts) and counts[0] >= 1 and counts[-2:] == [10, 10] and len(counts) >= 10
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body=EXTRA))
+    assert all(c.usage is not None and c.usage.prompt_tokens == usage.prompt_tokens for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[:2] == [0, 1] and counts[-2:] == [10, 10] and len(counts) >= 11
 
     # logprobs come back in OpenAI's chat shape
     r = client.chat.completions.create(model="tiny_mxfp4", messages=messages, max_tokens=3, temperature=0,

@@ -180,12 +180,14 @@ async def chat_completions(request: Request) -> Response:
                                  "finish_reason": c.finish_reason if c.done else None}
             unsent[c.index] = []
             return stream_chunk(head, c, d, out.new_token_ids if req.return_token_ids else None)
+        continuous = bool(req.stream_options and req.stream_options.continuous)
         first = [{**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}],
-                  **({"prompt_token_ids": c.prompt_ids} if req.return_token_ids else {})} for c in choices]
+                  **({"prompt_token_ids": c.prompt_ids} if req.return_token_ids else {}),
+                  **({"usage": usage(choices)} if continuous else {})} for c in choices]   # vLLM: 0 tokens yet
         include = req.stream_options and req.stream_options.include_usage
         return sse_response(stream_events(choices, chunk, first, {**head, "choices": []} if include else None,
-                                          bool(req.stream_options and req.stream_options.continuous)))
+                                          continuous))
 
     gone = await run_to_end(request, choices)
     if gone is not None:
