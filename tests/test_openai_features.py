@@ -213,7 +213,12 @@ def test_tokenize_detokenize_and_version_routes(live, tiny_ckpt):
         assert r["tokens"] == chat.model_extra["prompt_token_ids"]
         assert hc.post("/detokenize", json={"tokens": r["tokens"][-5:]}).json()["prompt"] == codec.decode(r["tokens"][-5:])
         for bad, param in (({"tokens": [1, "x"]}, "tokens"), ({"tokens": [10 ** 9]}, "tokens"),
-                           ({"prompt": {"x": 1}}, "prompt"), ({"messages": []}, "messages")):
+                           ({"prompt": {"x": 1}}, "prompt"), ({"messages": []}, "messages"),
+                           # what the chat route refuses is not rendered some other way here either
+                           ({"messages": msgs, "continue_final_message": True}, "continue_final_message"),
+                           ({"messages": msgs, "chat_template": "{{ messages }}"}, "chat_template"),
+                           ({"messages": msgs, "chat_template_kwargs": {"enable_thinking": False}},
+                            "chat_template_kwargs")):
             e = hc.post("/detokenize" if "tokens" in bad else "/tokenize", json=bad)
             assert e.status_code == 400 and e.json()["error"]["param"] == param, bad
         assert hc.get("/version").json()["version"] == gigadecode.__version__

@@ -15,9 +15,11 @@ from .. import __version__
 from . import deps
 from .chat import chat_prompt
 from .completions import completion_prompts
-from .protocol import APIError, ChatBody, parse, read_json
+from .protocol import UNSUPPORTED_CHAT, APIError, ChatBody, _asks_nothing, parse, read_json
 
 router = APIRouter()
+#: vLLM's /tokenize fields that change the rendering, which the chat route refuses
+TEMPLATE_FIELDS = ("continue_final_message", "chat_template", "chat_template_kwargs", "documents")
 
 
 @router.post("/tokenize", dependencies=[Depends(deps.check_key)])
@@ -30,6 +32,9 @@ async def tokenize(request: Request) -> JSONResponse:
         if aeng.codec is None:
             raise APIError(400, "this model has no tokenizer (no chat template)", param="messages")
         body = parse(ChatBody, raw)
+        for k in TEMPLATE_FIELDS:                 # the chat route refuses them: no other rendering here either
+            if not _asks_nothing(k, raw.get(k)):
+                raise APIError(400, UNSUPPORTED_CHAT[k], param=k)
         ids = await asyncio.to_thread(chat_prompt, aeng.codec, body)
     else:
         prompt = raw.get("prompt")
