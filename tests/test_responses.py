@@ -160,3 +160,15 @@ def test_instructions_keep_the_inputs_own_developer_message(demo, role):
     text = _rendered(demo, {"instructions": "Be precise.", "input": [{"role": role, "content": "Answer briefly."},
                                                                       {"role": "user", "content": ASK}]})
     assert "<|start|>developer<|message|># Instructions\n\nBe precise.\n\nAnswer briefly.<|end|>" in text
+
+
+def test_a_reasoning_item_belongs_to_its_own_turn(demo):
+    """Reasoning that no assistant output followed in its turn (a response cut off) is not put before the
+    next turn's call."""
+    text = _rendered(demo, {"tools": [ADD], "input": [
+        {"role": "user", "content": ASK},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "STALE"}]},
+        {"role": "user", "content": "What is 1 + 2?"},
+        {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1, "b": 2}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "3"}]})
+    assert "STALE" not in text and "to=functions.add" in text

@@ -124,6 +124,8 @@ def chat_messages(req: ResponsesBody) -> list[dict[str, Any]]:
             if i == 0 and req.instructions and role in ("system", "developer"):
                 messages[0]["content"] += "\n\n" + m["content"]    # the template reads one developer message
                 continue
+            if role != "assistant":
+                thinking = None                      # reasoning no output followed in its turn
             messages.append(assistant(m) if role == "assistant" else m)
         elif kind == "function_call":
             name, args, call_id = it.get("name"), it.get("arguments", "{}"), it.get("call_id")
