@@ -5,13 +5,19 @@ the stream's typed events add up to the whole response, and what a stateless ser
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import openai
 import pytest
 
 from gigadecode.checkpoint import make_checkpoint
+from gigadecode.request import RequestOutput
+from gigadecode.server.async_engine import SHUTTING_DOWN
 from gigadecode.server.chat import chat_prompt
+from gigadecode.server.outputs import Choice, StopMatcher, TextRenderer
 from gigadecode.server.protocol import ChatBody
-from gigadecode.server.responses import ResponsesBody, chat_messages, chat_tools
+from gigadecode.server.responses import ResponsesBody, _events, chat_messages, chat_tools
 from gigadecode.tokenizer import TextCodec
 
 from .test_openai_features import _serve
@@ -172,3 +178,38 @@ def test_a_reasoning_item_belongs_to_its_own_turn(demo):
         {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1, "b": 2}'},
         {"type": "function_call_output", "call_id": "c1", "output": "3"}]})
     assert "STALE" not in text and "to=functions.add" in text
+
+
+class _FailingStream:
+    """A request's stream that yields `outs` and then raises `exc` (if any)."""
+
+    def __init__(self, outs, exc=None):
+        self.outs, self.exc, self.closed = outs, exc, False
+
+    async def __aiter__(self):
+        for o in self.outs:
+            yield o
+        if self.exc is not None:
+            raise self.exc
+
+    def close(self, finish_reason="abort"):
+        self.closed = True
+
+
+@pytest.mark.parametrize("outs, exc, code", [
+    ([RequestOutput("r", [], True, "abort", error=SHUTTING_DOWN)], None, "server_shutting_down"),
+    ([RequestOutput("r", [], True, "error", error="engine step failed")], None, "request_failed"),
+    ([], RuntimeError("boom"), None),
+])
+def test_a_failed_stream_ends_with_an_error_event(demo, outs, exc, code):
+    """A stream that fails ends with OpenAI's `error` event (a shutdown named as on the other routes), not a
+    cut connection, and its request is closed."""
+    codec = TextCodec.from_dir(demo)
+    stream = _FailingStream(outs, exc)
+    c = Choice(0, 0, stream, [1, 2], TextRenderer(codec), StopMatcher([]))
+
+    async def run():
+        return [json.loads(e.split("data: ", 1)[1]) async for e in _events(c, {"id": "resp_1"}, None)]
+    events = asyncio.run(run())
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"]
+    assert events[-1]["code"] == code and events[-1]["sequence_number"] == 2 and stream.closed

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 import uuid
@@ -28,12 +29,14 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from ..connector.params import KVTransferParams
 from . import deps
+from .async_engine import SHUTTING_DOWN
 from .chat import chat_prompt, naming_max_tokens
 from .outputs import Choice, HarmonyRenderer, TextRenderer, merge, run_to_end, start
 from .protocol import (APIError, ChatBody, _Model, forced_call, guided_errors_name, parse, read_json,
                        sampling_params)
 
 router = APIRouter()
+log = logging.getLogger("gigadecode.server")
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -375,12 +378,18 @@ async def _events(c: Choice, head: dict[str, Any], final: Any) -> AsyncIterator[
             if c.done:
                 break
         if c.error is not None:
-            yield event({"type": "error", "code": "request_failed", "message": f"request failed: {c.error}",
-                         "param": None})
+            code = "server_shutting_down" if c.error == SHUTTING_DOWN else "request_failed"
+            yield event({"type": "error", "code": code, "message": f"request failed: {c.error}", "param": None})
             return
         for ev in items.close("incomplete" if c.finish_reason == "length" else "completed"):
             yield event(ev)
         body = final(items)
         yield event({"type": f"response.{body['status']}", "response": body})
+    except (asyncio.CancelledError, GeneratorExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - the stream already started: report in-band
+        log.exception("stream failed")
+        yield event({"type": "error", "code": None, "message": f"internal error: {type(e).__name__}: {e}",
+                     "param": None})
     finally:
         c.stream.close()
