@@ -158,6 +158,13 @@ def test_echo_with_logprobs_scores_the_prompt(live, tiny_ckpt):
     chunks = list(client.completions.create(echo=True, stream=True, **kw))
     assert "".join(c.choices[0].text for c in chunks) == echo.text
     assert [v for c in chunks for v in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    # max_tokens 0 (log-likelihood scoring): the prompt alone, nothing generated counted
+    zero = client.completions.create(model="m", prompt=text, max_tokens=0, temperature=0, echo=True, logprobs=1)
+    zl = zero.choices[0].logprobs
+    assert zero.choices[0].text == text and zero.usage.completion_tokens == 0 and len(zl.tokens) == n
+    assert zl.token_logprobs[1:] == lp.token_logprobs[1:n] and zero.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="m", prompt=text, max_tokens=0)              # without echo: as before
     # no logprobs: the text only
     bare = client.completions.create(model="m", prompt=[ids, ids[:5]], max_tokens=2, temperature=0, echo=True,
                                      n=2, extra_body=EXTRA)

@@ -99,6 +99,18 @@ def test_the_stream_adds_up_to_the_response(client):
     assert args == ['{"a": 37, "b": 45}']
 
 
+def test_what_agents_send_is_taken(client):
+    """Agent clients ask for encrypted reasoning with store=false (the reasoning is plain text here: taken, and
+    the reasoning item carries it) and for the "minimal" effort (GPT-OSS's lowest, low)."""
+    _, c = client
+    r = c.responses.create(model="m", input=ASK, temperature=0, max_output_tokens=128, store=False,
+                           include=["reasoning.encrypted_content"], reasoning={"effort": "minimal"})
+    assert r.output_text == "37 + 45 = 82" and r.output[0].content[0].text and r.reasoning.effort == "low"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="m", input=ASK, include=["reasoning.encrypted_content", "file_search_call.results"])
+    assert e.value.body["param"] == "include.1"
+
+
 def test_cut_off_by_max_output_tokens_is_incomplete(client):
     _, c = client
     r = c.responses.create(model="m", input=ASK, temperature=0, max_output_tokens=8)

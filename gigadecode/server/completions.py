@@ -66,6 +66,12 @@ async def completions(request: Request) -> Response:
     # echo: the prompt's text before the completion's, and with `logprobs` the prompt tokens' logprobs before
     # the completion's (vLLM: echo asks the engine for the prompt's logprobs at the same top N)
     echo = bool(req.echo)
+    # echo with max_tokens 0 (log-likelihood scoring): the prompt alone; the engine makes one token, not shown
+    prompt_only = echo and raw.get("max_tokens") == 0 and not isinstance(raw.get("max_tokens"), bool)
+    if prompt_only:
+        if req.stream:
+            raise APIError(400, "echo with max_tokens 0 is answered whole: send stream false", param="max_tokens")
+        max_tokens = 1
     prompt_lps = req.prompt_logprobs if req.prompt_logprobs is not None else raw.get("logprobs") if echo else None
     guided, guided_field = guided_of(raw, "all")
     params = sampling_params(raw, max_tokens, raw.get("logprobs"), deps.sampling_defaults(aeng), prompt_lps, guided)
@@ -115,10 +121,16 @@ async def completions(request: Request) -> Response:
         return gone
     out_choices = []
     for c in choices:
-        d = choice_body(c, c.text() if codec is not None else "", c.logprobs, 0, True)
+        if prompt_only:
+            d = {**choice_body(c, "", (), 0, True), "finish_reason": "length"}
+        else:
+            d = choice_body(c, c.text() if codec is not None else "", c.logprobs, 0, True)
         if req.return_token_ids:
-            d["token_ids"] = c.token_ids
+            d["token_ids"] = [] if prompt_only else c.token_ids
             d["prompt_token_ids"] = c.prompt_ids
         out_choices.append(d)
-    return JSONResponse({**head, "choices": out_choices, "usage": usage(choices),
+    use = usage(choices)
+    if prompt_only:
+        use.update(completion_tokens=0, total_tokens=use["prompt_tokens"])
+    return JSONResponse({**head, "choices": out_choices, "usage": use,
                          "kv_transfer_params": choices[0].kv_transfer_params if len(choices) == 1 else None})

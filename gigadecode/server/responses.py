@@ -66,8 +66,9 @@ def _refuse(req: ResponsesBody) -> None:
                        param="previous_response_id")
     if req.background:
         raise APIError(400, "background responses are not supported", param="background")
-    if req.include:
-        raise APIError(400, f"include {req.include[0]!r} is not supported", param="include")
+    for i, what in enumerate(req.include or ()):
+        if what != "reasoning.encrypted_content":   # agents ask for it with store=false: the reasoning is in
+            raise APIError(400, f"include {what!r} is not supported", param=f"include.{i}")   # plain text here
     if req.top_logprobs:
         raise APIError(400, "top_logprobs are not supported on /v1/responses (use /v1/chat/completions)",
                        param="top_logprobs")
@@ -299,8 +300,10 @@ async def responses(request: Request) -> Response:
         raise APIError(400, "this model has no tokenizer, so it cannot take messages; use /v1/completions "
                             "with token ids", param="input")
     effort = (req.reasoning or {}).get("effort")
+    effort = "low" if effort == "minimal" else effort         # GPT-OSS's lowest
     if effort not in (None, "low", "medium", "high"):
-        raise APIError(400, f"reasoning.effort must be low, medium or high (got {effort!r})", param="reasoning.effort")
+        raise APIError(400, f"reasoning.effort must be minimal, low, medium or high (got {effort!r})",
+                       param="reasoning.effort")
     try:
         chat = parse(ChatBody, {"messages": chat_messages(req), "tools": chat_tools(req.tools),
                                 "tool_choice": "none" if req.tool_choice == "none" else "auto",
