@@ -47,7 +47,8 @@ async def tokenize(request: Request) -> JSONResponse:
 
 @router.post("/detokenize", dependencies=[Depends(deps.check_key)])
 async def detokenize(request: Request) -> JSONResponse:
-    """{"tokens": [ids]} -> {"prompt": their text} (special tokens left out, as completions' text)."""
+    """{"tokens": [ids]} -> {"prompt": their text}, special tokens included (as vLLM: /tokenize then
+    /detokenize of chat messages gives back the rendered prompt)."""
     raw = await read_json(request)
     aeng = deps.engine(request)
     tokens: Any = raw.get("tokens")
@@ -59,7 +60,7 @@ async def detokenize(request: Request) -> JSONResponse:
         raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
     if aeng.codec is None:
         raise APIError(400, "this model has no tokenizer", param="tokens")
-    return JSONResponse({"prompt": aeng.codec.decode(tokens)})
+    return JSONResponse({"prompt": aeng.codec.decode(tokens, skip_special_tokens=False)})
 
 
 @router.get("/version")
