@@ -10,7 +10,7 @@ and `Guide.accept` moves the grammar on by the token drawn.
 
 The end of the structured part is the engine's: when the grammar is satisfied (or can take nothing more) the
 request's end tokens are allowed (scope "all": the EOS ids; "final": `<|return|>`), and the grammar never
-sees them. A grammar that cannot be compiled is the request's error (RequestError, param "guided").
+sees them; once one is drawn only they may follow (min_tokens or ignore_eos can run a request on past it). A grammar that cannot be compiled is the request's error (RequestError, param "guided").
 """
 
 from __future__ import annotations
@@ -95,13 +95,14 @@ class Guide:
         self._own_eos = set(getattr(tok, "eos_tokens", ()) or ()) - set(self.ends)
 
     def allowed(self) -> torch.Tensor | None:
-        """[V] bool: the tokens that keep the output inside the grammar (the end tokens once it is satisfied),
-        or None where nothing is constrained (before a harmony final message, after the structured part)."""
-        if not self.active or self._done:
+        """[V] bool: the tokens that keep the output inside the grammar (the end tokens once it is satisfied,
+        and only they after one was drawn: min_tokens or ignore_eos may run on past it), or None where nothing
+        is constrained (before a harmony final message)."""
+        if not self.active:
             return None
         m = self.matcher
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-        if not m.is_stopped():
+        if not self._done and not m.is_stopped():
             words = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)      # [ceil(V/32)]
             bits = ((words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten().bool()
             n = min(self.vocab_size, bits.numel())
@@ -109,7 +110,7 @@ class Guide:
             for t in self._own_eos:                        # the tokenizer's own EOS: ours are `ends`
                 if t < self.vocab_size:
                     mask[t] = False
-        if m.is_stopped() or m.is_accepting():
+        if self._done or m.is_stopped() or m.is_accepting():
             for t in self.ends:
                 if 0 <= t < self.vocab_size:
                     mask[t] = True

@@ -196,3 +196,23 @@ def test_a_forced_tool_call(demo):
                 c.chat.completions.create(model="m", messages=ask, tools=[ADD, MUL], max_tokens=4, **extra)
             assert e.value.body["param"] == "tool_choice", e.value.body
         assert not eng.requests
+
+
+def test_the_output_stays_at_the_grammars_end_under_min_tokens_and_ignore_eos(demo):
+    """Once the grammar is complete only the end tokens may follow, even when min_tokens or ignore_eos keep
+    the request going: no free text after the JSON (a "stop" parses, a "length" is the JSON and end tokens)."""
+    _, eng, codec = demo
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                         "additionalProperties": False})
+    chat = codec.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}])
+    params = [SamplingParams(temperature=0, max_tokens=100, min_tokens=20, guided=("json", schema, "all")),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, guided=("json", schema, "all")),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=200, ignore_eos=True, guided=("json", schema, "final"))]
+    rs = eng.generate([codec.encode("x"), codec.encode("x"), chat], params)
+    assert [r.finish_reason for r in rs] == ["stop", "length", "length"]
+    for r in rs[:2]:
+        assert set(json.loads(codec.decode(r.output_ids)).keys()) == {"a"}
+    answer = codec.decode(rs[2].output_ids, skip_special_tokens=False).split("<|channel|>final<|message|>")[1]
+    assert set(json.loads(answer.split("<|return|>")[0])) == {"a"} and answer.endswith("<|return|>")
+    assert not answer.replace("<|return|>", "").removeprefix(answer.split("<|return|>")[0])
+
