@@ -385,6 +385,9 @@ class LLMEngine:
                                  allowed if any(a is not None for a in allowed) else None)
         now = time.monotonic()
         for i, req in enumerate(reqs):
+            if req.guide is not None and req.guide.error is not None:     # its grammar broke down
+                self.fail(req, req.guide.error, outputs)
+                continue
             tok = int(res.token_ids[i])
             req.output_ids.append(tok)
             if req.guide is not None:

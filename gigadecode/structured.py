@@ -10,7 +10,9 @@ and `Guide.accept` moves the grammar on by the token drawn.
 
 The end of the structured part is the engine's: when the grammar is satisfied (or can take nothing more) the
 request's end tokens are allowed (scope "all": the EOS ids; "final": `<|return|>`), and the grammar never
-sees them; once one is drawn only they may follow (min_tokens or ignore_eos can run a request on past it). A grammar that cannot be compiled is the request's error (RequestError, param "guided").
+sees them; once one is drawn only they may follow (min_tokens or ignore_eos can run a request on past it).
+A grammar that breaks down mid-way (llguidance's parser gives up, or no token fits) fails the request
+(`Guide.error`): it never ends "stop" with text outside the grammar. A grammar that cannot be compiled is the request's error (RequestError, param "guided").
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class Guide:
         self.active = gate is None
         self._header: list[int] | None = None          # ids after <|channel|>, until <|message|>
         self._done = False                              # the structured part ended (an end token was drawn)
+        self.error: str | None = None                   # the grammar broke down: the request fails (engine)
         self._own_eos = set(getattr(tok, "eos_tokens", ()) or ()) - set(self.ends)
 
     def allowed(self) -> torch.Tensor | None:
@@ -114,7 +117,10 @@ class Guide:
             for t in self.ends:
                 if 0 <= t < self.vocab_size:
                     mask[t] = True
-        if not bool(mask.any()):                           # nothing fits (a grammar error): let it end
+        if m.is_error() or not bool(mask.any()):           # the grammar broke down, or nothing fits: the
+            first = (m.get_error() or "").split("\n")[0]     # request's error (the row draws an end meanwhile)
+            self.error = f"structured output: {first or 'the grammar allows no token here'}"
+            mask[:] = False
             mask[[t for t in self.ends if 0 <= t < self.vocab_size]] = True
         return mask
 

@@ -216,3 +216,16 @@ def test_the_output_stays_at_the_grammars_end_under_min_tokens_and_ignore_eos(de
     assert set(json.loads(answer.split("<|return|>")[0])) == {"a"} and answer.endswith("<|return|>")
     assert not answer.replace("<|return|>", "").removeprefix(answer.split("<|return|>")[0])
 
+
+
+def test_a_grammar_that_breaks_down_is_the_requests_error_not_a_stop(demo):
+    """A schema llguidance compiles but cannot follow (here an array that must hold itself: the parser gives
+    up as too complex) fails the request; it never ends "stop" with text that does not parse. A neighbour
+    in the same batch is unaffected."""
+    _, eng, codec = demo
+    schema = json.dumps({"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
+                         "$defs": {"x": {"type": "array", "items": {"$ref": "#/$defs/x"}, "minItems": 1}}})
+    rs = eng.generate([codec.encode("x")] * 2, [SamplingParams(temperature=0, max_tokens=30, guided=("json", schema, "all")),
+                                             SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)])
+    assert rs[0].finish_reason == "error" and "structured output" in rs[0].error, (rs[0].finish_reason, rs[0].error)
+    assert rs[1].finish_reason == "length" and len(rs[1].output_ids) == 5
