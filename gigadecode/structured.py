@@ -47,8 +47,14 @@ class GuideFactory:
             if not path.is_file():
                 raise RequestError("structured output needs the checkpoint's tokenizer.json", param="guided")
             text = path.read_text()
-            self._tok = llguidance.LLTokenizer(text, n_vocab=self.vocab_size)
-            added = json.loads(text).get("added_tokens", [])
+            spec = json.loads(text)
+            added = spec.get("added_tokens", [])
+            # the tokenizer may name ids past the model's vocab (added tokens beyond the embedding): llguidance
+            # needs them all; `Guide.allowed` cuts its mask to the model's vocab
+            vocab = spec.get("model", {}).get("vocab") or ()
+            ids = vocab.values() if isinstance(vocab, dict) else range(len(vocab))    # BPE {piece: id}; unigram
+            n = max([self.vocab_size, *(i + 1 for i in ids if isinstance(i, int)), *(t["id"] + 1 for t in added)])
+            self._tok = llguidance.LLTokenizer(text, n_vocab=n)
             self._special = {t["content"]: t["id"] for t in added if t.get("special")}
         return self._tok
 

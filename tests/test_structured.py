@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import openai
 import pytest
@@ -229,3 +230,20 @@ def test_a_grammar_that_breaks_down_is_the_requests_error_not_a_stop(demo):
                                              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)])
     assert rs[0].finish_reason == "error" and "structured output" in rs[0].error, (rs[0].finish_reason, rs[0].error)
     assert rs[1].finish_reason == "length" and len(rs[1].output_ids) == 5
+
+
+def test_a_tokenizer_with_ids_beyond_the_models_vocab(demo, tmp_path):
+    """tokenizer.json may name more ids than the model's vocab_size (added tokens past the embedding): the
+    grammar is compiled over the tokenizer's ids and the mask cut to the model's."""
+    d, _, codec = demo
+    big = tmp_path / "big"
+    shutil.copytree(d, big)
+    tok = json.loads((big / "tokenizer.json").read_text())
+    tok["added_tokens"].append({"id": 640, "content": "<|extra|>", "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": True})
+    (big / "tokenizer.json").write_text(json.dumps(tok))
+    eng = LLMEngine(ModelRunner(big, EngineConfig(dtype="float32", kv_dtype="auto", num_blocks=64, block_size=4)))
+    assert eng.cfg.vocab_size == 640
+    r = eng.generate([codec.encode("x")], SamplingParams(temperature=0, max_tokens=20,
+                                                         guided=("regex", "[a-c]{3}", "all")))[0]
+    assert r.finish_reason == "stop" and re.fullmatch("[a-c]{3}", codec.decode(r.output_ids[:-1]))
