@@ -247,3 +247,19 @@ def test_a_tokenizer_with_ids_beyond_the_models_vocab(demo, tmp_path):
     r = eng.generate([codec.encode("x")], SamplingParams(temperature=0, max_tokens=20,
                                                          guided=("regex", "[a-c]{3}", "all")))[0]
     assert r.finish_reason == "stop" and re.fullmatch("[a-c]{3}", codec.decode(r.output_ids[:-1]))
+
+
+def test_structured_outputs_options_that_change_the_output_are_refused():
+    """vLLM's structured_outputs options: those asking for what the server does anyway are accepted, those it
+    would silently ignore (a whitespace pattern, additionalProperties turned off, a structural tag) are a 400
+    naming the option, as guided_whitespace_pattern is."""
+    from gigadecode.server.protocol import APIError, guided_of
+    schema = {"type": "object"}
+    for extra in ({"disable_any_whitespace": True}, {"disable_fallback": True}, {"whitespace_pattern": None},
+                  {"disable_additional_properties": False}):
+        assert guided_of({"structured_outputs": {"json": schema, **extra}}, "all")[0] == ("json", '{"type": "object"}', "all")
+    for extra in ({"whitespace_pattern": "[ ]*"}, {"disable_additional_properties": True},
+                  {"structural_tag": '{"type": "structural_tag"}'}):
+        with pytest.raises(APIError) as e:
+            guided_of({"structured_outputs": {"json": schema, **extra}}, "all")
+        assert e.value.status == 400 and e.value.param == "structured_outputs." + next(iter(extra)), e.value.param

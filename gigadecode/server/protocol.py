@@ -375,6 +375,10 @@ def guided_of(raw: Mapping[str, Any], scope: str) -> tuple[tuple[str, str, str] 
     elif field_ == "structured_outputs":
         if not isinstance(v, Mapping):
             raise APIError(400, "structured_outputs must be an object", param=field_)
+        for k, unset in (("whitespace_pattern", None), ("disable_additional_properties", False),
+                         ("structural_tag", None)):                  # options that would change the output
+            if v.get(k, unset) not in (unset, None):
+                raise APIError(400, f"structured_outputs.{k} is not supported", param=f"{field_}.{k}")
         spec = {k: v[k] for k in ("json", "regex", "choice", "grammar", "json_object") if v.get(k) not in (None, False)}
         if len(spec) != 1:
             raise APIError(400, "structured_outputs: give exactly one of json, regex, choice, grammar, json_object",
