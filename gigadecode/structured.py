@@ -30,6 +30,9 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # forever (a schema's own "x-guidance" options still apply over these)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SCOPES = ("all", "final")
+# compiled grammars kept (on the engine thread, where every running request waits for a compile): a request's
+# check and admission, its n sequences and later requests with the same grammar compile it once
+COMPILED_CACHE = 64
 
 
 class GuideFactory:
@@ -39,6 +42,7 @@ class GuideFactory:
         self.model_dir, self.vocab_size, self.eos = Path(model_dir), vocab_size, tuple(eos_token_ids)
         self._tok: Any = None
         self._special: dict[str, int] = {}
+        self._compiled: dict[tuple[str, str], Any] = {}    # (kind, source) -> a fresh matcher, least recent first
 
     def _tokenizer(self) -> Any:
         if self._tok is None:
@@ -59,8 +63,27 @@ class GuideFactory:
         return self._tok
 
     def make(self, guided: tuple[str, str, str]) -> Guide:
-        import llguidance
         kind, source, scope = guided
+        tok = self._tokenizer()
+        key = (kind, source)
+        proto = self._compiled.pop(key, None)
+        if proto is None:
+            proto = self._compile(kind, source)
+        self._compiled[key] = proto                        # most recently used last
+        while len(self._compiled) > COMPILED_CACHE:
+            self._compiled.pop(next(iter(self._compiled)))
+        matcher = proto.deep_copy()                        # this request's own state; the compiled grammar shared
+        if scope == "final":
+            names = ("<|channel|>", "<|message|>", "<|return|>", "<|end|>", "<|start|>")
+            ids = [self._special.get(n) for n in names]
+            if None in ids:
+                raise RequestError("structured output in chat needs harmony's special tokens", param="guided")
+            return Guide(matcher, tok, self.vocab_size, ends=(ids[2],), gate=(ids[0], ids[1]))
+        return Guide(matcher, tok, self.vocab_size, ends=self.eos)
+
+    def _compile(self, kind: str, source: str) -> Any:
+        """(kind, source) -> a fresh llguidance matcher (RequestError if it does not compile)."""
+        import llguidance
         tok = self._tokenizer()
         try:
             if kind in ("json", "json_object"):
@@ -80,13 +103,7 @@ class GuideFactory:
             raise RequestError(f"structured output ({kind}): {e}", param="guided") from None
         if matcher.is_error():
             raise RequestError(f"structured output ({kind}): {matcher.get_error()}", param="guided")
-        if scope == "final":
-            names = ("<|channel|>", "<|message|>", "<|return|>", "<|end|>", "<|start|>")
-            ids = [self._special.get(n) for n in names]
-            if None in ids:
-                raise RequestError("structured output in chat needs harmony's special tokens", param="guided")
-            return Guide(matcher, tok, self.vocab_size, ends=(ids[2],), gate=(ids[0], ids[1]))
-        return Guide(matcher, tok, self.vocab_size, ends=self.eos)
+        return matcher
 
 
 class Guide:

@@ -263,3 +263,23 @@ def test_structured_outputs_options_that_change_the_output_are_refused():
         with pytest.raises(APIError) as e:
             guided_of({"structured_outputs": {"json": schema, **extra}}, "all")
         assert e.value.status == 400 and e.value.param == "structured_outputs." + next(iter(extra)), e.value.param
+
+
+def test_a_grammar_is_compiled_once_and_each_request_gets_its_own_state(demo, monkeypatch):
+    """Compiling runs on the engine thread (every running request waits): add_request (and its
+    check_request), the n sequences of one request and later requests with the same grammar compile it
+    once; each gets its own copy of the matcher, which its tokens alone move on."""
+    _, eng, codec = demo
+    compiled = []
+    real = type(eng.guides)._compile
+    monkeypatch.setattr(type(eng.guides), "_compile", lambda self, k, s: compiled.append(k) or real(self, k, s))
+    g = ("regex", "[a-c]{2}x[0-9]{2}", "all")
+    rs = eng.generate([codec.encode("x")] * 3, [SamplingParams(temperature=1.0, seed=s, max_tokens=20, guided=g)
+                                                for s in range(3)])
+    assert compiled == ["regex"]
+    for r in rs:
+        assert r.finish_reason == "stop" and re.fullmatch("[a-c]{2}x[0-9]{2}", codec.decode(r.output_ids[:-1]))
+    a, b = eng.guides.make(g), eng.guides.make(g)
+    fresh = b.allowed()
+    a.accept(codec.encode("a")[0])
+    assert torch.equal(b.allowed(), fresh) and not torch.equal(a.allowed(), fresh)
