@@ -161,10 +161,18 @@ class Guide:
         if token == channel:
             self._header = []
         elif self._header is not None:
-            if token == message:
-                header = self.tok.decode_str(self._header).strip()
+            if token == message:                           # read as harmony.py reads it: a special token
+                text, run = "", []                          # (<|constrain|>) splits words, `to=` names a recipient
+                for t in [*self._header, None]:
+                    if t is None or self.tok.is_special_token(t):
+                        text, run = f"{text} {self.tok.decode_str(run)} ", []
+                    else:
+                        run.append(t)
+                words = text.split()
+                name = next((w for w in words if not w.startswith("to=")), None)
+                tool = any(w.startswith("to=functions.") for w in words)        # a tool call's body, not the answer
                 self._header = None
-                self.active = header.split()[0:1] == ["final"] if header else False
+                self.active = name == "final" and not tool
             else:
                 self._header.append(token)
 

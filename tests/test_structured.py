@@ -283,3 +283,24 @@ def test_a_grammar_is_compiled_once_and_each_request_gets_its_own_state(demo, mo
     fresh = b.allowed()
     a.accept(codec.encode("a")[0])
     assert torch.equal(b.allowed(), fresh) and not torch.equal(a.allowed(), fresh)
+
+
+def test_the_final_message_is_found_as_the_harmony_renderer_finds_it(demo):
+    """The grammar opens on the body of a message whose channel is `final`, its header read as the harmony
+    parser reads it: `<|constrain|>` splits words (`final<|constrain|>json`), a recipient may follow."""
+    d, eng, codec = demo
+    sp = {t["content"]: t["id"] for t in json.loads((d / "tokenizer.json").read_text())["added_tokens"]}
+    g = ("json", json.dumps({"type": "object"}), "final")
+
+    def opened(header: list[int]) -> bool:
+        guide = eng.guides.make(g)
+        for t in [sp["<|channel|>"], *header, sp["<|message|>"]]:
+            assert guide.allowed() is None
+            guide.accept(t)
+        return guide.allowed() is not None
+
+    enc, constrain = codec.encode, sp["<|constrain|>"]
+    assert opened(enc("final")) and opened(enc("final ") + [constrain] + enc("json"))
+    assert opened(enc("final") + [constrain] + enc("json")) and opened(enc(" final"))
+    assert not opened(enc("analysis")) and not opened(enc("commentary to=functions.add ") + [constrain] + enc("json"))
+    assert not opened(enc("finalize")) and not opened(enc("analysis final"))
