@@ -130,8 +130,8 @@ class Scheduler:
             req.num_computed = start
             req.status = Status.RUNNING
             self.running.append(req)
-            if n == 1 and req.num_computed > 0 and req.compute_limit is None:
-                out.decodes.append(req)
+            if n == 1 and 0 < req.num_computed == req.num_tokens - 1 and req.compute_limit is None:
+                out.decodes.append(req)            # a cached prefix left only the last token (not: 1 token of budget)
             else:
                 out.prefills.append((req, n))
             budget -= n

@@ -156,6 +156,31 @@ def test_prefix_caching_matches_transformers_and_the_uncached_engine(tiny_ckpt, 
     assert eng.kv_manager.num_free_blocks == num_blocks - 1
 
 
+def test_prefix_hit_admitted_with_one_token_of_budget_prefills_it(tiny_ckpt, hf_model):
+    """A request whose cached prefix leaves several tokens to compute, admitted with one token of the step's
+    prefill budget left (another prompt took the rest), computes its next prompt token as a 1-token prefill
+    chunk: not as a decode of its last token at the wrong position (which wrote that KV into a block that
+    was then named)."""
+    kw = dict(dtype="float32", kv_dtype="auto", max_prefill_tokens=8)
+    first = random_prompt(13, 1024, seed=80)
+    other = random_prompt(7, 1024, seed=81)
+    second = first[:12] + random_prompt(6, 1024, seed=82)          # 12 cached tokens, 6 to compute
+
+    def run(cache: bool) -> tuple[LLMEngine, list[list[int]]]:
+        eng = make_engine(tiny_ckpt, enable_prefix_caching=cache, **kw)
+        outs = [eng.generate([first], greedy(4))[0].output_ids]
+        ids = [eng.add_request(other, greedy(4)), eng.add_request(second, greedy(6))]   # other takes 7 of 8
+        while eng.has_unfinished():
+            eng.step()
+        return eng, outs + [eng.requests[i].output_ids for i in ids]
+
+    eng, outs = run(True)
+    assert eng.requests[list(eng.requests)[-1]].num_cached_tokens == 12
+    assert outs == run(False)[1]
+    assert helpers.assert_teacher_forced_argmax(hf_model, [first, other, second], outs, clear=1e-3) > 8
+    assert eng.kv_manager.num_free_blocks == eng.runner.kv.num_blocks - 1
+
+
 @pytest.mark.parametrize("num_blocks, max_prefill_tokens", [(600, 64), (100, 512)])
 def test_warm_up_runs_the_model_and_leaves_nothing_behind(tiny_ckpt, prompts, alone, num_blocks, max_prefill_tokens):
     """`warm_up` runs a prefill chunk and a decode step on borrowed blocks (a pool too small for a whole
