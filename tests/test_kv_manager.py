@@ -395,6 +395,21 @@ def test_a_sliding_hit_needs_only_the_window_and_full_every_block():
     assert f.take_cached_prefix("b", a + [5], 40) == 8
 
 
+def test_a_long_prompt_looks_each_block_up_once_per_group():
+    """Finding the longest cached prefix costs one lookup per block and group, not one per block and candidate
+    length (quadratic: seconds of engine-thread time for a 128k-token prompt, again every step it waits)."""
+    m = cached_manager()
+    a = list(range(1000, 1040))
+    computed(m, "a", a)                                          # 10 named blocks
+    looked = []
+    lookup = m.prefix.lookup
+    m.prefix.lookup = lambda g, h: looked.append(g) or lookup(g, h)
+    prompt = a[:13] + list(range(5000))                          # 3 cached blocks, then 1250 new ones
+    assert m.take_cached_prefix("b", prompt, len(prompt) - 1) == 12
+    assert m.managers[1].block_table("b") == m.managers[1].block_table("a")[:3]
+    assert len(looked) <= 2 * (len(prompt) // 4)
+
+
 def test_prefix_caching_is_off_by_default_and_refused_with_dcp():
     m = kv_manager("SF", 4, 8, 40)
     assert m.prefix is None and m.take_cached_prefix("a", list(range(40)), 39) == 0

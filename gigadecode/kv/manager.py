@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
+from itertools import accumulate
 from typing import ClassVar
 
 from .dcp import TokenShard
@@ -337,17 +338,16 @@ class KVCacheManager:
             return 0
         B = self.block_size
         hashes = block_hashes(token_ids, B, max(0, max_tokens) // B, self._hashes.setdefault(req_id, []))
-
-        def found(m: SingleTypeManager, k: int) -> list[int] | None:
-            ids = [self.prefix.lookup(m.group_id, hashes[i]) for i in range(m.num_skipped_blocks(k * B), k)]
-            return None if None in ids else ids      # type: ignore[return-value]
-
+        # per group, the cached block of each hash (None: not cached) and, for each k, how many blocks in a row
+        # before block k are cached: one lookup per block and group, not one per block and candidate length
+        found = [[self.prefix.lookup(m.group_id, h) for h in hashes] for m in self.managers]
+        runs = [list(accumulate(ids, lambda run, b: 0 if b is None else run + 1, initial=0)) for ids in found]
         for k in range(len(hashes), 0, -1):
-            hits = [found(m, k) for m in self.managers]
-            if all(h is not None for h in hits):
-                for m, ids in zip(self.managers, hits):
-                    self.pool.touch(ids)
-                    m.tables[req_id] = [NULL_BLOCK] * (k - len(ids)) + ids
+            if all(k - m.num_skipped_blocks(k * B) <= run[k] for m, run in zip(self.managers, runs)):
+                for m, ids in zip(self.managers, found):
+                    lo = min(m.num_skipped_blocks(k * B), k)
+                    self.pool.touch(ids[lo:k])
+                    m.tables[req_id] = [NULL_BLOCK] * lo + ids[lo:k]
                 self._named[req_id] = k
                 return k * B
         return 0
