@@ -346,8 +346,8 @@ class LLMEngine:
     def _name_computed(self, req: Request) -> None:
         """Prefix caching: the request's blocks whose tokens are all computed here get their names (not KV
         that came from a prefill server)."""
-        if self.kv_manager.prefix is not None and not req.remote_tokens:
-            self.kv_manager.name_computed(req.request_id, req.all_ids, req.num_computed)
+        if not req.remote_tokens and self.kv_manager.has_unnamed_blocks(req.request_id, req.num_computed):
+            self.kv_manager.name_computed(req.request_id, req.all_ids, req.num_computed)   # once a block fills
 
     @staticmethod
     def _prompt_targets(req: Request, n: int) -> range:

@@ -337,7 +337,8 @@ class KVCacheManager:
         if self.prefix is None or self.has_request(req_id):
             return 0
         B = self.block_size
-        hashes = block_hashes(token_ids, B, max(0, max_tokens) // B, self._hashes.setdefault(req_id, []))
+        k_max = max(0, max_tokens) // B
+        hashes = block_hashes(token_ids, B, k_max, self._hashes.setdefault(req_id, []))[:k_max]
         # per group, the cached block of each hash (None: not cached) and, for each k, how many blocks in a row
         # before block k are cached: one lookup per block and group, not one per block and candidate length
         found = [[self.prefix.lookup(m.group_id, h) for h in hashes] for m in self.managers]
@@ -351,6 +352,10 @@ class KVCacheManager:
                 self._named[req_id] = k
                 return k * B
         return 0
+
+    def has_unnamed_blocks(self, req_id: str, num_computed: int) -> bool:
+        """Whether `name_computed` would name something (a block of the request filled since the last call)."""
+        return self.prefix is not None and num_computed // self.block_size > self._named.get(req_id, 0)
 
     def name_computed(self, req_id: str, token_ids: list[int], num_computed: int) -> None:
         """Name in the cache the request's blocks whose tokens are all computed (no-op without caching)."""
