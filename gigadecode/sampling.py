@@ -30,6 +30,10 @@ import torch
 #: Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by a smaller one
 #: overflows float32 and the distribution is a one-hot anyway.
 GREEDY_EPS = 1e-5
+#: Structured output (`SamplingParams.guided`, compiled by `structured.py`): what the grammar is, and whether it
+#: holds the whole output or only a harmony final message
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+GUIDED_SCOPES = ("all", "final")
 #: Most top logprobs a request may ask for per token (vLLM's default `max_logprobs`).
 MAX_LOGIT_BIAS = 1024                      # tokens one request may bias
 MAX_LOGPROBS = 20
@@ -137,12 +141,12 @@ class SamplingParams:
         put("logit_bias", bias)
         g = self.guided
         if g is not None:
-            from .structured import KINDS, SCOPES
             if (isinstance(g, (str, bytes)) or not isinstance(g, Sequence) or len(g) != 3
                     or not all(isinstance(x, str) for x in g)):
                 raise SamplingError("guided", f"must be [kind, source, scope] strings (got {g!r})")
-            if g[0] not in KINDS or g[2] not in SCOPES:
-                raise SamplingError("guided", f"kind must be one of {KINDS} and scope one of {SCOPES} (got {g!r})")
+            if g[0] not in GUIDED_KINDS or g[2] not in GUIDED_SCOPES:
+                raise SamplingError("guided", f"kind must be one of {GUIDED_KINDS} and scope one of {GUIDED_SCOPES} "
+                                              f"(got {g!r})")
             put("guided", tuple(g))
 
         need(self.temperature >= 0.0, "temperature", "must be >= 0 (0 = greedy)")

@@ -25,11 +25,9 @@ import torch
 
 from .request import RequestError
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # JSON laid out as json.dumps does (", " and ": ", no other whitespace): free whitespace lets a model pad
 # forever (a schema's own "x-guidance" options still apply over these)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-SCOPES = ("all", "final")
 # compiled grammars kept (on the engine thread, where every running request waits for a compile): a request's
 # check and admission, its n sequences and later requests with the same grammar compile it once
 COMPILED_CACHE = 64
