@@ -31,6 +31,7 @@ completed (with --fail-on-errors also on any UNEXPECTED error); 0 otherwise. Tra
 
     .venv/bin/python bench/soak.py [--seconds 60] [--streams 64] [--model DIR] [--cancel-frac 0.2]
         [--malformed-frac 0.1] [--max-tokens 24] [--seed 0] [--fail-on-errors]
+        [--shared-prefix N --serve-flag --enable-prefix-caching]
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ MALFORMED = [  # (fields over a valid body, only kv_transfer_params is wrong: th
     ({"max_tokens": "8"}, False), ({"max_tokens": -3}, False), ({"max_tokens": 0}, False), ({"max_tokens": 2**64}, False),
     ({"max_tokens": "context x 4"}, False), ({"temperature": "hot"}, False), ({"top_p": 5}, False),
     ({"top_k": -7}, False), ({"seed": "x"}, False), ({"logprobs": 500}, False), ({"stop_token_ids": "eos"}, False),
-    ({"ignore_eos": "yes"}, False), ({"min_tokens": 10**6}, False), ({"n": 3}, False), ({"stream_options": "yes"}, False),
+    ({"ignore_eos": "yes"}, False), ({"min_tokens": 10**6}, False), ({"n": 17}, False), ({"stream_options": "yes"}, False),
     ({"prompt": "vocab + 5"}, False), ({"prompt": [{"a": 1}]}, False), ({"prompt": [-1, 2]}, False),
     ({"kv_transfer_params": "garbage"}, True), ({"kv_transfer_params": {"do_remote_prefill": "x", "a": [[[]]]}}, True),
     ({"kv_transfer_params": [1, 2, 3]}, True),
@@ -191,6 +192,9 @@ def malformed_request(rng: random.Random, vocab: int, context: int) -> tuple[boo
     return chat, main, bad, kv_only
 
 
+PREFIX = [3 + (i * 7919) % 997 for i in range(4096)]          # --shared-prefix: the ids every prompt starts with
+
+
 async def one_request(client, rng: random.Random, args, stats: Stats, vocab: int, context: int) -> None:
     import openai
     r = rng.random()
@@ -207,7 +211,7 @@ async def one_request(client, rng: random.Random, args, stats: Stats, vocab: int
         chat = rng.random() < 0.3
         n_tokens = rng.randint(2, args.max_tokens) if kind == "normal" else args.max_tokens * 4
         main = {"messages": [{"role": "user", "content": f"tell me about {rng.randrange(10**6)}"}]} if chat else \
-            {"prompt": [rng.randrange(3, vocab) for _ in range(rng.randint(1, args.prompt_len))]}
+            {"prompt": PREFIX[:args.shared_prefix] + [rng.randrange(3, vocab) for _ in range(rng.randint(1, args.prompt_len))]}
         kwargs = {**common, **main, "max_tokens": n_tokens, "extra_body": {"ignore_eos": True}}
     create = client.chat.completions.create if chat else client.completions.create
     what = json.dumps({k: v for k, v in kwargs.items() if k not in ("seed", "model")}, default=str)[:240]
@@ -313,6 +317,10 @@ def main() -> int:
     ap.add_argument("--idle-timeout", type=float, default=None, help="default kv-lease-s + 30")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fail-on-errors", action="store_true", help="exit 1 on any UNEXPECTED error too")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="completions prompts start with the same N token ids (with --serve-flag "
+                         "--enable-prefix-caching: a prefix-cache soak)")
+    ap.add_argument("--serve-flag", action="append", default=[], help="one more flag for both servers (repeat)")
     args = ap.parse_args()
     idle_timeout = args.idle_timeout if args.idle_timeout is not None else args.kv_lease_s + 30
 
@@ -331,7 +339,7 @@ def main() -> int:
            "GIGADECODE_KV_SECRET": secrets.token_hex(16)}
     flags = ["--served-model-name", args.model_name, "--kv-dtype", args.kv_dtype, "--block-size",
              str(args.block_size), "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(max(64, args.streams)),
-             "--log-level", "warning"]
+             "--log-level", "warning", *args.serve_flag]
     gd = [sys.executable, "-m", "gigadecode"]
     pp, dp, xp = free_port(), free_port(), free_port()
     with ExitStack() as stack:
