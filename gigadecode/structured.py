@@ -143,6 +143,8 @@ class Guide:
             self.error = f"structured output: {first or 'the grammar allows no token here'}"
             mask[:] = False
             mask[[t for t in self.ends if 0 <= t < self.vocab_size]] = True
+            if not bool(mask.any()):                       # no end token at all: any token (the row is failed)
+                mask[:] = True
         return mask
 
     def accept(self, token: int) -> None:
