@@ -53,6 +53,25 @@ _NAMES = {"start": "<|start|>", "end": "<|end|>", "message": "<|message|>", "cha
 _FUNCTIONS = "functions."
 
 
+def parse_header(ids: Iterable[int], decode: Callable[[list[int]], str], channel_id: int,
+                 constrain_id: int) -> tuple[str | None, str | None]:
+    """(channel, recipient) of a message header's ids (`<|channel|>` and `<|constrain|>` included, as markers
+    that split words): the first word after `<|channel|>` that is not `to=…`, and the `to=` recipient
+    wherever it stands (`assistant to=functions.x<|channel|>commentary` or `commentary to=functions.x`)."""
+    parts: list[list[int]] = [[]]  # split at the markers: [role/recipient, channel ..., constrain ...]
+    marks: list[int | None] = [None]
+    for i in ids:
+        if i in (channel_id, constrain_id):
+            parts.append([])
+            marks.append(i)
+        else:
+            parts[-1].append(i)
+    words = [(m, decode(p).split()) for m, p in zip(marks, parts)]
+    recipient = next((w[3:] for _, ws in words for w in ws if w.startswith("to=")), None)
+    channel = next((w for m, ws in words if m == channel_id for w in ws if not w.startswith("to=")), None)
+    return channel, recipient
+
+
 @dataclass(frozen=True)
 class HarmonyTokens:
     """The ids of the harmony special tokens in one tokenizer."""
@@ -235,19 +254,7 @@ class HarmonyStreamParser:
 
     def _parse_header(self) -> tuple[str | None, str | None]:
         """(channel, recipient) of the header collected so far."""
-        t = self.t
-        parts: list[list[int]] = [[]]  # split at the markers: [role/recipient, channel ..., constrain ...]
-        marks: list[int | None] = [None]
-        for i in self._header:
-            if i in (t.channel, t.constrain):
-                parts.append([])
-                marks.append(i)
-            else:
-                parts[-1].append(i)
-        words = [(m, self.codec.decode(p).split()) for m, p in zip(marks, parts)]
-        recipient = next((w[3:] for _, ws in words for w in ws if w.startswith("to=")), None)
-        channel = next((w for m, ws in words if m == t.channel for w in ws if not w.startswith("to=")), None)
-        return channel, recipient
+        return parse_header(self._header, self.codec.decode, self.t.channel, self.t.constrain)
 
     def _open_body(self) -> None:
         channel, recipient = self._parse_header()

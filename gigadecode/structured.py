@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .harmony import parse_header
 from .request import RequestError
 
 # JSON laid out as json.dumps does (", " and ": ", no other whitespace): free whitespace lets a model pad
@@ -72,11 +73,11 @@ class GuideFactory:
             self._compiled.pop(next(iter(self._compiled)))
         matcher = proto.deep_copy()                        # this request's own state; the compiled grammar shared
         if scope == "final":
-            names = ("<|channel|>", "<|message|>", "<|return|>", "<|end|>", "<|start|>")
+            names = ("<|channel|>", "<|message|>", "<|constrain|>", "<|return|>")
             ids = [self._special.get(n) for n in names]
             if None in ids:
                 raise RequestError("structured output in chat needs harmony's special tokens", param="guided")
-            return Guide(matcher, tok, self.vocab_size, ends=(ids[2],), gate=(ids[0], ids[1]))
+            return Guide(matcher, tok, self.vocab_size, ends=(ids[3],), gate=(ids[0], ids[1], ids[2]))
         return Guide(matcher, tok, self.vocab_size, ends=self.eos)
 
     def _compile(self, kind: str, source: str) -> Any:
@@ -105,15 +106,15 @@ class GuideFactory:
 
 
 class Guide:
-    """One request's grammar state. `gate` (scope "final": the ids of <|channel|> and <|message|>): the
-    grammar applies from the body of a message whose channel header reads `final` on."""
+    """One request's grammar state. `gate` (scope "final": the ids of <|channel|>, <|message|> and
+    <|constrain|>): the grammar applies from the body of a message whose channel header reads `final` on."""
 
     def __init__(self, matcher: Any, tok: Any, vocab_size: int, ends: tuple[int, ...],
-                 gate: tuple[int, int] | None = None) -> None:
+                 gate: tuple[int, int, int] | None = None) -> None:
         self.matcher, self.tok, self.vocab_size, self.ends = matcher, tok, vocab_size, tuple(ends)
         self.gate = gate
         self.active = gate is None
-        self._header: list[int] | None = None          # ids after <|channel|>, until <|message|>
+        self._header: list[int] | None = None          # ids from <|channel|> on, until <|message|>
         self._done = False                              # the structured part ended (an end token was drawn)
         self.error: str | None = None                   # the grammar broke down: the request fails (engine)
         self._own_eos = set(getattr(tok, "eos_tokens", ()) or ()) - set(self.ends)
@@ -157,22 +158,14 @@ class Guide:
             else:
                 self.matcher.consume_token(token)
             return
-        channel, message = self.gate                       # type: ignore[misc]
+        channel, message, constrain = self.gate            # type: ignore[misc]
         if token == channel:
-            self._header = []
+            self._header = [token]
         elif self._header is not None:
-            if token == message:                           # read as harmony.py reads it: a special token
-                text, run = "", []                          # (<|constrain|>) splits words, `to=` names a recipient
-                for t in [*self._header, None]:
-                    if t is None or self.tok.is_special_token(t):
-                        text, run = f"{text} {self.tok.decode_str(run)} ", []
-                    else:
-                        run.append(t)
-                words = text.split()
-                name = next((w for w in words if not w.startswith("to=")), None)
-                tool = any(w.startswith("to=functions.") for w in words)        # a tool call's body, not the answer
+            if token == message:                           # the header read as the harmony parser reads it
+                name, recipient = parse_header(self._header, self.tok.decode_str, channel, constrain)
                 self._header = None
-                self.active = name == "final" and not tool
+                self.active = name == "final" and not (recipient or "").startswith("functions.")   # not a call
             else:
                 self._header.append(token)
 
