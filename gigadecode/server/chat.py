@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -27,7 +25,7 @@ from ..sampling import MAX_LOGPROBS
 from . import deps
 from .outputs import (Choice, HarmonyRenderer, TextRenderer, chat_logprobs, run_to_end, sse_response, start,
                       stream_chunk, stream_events, usage, vllm_prompt_logprobs)
-from .protocol import (APIError, ChatBody, forced_call, guided_errors_name, guided_of, sampling_params,
+from .protocol import (APIError, ChatBody, errors_named, forced_call, guided_of, sampling_params,
                        stop_strings)
 
 router = APIRouter()
@@ -110,19 +108,6 @@ def _delta(pieces: list, include_reasoning: bool) -> dict[str, Any]:
     return d
 
 
-@contextmanager
-def naming_max_tokens(field: str) -> Iterator[None]:
-    """A 400 about the output's length names the field the client set it with (`max_completion_tokens`,
-    which chat reads first, `max_tokens`, or the Responses API's `max_output_tokens`); the engine only knows
-    it as max_tokens."""
-    try:
-        yield
-    except APIError as e:
-        if e.param == "max_tokens" and field != "max_tokens":
-            e.param, e.message = field, e.message.replace("parameter max_tokens", f"parameter {field}", 1)
-        raise
-
-
 @router.post("/v1/chat/completions", dependencies=[Depends(deps.check_key)])
 async def chat_completions(request: Request) -> Response:
     raw, req, aeng, name = await deps.open_generation(request, ChatBody, chat=True)
@@ -151,7 +136,7 @@ async def chat_completions(request: Request) -> Response:
     guided, guided_field = guided_of(raw, "final" if tokens is not None else "all")
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     guided = forced_call(raw, tools, True, tokens is not None, guided)
-    with naming_max_tokens(max_param):
+    with errors_named("max_tokens", max_param):
         params = sampling_params(raw, max_tokens, logprobs, deps.sampling_defaults(aeng), prompt_logprobs,
                                  guided)
 
@@ -159,7 +144,7 @@ async def chat_completions(request: Request) -> Response:
         return HarmonyRenderer(codec, tokens) if tokens is not None else TextRenderer(codec)
 
     kv = deps.advertised(request, req.kv_transfer_params)
-    with naming_max_tokens(max_param), guided_errors_name(guided_field):
+    with errors_named("max_tokens", max_param), errors_named("guided", guided_field):
         rid, choices = await start(aeng, [prompt], params, "chatcmpl", req.n or 1, kv, "messages", renderer,
                                    stop_strings(req))
     head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from . import deps
 from .outputs import (Choice, TextRenderer, completion_logprobs, echoed_prompt_logprobs, run_to_end, sse_response,
                       start, stream_chunk, stream_events, usage, vllm_prompt_logprobs)
-from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_SEQUENCES, APIError, CompletionBody, guided_errors_name,
+from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_SEQUENCES, APIError, CompletionBody, errors_named,
                        guided_of, sampling_params, stop_strings)
 
 router = APIRouter()
@@ -76,7 +76,7 @@ async def completions(request: Request) -> Response:
     guided, guided_field = guided_of(raw, "all")
     params = sampling_params(raw, max_tokens, raw.get("logprobs"), deps.sampling_defaults(aeng), prompt_lps, guided)
     kv = deps.advertised(request, req.kv_transfer_params)
-    with guided_errors_name(guided_field):
+    with errors_named("guided", guided_field):
         rid, choices = await start(aeng, prompts, params, "cmpl", req.n or 1, kv, "prompt",
                                    lambda: TextRenderer(codec), stop_strings(req), max_tokens_of=rest)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name}

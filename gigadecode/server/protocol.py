@@ -305,13 +305,15 @@ GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choic
 
 
 @contextmanager
-def guided_errors_name(field_: str | None) -> Iterator[None]:
-    """A grammar the engine cannot compile (param "guided") is named by the field the client sent it in."""
+def errors_named(engine_param: str, field_: str | None) -> Iterator[None]:
+    """A 400 the engine names by its own parameter (`max_tokens`, `guided`) is named by the field the client
+    set it with (`max_completion_tokens`, `max_output_tokens`, `response_format`, ...), in its message too."""
     try:
         yield
     except APIError as e:
-        if e.param == "guided" and field_ is not None:
+        if e.param == engine_param and field_ is not None and field_ != engine_param:
             e.param = field_
+            e.message = e.message.replace(f"parameter {engine_param}", f"parameter {field_}", 1)
         raise
 
 

@@ -30,9 +30,9 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 from ..connector.params import KVTransferParams
 from . import deps
 from .async_engine import SHUTTING_DOWN
-from .chat import chat_prompt, naming_max_tokens
+from .chat import chat_prompt
 from .outputs import Choice, HarmonyRenderer, TextRenderer, merge, run_to_end, start
-from .protocol import (APIError, ChatBody, _Model, forced_call, guided_errors_name, parse, read_json,
+from .protocol import (APIError, ChatBody, _Model, errors_named, forced_call, parse, read_json,
                        sampling_params)
 
 router = APIRouter()
@@ -316,7 +316,7 @@ async def responses(request: Request) -> Response:
     tokens = HarmonyTokens.from_codec(codec)
     guided = forced_call(raw, chat_tools(req.tools), False, tokens is not None,
                          _guided(req, "final" if tokens is not None else "all"))
-    with naming_max_tokens("max_output_tokens"), guided_errors_name("text.format"):
+    with errors_named("max_tokens", "max_output_tokens"), errors_named("guided", "text.format"):
         params = sampling_params(raw, max_tokens, None, deps.sampling_defaults(aeng), None, guided)
         _, choices = await start(aeng, [prompt], params, "resp", 1, deps.advertised(request, req.kv_transfer_params),
                                  "input",
