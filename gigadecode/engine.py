@@ -315,20 +315,20 @@ class LLMEngine:
     def _run_prefill(self, prefills: list[tuple[Request, int]], outputs: dict[str, RequestOutput]) -> None:
         chunks = []
         now = time.monotonic()
-        for req, n in prefills:
+        targets = [self._prompt_targets(req, n) for req, n in prefills]      # prompt logprobs each chunk gives
+        for (req, n), scored in zip(prefills, targets):
             if req.prefill_start_time is None:
                 req.prefill_start_time = now
             ids = req.all_ids[req.num_computed: req.num_computed + n]
             done = req.num_computed + n == req.num_tokens
-            want = "all" if self._prompt_targets(req, n) else "last" if done else "none"
+            want = "all" if scored else "last" if done else "none"
             chunks.append(SeqChunk(ids, req.num_computed, self.kv_manager.block_tables(req.request_id), want))
         logits = self.runner.prefill(chunks)
         self._stats.prefill_tokens += sum(n for _, n in prefills)
         ready, rows = [], []
-        for (req, n), lg in zip(prefills, logits):
-            targets = self._prompt_targets(req, n)
-            if targets:
-                self._record_prompt_logprobs(req, lg, targets)
+        for (req, n), lg, scored in zip(prefills, logits, targets):
+            if scored:
+                self._record_prompt_logprobs(req, lg, scored)
             req.num_computed += n
             self._name_computed(req)
             if req.compute_limit is not None and req.num_computed == req.compute_limit:

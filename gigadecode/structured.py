@@ -117,7 +117,9 @@ class Guide:
         self._header: list[int] | None = None          # ids from <|channel|> on, until <|message|>
         self._done = False                              # the structured part ended (an end token was drawn)
         self.error: str | None = None                   # the grammar broke down: the request fails (engine)
-        self._own_eos = set(getattr(tok, "eos_tokens", ()) or ()) - set(self.ends)
+        # the end tokens inside the model's vocab, and the tokenizer's own EOS ids that are not ours (held out)
+        self._ends = [t for t in self.ends if 0 <= t < vocab_size]
+        self._own_eos = [t for t in set(getattr(tok, "eos_tokens", ()) or ()) - set(self.ends) if t < vocab_size]
 
     def allowed(self) -> torch.Tensor | None:
         """[V] bool: the tokens that keep the output inside the grammar (the end tokens once it is satisfied,
@@ -132,18 +134,14 @@ class Guide:
             bits = ((words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten().bool()
             n = min(self.vocab_size, bits.numel())
             mask[:n] = bits[:n]
-            for t in self._own_eos:                        # the tokenizer's own EOS: ours are `ends`
-                if t < self.vocab_size:
-                    mask[t] = False
+            mask[self._own_eos] = False                    # the tokenizer's own EOS: ours are `ends`
         if self._done or m.is_stopped() or m.is_accepting():
-            for t in self.ends:
-                if 0 <= t < self.vocab_size:
-                    mask[t] = True
+            mask[self._ends] = True
         if m.is_error() or not bool(mask.any()):           # the grammar broke down, or nothing fits: the
             first = (m.get_error() or "").split("\n")[0]     # request's error (the row draws an end meanwhile)
             self.error = f"structured output: {first or 'the grammar allows no token here'}"
             mask[:] = False
-            mask[[t for t in self.ends if 0 <= t < self.vocab_size]] = True
+            mask[self._ends] = True
             if not bool(mask.any()):                       # no end token at all: any token (the row is failed)
                 mask[:] = True
         return mask
