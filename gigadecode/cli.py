@@ -50,6 +50,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep full KV blocks named by their tokens, so a prompt that starts like an earlier one "
                         "(a system prompt, the turns of a conversation) takes their KV instead of computing it "
                         "again (not with --dcp)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding by n-gram lookup, as vLLM's flag: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 3}' (optional prompt_lookup_min / prompt_lookup_max, default "
+                        "2 / 4, and disable_by_batch_size): drafts taken from the request's own prompt and output "
+                        "are verified in one decode step; outputs are exactly those of plain decoding")
     g.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up (one prefill chunk of --max-prefill-tokens and one decode "
                         "step on borrowed KV blocks, so the first request runs at full speed)")

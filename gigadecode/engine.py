@@ -26,6 +26,7 @@ from .request import EngineStats, Request, RequestError, RequestOutput, Status
 from .runner import DecodeSeq, ModelRunner
 from .sampling import Sampler, SamplingParams, make_generator, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
+from .speculative import NgramProposer
 from .structured import GuideFactory
 
 __all__ = ["LLMEngine", "Request", "RequestError", "RequestOutput", "Status", "build_engine"]
@@ -55,10 +56,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.connector = connector     # DI (connector.nixl_connector.NixlConnector) or None
         self.transfers = KVTransfers(self, connector) if connector is not None else None
+        proposer = NgramProposer(self.ecfg.speculative) if self.ecfg.speculative is not None else None
         self.scheduler = Scheduler(self.ecfg, self.kv_manager,
-                                   on_preempt=self.transfers.cancel if self.transfers is not None else None)
+                                   on_preempt=self.transfers.cancel if self.transfers is not None else None,
+                                   proposer=proposer)
         self._stats = EngineStats()
-        self.max_model_len = self._context_limit()
+        self.max_model_len = self.scheduler.max_model_len = self._context_limit()
 
     def warm_up(self) -> float | None:
         """One prefill chunk (`max_prefill_tokens` tokens, fewer where the context or the pool holds less) and,
@@ -272,7 +275,8 @@ class LLMEngine:
 
     def _run(self, plan: SchedulerOutput, outputs: dict[str, RequestOutput]) -> None:
         """The model calls of a plan (every rank of an EP group that spans DP groups makes the same ones)."""
-        run_prefill, decode_rows = self.runner.agree_step(len(plan.prefills), len(plan.decodes))
+        rows = sum(1 + len(r.draft_ids) for r in plan.decodes)       # a request's drafts are rows too
+        run_prefill, decode_rows = self.runner.agree_step(len(plan.prefills), rows)
         if run_prefill:
             self._guarded(lambda o: self._run_prefill(plan.prefills, o), [r for r, _ in plan.prefills], outputs)
         if decode_rows:
@@ -367,16 +371,45 @@ class LLMEngine:
         req.prompt_logprobs += token_logprobs(raw, tokens, [req.params.prompt_logprobs] * len(targets))
 
     def _run_decode(self, decodes: list[Request], outputs: dict[str, RequestOutput], pad_to: int = 0) -> None:
-        seqs = [DecodeSeq(r.all_ids[-1], r.num_computed, self.kv_manager.block_tables(r.request_id))
-                for r in decodes]
+        seqs = [DecodeSeq(r.all_ids[-1], r.num_computed, self.kv_manager.block_tables(r.request_id),
+                          tuple(r.draft_ids)) for r in decodes]
         logits = self.runner.decode(seqs, pad_to)
         if not decodes:                        # an all-padding step (other DP groups of the EP group decode)
             return
-        self._stats.decode_tokens += len(decodes)
+        first = [0]                            # each request's first row: its last token's
+        for r in decodes[:-1]:
+            first.append(first[-1] + 1 + len(r.draft_ids))
         for r in decodes:
             r.num_computed += 1
             self._name_computed(r)
-        self._sample(decodes, logits, outputs)
+        self._sample(decodes, logits[first], outputs)
+        more = self._verify_drafts(decodes, first, logits, outputs) if any(r.draft_ids for r in decodes) else 0
+        self._stats.decode_tokens += len(decodes) + more
+
+    def _verify_drafts(self, decodes: list[Request], first: list[int], logits: torch.Tensor,
+                       outputs: dict[str, RequestOutput]) -> int:
+        """Speculative decoding: each request's token just sampled is checked against its first draft; while
+        they agree (the draft is accepted) and the request goes on, the draft's KV counts as computed and its
+        row is sampled (the same sampler, params, grammar and generator as plain decoding, now seeing the
+        accepted token), and so on down the drafts. The first disagreement, or the request finishing, ends it.
+        -> the tokens sampled this way (each one a token without a step of its own)."""
+        live = [(r, row) for r, row in zip(decodes, first) if r.draft_ids]
+        self._stats.spec_draft_tokens += sum(len(r.draft_ids) for r, _ in live)
+        sampled = 0
+        j = 0
+        while live:
+            live = [(r, row) for r, row in live if r.status != Status.FINISHED_ERROR and j < len(r.draft_ids)
+                    and r.output_ids[-1] == r.draft_ids[j]]
+            self._stats.spec_accepted_tokens += len(live)
+            live = [(r, row) for r, row in live if not r.finished]
+            for r, _ in live:
+                r.num_computed += 1            # the draft is the token sampled: its KV (row j + 1) is the real one
+                self._name_computed(r)
+            if live:
+                sampled += len(live)
+                self._sample([r for r, _ in live], logits[[row + j + 1 for _, row in live]], outputs)
+            j += 1
+        return sampled
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, outputs: dict[str, RequestOutput]) -> None:
         allowed = [r.guide.allowed() if r.guide is not None else None for r in reqs]

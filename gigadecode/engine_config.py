@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .config import ConfigError, GptOssConfig
+from .speculative import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}   # the kernels compute in these two
 KV_DTYPES = ("auto", "bf16", "fp8")
@@ -67,6 +68,7 @@ class EngineConfig:
     kv_secret: str | None = field(default=None, repr=False)   # DI: the key P and D sign/verify KV params with
     vllm_kv_layout: str = "auto"        # DI consumer of a vLLM prefill: its CPU KV page order (auto | vec | amx)
     enable_prefix_caching: bool = False  # full KV blocks found again by their tokens (kv/prefix_cache.py)
+    speculative: SpeculativeConfig | None = None   # n-gram drafts verified in the decode step (speculative.py)
 
     def __post_init__(self) -> None:
         from numbers import Integral, Real
@@ -118,6 +120,8 @@ class EngineConfig:
                                   f"{self.block_size} (a KV block holds the tokens of one DCP rank)")
         if self.enable_prefix_caching and self.dcp > 1:
             raise ConfigError("--enable-prefix-caching needs every token's KV on one rank: not with --dcp")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ConfigError(f"speculative must be a SpeculativeConfig (got {self.speculative!r})")
         if self.dcp > 1 and self.kv_role == "kv_producer":
             raise ConfigError("--dcp is for decode engines: a prefill engine keeps every token (its decode "
                               "engines read their DCP share of it)")
@@ -170,4 +174,5 @@ def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig
                         kv_failure_policy=getattr(args, "kv_failure_policy", "fail"),
                         vllm_kv_layout=getattr(args, "vllm_kv_layout", "auto"),
                         enable_prefix_caching=bool(getattr(args, "enable_prefix_caching", False)),
+                        speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
                         kv_secret=getattr(args, "kv_secret", None) or None)

@@ -73,6 +73,8 @@ class Request:
     remote_tokens: int = 0                      # DI consumer: prompt tokens whose KV comes from the prefill
     num_cached_tokens: int | None = None        # prefix caching: prompt tokens found in the cache at admission
     guide: Any = None                           # structured output: its grammar's state (structured.Guide)
+    draft_ids: list[int] = field(default_factory=list)   # speculative decoding: this step's drafts
+    ngram: Any = None                           # speculative decoding: the proposer's copy of its history
 
     @property
     def all_ids(self) -> list[int]:
@@ -122,6 +124,8 @@ class EngineStats:
     step_failures: int = 0
     prefix_cache_queries: int = 0     # prompt tokens of requests that looked in the prefix cache
     prefix_cache_hits: int = 0        # ... and those found there (not computed again)
+    spec_draft_tokens: int = 0        # speculative decoding: drafts verified
+    spec_accepted_tokens: int = 0     # ... and those accepted (each one a token without a step of its own)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

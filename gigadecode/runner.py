@@ -39,26 +39,37 @@ DEFAULT_KV_BUDGET_GIB = 2.0
 
 @dataclass
 class DecodeSeq:
+    """One sequence's decode: its last token at `position`, and speculative drafts at the positions after it."""
+
     token_id: int
     position: int
     block_tables: list[list[int]]
+    drafts: tuple[int, ...] = ()
+
+    @property
+    def rows(self) -> list[tuple[int, int]]:
+        """(token, position) of each logit row this sequence takes."""
+        return [(t, self.position + j) for j, t in enumerate((self.token_id, *self.drafts))]
 
 
 class Decoder(Protocol):
-    """A decode path: one token for each of `seqs` -> their logits [len(seqs), V]."""
+    """A decode path: `seqs` -> the logits of their rows [sum(len(s.rows)), V] (one row per token: the last
+    one and each draft; a draft's row sees the KV of the rows before it, as if they had been decoded one by
+    one)."""
 
     def decode_batch(self, seqs: list[DecodeSeq], kv: KVCache, pad_to: int = 0) -> torch.Tensor: ...
 
 
 class ReferenceDecoder:
-    """The non-GK decode path: the per-layer model, one token per sequence."""
+    """The non-GK decode path: the per-layer model, one chunk per sequence (its token and drafts)."""
 
     def __init__(self, model: GptOssModel) -> None:
         self.model = model
 
     def decode_batch(self, seqs: list[DecodeSeq], kv: KVCache, pad_to: int = 0) -> torch.Tensor:
         """(`pad_to` is ignored: the per-layer model exchanges token counts itself.)"""
-        out = self.model.forward([SeqChunk([s.token_id], s.position, s.block_tables) for s in seqs], kv)
+        out = self.model.forward([SeqChunk([s.token_id, *s.drafts], s.position, s.block_tables,
+                                           "all" if s.drafts else "last") for s in seqs], kv)
         return torch.cat(out.logits) if seqs else torch.empty(0)
 
 
@@ -78,16 +89,17 @@ class GKDecoder:
         and route to experts of its own (batch 5 padded to 8 took 1.36× the time of 5 rows on `small`)."""
         outs = []
         biggest = self.ecfg.batch_buckets[-1]
-        rows = max(len(seqs), pad_to)
+        flat = [(t, p, s.block_tables) for s in seqs for t, p in s.rows]     # a sequence's drafts: rows in order
+        rows = max(len(flat), pad_to)
         for s0 in range(0, rows, biggest):
-            part = seqs[s0: s0 + biggest]
+            part = flat[s0: s0 + biggest]
             n = min(biggest, rows - s0)
             bucket = n if self.gk.native else next(b for b in self.ecfg.batch_buckets if b >= n)
-            ctl = build_attention_control([s.position for s in part], [s.block_tables for s in part],
+            ctl = build_attention_control([p for _, p, _ in part], [tb for _, _, tb in part],
                                           self.group_sliding, self.rope, self.ecfg.block_size, self.window,
                                           batch_bucket=bucket, tokens=self.tokens)
             ids = torch.zeros(bucket, dtype=torch.long)
-            ids[: len(part)] = torch.tensor([s.token_id for s in part])
+            ids[: len(part)] = torch.tensor([t for t, _, _ in part], dtype=torch.long)
             outs.append(self.gk.decode(ids, ctl)[: len(part)])
         return torch.cat(outs) if outs else torch.empty(0)
 
@@ -190,7 +202,8 @@ class ModelRunner:
         return self.model.forward(chunks, self.kv).logits
 
     def decode(self, seqs: list[DecodeSeq], pad_to: int = 0) -> torch.Tensor:
-        """-> logits [len(seqs), V] (with `parallel`: [len(seqs), this rank's vocab columns])."""
+        """-> logits [rows, V], a row per token of each sequence (with `parallel`: [rows, this rank's vocab
+        columns]); `pad_to` counts rows."""
         if not seqs and (self.parallel is None or pad_to == 0):
             return torch.empty(0)
         return self.decoder.decode_batch(seqs, self.kv, pad_to)

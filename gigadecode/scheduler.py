@@ -2,7 +2,8 @@
 
 Each step `schedule()`
 1. keeps every running request that needs exactly one more token computed in the decode batch (the GK
-   program, padded to its batch bucket), growing its KV by one slot when a block fills;
+   program), growing its KV by one slot when a block fills; with speculative decoding (`proposer`) it also
+   gets its drafts (`Request.draft_ids`) and their slots, where the pool has them without preempting anyone;
 2. spends a prefill token budget (`max_prefill_tokens`) on running prompts first, then on waiting
    requests in arrival order (chunked prefill through the per-layer model, so a long prompt never
    stalls running decodes for more than one chunk);
@@ -38,11 +39,14 @@ class SchedulerOutput:
 
 class Scheduler:
     """Owns the waiting queue, the running set and the KV block tables (`kv_manager`). `on_preempt(req)`
-    runs before a preempted request gives up its blocks (the engine cancels a KV load in flight)."""
+    runs before a preempted request gives up its blocks (the engine cancels a KV load in flight);
+    `proposer` (speculative.NgramProposer) drafts tokens for decoding requests."""
 
     def __init__(self, ecfg: EngineConfig, kv_manager: KVCacheManager,
-                 on_preempt: Callable[[Request], None] | None = None) -> None:
+                 on_preempt: Callable[[Request], None] | None = None, proposer=None,
+                 max_model_len: int | None = None) -> None:
         self.ecfg, self.kv_manager, self.on_preempt = ecfg, kv_manager, on_preempt
+        self.proposer, self.max_model_len = proposer, max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -63,6 +67,7 @@ class Scheduler:
         self._grow_decodes(out)
         budget = self._continue_prefills(out, self.ecfg.max_prefill_tokens)
         self._admit_waiting(out, budget)
+        self._draft_decodes(out)
         return out
 
     def _grow_decodes(self, out: SchedulerOutput) -> None:
@@ -79,6 +84,31 @@ class Scheduler:
             if req.status == Status.RUNNING:
                 out.decodes.append(req)
         out.decodes = [r for r in out.decodes if r.status == Status.RUNNING]
+
+    def _draft_decodes(self, out: SchedulerOutput) -> None:
+        """Speculative decoding, last in the plan: drafts for the decoding requests, in the KV blocks left free
+        after every decode, prefill chunk and admission took theirs (speculation never preempts or delays
+        anyone). None while `disable_by_batch_size` requests or more decode."""
+        for req in self.running:
+            req.draft_ids = []
+        spec = self.ecfg.speculative
+        if self.proposer is None or spec is None:
+            return
+        if spec.disable_by_batch_size is not None and len(out.decodes) >= spec.disable_by_batch_size:
+            return
+        for req in out.decodes:
+            self._draft(req)
+
+    def _draft(self, req: Request) -> None:
+        """Drafts for a decoding request and KV slots for them, if the pool has those free. A step emits at
+        most drafts + 1 tokens, so the drafts stop short of max_tokens and of the context."""
+        p = req.params
+        limit = p.max_tokens - len(req.output_ids) - 1
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - req.num_tokens - 1)
+        drafts = self.proposer.propose(req, limit) if limit > 0 else []
+        if drafts and self.kv_manager.allocate(req.request_id, req.num_tokens + len(drafts), req.num_computed):
+            req.draft_ids = drafts
 
     def _continue_prefills(self, out: SchedulerOutput, budget: int) -> int:
         """Running prompts with more than one token left (or a producer's last one) take the budget first."""
@@ -150,7 +180,7 @@ class Scheduler:
         A DI consumer's remote KV is given up too: it recomputes locally."""
         if self.on_preempt is not None:
             self.on_preempt(req)
-        req.remote_tokens = 0
+        req.remote_tokens, req.draft_ids = 0, []
         self.kv_manager.free(req.request_id)
         self.running.remove(req)
         req.num_computed = 0

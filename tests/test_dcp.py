@@ -252,3 +252,23 @@ def test_dcp_with_ep_across_dp_groups_and_an_idle_group(tiny_ckpt):
     want = [r["token_ids"] for r in run_parallel_generate(tiny_ckpt, prompts, **kw)]
     outs = run_world(4, generate_job, str(tiny_ckpt), prompts, 2, 2, 4, {**kw, "dcp": 2})
     assert [r["token_ids"] for r in outs[0][0]] == want
+
+
+@pytest.mark.parametrize("decoder", ["gk-native", "gk"])
+def test_dcp_world_with_speculative_decoding_equals_one_rank(tiny_ckpt, decoder):
+    """Speculative decoding over DCP: a request's drafts are rows at consecutive positions whose KV lands on
+    whichever rank owns each position; greedy tokens equal one rank's plain ones, in fewer steps. The
+    prompts hold (nearly) every token of the vocabulary, so each sampled token matched before and the
+    n-gram proposer drafts on every step."""
+    from gigadecode.speculative import SpeculativeConfig
+    vocab = GptOssConfig.from_hf(tiny_ckpt).vocab_size
+    perm = list(range(vocab))
+    random.Random(3).shuffle(perm)
+    prompts = [perm[: vocab - 1], perm[200:] + perm[:150]]
+    kw = {**GEN, "decoder": decoder, "kv_dtype": "auto"}
+    one: dict = {}
+    want = [r["token_ids"] for r in run_parallel_generate(tiny_ckpt, prompts, report=one, **kw)]
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+    outs = run_world(2, generate_job, str(tiny_ckpt), prompts, 2, 1, 1, {**kw, "dcp": 2, "speculative": spec})
+    assert [r["token_ids"] for r in outs[0][0]] == want
+    assert len(outs[0][1]["steps"]) < len(one["steps"])

@@ -260,6 +260,53 @@ def test_prefix_caching_reports_cached_tokens(tiny_ckpt):
         assert hits >= 32 + 16 + 16
 
 
+def test_speculative_decoding_serves_plain_decoding_tokens(live, tiny_ckpt):
+    """`serve --speculative-config` (n-gram drafts, vLLM's flag): greedy and seeded answers, whole and
+    streamed, are the plain server's tokens; /metrics counts drafts and accepted ones. The prompt holds
+    nearly every token of the vocabulary, so each sampled token matched before and the n-gram proposer
+    drafts every step (a random model rarely repeats itself, so few are accepted); then drafts told the
+    answer (a stand-in proposer) are accepted, several tokens a step, and the answers stay the same."""
+    import random
+    _, plain = live
+    perm = list(range(1024))
+    random.Random(5).shuffle(perm)
+    prompt = perm[:1000]
+    cfg = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    eng, srv = _serve(tiny_ckpt, ["--speculative-config", cfg])
+
+    class Told:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def propose(self, req, limit):
+            o = len(req.output_ids)
+            return self.answer[o: o + min(3, limit)]
+
+    def metrics():
+        m = httpx.get(srv.url + "/metrics").text
+        return {ln.split()[0]: float(ln.split()[-1]) for ln in m.splitlines() if ln.startswith("gigadecode_spec")}
+
+    with srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        ngram = eng.scheduler.proposer
+        for told in (False, True):
+            for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 17, "top_p": 0.9}):
+                want = plain.completions.create(model="m", prompt=prompt, max_tokens=12, extra_body=EXTRA, **kw)
+                ids = want.choices[0].token_ids
+                eng.scheduler.proposer = Told(ids) if told else ngram
+                got = client.completions.create(model="m", prompt=prompt, max_tokens=12, extra_body=EXTRA, **kw)
+                assert got.choices[0].token_ids == ids and len(ids) == 12
+                streamed = client.completions.create(model="m", prompt=prompt, max_tokens=12, stream=True,
+                                                     extra_body=EXTRA, **kw)
+                assert "".join(c.choices[0].text for c in streamed if c.choices) == want.choices[0].text
+            value = metrics()
+            assert value["gigadecode_spec_decode_num_draft_tokens_total"] > 0
+            if told:
+                assert value["gigadecode_spec_decode_num_accepted_tokens_total"] >= 4 * 8   # 3 + 3 + 2 a request
+    with pytest.raises(Exception, match="ngram"):
+        _serve(tiny_ckpt, ["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'])
+
+
 def test_logit_bias_forces_and_bans_tokens(live):
     _, client = live
     prompt = random_prompt(9, 1024, seed=7)

@@ -87,14 +87,34 @@ def session(engine, vocab: int) -> dict:
     return {"requests": out, "refused": refused, "unseeded_ids": unseeded_ids}
 
 
-def world_session(rank: int, model_dir: str, layout: tuple[int, int, int]) -> dict:
+class DraftsFrom:
+    """Speculative decoding's proposer, told the single rank's tokens: drafts the next 3 of them, a fifth
+    changed (by the request and its length alone, so every replica of a DP group drafts the same)."""
+
+    def __init__(self, plain: dict[str, list[int]], vocab: int) -> None:
+        self.plain, self.vocab = plain, vocab
+
+    def propose(self, req, limit: int) -> list[int]:
+        import random
+        o = len(req.output_ids)
+        rng = random.Random(f"{req.request_id}:{o}")
+        return [t if rng.random() > 0.2 else (t + 1) % self.vocab
+                for t in self.plain.get(req.request_id, [])[o: o + min(3, limit)]]
+
+
+def world_session(rank: int, model_dir: str, layout: tuple[int, int, int], drafts: dict | None = None) -> dict:
     """On every rank of a run_world: build the parallel engine; rank 0 runs `session`. Every rank also
-    returns the tokens its own replica produced per request (the ranks of a DP group must agree)."""
+    returns the tokens its own replica produced per request (the ranks of a DP group must agree). With
+    `drafts` (request -> tokens) the engine decodes speculatively, drafting from them."""
     from gigadecode.parallel.engine import DistributedEngine, build_parallel_engine, run_worker
+    from gigadecode.speculative import SpeculativeConfig
     import torch
     torch.manual_seed(1000 + rank)            # ranks' global generators differ (as they may in real worlds)
     tp, dp, ep = layout
-    replica, ctx = build_parallel_engine(model_dir, EngineConfig(tp=tp, dp=dp, ep=ep, **ENGINE))
+    spec = SpeculativeConfig(num_speculative_tokens=3) if drafts is not None else None
+    replica, ctx = build_parallel_engine(model_dir, EngineConfig(tp=tp, dp=dp, ep=ep, speculative=spec, **ENGINE))
+    if drafts is not None:
+        replica.scheduler.proposer = DraftsFrom(drafts, replica.cfg.vocab_size)
     produced: dict[str, list[int]] = {}
     step = replica.step
 
@@ -111,6 +131,7 @@ def world_session(rank: int, model_dir: str, layout: tuple[int, int, int]) -> di
         # every replica warms up in lockstep first (its forward's collectives must line up): tokens unchanged
         res = {"warm_up_s": eng.warm_up(), **session(eng, replica.cfg.vocab_size)}
         res["preemptions"] = eng.stats.preemptions
+        res["spec_accepted"] = eng.stats.spec_accepted_tokens
         res["kv_used"] = eng.kv_usage()[0]
         res["unseeded"] = res.pop("unseeded_ids")
     return {**res, "dp_rank": ctx.dp_rank, "produced": produced}
@@ -138,23 +159,30 @@ def test_single_rank_session_is_sane(single, tiny_ckpt):
 
 
 LAYOUTS = [
-    pytest.param((2, 1, 2), id="tp2-dp1-ep2"),
-    pytest.param((1, 2, 2), id="tp1-dp2-ep2"),
-    pytest.param((2, 2, 4), id="tp2-dp2-ep4"),
+    pytest.param((2, 1, 2), False, id="tp2-dp1-ep2"),
+    pytest.param((1, 2, 2), False, id="tp1-dp2-ep2"),
+    pytest.param((2, 2, 4), False, id="tp2-dp2-ep4"),
+    pytest.param((2, 2, 4), True, id="tp2-dp2-ep4-speculative"),
 ]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_parallel_engine_session_equals_single_rank(tiny_ckpt, single, layout):
+@pytest.mark.parametrize("layout, drafts", LAYOUTS)
+def test_parallel_engine_session_equals_single_rank(tiny_ckpt, single, layout, drafts):
+    """... and with speculative decoding (drafts as extra decode rows: the EP agreement pads rows, TP
+    gathers the drafts' logits, each replica verifies alike) the same tokens again."""
     from gigadecode.parallel.spawn import run_world
     tp, dp, ep = layout
-    outs = run_world(tp * dp, world_session, str(tiny_ckpt), layout)
+    plain = {rid: toks for rid, (toks, _, _) in single["requests"].items()} if drafts else None
+    outs = run_world(tp * dp, world_session, str(tiny_ckpt), layout, plain)
     got = outs[0]
+    if drafts:
+        assert got["spec_accepted"] > 0
     assert got["refused"] == single["refused"]
     for rid, (toks, reason, lps) in single["requests"].items():
         g_toks, g_reason, g_lps = got["requests"][rid]
-        if rid == "r1":                                  # aborted: when depends on batching; a prefix
-            assert g_reason == "abort" and g_toks == toks[: len(g_toks)]
+        if rid == "r1":                       # aborted: when depends on batching (and drafts); one a prefix of the other
+            n = min(len(g_toks), len(toks))
+            assert g_reason == "abort" and g_toks[:n] == toks[:n]
             continue
         assert (g_toks, g_reason) == (toks, reason), rid
         assert [t for t, _ in g_lps] == [t for t, _ in lps]

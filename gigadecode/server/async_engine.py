@@ -87,7 +87,12 @@ class _SnapshotCollector:
                 ("gigadecode_kv_transfer_failures", "KV transfers that failed.", "transfer_failures"),
                 ("gigadecode_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
                 ("gigadecode_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again).",
-                 "prefix_hits")):
+                 "prefix_hits"),
+                ("gigadecode_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+                 "spec_drafts"),
+                ("gigadecode_spec_decode_num_accepted_tokens",
+                 "Speculative decoding: draft tokens accepted (tokens that took no decode step of their own).",
+                 "spec_accepted")):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], s.get(key, 0))
             yield c
@@ -129,6 +134,8 @@ class EngineMetrics:
         s["transfer_failures"] = engine.stats.transfer_failures
         s["prefix_queries"] = engine.stats.prefix_cache_queries
         s["prefix_hits"] = engine.stats.prefix_cache_hits
+        s["spec_drafts"] = engine.stats.spec_draft_tokens
+        s["spec_accepted"] = engine.stats.spec_accepted_tokens
         leases = getattr(engine, "num_leases", None)
         s["kv_leases"] = leases() if leases is not None else 0
 

@@ -1,0 +1,144 @@
+"""Speculative decoding benchmark: decode speed with drafts against plain decoding, same engine, same tokens.
+
+A verify step of 1 + k rows reads the weights once, but its rows route to more experts than one row, so
+its cost grows with k; what it buys depends on how many drafts the model accepts. This measures both, on
+one checkpoint, alternating the engines (A B A B …) and quoting medians:
+1. the GK step at 1 … k+1 rows of one request (ms, × one row): the break-even acceptance;
+2. one request decoding `--tokens` tokens (greedy, bf16, FP8 KV), decode phase only (first token to last):
+   - `ngram`: the real n-gram proposer. On a checkpoint with random weights nothing repeats, so this is
+     the price of drafts that fail (with `--model` a trained checkpoint and `--chat` a prompt, it is the
+     real thing);
+   - `told α`: drafts told the plain run's tokens, each kept with probability α (else changed): what a
+     workload whose drafts are accepted at rate α gets (code edits, quoting, extraction repeat their
+     context; free text does not).
+The tokens of every speculative run are checked equal to the plain run's.
+
+    .venv/bin/python bench/speculative.py [--preset small] [--k 3] [--tokens 128] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gigadecode.checkpoint import make_checkpoint  # noqa: E402
+from gigadecode.engine import LLMEngine  # noqa: E402
+from gigadecode.engine_config import EngineConfig  # noqa: E402
+from gigadecode.runner import DecodeSeq, ModelRunner  # noqa: E402
+from gigadecode.sampling import SamplingParams  # noqa: E402
+from gigadecode.speculative import SpeculativeConfig  # noqa: E402
+
+CACHE = Path.home() / ".cache" / "gigadecode"
+
+
+class Told:
+    """Drafts from the plain run's tokens, each kept with probability `alpha`."""
+
+    def __init__(self, answer: list[int], k: int, alpha: float, vocab: int, seed: int) -> None:
+        self.answer, self.k, self.alpha, self.vocab = answer, k, alpha, vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, req, limit: int) -> list[int]:
+        o = len(req.output_ids)
+        return [t if self.rng.random() < self.alpha else (t + 1) % self.vocab
+                for t in self.answer[o: o + min(self.k, limit)]]
+
+
+def decode_seconds(eng: LLMEngine, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    rid = eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    r = eng.requests.pop(rid)
+    return r.last_token_time - r.first_token_time, r.output_ids
+
+
+def step_rows_ms(runner: ModelRunner, rows: int, context: int, reps: int) -> float:
+    """Median ms of a GK decode call of one request's `rows` rows at `context` (its KV borrowed and given
+    back)."""
+    from gigadecode.kv.manager import KVCacheManager
+    mgr = KVCacheManager(runner.kv.config, runner.block_size)
+    assert mgr.allocate("b", context + rows, 0)
+    tables = mgr.block_tables("b")
+    seq = DecodeSeq(11, context, tables, tuple(range(100, 100 + rows - 1)))
+    runner.decode([seq])
+    t = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        runner.decode([seq])
+        t.append(time.perf_counter() - t0)
+    mgr.free("b")
+    return statistics.median(t) * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the preset's, written once)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--alphas", type=float, nargs="*", default=[1.0, 0.8, 0.5, 0.0])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    model_dir = Path(args.model) if args.model else CACHE / args.preset
+    if not (model_dir / "config.json").exists():
+        make_checkpoint(model_dir, args.preset, seed=0)
+    kv = "fp8" if args.dtype == "bfloat16" else "auto"
+    spec = SpeculativeConfig(num_speculative_tokens=args.k)
+    plain = LLMEngine(ModelRunner(model_dir, EngineConfig(dtype=args.dtype, kv_dtype=kv)))
+    runner = plain.runner
+    specu = LLMEngine(ModelRunner(model_dir, EngineConfig(dtype=args.dtype, kv_dtype=kv, speculative=spec),
+                                  cfg=runner.cfg, weights=runner.weights))
+    ngram = specu.scheduler.proposer
+    vocab = runner.cfg.vocab_size
+    print(f"model {model_dir}  dtype {args.dtype}  threads {torch.get_num_threads()}  k {args.k}  "
+          f"prompt {args.prompt_len}  tokens {args.tokens}", flush=True)
+
+    base = step_rows_ms(runner, 1, args.prompt_len, 15)
+    print("GK step of one request's rows (its token + drafts), median ms:")
+    for rows in range(1, args.k + 2):
+        ms = step_rows_ms(runner, rows, args.prompt_len, 15) if rows > 1 else base
+        print(f"  {rows} rows: {ms:7.2f} ms  ×{ms / base:.2f}  (pays from {ms / base - 1:.2f} accepted drafts a step)")
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
+    plain.warm_up()
+    specu.warm_up()
+    _, want = decode_seconds(plain, prompt, args.tokens)
+    cases = [("ngram", ngram)] + [(f"told α={a:g}", Told(want, args.k, a, vocab, 1)) for a in args.alphas]
+    print(f"one request, {args.tokens} tokens, decode phase, median of {args.rounds} alternated pairs:")
+    print(f"  {'drafts':<12} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'accepted':>9} {'tok/step':>8}")
+    for name, proposer in cases:
+        specu.scheduler.proposer = proposer
+        tp, ts, ratio = [], [], []
+        decode_seconds(plain, prompt, args.tokens)                  # a pair not counted: both warm for this case
+        decode_seconds(specu, prompt, args.tokens)
+        s0 = specu.stats.as_dict()
+        for _ in range(args.rounds):
+            dt_p, got_p = decode_seconds(plain, prompt, args.tokens)
+            dt_s, got_s = decode_seconds(specu, prompt, args.tokens)
+            assert got_p == want and got_s == want, "speculative decoding changed the tokens"
+            tp.append((args.tokens - 1) / dt_p)
+            ts.append((args.tokens - 1) / dt_s)
+            ratio.append(dt_p / dt_s)
+        s1 = specu.stats.as_dict()
+        drafted = s1["spec_draft_tokens"] - s0["spec_draft_tokens"]
+        acc = s1["spec_accepted_tokens"] - s0["spec_accepted_tokens"]
+        steps = s1["steps"] - s0["steps"] - args.rounds             # decode steps: less each run's prefill
+        per_step = (args.tokens - 1) * args.rounds / max(1, steps)
+        print(f"  {name:<12} {statistics.median(tp):11.1f} {statistics.median(ts):10.1f} "
+              f"{statistics.median(ratio):7.2f}× {acc:4d}/{drafted:<4d} {per_step:8.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

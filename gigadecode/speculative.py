@@ -1,0 +1,173 @@
+"""Speculative decoding by n-gram lookup: draft tokens from the request's own history, verified in one step.
+
+`--speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'` (vLLM's flag and fields). Each
+decode step, a request whose last `n` tokens (`prompt_lookup_max` down to `prompt_lookup_min`) occurred
+before in its prompt or output gets the tokens that followed that occurrence (the latest one, longest `n`
+first) as drafts. The step runs the request's last token and its drafts as consecutive rows of the decode
+batch — the GK program writes every row's KV before any row attends, so row j sees the rows before it
+exactly as if they had been decoded one by one — and gets one row of logits per token.
+
+Verification samples the rows in order with the request's own sampler, exactly as plain decoding would
+(penalties, grammar, min_tokens and the seeded generator see each accepted token before the next row is
+sampled), and stops at the first sampled token that differs from its draft. With one fixed draft per
+position this *is* speculative sampling's rule (accept a draft with the probability the model gives it;
+on rejection draw from the rest), so every output has the distribution of plain decoding — and greedy and
+seeded requests produce the very same tokens, only up to `k + 1` of them a step. The rejected drafts' KV is
+simply not counted as computed: the next step writes those positions again before anyone reads them.
+
+What it costs: a verify step of `1 + k` rows reads the weights once, but its rows route to more experts
+(on `small`, 4 rows take ~1.9× a 1-row step), so it pays where the output repeats its context (code edits,
+quoting, extraction, JSON over given fields); `disable_by_batch_size` stops drafting when the batch is
+already big enough to be bound by compute.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .config import ConfigError
+
+__all__ = ["SpeculativeConfig", "NgramProposer"]
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` for its `ngram` method (the one this engine has)."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None    # no drafts while this many requests (or more) decode
+    method: str = "ngram"
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ConfigError(f"--speculative-config: method {self.method!r} is not available here; this engine "
+                              f"drafts by n-gram lookup only (\"method\": \"ngram\")")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            v = getattr(self, name)
+            if v is None and name == "disable_by_batch_size":
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"--speculative-config: {name} must be an integer >= 1 (got {v!r})")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"--speculative-config: num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS} "
+                              f"(got {self.num_speculative_tokens})")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"--speculative-config: prompt_lookup_min {self.prompt_lookup_min} is larger than "
+                              f"prompt_lookup_max {self.prompt_lookup_max}")
+
+    @classmethod
+    def parse(cls, raw: str | dict | None) -> SpeculativeConfig | None:
+        """The flag's JSON (or a dict) -> the config; None or "" -> None (no speculation). ConfigError names
+        what is wrong. As in vLLM, a lone prompt_lookup_min or prompt_lookup_max sets both."""
+        if raw is None or raw == "" or raw == {}:
+            return None
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("--speculative-config must be a JSON object, e.g. "
+                              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
+        d: dict[str, Any] = dict(raw)
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"--speculative-config: unknown field(s) {unknown}; this engine reads {sorted(known)}")
+        if "method" not in d:
+            raise ConfigError("--speculative-config needs \"method\": \"ngram\"")
+        if "num_speculative_tokens" not in d:
+            raise ConfigError("--speculative-config needs num_speculative_tokens (the drafts per step)")
+        lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+        if lo is None and hi is not None:
+            d["prompt_lookup_min"] = hi
+        elif hi is None and lo is not None:
+            d["prompt_lookup_max"] = lo
+        return cls(**{k: v for k, v in d.items() if v is not None or k == "disable_by_batch_size"})
+
+
+class _History:
+    """A request's token ids as a growing int32 array (the lookup compares whole arrays at once)."""
+
+    __slots__ = ("ids", "n")
+
+    def __init__(self) -> None:
+        self.ids = np.empty(64, dtype=np.int32)
+        self.n = 0
+
+    def sync(self, prompt: list[int], output: list[int]) -> np.ndarray:
+        """Append what prompt + output (which only grows) has beyond what is held -> the history [L]."""
+        p, m = len(prompt), len(prompt) + len(output)
+        if m < self.n:                      # cannot happen for one request; start over rather than lie
+            self.n = 0
+        if m > len(self.ids):
+            grown = np.empty(max(m, 2 * len(self.ids)), dtype=np.int32)
+            grown[: self.n] = self.ids[: self.n]
+            self.ids = grown
+        if self.n < p:
+            self.ids[self.n: p] = prompt[self.n:]
+            self.n = p
+        if m > self.n:
+            self.ids[self.n: m] = output[self.n - p:]
+            self.n = m
+        return self.ids[: m]
+
+
+class NgramProposer:
+    """Drafts for one request from its own history (prompt + output so far)."""
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.cfg = cfg
+
+    def propose(self, req: Any, limit: int) -> list[int]:
+        """Up to min(num_speculative_tokens, limit) drafts for `req` (its `ngram` slot keeps the history
+        array between steps), or [] when its last tokens never occurred before."""
+        k = min(self.cfg.num_speculative_tokens, limit)
+        if k <= 0:
+            return []
+        if req.ngram is None:
+            req.ngram = _History()
+        return lookup(req.ngram.sync(req.prompt_ids, req.output_ids), k, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max)
+
+
+def lookup(h: np.ndarray, k: int, lo: int, hi: int) -> list[int]:
+    """h [L] token ids -> the k tokens that followed the latest earlier occurrence of h's longest suffix of
+    lo..hi tokens, extended through the drafts themselves where that occurrence runs into the end (a
+    repeating pattern keeps repeating), or [] if no suffix of lo tokens occurred before.
+
+    One pass over h: the earlier ends e (exclusive, e <= L-1: something follows) whose last token equals
+    h[-1], then the match is extended backwards on those candidates only."""
+    L = len(h)
+    if L <= lo or k <= 0:
+        return []
+    ends = np.flatnonzero(h[: L - 1] == h[L - 1]) + 1            # h[e-1] == h[L-1]
+    if ends.size == 0:
+        return []
+    length = np.ones(ends.size, dtype=np.int64)                  # matched suffix length at each end
+    alive = np.ones(ends.size, dtype=bool)
+    for j in range(2, hi + 1):
+        if j > L - 1:
+            break
+        ok = alive & (ends - j >= 0)
+        ok[ok] = h[ends[ok] - j] == h[L - j]
+        length[ok] = j
+        alive = ok
+        if not alive.any():
+            break
+    best = int(length.max())
+    if best < lo:
+        return []
+    e = int(ends[np.flatnonzero(length == best)[-1]])           # the latest of the longest
+    out: list[int] = []
+    for j in range(k):                                          # h[e + j], reading drafts past the end
+        p = e + j
+        out.append(int(h[p]) if p < L else out[p - L])
+    return out
