@@ -10,7 +10,7 @@ one checkpoint, alternating the engines (A B A B …) and quoting medians:
      real thing);
    - `told α`: drafts told the plain run's tokens, each kept with probability α (else changed): what a
      workload whose drafts are accepted at rate α gets (code edits, quoting, extraction repeat their
-     context; free text does not).
+     context; free text does not), with the adaptive draft length (the default) and with `fixed` k.
 The tokens of every speculative run are checked equal to the plain run's.
 
     .venv/bin/python bench/speculative.py [--preset small] [--k 3] [--tokens 128] [--rounds 3]
@@ -34,22 +34,23 @@ from gigadecode.engine import LLMEngine  # noqa: E402
 from gigadecode.engine_config import EngineConfig  # noqa: E402
 from gigadecode.runner import DecodeSeq, ModelRunner  # noqa: E402
 from gigadecode.sampling import SamplingParams  # noqa: E402
-from gigadecode.speculative import SpeculativeConfig  # noqa: E402
+from gigadecode.speculative import NgramProposer, SpeculativeConfig  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "gigadecode"
 
 
-class Told:
-    """Drafts from the plain run's tokens, each kept with probability `alpha`."""
+class Told(NgramProposer):
+    """The n-gram proposer with its lookup replaced: drafts from the plain run's tokens, each kept with
+    probability `alpha` (its draft length is the engine's: fixed, or adaptive to the acceptance)."""
 
-    def __init__(self, answer: list[int], k: int, alpha: float, vocab: int, seed: int) -> None:
-        self.answer, self.k, self.alpha, self.vocab = answer, k, alpha, vocab
-        self.rng = random.Random(seed)
+    def __init__(self, cfg: SpeculativeConfig, answer: list[int], alpha: float, vocab: int, row_cost: float) -> None:
+        super().__init__(cfg)
+        self.answer, self.alpha, self.vocab, self.row_cost = answer, alpha, vocab, row_cost
+        self.rng = random.Random(1)
 
-    def propose(self, req, limit: int) -> list[int]:
+    def drafts(self, req, k: int) -> list[int]:
         o = len(req.output_ids)
-        return [t if self.rng.random() < self.alpha else (t + 1) % self.vocab
-                for t in self.answer[o: o + min(self.k, limit)]]
+        return [t if self.rng.random() < self.alpha else (t + 1) % self.vocab for t in self.answer[o: o + k]]
 
 
 def decode_seconds(eng: LLMEngine, prompt: list[int], n: int) -> tuple[float, list[int]]:
@@ -112,11 +113,15 @@ def main() -> int:
     rng = random.Random(0)
     prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
     plain.warm_up()
-    specu.warm_up()
+    specu.warm_up()                  # measures what a draft row costs (the adaptive draft length uses it)
+    print(f"a draft row costs {ngram.row_cost:.2f} of a 1-row step (the warm-up's measure)")
     _, want = decode_seconds(plain, prompt, args.tokens)
-    cases = [("ngram", ngram)] + [(f"told α={a:g}", Told(want, args.k, a, vocab, 1)) for a in args.alphas]
+    fixed = SpeculativeConfig(num_speculative_tokens=args.k, adaptive=False)
+    cases = [("ngram", ngram)] + [(f"told α={a:g}{' fixed' if not c.adaptive else ''}",
+                                   Told(c, want, a, vocab, ngram.row_cost))
+                                  for a in args.alphas for c in (spec, fixed)]
     print(f"one request, {args.tokens} tokens, decode phase, median of {args.rounds} alternated pairs:")
-    print(f"  {'drafts':<12} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'accepted':>9} {'tok/step':>8}")
+    print(f"  {'drafts':<18} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'accepted':>9} {'tok/step':>8}")
     for name, proposer in cases:
         specu.scheduler.proposer = proposer
         tp, ts, ratio = [], [], []
@@ -135,7 +140,7 @@ def main() -> int:
         acc = s1["spec_accepted_tokens"] - s0["spec_accepted_tokens"]
         steps = s1["steps"] - s0["steps"] - args.rounds             # decode steps: less each run's prefill
         per_step = (args.tokens - 1) * args.rounds / max(1, steps)
-        print(f"  {name:<12} {statistics.median(tp):11.1f} {statistics.median(ts):10.1f} "
+        print(f"  {name:<18} {statistics.median(tp):11.1f} {statistics.median(ts):10.1f} "
               f"{statistics.median(ratio):7.2f}× {acc:4d}/{drafted:<4d} {per_step:8.2f}", flush=True)
     return 0
 

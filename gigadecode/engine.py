@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 
 import torch
@@ -85,6 +86,7 @@ class LLMEngine:
             self.runner.prefill([SeqChunk([0] * n, 0, tables, "last")])
             if self.ecfg.kv_role != "kv_producer":
                 self.runner.decode([DecodeSeq(0, n, tables)], pad_to=1)
+                self._measure_draft_rows(n, tables)
         except Exception:  # noqa: BLE001 - the requests still run (and fail on their own if the engine is broken)
             log.exception("warm-up failed; going on without it")
             return None
@@ -94,6 +96,28 @@ class LLMEngine:
         log.info("warm-up: a %d-token prefill chunk%s in %.2f s", n,
                  "" if self.ecfg.kv_role == "kv_producer" else " and a decode step", took)
         return took
+
+    def _measure_draft_rows(self, n: int, tables: list[list[int]]) -> None:
+        """Speculative decoding, adaptive: what a draft row costs here, as a share of a one-row decode step
+        (the fastest of 3 steps of 1 and of 1 + num_speculative_tokens rows at position n - k - 1, on the
+        warm-up's borrowed blocks; their KV is garbage and never named): the proposer weighs it against each
+        request's acceptance."""
+        proposer, spec = self.scheduler.proposer, self.ecfg.speculative
+        if proposer is None or spec is None or not spec.adaptive or not hasattr(proposer, "row_cost"):
+            return
+        k = min(spec.num_speculative_tokens, n - 1)
+        if k < 1 or self.runner.parallel is not None:      # a parallel engine's replicas would time apart
+            return
+        # distinct tokens: rows of one token would route to the same experts, which real drafts do not
+        ids = [(1 + 7919 * i) % self.cfg.vocab_size for i in range(k + 1)]
+        one, many = DecodeSeq(ids[0], n - k - 1, tables), DecodeSeq(ids[0], n - k - 1, tables, tuple(ids[1:]))
+        t = {}
+        for seq in (one, many, one, many, one, many):
+            t0 = time.perf_counter()
+            self.runner.decode([seq], pad_to=1)
+            t[seq.drafts] = min(t.get(seq.drafts, math.inf), time.perf_counter() - t0)
+        proposer.row_cost = min(1.5, max(0.05, (t[many.drafts] / t[one.drafts] - 1.0) / k))
+        log.info("speculative decoding: a draft row costs %.2f of a 1-row decode step", proposer.row_cost)
 
     @property
     def waiting(self):
@@ -394,13 +418,17 @@ class LLMEngine:
         accepted token), and so on down the drafts. The first disagreement, or the request finishing, ends it.
         -> the tokens sampled this way (each one a token without a step of its own)."""
         live = [(r, row) for r, row in zip(decodes, first) if r.draft_ids]
-        self._stats.spec_draft_tokens += sum(len(r.draft_ids) for r, _ in live)
+        drafted = [r for r, _ in live]
+        self._stats.spec_draft_tokens += sum(len(r.draft_ids) for r in drafted)
+        accepted = dict.fromkeys(map(id, drafted), 0)
         sampled = 0
         j = 0
         while live:
             live = [(r, row) for r, row in live if r.status != Status.FINISHED_ERROR and j < len(r.draft_ids)
                     and r.output_ids[-1] == r.draft_ids[j]]
             self._stats.spec_accepted_tokens += len(live)
+            for r, _ in live:
+                accepted[id(r)] += 1
             live = [(r, row) for r, row in live if not r.finished]
             for r, _ in live:
                 r.num_computed += 1            # the draft is the token sampled: its KV (row j + 1) is the real one
@@ -409,6 +437,10 @@ class LLMEngine:
                 sampled += len(live)
                 self._sample([r for r, _ in live], logits[[row + j + 1 for _, row in live]], outputs)
             j += 1
+        observe = getattr(self.scheduler.proposer, "observe", None)
+        if observe is not None:                # the proposer sizes later drafts by how these fared
+            for r in drafted:
+                observe(r, len(r.draft_ids), accepted[id(r)])
         return sampled
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, outputs: dict[str, RequestOutput]) -> None:

@@ -44,12 +44,15 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = None    # no drafts while this many requests (or more) decode
+    adaptive: bool = True                       # per request, as many drafts as its acceptance pays for
     method: str = "ngram"
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
             raise ConfigError(f"--speculative-config: method {self.method!r} is not available here; this engine "
                               f"drafts by n-gram lookup only (\"method\": \"ngram\")")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"--speculative-config: adaptive must be true or false (got {self.adaptive!r})")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             v = getattr(self, name)
             if v is None and name == "disable_by_batch_size":
@@ -78,7 +81,8 @@ class SpeculativeConfig:
             raise ConfigError("--speculative-config must be a JSON object, e.g. "
                               "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
         d: dict[str, Any] = dict(raw)
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+                 "adaptive"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"--speculative-config: unknown field(s) {unknown}; this engine reads {sorted(known)}")
@@ -94,14 +98,21 @@ class SpeculativeConfig:
         return cls(**{k: v for k, v in d.items() if v is not None or k == "disable_by_batch_size"})
 
 
-class _History:
-    """A request's token ids as a growing int32 array (the lookup compares whole arrays at once)."""
+class _RequestDrafts:
+    """What the proposer keeps per request: its token ids as a growing int32 array (the lookup compares
+    whole arrays at once) and its drafts' acceptance so far, as decayed counts."""
 
-    __slots__ = ("ids", "n")
+    __slots__ = ("ids", "n", "accepted", "tried")
 
     def __init__(self) -> None:
         self.ids = np.empty(64, dtype=np.int32)
         self.n = 0
+        self.accepted = 0.0          # drafts accepted (decayed)
+        self.tried = 0.0             # drafts whose verdict was reached: the accepted ones and each first rejection
+
+    def acceptance(self) -> float:
+        """The chance a draft is accepted, estimated: the decayed counts, plus PRIOR_WEIGHT drafts at PRIOR."""
+        return (self.accepted + PRIOR * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
 
     def sync(self, prompt: list[int], output: list[int]) -> np.ndarray:
         """Append what prompt + output (which only grows) has beyond what is held -> the history [L]."""
@@ -121,21 +132,59 @@ class _History:
         return self.ids[: m]
 
 
+# The adaptive draft length: a request's acceptance estimate starts at PRIOR (as if PRIOR_WEIGHT drafts had
+# been seen), its counts decay by DECAY every step it is proposed for — so a request that stopped drafting
+# drifts back to the prior and tries again — and a draft row costs `row_cost` of a one-row step (measured at
+# the engine's warm-up; DEFAULT_ROW_COST until then).
+PRIOR, PRIOR_WEIGHT, DECAY = 0.7, 1.0, 0.95
+DEFAULT_ROW_COST = 0.4
+
+
+def best_draft_length(acceptance: float, row_cost: float, most: int) -> int:
+    """The k in 0..most that maximizes tokens per cost of a verify step, (1 + a + a² + … + a^k) / (1 + c·k):
+    each draft is accepted with chance a only if the ones before it were, and each costs c of a row."""
+    best, best_rate, gain, term = 0, 1.0, 1.0, 1.0
+    for k in range(1, most + 1):
+        term *= acceptance
+        gain += term
+        rate = gain / (1.0 + row_cost * k)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
 class NgramProposer:
-    """Drafts for one request from its own history (prompt + output so far)."""
+    """Drafts for one request from its own history (prompt + output so far); with `adaptive`, at most as
+    many as its drafts' acceptance so far pays for (`best_draft_length`), told by `observe`."""
 
     def __init__(self, cfg: SpeculativeConfig) -> None:
         self.cfg = cfg
+        self.row_cost = DEFAULT_ROW_COST
 
     def propose(self, req: Any, limit: int) -> list[int]:
-        """Up to min(num_speculative_tokens, limit) drafts for `req` (its `ngram` slot keeps the history
-        array between steps), or [] when its last tokens never occurred before."""
-        k = min(self.cfg.num_speculative_tokens, limit)
-        if k <= 0:
-            return []
+        """Up to min(num_speculative_tokens, limit) drafts for `req` (its `ngram` slot keeps the state
+        between steps), or [] when its last tokens never occurred before."""
         if req.ngram is None:
-            req.ngram = _History()
-        return lookup(req.ngram.sync(req.prompt_ids, req.output_ids), k, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max)
+            req.ngram = _RequestDrafts()
+        st = req.ngram
+        k = min(self.cfg.num_speculative_tokens, limit)
+        if self.cfg.adaptive:
+            st.accepted *= DECAY
+            st.tried *= DECAY
+            k = min(k, best_draft_length(st.acceptance(), self.row_cost, self.cfg.num_speculative_tokens))
+        return self.drafts(req, k) if k > 0 else []
+
+    def drafts(self, req: Any, k: int) -> list[int]:
+        """The n-gram lookup over the request's history: at most k drafts."""
+        return lookup(req.ngram.sync(req.prompt_ids, req.output_ids), k, self.cfg.prompt_lookup_min,
+                      self.cfg.prompt_lookup_max)
+
+    def observe(self, req: Any, drafted: int, accepted: int) -> None:
+        """A verify step's verdict on `req`'s drafts: `accepted` of `drafted` (the first `accepted` ones)."""
+        st = req.ngram
+        if st is not None and drafted:
+            st.accepted += accepted
+            st.tried += accepted + (accepted < drafted)
 
 
 def lookup(h: np.ndarray, k: int, lo: int, hi: int) -> list[int]:

@@ -15,7 +15,7 @@ from gigadecode.engine import LLMEngine
 from gigadecode.engine_config import EngineConfig
 from gigadecode.runner import ModelRunner
 from gigadecode.sampling import SamplingParams
-from gigadecode.speculative import NgramProposer, SpeculativeConfig, lookup
+from gigadecode.speculative import NgramProposer, SpeculativeConfig, best_draft_length, lookup
 
 from .helpers import random_prompt
 from .test_engine import _weights
@@ -73,13 +73,60 @@ def test_proposer_keeps_its_history_in_step():
         output_ids: list[int] = []
         ngram = None
     r = Req()
-    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=3))
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, adaptive=False))
     assert p.propose(r, 10) == [3, 4, 1]
     r.output_ids = [3, 4, 9, 9]
     assert p.propose(r, 10) == []                    # [9, 9]: never before
     r.output_ids = [3, 4, 9, 9, 1, 2, 3]
     assert p.propose(r, 2) == [4, 9]                 # the latest occurrence; limit caps the drafts
     assert p.propose(r, 0) == []
+
+
+def test_best_draft_length():
+    assert best_draft_length(0.0, 0.4, 5) == 0
+    assert best_draft_length(0.35, 0.4, 5) == 0          # a draft pays only when accepted more often than it costs
+    assert best_draft_length(0.5, 0.4, 5) == 1
+    assert best_draft_length(0.99, 0.4, 5) == 5
+    for a in (0.1, 0.3, 0.5, 0.7, 0.9):
+        for c in (0.1, 0.3, 0.6):
+            k = best_draft_length(a, c, 8)
+            rate = [sum(a ** j for j in range(n + 1)) / (1 + c * n) for n in range(9)]
+            assert rate[k] == max(rate), (a, c, k, rate)
+
+
+def test_adaptive_draft_length_follows_acceptance():
+    """A request whose drafts keep failing stops drafting, tries again now and then, and drafts the most
+    once they are accepted; with adaptive false the proposer always drafts the most it can."""
+    class Req:
+        prompt_ids = [1, 2, 3, 4, 5, 6, 7, 8] * 4
+        output_ids: list[int] = []
+        ngram = None
+    r = Req()
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=4))
+    p.row_cost = 0.4
+    lengths = []
+    for _ in range(60):                                 # every draft rejected
+        d = p.propose(r, 10)
+        lengths.append(len(d))
+        p.observe(r, len(d), 0)
+    assert lengths[0] >= 2 and lengths[-30:].count(0) >= 20 and max(lengths[-30:]) >= 1   # stops; probes again
+    for _ in range(30):                                 # now every draft accepted
+        d = p.propose(r, 10)
+        p.observe(r, len(d), len(d))
+    assert len(p.propose(r, 10)) == 4
+    fixed = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, adaptive=False))
+    r2 = Req()
+    for _ in range(20):
+        assert len(fixed.propose(r2, 10)) == 4
+        fixed.observe(r2, 4, 0)
+
+
+def test_warm_up_measures_what_a_draft_row_costs(tiny_ckpt):
+    eng = engine(tiny_ckpt, SpeculativeConfig(num_speculative_tokens=3))
+    assert eng.scheduler.proposer.row_cost == 0.4
+    assert eng.warm_up() is not None
+    assert 0.05 <= eng.scheduler.proposer.row_cost <= 1.5
+    assert eng.kv_manager.num_free_blocks == eng.runner.kv.num_blocks - 1
 
 
 # -- the config ------------------------------------------------------------------------------------------
@@ -104,6 +151,7 @@ def test_config_parse():
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}', "larger"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown field"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', "disable_by_batch_size"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}', "adaptive"),
 ])
 def test_config_refused(raw, words):
     with pytest.raises(ConfigError, match=words):
