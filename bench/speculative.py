@@ -11,7 +11,9 @@ one checkpoint, alternating the engines (A B A B …) and quoting medians:
    - `told α`: drafts told the plain run's tokens, each kept with probability α (else changed): what a
      workload whose drafts are accepted at rate α gets (code edits, quoting, extraction repeat their
      context; free text does not), with the adaptive draft length (the default) and with `fixed` k.
-The tokens of every speculative run are checked equal to the plain run's.
+`=plain`: the speculative runs whose tokens equal the plain run's. In fp32 they all must (the run stops
+otherwise); in bf16 a step of several rows may round a logit differently from a 1-row step (bit-identical on
+`small`; up to ~0.2 on `20b-shape`, as any change of batch does), so a near-tie can flip.
 
     .venv/bin/python bench/speculative.py [--preset small] [--k 3] [--tokens 128] [--rounds 3]
 """
@@ -121,17 +123,20 @@ def main() -> int:
                                    Told(c, want, a, vocab, ngram.row_cost))
                                   for a in args.alphas for c in (spec, fixed)]
     print(f"one request, {args.tokens} tokens, decode phase, median of {args.rounds} alternated pairs:")
-    print(f"  {'drafts':<18} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'accepted':>9} {'tok/step':>8}")
+    print(f"  {'drafts':<18} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'accepted':>9} {'tok/step':>8} "
+          f"{'=plain':>6}")
     for name, proposer in cases:
         specu.scheduler.proposer = proposer
-        tp, ts, ratio = [], [], []
+        tp, ts, ratio, same = [], [], [], 0
         decode_seconds(plain, prompt, args.tokens)                  # a pair not counted: both warm for this case
         decode_seconds(specu, prompt, args.tokens)
         s0 = specu.stats.as_dict()
         for _ in range(args.rounds):
             dt_p, got_p = decode_seconds(plain, prompt, args.tokens)
             dt_s, got_s = decode_seconds(specu, prompt, args.tokens)
-            assert got_p == want and got_s == want, "speculative decoding changed the tokens"
+            if args.dtype == "float32":
+                assert got_p == want and got_s == want, "speculative decoding changed the tokens in fp32"
+            same += got_s == got_p
             tp.append((args.tokens - 1) / dt_p)
             ts.append((args.tokens - 1) / dt_s)
             ratio.append(dt_p / dt_s)
@@ -141,7 +146,7 @@ def main() -> int:
         steps = s1["steps"] - s0["steps"] - args.rounds             # decode steps: less each run's prefill
         per_step = (args.tokens - 1) * args.rounds / max(1, steps)
         print(f"  {name:<18} {statistics.median(tp):11.1f} {statistics.median(ts):10.1f} "
-              f"{statistics.median(ratio):7.2f}× {acc:4d}/{drafted:<4d} {per_step:8.2f}", flush=True)
+              f"{statistics.median(ratio):7.2f}× {acc:4d}/{drafted:<4d} {per_step:8.2f} {same:>3}/{args.rounds}", flush=True)
     return 0
 
 
