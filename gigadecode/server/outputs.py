@@ -169,6 +169,8 @@ class Choice:
         `stop_token_ids`) that ended a sequence stays in its token ids but not in its text."""
         if self.done:
             return []
+        if len(out.new_token_ids) > 1:
+            return self._absorb_each(out)
         ids = list(out.new_token_ids)
         first = len(self.token_ids)
         self.token_ids.extend(ids)
@@ -203,6 +205,24 @@ class Choice:
             self.error = out.error
             self.kv_transfer_params = getattr(out, "kv_transfer_params", None)
         self.pieces.extend(new)
+        return new
+
+    def _absorb_each(self, out: Any) -> list[Piece]:
+        """An output of several tokens (speculative decoding's accepted drafts), taken one token at a time as
+        plain decoding gives them: a stop string ends the choice at the token that completes it, not with the
+        tokens (ids, logprobs, usage) sampled after it in the same step."""
+        ids, lps, new = list(out.new_token_ids), list(out.new_logprobs or ()), []
+        for i, t in enumerate(ids):
+            last = i == len(ids) - 1
+            part = replace(out, new_token_ids=[t], new_logprobs=lps[i: i + 1], finished=out.finished and last,
+                           finish_reason=out.finish_reason if last else None, error=out.error if last else None)
+            if i:
+                part.prompt_logprobs = part.num_cached_tokens = None
+            if last and hasattr(out, "kv_transfer_params"):      # set on the final output, not a field
+                part.kv_transfer_params = out.kv_transfer_params
+            new += self.absorb(part)
+            if self.done:
+                break
         return new
 
     def text(self, kind: str = "content") -> str:
