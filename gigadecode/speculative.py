@@ -86,9 +86,9 @@ class SpeculativeConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"--speculative-config: unknown field(s) {unknown}; this engine reads {sorted(known)}")
-        if "method" not in d:
+        if d.get("method") is None:
             raise ConfigError("--speculative-config needs \"method\": \"ngram\"")
-        if "num_speculative_tokens" not in d:
+        if d.get("num_speculative_tokens") is None:
             raise ConfigError("--speculative-config needs num_speculative_tokens (the drafts per step)")
         lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
         if lo is None and hi is not None:

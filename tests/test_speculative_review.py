@@ -51,3 +51,16 @@ def test_a_stop_string_inside_a_steps_tokens_cuts_there(tiny_ckpt, min_tokens):
     many.absorb(RequestOutput("r", ids[1:5], False, new_logprobs=lps[1:5]))      # a step with 3 accepted drafts
     assert many.done and many.finish_reason == "stop" and many.stream.closed
     assert (many.token_ids, many.logprobs, many.text()) == (one.token_ids, one.logprobs, one.text())
+
+
+@pytest.mark.parametrize("raw, words", [
+    ('{"method": "ngram", "num_speculative_tokens": null}', "num_speculative_tokens"),
+    ('{"method": null, "num_speculative_tokens": 2}', "method"),
+])
+def test_config_nulls_are_refused_with_a_config_error(raw, words):
+    """A JSON null for a required field is the flag's error (ConfigError, which the CLI reports), not a
+    TypeError from the dataclass, nor a silently assumed method."""
+    from gigadecode.config import ConfigError
+    from gigadecode.speculative import SpeculativeConfig
+    with pytest.raises(ConfigError, match=words):
+        SpeculativeConfig.parse(raw)
