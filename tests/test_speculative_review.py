@@ -51,6 +51,8 @@ def test_a_stop_string_inside_a_steps_tokens_cuts_there(tiny_ckpt, min_tokens):
     many.absorb(RequestOutput("r", ids[1:5], False, new_logprobs=lps[1:5]))      # a step with 3 accepted drafts
     assert many.done and many.finish_reason == "stop" and many.stream.closed
     assert (many.token_ids, many.logprobs, many.text()) == (one.token_ids, one.logprobs, one.text())
+    # what a streamed chunk sends of that output (its token ids and logprobs): only what the choice kept
+    assert (many.new_ids, many.new_logprobs) == (one.token_ids[1:], one.logprobs[1:])
 
 
 @pytest.mark.parametrize("raw, words", [

@@ -157,14 +157,14 @@ async def chat_completions(request: Request) -> Response:
         def chunk(c: Choice, out: Any, pieces: list) -> dict[str, Any] | None:
             delta = _delta(pieces, reasoning)
             lps = unsent.setdefault(c.index, [])
-            lps.extend(out.new_logprobs or ())
-            if not delta and not c.done and not (req.return_token_ids and out.new_token_ids):
+            lps.extend(c.new_logprobs)
+            if not delta and not c.done and not (req.return_token_ids and c.new_ids):
                 return None
             d: dict[str, Any] = {"index": c.index, "delta": delta,
                                  "logprobs": chat_logprobs(codec, lps) if params.logprobs is not None else None,
                                  "finish_reason": c.finish_reason if c.done else None}
             unsent[c.index] = []
-            return stream_chunk(head, c, d, out.new_token_ids if req.return_token_ids else None)
+            return stream_chunk(head, c, d, c.new_ids if req.return_token_ids else None)
         continuous = bool(req.stream_options and req.stream_options.continuous)
         first = [{**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}],

@@ -104,14 +104,13 @@ async def completions(request: Request) -> Response:
 
         def chunk(c: Choice, out: Any, pieces: list) -> dict[str, Any] | None:
             text = "".join(p.text for p in pieces)
-            if not text and not out.new_token_ids and not c.done:
+            if not text and not c.new_ids and not c.done:
                 return None
-            d = choice_body(c, text, out.new_logprobs or (), len(c.token_ids) - len(out.new_token_ids),
-                            c.index not in started)
+            d = choice_body(c, text, c.new_logprobs, len(c.token_ids) - len(c.new_ids), c.index not in started)
             if req.return_token_ids and c.index not in started:
                 d["prompt_token_ids"] = c.prompt_ids
             started.add(c.index)
-            return stream_chunk(head, c, d, out.new_token_ids if req.return_token_ids else None)
+            return stream_chunk(head, c, d, c.new_ids if req.return_token_ids else None)
         include = req.stream_options and req.stream_options.include_usage
         return sse_response(stream_events(choices, chunk, [], {**head, "choices": []} if include else None,
                                           bool(req.stream_options and req.stream_options.continuous)))

@@ -161,6 +161,8 @@ class Choice:
     min_tokens: int = 0
     prompt_logprobs: list[Any] | None = None               # TokenLogprobs per prompt token (the first: None)
     num_cached_tokens: int | None = None                   # prefix caching: prompt tokens found in the cache
+    new_ids: list[int] = field(default_factory=list)        # the token ids the last `absorb` kept of its output
+    new_logprobs: list[Any] = field(default_factory=list)   # ... and their logprobs (what a stream chunk sends)
 
     def absorb(self, out: Any) -> list[Piece]:
         """Take one RequestOutput -> the new pieces (stop strings applied). A stop string finishes the choice
@@ -168,10 +170,12 @@ class Choice:
         may end in the text of the first `min_tokens` tokens, and the stop token (EOS or one of
         `stop_token_ids`) that ended a sequence stays in its token ids but not in its text."""
         if self.done:
+            self.new_ids, self.new_logprobs = [], []
             return []
         if len(out.new_token_ids) > 1:
             return self._absorb_each(out)
         ids = list(out.new_token_ids)
+        self.new_ids, self.new_logprobs = list(ids), list(out.new_logprobs or ())
         first = len(self.token_ids)
         self.token_ids.extend(ids)
         self.logprobs.extend(out.new_logprobs or ())
@@ -212,6 +216,8 @@ class Choice:
         plain decoding gives them: a stop string ends the choice at the token that completes it, not with the
         tokens (ids, logprobs, usage) sampled after it in the same step."""
         ids, lps, new = list(out.new_token_ids), list(out.new_logprobs or ()), []
+        kept_ids: list[int] = []
+        kept_lps: list[Any] = []
         for i, t in enumerate(ids):
             last = i == len(ids) - 1
             part = replace(out, new_token_ids=[t], new_logprobs=lps[i: i + 1], finished=out.finished and last,
@@ -221,8 +227,11 @@ class Choice:
             if last and hasattr(out, "kv_transfer_params"):      # set on the final output, not a field
                 part.kv_transfer_params = out.kv_transfer_params
             new += self.absorb(part)
+            kept_ids += self.new_ids
+            kept_lps += self.new_logprobs
             if self.done:
                 break
+        self.new_ids, self.new_logprobs = kept_ids, kept_lps
         return new
 
     def text(self, kind: str = "content") -> str:
