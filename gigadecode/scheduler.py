@@ -76,7 +76,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status != Status.RUNNING or req.num_tokens - req.num_computed != 1:
                 continue
-            while not self.kv_manager.allocate(req.request_id, req.num_tokens, req.num_computed):
+            while not self._allocate(req, req.num_tokens, req.num_computed):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is req:
@@ -84,6 +84,17 @@ class Scheduler:
             if req.status == Status.RUNNING:
                 out.decodes.append(req)
         out.decodes = [r for r in out.decodes if r.status == Status.RUNNING]
+
+    def _allocate(self, req: Request, num_tokens: int, num_computed: int) -> bool:
+        """`kv_manager.allocate` for a decode, a prefill chunk or an admission; where the pool is short, the
+        blocks running requests still hold for rejected drafts go back first (speculation never preempts or
+        delays anyone; while the pool has room they stay, for the request's next drafts)."""
+        if self.kv_manager.allocate(req.request_id, num_tokens, num_computed):
+            return True
+        if self.proposer is None:
+            return False
+        freed = sum(self.kv_manager.trim(r.request_id, r.num_tokens) for r in self.running)
+        return freed > 0 and self.kv_manager.allocate(req.request_id, num_tokens, num_computed)
 
     def _draft_decodes(self, out: SchedulerOutput) -> None:
         """Speculative decoding, last in the plan: drafts for the decoding requests, in the KV blocks left free
@@ -121,7 +132,7 @@ class Scheduler:
             if req.status != Status.RUNNING or decoding or not (todo > 1 or producer_last):
                 continue
             n = min(todo, budget)
-            if self.kv_manager.allocate(req.request_id, req.num_computed + n, req.num_computed):
+            if self._allocate(req, req.num_computed + n, req.num_computed):
                 out.prefills.append((req, n))
                 budget -= n
         return budget
@@ -132,7 +143,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.remote_tokens:                  # DI consumer: blocks as if N-1 tokens were computed
                 n = req.remote_tokens
-                if not self.kv_manager.allocate(req.request_id, n + 1, n):
+                if not self._allocate(req, n + 1, n):
                     break
                 self.waiting.popleft()
                 req.status, req.num_computed = Status.WAITING_FOR_REMOTE_KV, n
@@ -147,7 +158,7 @@ class Scheduler:
             hit = self._cached_prefix(req)         # 0 unless nothing was computed yet
             start = req.num_computed + hit
             n = min(todo - hit, budget)
-            if not self.kv_manager.allocate(req.request_id, start + n, start):
+            if not self._allocate(req, start + n, start):
                 if hit:
                     self.kv_manager.free(req.request_id)      # the cached blocks' references go back
                 break

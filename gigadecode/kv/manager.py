@@ -318,6 +318,20 @@ class KVCacheManager:
             m.allocate_for(req_id, num_tokens, num_computed_tokens)
         return True
 
+    def trim(self, req_id: str, num_tokens: int) -> int:
+        """Give back the blocks past those that cover num_tokens tokens (speculative decoding: the slots of
+        rejected drafts, never computed, so never named) -> blocks freed."""
+        freed = 0
+        for m in self.managers:
+            table = m.tables.get(req_id)
+            target = m._target(num_tokens)
+            if table is not None and len(table) > target:
+                tail = table[target:]
+                del table[target:]
+                self.pool.free(reversed(tail))
+                freed += sum(1 for b in tail if b != NULL_BLOCK)
+        return freed
+
     def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> int:
         """Release dead blocks in every group; -> blocks freed."""
         return sum(m.remove_skipped_blocks(req_id, num_computed_tokens) for m in self.managers)
