@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 
 import torch
@@ -27,7 +26,7 @@ from .request import EngineStats, Request, RequestError, RequestOutput, Status
 from .runner import DecodeSeq, ModelRunner
 from .sampling import Sampler, SamplingParams, make_generator, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
-from .speculative import NgramProposer
+from .speculative import NgramProposer, measure_row_cost
 from .structured import GuideFactory
 
 __all__ = ["LLMEngine", "Request", "RequestError", "RequestOutput", "Status", "build_engine"]
@@ -98,25 +97,18 @@ class LLMEngine:
         return took
 
     def _measure_draft_rows(self, n: int, tables: list[list[int]]) -> None:
-        """Speculative decoding, adaptive: what a draft row costs here, as a share of a one-row decode step
-        (the fastest of 3 steps of 1 and of 1 + num_speculative_tokens rows at position n - k - 1, on the
-        warm-up's borrowed blocks; their KV is garbage and never named): the proposer weighs it against each
-        request's acceptance."""
+        """Speculative decoding, adaptive: what a draft row costs here (`speculative.measure_row_cost`), on the
+        warm-up's borrowed blocks at position n - k - 1 (their KV is garbage and never named). Distinct tokens:
+        rows of one token would route to the same experts, which real drafts do not."""
         proposer, spec = self.scheduler.proposer, self.ecfg.speculative
         if proposer is None or spec is None or not spec.adaptive or not hasattr(proposer, "row_cost"):
             return
         k = min(spec.num_speculative_tokens, n - 1)
         if k < 1 or self.runner.parallel is not None:      # a parallel engine's replicas would time apart
             return
-        # distinct tokens: rows of one token would route to the same experts, which real drafts do not
         ids = [(1 + 7919 * i) % self.cfg.vocab_size for i in range(k + 1)]
-        one, many = DecodeSeq(ids[0], n - k - 1, tables), DecodeSeq(ids[0], n - k - 1, tables, tuple(ids[1:]))
-        t = {}
-        for seq in (one, many, one, many, one, many):
-            t0 = time.perf_counter()
-            self.runner.decode([seq], pad_to=1)
-            t[seq.drafts] = min(t.get(seq.drafts, math.inf), time.perf_counter() - t0)
-        proposer.row_cost = min(1.5, max(0.05, (t[many.drafts] / t[one.drafts] - 1.0) / k))
+        proposer.row_cost = measure_row_cost(
+            lambda d: self.runner.decode([DecodeSeq(ids[0], n - k - 1, tables, tuple(ids[1: 1 + d]))], pad_to=1), k)
         log.info("speculative decoding: a draft row costs %.2f of a 1-row decode step", proposer.row_cost)
 
     @property

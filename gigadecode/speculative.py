@@ -24,6 +24,9 @@ already big enough to be bound by compute.
 from __future__ import annotations
 
 import json
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +141,19 @@ class _RequestDrafts:
 # the engine's warm-up; DEFAULT_ROW_COST until then).
 PRIOR, PRIOR_WEIGHT, DECAY = 0.7, 1.0, 0.95
 DEFAULT_ROW_COST = 0.4
+
+
+def measure_row_cost(step: Callable[[int], None], k: int, reps: int = 3) -> float:
+    """What a draft row costs as a share of a one-row decode step: `step(d)` runs one decode step of a
+    request's token and d drafts; the fastest of `reps` steps with 0 and with k drafts, alternated ->
+    (t_k / t_0 - 1) / k, clamped to [0.05, 1.5]."""
+    best = {0: math.inf, k: math.inf}
+    for _ in range(reps):
+        for d in (0, k):
+            t0 = time.perf_counter()
+            step(d)
+            best[d] = min(best[d], time.perf_counter() - t0)
+    return min(1.5, max(0.05, (best[k] / best[0] - 1.0) / k))
 
 
 def best_draft_length(acceptance: float, row_cost: float, most: int) -> int:
