@@ -75,6 +75,37 @@ def test_di_equals_single_node(producer, single, consumer):
     assert producer.wait_free(NUM_BLOCKS - 1) == NUM_BLOCKS - 1      # freed on the READ notifications
 
 
+def test_di_with_speculative_decoding_equals_single_node(tiny_ckpt, producer, single):
+    """A decode server that drafts: its first step after the KV lands is a verify step (the last prompt token
+    and drafts as rows over the loaded blocks); its tokens equal one node's plain ones, drafts accepted and
+    rejected (a stand-in proposer: the plain tokens, a third of them changed)."""
+    import random
+    from gigadecode.speculative import SpeculativeConfig
+    spec = SpeculativeConfig(num_speculative_tokens=3)
+    consumer = build_engine(tiny_ckpt, EngineConfig(kv_role="kv_consumer", kv_transfer_timeout_s=3.0,
+                                                    speculative=spec, **BASE))
+    try:
+        for n in (1, 5, 17, 23):
+            prompt = random_prompt(n, 1024, seed=950 + n)
+            want = run(single, prompt).output_ids
+
+            class Told:
+                rng = random.Random(n)
+
+                def propose(self, req, limit):
+                    o = len(req.output_ids)
+                    return [t if self.rng.random() > 0.33 else (t + 1) % 1024 for t in want[o: o + min(3, limit)]]
+            consumer.scheduler.proposer = Told()
+            got = run(consumer, prompt, kv=producer.prefill(prompt))
+            assert got.error is None, got.error
+            assert got.output_ids == want, n
+        assert consumer.stats.spec_accepted_tokens > 0
+        assert consumer.kv_manager.num_free_blocks == NUM_BLOCKS - 1
+        assert producer.wait_free(NUM_BLOCKS - 1) == NUM_BLOCKS - 1
+    finally:
+        consumer.connector.close()
+
+
 F, S = "full_attention", "sliding_attention"
 # configs unlike tiny: head dims 12 and 40, 3 and 2 q heads a kv head, hidden sizes that are not multiples of 64,
 # 5 experts top-2 and 3 experts top-3, windows 5 and 4, sliding and full layers mixed; FP8 KV in blocks of 2,
