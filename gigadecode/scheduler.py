@@ -99,7 +99,9 @@ class Scheduler:
     def _draft_decodes(self, out: SchedulerOutput) -> None:
         """Speculative decoding, last in the plan: drafts for the decoding requests, in the KV blocks left free
         after every decode, prefill chunk and admission took theirs (speculation never preempts or delays
-        anyone). None while `disable_by_batch_size` requests or more decode."""
+        anyone), and in the rows left in the largest batch bucket (a step's logits stay those of one GK call:
+        a [rows, vocab] fp32 tensor is 51 MB at 64 rows of GPT-OSS's vocabulary). None while
+        `disable_by_batch_size` requests or more decode."""
         for req in self.running:
             req.draft_ids = []
         spec = self.ecfg.speculative
@@ -107,19 +109,23 @@ class Scheduler:
             return
         if spec.disable_by_batch_size is not None and len(out.decodes) >= spec.disable_by_batch_size:
             return
+        room = self.ecfg.batch_buckets[-1] - len(out.decodes)    # rows: one GK call at most, as without drafts
         for req in out.decodes:
-            self._draft(req)
+            if room <= 0:
+                break
+            room -= self._draft(req, room)
 
-    def _draft(self, req: Request) -> None:
-        """Drafts for a decoding request and KV slots for them, if the pool has those free. A step emits at
-        most drafts + 1 tokens, so the drafts stop short of max_tokens and of the context."""
+    def _draft(self, req: Request, room: int) -> int:
+        """Up to `room` drafts for a decoding request and KV slots for them, if the pool has those free. A step
+        emits at most drafts + 1 tokens, so the drafts stop short of max_tokens and of the context. -> drafts."""
         p = req.params
-        limit = p.max_tokens - len(req.output_ids) - 1
+        limit = min(room, p.max_tokens - len(req.output_ids) - 1)
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - req.num_tokens - 1)
         drafts = self.proposer.propose(req, limit) if limit > 0 else []
         if drafts and self.kv_manager.allocate(req.request_id, req.num_tokens + len(drafts), req.num_computed):
             req.draft_ids = drafts
+        return len(req.draft_ids)
 
     def _continue_prefills(self, out: SchedulerOutput, budget: int) -> int:
         """Running prompts with more than one token left (or a producer's last one) take the budget first."""

@@ -333,3 +333,25 @@ def test_drafts_with_prefix_caching(tiny_ckpt):
     assert eng.requests["r1"].output_ids == out2
     assert eng.requests["r1"].num_cached_tokens >= 4 * ((len(first) + len(out1) - 1) // 4) - 4
     assert eng.stats.spec_accepted_tokens > 0
+
+
+def test_drafts_fill_a_step_up_to_the_largest_batch_bucket(tiny_ckpt):
+    """A step's rows (each decoding request's token and its drafts) stay within the largest batch bucket, so
+    its logits are those of one GK call, as without drafts; the outputs stay plain decoding's."""
+    vocab = _weights(str(tiny_ckpt))[0].vocab_size
+    prompts = [random_prompt(n, vocab, seed=40 + n) for n in (4, 9, 13)]
+    params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)] * 3
+    plain = run(engine(tiny_ckpt, batch_buckets=(1, 2, 4)), prompts, params)
+    eng = engine(tiny_ckpt, SpeculativeConfig(num_speculative_tokens=3), batch_buckets=(1, 2, 4))
+    eng.scheduler.proposer = OracleProposer({i: o for i, (o, _, _) in plain.items()}, 3, 0.0, vocab)
+    rows = []
+    schedule = eng.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        rows.append((len(plan.decodes), sum(len(r.draft_ids) for r in plan.decodes)))
+        return plan
+    eng.scheduler.schedule = recording
+    assert run(eng, prompts, params) == plain
+    assert all(n + d <= 4 for n, d in rows), rows
+    assert any(n == 3 and d == 1 for n, d in rows) and any(n == 2 and d == 2 for n, d in rows), rows

@@ -183,13 +183,28 @@ def test_drafts_on_odd_configs(odd_ckpts, name, decoder, block_size, kv_dtype):
 
 @pytest.mark.parametrize("decoder", ["gk-native", "gk"])
 def test_a_requests_rows_split_across_gk_calls(odd_ckpts, decoder):
-    """More rows than the largest batch bucket: a request's token and drafts fall in two or more GK calls
-    (which run in order), under a window of 2 with blocks of 1."""
+    """More rows than the largest batch bucket (the scheduler plans no more than it; the runner still takes
+    them): a request's token and 6 drafts run as GK calls of 3, 3 and 1 rows, in order, and give the logits of
+    the same tokens decoded one step at a time, under a window of 2 with blocks of 1."""
+    import torch
+    from gigadecode.engine_config import EngineConfig
+    from gigadecode.kv.manager import KVCacheManager
+    from gigadecode.model import SeqChunk
+    from gigadecode.runner import DecodeSeq, ModelRunner
     from .helpers import random_prompt
-    ckpt = odd_ckpts["window2-top1"]
-    prompts = [random_prompt(n, 517, seed=n) for n in (1, 5, 11, 2, 7)]
-    _spec_equals_plain(ckpt, prompts, _mix(517), k=6, wrong=0.2, staggered=False, decoder=decoder,
-                       batch_buckets=(1, 3), block_size=1)
+    runner = ModelRunner(odd_ckpts["window2-top1"], EngineConfig(decoder=decoder, batch_buckets=(1, 3), block_size=1,
+                                                                 kv_dtype="auto", num_blocks=100))
+    mgr = KVCacheManager(runner.kv.config, 1)
+    prompt, toks = random_prompt(9, 517, seed=3), random_prompt(7, 517, seed=4)
+    tables = {}
+    for rid in ("drafts", "steps"):                       # each its own blocks: neither reads the other's KV
+        assert mgr.allocate(rid, len(prompt) + len(toks), 0)
+        tables[rid] = mgr.block_tables(rid)
+        runner.prefill([SeqChunk(prompt, 0, tables[rid], "none")])
+    many = runner.decode([DecodeSeq(toks[0], len(prompt), tables["drafts"], tuple(toks[1:]))])
+    one = torch.cat([runner.decode([DecodeSeq(t, len(prompt) + j, tables["steps"])]) for j, t in enumerate(toks)])
+    assert many.shape == one.shape == (len(toks), 517)
+    torch.testing.assert_close(many, one, rtol=0, atol=1e-5)
 
 
 def test_context_boundary_eos_in_drafts_and_aborts(odd_ckpts):
