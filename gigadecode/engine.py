@@ -411,6 +411,7 @@ class LLMEngine:
         -> the tokens sampled this way (each one a token without a step of its own)."""
         live = [(r, row) for r, row in zip(decodes, first) if r.draft_ids]
         drafted = [r for r, _ in live]
+        self._stats.spec_drafts += len(drafted)
         self._stats.spec_draft_tokens += sum(len(r.draft_ids) for r in drafted)
         accepted = dict.fromkeys(map(id, drafted), 0)
         sampled = 0

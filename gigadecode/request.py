@@ -124,7 +124,8 @@ class EngineStats:
     step_failures: int = 0
     prefix_cache_queries: int = 0     # prompt tokens of requests that looked in the prefix cache
     prefix_cache_hits: int = 0        # ... and those found there (not computed again)
-    spec_draft_tokens: int = 0        # speculative decoding: drafts verified
+    spec_drafts: int = 0              # speculative decoding: request-steps that verified drafts
+    spec_draft_tokens: int = 0        # ... the drafts verified
     spec_accepted_tokens: int = 0     # ... and those accepted (each one a token without a step of its own)
 
     def as_dict(self) -> dict[str, int]:

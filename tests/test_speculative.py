@@ -228,7 +228,7 @@ def test_drafts_give_plain_decoding_tokens(tiny_ckpt, decoder, wrong):
     got = run(eng, prompts, params, staggered=True)
     assert got == plain
     s = eng.stats
-    assert s.spec_draft_tokens > 0 and 0 < s.spec_accepted_tokens <= s.spec_draft_tokens
+    assert 0 < s.spec_drafts <= s.spec_draft_tokens and 0 < s.spec_accepted_tokens <= s.spec_draft_tokens
     if wrong == 0.0:
         assert s.spec_accepted_tokens == s.spec_draft_tokens             # perfect drafts: all taken
     assert s.steps < plain_eng.stats.steps

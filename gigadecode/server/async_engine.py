@@ -88,8 +88,11 @@ class _SnapshotCollector:
                 ("gigadecode_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
                 ("gigadecode_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again).",
                  "prefix_hits"),
-                ("gigadecode_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+                ("gigadecode_spec_decode_num_drafts",
+                 "Speculative decoding: request-steps that verified drafts (mean accepted length: 1 + accepted / this).",
                  "spec_drafts"),
+                ("gigadecode_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+                 "spec_draft_tokens"),
                 ("gigadecode_spec_decode_num_accepted_tokens",
                  "Speculative decoding: draft tokens accepted (tokens that took no decode step of their own).",
                  "spec_accepted")):
@@ -134,7 +137,8 @@ class EngineMetrics:
         s["transfer_failures"] = engine.stats.transfer_failures
         s["prefix_queries"] = engine.stats.prefix_cache_queries
         s["prefix_hits"] = engine.stats.prefix_cache_hits
-        s["spec_drafts"] = engine.stats.spec_draft_tokens
+        s["spec_drafts"] = engine.stats.spec_drafts
+        s["spec_draft_tokens"] = engine.stats.spec_draft_tokens
         s["spec_accepted"] = engine.stats.spec_accepted_tokens
         leases = getattr(engine, "num_leases", None)
         s["kv_leases"] = leases() if leases is not None else 0
