@@ -216,6 +216,17 @@ class SingleTypeManager:
         self.pool.free(ids)
         return len(ids)
 
+    def trim(self, req_id: str, num_tokens: int) -> int:
+        """Free the blocks past those that cover num_tokens tokens, tail first (as `free`) -> count freed."""
+        table = self.tables.get(req_id)
+        target = self._target(num_tokens)
+        if table is None or len(table) <= target:
+            return 0
+        tail = table[target:]
+        del table[target:]
+        self.pool.free(reversed(tail))
+        return sum(1 for b in tail if b != NULL_BLOCK)
+
     def free(self, req_id: str) -> None:
         """Release every block of the request (unknown request: no-op)."""
         table = self.tables.pop(req_id, None)
@@ -319,18 +330,9 @@ class KVCacheManager:
         return True
 
     def trim(self, req_id: str, num_tokens: int) -> int:
-        """Give back the blocks past those that cover num_tokens tokens (speculative decoding: the slots of
-        rejected drafts, never computed, so never named) -> blocks freed."""
-        freed = 0
-        for m in self.managers:
-            table = m.tables.get(req_id)
-            target = m._target(num_tokens)
-            if table is not None and len(table) > target:
-                tail = table[target:]
-                del table[target:]
-                self.pool.free(reversed(tail))
-                freed += sum(1 for b in tail if b != NULL_BLOCK)
-        return freed
+        """Give back, in every group, the blocks past those that cover num_tokens tokens (speculative decoding:
+        the slots of rejected drafts, never computed, so never named) -> blocks freed."""
+        return sum(m.trim(req_id, num_tokens) for m in self.managers)
 
     def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> int:
         """Release dead blocks in every group; -> blocks freed."""
