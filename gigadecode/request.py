@@ -74,7 +74,7 @@ class Request:
     num_cached_tokens: int | None = None        # prefix caching: prompt tokens found in the cache at admission
     guide: Any = None                           # structured output: its grammar's state (structured.Guide)
     draft_ids: list[int] = field(default_factory=list)   # speculative decoding: this step's drafts
-    ngram: Any = None                           # speculative decoding: the proposer's copy of its history
+    ngram: Any = None                           # speculative decoding: the proposer's state (its history, acceptance)
 
     @property
     def all_ids(self) -> list[int]:
