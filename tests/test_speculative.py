@@ -214,7 +214,9 @@ def run(eng: LLMEngine, prompts, params, staggered: bool = False) -> dict[str, t
                  for lp in eng.requests[i].output_logprobs]) for i in ids}
 
 
-@pytest.mark.parametrize("decoder", ["gk-native", "gk", "reference"])
+@pytest.mark.parametrize("decoder", ["gk-native", "gk", "reference",
+                                     # compiles a graph per batch bucket: ~5 minutes here
+                                     pytest.param("gk-compiled", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("wrong", [0.0, 0.3])
 def test_drafts_give_plain_decoding_tokens(tiny_ckpt, decoder, wrong):
     vocab = _weights(str(tiny_ckpt))[0].vocab_size
