@@ -18,6 +18,11 @@ stops there) or `<|return|>` (the last message). Where the body goes:
     anything else               -> content (`final`, `commentary` without recipient = a preamble shown to
                                    the user, an unknown channel, a recipient that is not a function)
 
+With `final_only` (a chat reply whose answer structured output holds: `response_format`, `guided_json`, ...)
+content is the `final` message's text alone, the text the grammar held, so that it parses; the other messages
+that are not calls (a preamble, an unknown channel) go with the reasoning. Without it a preamble would be
+joined to the JSON answer (`Let me answer.\n{"a": 1}`), which OpenAI's `parse` helpers cannot read.
+
 The state machine (`HarmonyStreamParser.push`), over token ids; the special tokens are looked up by name:
 
     HEADER  collect header tokens; <|message|> -> BODY. At the completion's start the header is implicit:
@@ -151,8 +156,9 @@ class HarmonyStreamParser:
     `result()` for the whole message. The deltas, concatenated, are exactly `result()`."""
 
     def __init__(self, codec: TextCodec, tokens: HarmonyTokens,
-                 new_id: Callable[[], str] = new_tool_call_id) -> None:
+                 new_id: Callable[[], str] = new_tool_call_id, final_only: bool = False) -> None:
         self.codec, self.t, self._new_id = codec, tokens, new_id
+        self._final_only = final_only    # content is the final channel's text alone (see the module's doc)
         self._terminators = frozenset((tokens.end, tokens.return_, tokens.call))
         self._state = _HEADER
         self._implicit = True            # the first header: its "<|start|>assistant" was in the prompt
@@ -260,6 +266,8 @@ class HarmonyStreamParser:
         channel, recipient = self._parse_header()
         if recipient is not None and recipient.startswith(_FUNCTIONS):
             kind = "tool"
+        elif self._final_only:
+            kind = "content" if channel == "final" else "reasoning"
         else:
             kind = "reasoning" if channel == "analysis" else "content"
         self._body = _Body(self.codec, kind, recipient)

@@ -2,7 +2,7 @@
 with an engine that replies a scripted harmony token sequence (encoded with the tiny checkpoint's
 tokenizer, which carries harmony's special tokens): reasoning_content apart from content, tool calls whole
 and streamed (`finish_reason: "tool_calls"`), stop strings applied to content only, malformed output as
-text, and `/v1/completions` left raw."""
+text, a preamble kept out of a structured answer, and `/v1/completions` left raw."""
 
 from __future__ import annotations
 
@@ -196,5 +196,42 @@ def test_an_earlier_calls_arguments_are_rendered_as_json_not_as_a_quoted_string(
                                       extra_body={"return_token_ids": True})
         prompt = codec.decode(r.model_extra["prompt_token_ids"], skip_special_tokens=False)
         assert '<|message|>{"a": 37, "b": 45}<|call|>' in prompt, prompt
+    finally:
+        srv.__exit__()
+
+
+REPLY_PREAMBLE = ("<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+                  "Let me answer.<|end|><|start|>assistant<|channel|>final<|message|>{\"sum\": 82}<|return|>")
+
+
+def test_a_preamble_before_a_structured_answer_is_not_content(codec):
+    """GPT-OSS may write a preamble (commentary without a recipient) before its final message; structured
+    output holds the final message only, so with `response_format` (`text.format`) the content must be that
+    message alone, or OpenAI's `parse` helpers fail on `Let me answer.\\n{...}`. Unstructured, a preamble stays
+    content, as in vLLM."""
+    from pydantic import BaseModel
+
+    class Sum(BaseModel):
+        sum: int
+    srv, c = client_for(codec, REPLY_PREAMBLE)
+    try:
+        fmt = {"type": "json_schema", "json_schema": {"name": "Sum", "schema": Sum.model_json_schema()}}
+        m = c.chat.completions.create(model="demo", messages=MSGS, response_format=fmt).choices[0].message
+        assert m.content == '{"sum": 82}' and m.model_extra["reasoning_content"] == "Add them.\nLet me answer."
+        assert c.chat.completions.parse(model="demo", messages=MSGS, response_format=Sum).choices[0].message.parsed \
+            == Sum(sum=82)
+        content = reasoning = ""
+        for ch in c.chat.completions.create(model="demo", messages=MSGS, stream=True,
+                                            response_format={"type": "json_object"}):
+            content += ch.choices[0].delta.content or ""
+            reasoning += (ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+        assert (content, reasoning) == ('{"sum": 82}', "Add them.\nLet me answer.")
+        r = c.responses.parse(model="demo", input="What is 37 + 45?", text_format=Sum)
+        assert r.output_parsed == Sum(sum=82) and [o.type for o in r.output] == ["reasoning", "message"]
+        assert r.output[0].content[0].text == "Add them.\nLet me answer."
+        preamble_and_analysis = len(codec.encode("Add them.")) + len(codec.encode("Let me answer."))
+        assert r.usage.output_tokens_details.reasoning_tokens == preamble_and_analysis
+        plain = c.chat.completions.create(model="demo", messages=MSGS).choices[0].message   # no grammar: as vLLM
+        assert plain.content == 'Let me answer.\n{"sum": 82}' and plain.model_extra["reasoning_content"] == "Add them."
     finally:
         srv.__exit__()

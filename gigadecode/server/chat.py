@@ -7,7 +7,9 @@ with what GPT-OSS's template takes: system / developer / user messages, earlier 
 the reply to a call: `structured.forced_call_grammar`) and `reasoning_effort`
 (low | medium | high). On a tokenizer with harmony's special tokens the output is parsed by channel
 (`harmony.HarmonyStreamParser`): analysis -> `reasoning_content`, final -> `content`, calls on commentary
--> `tool_calls` with `finish_reason: "tool_calls"` — whole, and as stream deltas with vLLM's field names.
+-> `tool_calls` with `finish_reason: "tool_calls"` — whole, and as stream deltas with vLLM's field names. A
+preamble (commentary without a recipient) is content too, as in vLLM, except when structured output holds the
+answer: then `content` is the final message alone, so that it parses, and a preamble goes with the reasoning.
 Without those tokens the output is plain content.
 """
 
@@ -134,6 +136,7 @@ async def chat_completions(request: Request) -> Response:
     tokens = HarmonyTokens.from_codec(codec)
     # structured output holds the answer (harmony's final message), not the reasoning before it
     guided, guided_field = guided_of(raw, "final" if tokens is not None else "all")
+    final_only = guided is not None           # content is the structured answer alone (no preamble before it)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     guided = forced_call(raw, tools, True, tokens is not None, guided)
     with errors_named("max_tokens", max_param):
@@ -141,7 +144,7 @@ async def chat_completions(request: Request) -> Response:
                                  guided)
 
     def renderer() -> Any:
-        return HarmonyRenderer(codec, tokens) if tokens is not None else TextRenderer(codec)
+        return HarmonyRenderer(codec, tokens, final_only) if tokens is not None else TextRenderer(codec)
 
     kv = deps.advertised(request, req.kv_transfer_params)
     with errors_named("max_tokens", max_param), errors_named("guided", guided_field):

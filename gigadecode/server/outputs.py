@@ -118,11 +118,12 @@ class TextRenderer:
 
 
 class HarmonyRenderer:
-    """GPT-OSS's harmony channels: analysis -> reasoning, final (and preambles) -> content, calls -> tool_call."""
+    """GPT-OSS's harmony channels: analysis -> reasoning, final (and preambles) -> content, calls -> tool_call;
+    `final_only` (a structured answer): content is the final message alone, preambles go with the reasoning."""
 
-    def __init__(self, codec: Any, tokens: Any) -> None:
+    def __init__(self, codec: Any, tokens: Any, final_only: bool = False) -> None:
         from ..harmony import HarmonyStreamParser
-        self.parser = HarmonyStreamParser(codec, tokens)
+        self.parser = HarmonyStreamParser(codec, tokens, final_only=final_only)
 
     def push(self, token_ids: Sequence[int], finished: bool) -> list[Piece]:
         deltas = [d for t in token_ids for d in self.parser.push(t)]

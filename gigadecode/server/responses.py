@@ -3,7 +3,8 @@ machinery. The input items become chat messages rendered by the checkpoint's cha
 as a developer message, a developer or system message that opens the input appended to it;
 `function_call` / `function_call_output` items as a call and the tool's answer, a `reasoning` item as the
 next assistant turn's analysis); the reply's harmony channels become output items:
-analysis -> a `reasoning` item, final -> a `message` with `output_text`, calls -> `function_call` items.
+analysis -> a `reasoning` item, final -> a `message` with `output_text`, calls -> `function_call` items (with
+`text.format` the message holds the final answer alone, a preamble going to the reasoning, as in chat).
 Streamed, the same items come as OpenAI's typed events (`response.output_item.added`,
 `response.reasoning_text.delta`, `response.output_text.delta`, `response.function_call_arguments.done`, ...,
 `response.completed`).
@@ -265,9 +266,11 @@ def _snapshot(item: dict[str, Any], empty: bool = False) -> dict[str, Any]:
     return out
 
 
-def reasoning_tokens(codec: Any, token_ids: list[int]) -> int:
-    """How many of the reply's tokens are analysis-channel text (harmony's reasoning)."""
-    from ..harmony import HarmonyTokens
+def reasoning_tokens(codec: Any, token_ids: list[int], final_only: bool = False) -> int:
+    """How many of the reply's tokens are analysis-channel text (harmony's reasoning); with `final_only` (a
+    structured answer), those of every message that is neither the final answer nor a call, as the renderer
+    reads them."""
+    from ..harmony import HarmonyTokens, parse_header
     t = HarmonyTokens.from_codec(codec)
     if t is None:
         return 0
@@ -279,8 +282,9 @@ def reasoning_tokens(codec: Any, token_ids: list[int]) -> int:
             elif analysis:
                 count += 1
         elif tok == t.message:
-            text = codec.decode(header, skip_special_tokens=False)
-            analysis, in_body = "analysis" in text.split("<|message|>")[0], True
+            channel, recipient = parse_header(header, codec.decode, t.channel, t.constrain)
+            call = (recipient or "").startswith("functions.")
+            analysis, in_body = not call and (channel != "final" if final_only else channel == "analysis"), True
         elif tok == t.start:
             header = []
         else:
@@ -314,13 +318,15 @@ async def responses(request: Request) -> Response:
     max_tokens = req.max_output_tokens or max(1, aeng.max_model_len - len(prompt))
     from ..harmony import HarmonyTokens
     tokens = HarmonyTokens.from_codec(codec)
-    guided = forced_call(raw, chat_tools(req.tools), False, tokens is not None,
-                         _guided(req, "final" if tokens is not None else "all"))
+    structured = _guided(req, "final" if tokens is not None else "all")
+    guided = forced_call(raw, chat_tools(req.tools), False, tokens is not None, structured)
+    final_only = structured is not None       # the message is the structured answer alone (no preamble)
     with errors_named("max_tokens", "max_output_tokens"), errors_named("guided", "text.format"):
         params = sampling_params(raw, max_tokens, None, deps.sampling_defaults(aeng), None, guided)
         _, choices = await start(aeng, [prompt], params, "resp", 1, deps.advertised(request, req.kv_transfer_params),
                                  "input",
-                                 lambda: HarmonyRenderer(codec, tokens) if tokens is not None else TextRenderer(codec),
+                                 lambda: (HarmonyRenderer(codec, tokens, final_only) if tokens is not None
+                                          else TextRenderer(codec)),
                                  [])
     c = choices[0]
     head = {"id": _new_id("resp"), "object": "response", "created_at": int(time.time()), "model": name,
@@ -336,12 +342,12 @@ async def responses(request: Request) -> Response:
         status = "incomplete" if incomplete else "completed"
         for it in items.items:
             it["status"] = "incomplete" if incomplete and it is items.items[-1] else "completed"
-        out_n = len(c.token_ids)
+        out_n, thought = len(c.token_ids), reasoning_tokens(codec, c.token_ids, final_only)
         return {**head, "status": status, "output": items.items,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "usage": {"input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": c.num_cached_tokens or 0},
                           "output_tokens": out_n,
-                          "output_tokens_details": {"reasoning_tokens": reasoning_tokens(codec, c.token_ids)},
+                          "output_tokens_details": {"reasoning_tokens": thought},
                           "total_tokens": len(prompt) + out_n},
                 "kv_transfer_params": c.kv_transfer_params}
 
