@@ -166,11 +166,18 @@ def test_a_stop_string_after_a_tool_call_still_reports_tool_calls(codec):
 
 
 # The message loop of the chat template openai/gpt-oss-20b and -120b publish, cut to what renders an earlier call
-# and its result: the call's arguments go through `tojson`, as transformers' templates take them (an object)
+# and its result: the analysis before the call from `thinking` or `content` (both: an error), the call's arguments
+# through `tojson`, as transformers' templates take them (an object)
 PUBLISHED_CALL_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if message.role == 'assistant' and 'tool_calls' in message -%}"
     "{%- set tool_call = message.tool_calls[0] -%}"
+    "{%- if message.content and message.thinking -%}"
+    "{{- raise_exception('Cannot pass both content and thinking in an assistant message with tool calls! "
+    "Put the analysis message in one or the other, but not both.') -}}"
+    "{%- elif message.content -%}{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.content + '<|end|>' -}}"
+    "{%- elif message.thinking -%}{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' -}}"
+    "{%- endif -%}"
     "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif -%}"
     "{{- '<|start|>assistant to=functions.' + tool_call.name + '<|channel|>commentary json<|message|>' -}}"
     "{{- tool_call.arguments|tojson -}}{{- '<|call|>' -}}"
@@ -235,3 +242,29 @@ def test_a_preamble_before_a_structured_answer_is_not_content(codec):
         assert plain.content == 'Let me answer.\n{"sum": 82}' and plain.model_extra["reasoning_content"] == "Add them."
     finally:
         srv.__exit__()
+
+
+def _follow_prompt(codec, template, assistant):
+    """The prompt a follow-up renders, after the call turn `assistant` and the tool's answer."""
+    follow = MSGS + [assistant, {"role": "tool", "tool_call_id": "call_1", "content": "82"}]
+    srv, c = client_for(TextCodec(codec.tokenizer, {**codec.config, "chat_template": template}), REPLY_ANSWER)
+    try:
+        r = c.chat.completions.create(model="demo", messages=follow, tools=TOOLS, max_tokens=5,
+                                      extra_body={"return_token_ids": True})
+        return codec.decode(r.model_extra["prompt_token_ids"], skip_special_tokens=False)
+    finally:
+        srv.__exit__()
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"sum": 82}'}}
+
+
+@pytest.mark.parametrize("published", [False, True])
+def test_a_call_turn_with_reasoning_and_a_preamble_comes_back(codec, published):
+    """A reply with reasoning, a preamble (content) and a call, sent back as the next request's history: GPT-OSS's
+    published template refuses `thinking` beside content before a call, which made the follow-up a 400; the
+    call's turn keeps its chain of thought (harmony keeps it before a call), as the demo template does."""
+    template = PUBLISHED_CALL_TEMPLATE if published else HARMONY_CHAT_TEMPLATE
+    sent = {"role": "assistant", "content": "Let me answer.", "reasoning_content": "Add them.", "tool_calls": [CALL]}
+    assert "<|channel|>analysis<|message|>Add them.<|end|>" in _follow_prompt(codec, template, sent)
+

@@ -2,7 +2,8 @@
 
 The prompt is rendered by the checkpoint's own template (`chat_template.jinja` / `tokenizer_config.json`)
 with what GPT-OSS's template takes: system / developer / user messages, earlier assistant turns (with
-`tool_calls` and `reasoning_content`, passed to the template as `thinking`), `role: "tool"` results,
+`tool_calls` and `reasoning_content`, passed to the template as `thinking`; a call's turn that has both keeps
+that and leaves its content, a preamble, out: GPT-OSS's template takes one), `role: "tool"` results,
 `tools` (OpenAI function tools; `tool_choice: "none"` leaves them out, "required" or a named function holds
 the reply to a call: `structured.forced_call_grammar`) and `reasoning_effort`
 (low | medium | high). On a tokenizer with harmony's special tokens the output is parsed by channel
@@ -54,8 +55,14 @@ def chat_prompt(codec: Any, req: ChatBody) -> list[int]:
             called.update((c["id"], c["function"]["name"]) for c in d["tool_calls"] if c.get("id"))
         if m.role == "tool" and m.name is None and m.tool_call_id in called:
             d["name"] = called[m.tool_call_id]       # the template's fallback is the last call's function
-        if m.reasoning_content is not None:
-            d["thinking"] = m.reasoning_content          # the GPT-OSS template's name for it
+        thinking = m.reasoning_content
+        if thinking is not None:
+            d["thinking"] = thinking                     # the GPT-OSS template's name for it
+            if thinking and content and d.get("tool_calls"):
+                # GPT-OSS's published template renders one analysis message before a call, from `thinking` or
+                # `content`, and refuses both (a 400 for a reply with a preamble fed back): the call's turn
+                # keeps its chain of thought, as harmony wants, and leaves its preamble out
+                d["content"] = ""
         messages.append(d)
     extra: dict[str, Any] = {}
     if req.tools and req.tool_choice != "none":
