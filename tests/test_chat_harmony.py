@@ -244,6 +244,10 @@ def test_a_preamble_before_a_structured_answer_is_not_content(codec):
         srv.__exit__()
 
 
+REPLY_PREAMBLE_CALL = (REPLY_PREAMBLE.replace("final", "commentary to=functions.add <|constrain|>json")
+                       .replace("<|return|>", "<|call|>"))
+
+
 def _follow_prompt(codec, template, assistant):
     """The prompt a follow-up renders, after the call turn `assistant` and the tool's answer."""
     follow = MSGS + [assistant, {"role": "tool", "tool_call_id": "call_1", "content": "82"}]
@@ -268,3 +272,22 @@ def test_a_call_turn_with_reasoning_and_a_preamble_comes_back(codec, published):
     sent = {"role": "assistant", "content": "Let me answer.", "reasoning_content": "Add them.", "tool_calls": [CALL]}
     assert "<|channel|>analysis<|message|>Add them.<|end|>" in _follow_prompt(codec, template, sent)
 
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_reasoning_goes_out_and_comes_back_under_vllms_names(codec, field):
+    """vLLM answers the chain of thought as `reasoning` (it was `reasoning_content`, which DeepSeek's clients
+    read): both are sent, whole and streamed, and an earlier call's turn sent back with either keeps it in the
+    prompt, with GPT-OSS's published template too (it reads `thinking` only)."""
+    srv, c = client_for(codec, REPLY_PREAMBLE_CALL)
+    try:
+        m = c.chat.completions.create(model="demo", messages=MSGS, tools=TOOLS).choices[0].message
+        assert m.model_extra["reasoning"] == m.model_extra["reasoning_content"] == "Add them."
+        assert m.content == "Let me answer." and m.tool_calls[0].function.arguments == '{"sum": 82}'
+        deltas = [ch.choices[0].delta.model_extra or {} for ch in c.chat.completions.create(
+            model="demo", messages=MSGS, tools=TOOLS, stream=True)]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == "Add them."
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Add them."
+    finally:
+        srv.__exit__()
+    sent = {"role": "assistant", "content": None, field: "Add them.", "tool_calls": [CALL]}
+    assert "<|channel|>analysis<|message|>Add them.<|end|>" in _follow_prompt(codec, PUBLISHED_CALL_TEMPLATE, sent)

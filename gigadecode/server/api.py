@@ -7,7 +7,7 @@ this module assembles the app and runs `serve`.
 
 Routes
   POST /v1/completions        prompt: str | [ids] | [str, …] | [[ids], …] (n choices per prompt), raw text out
-  POST /v1/chat/completions   messages -> the checkpoint's chat template; harmony channels -> reasoning_content,
+  POST /v1/chat/completions   messages -> the checkpoint's chat template; harmony channels -> reasoning,
                               content, tool_calls
   GET  /v1/models             the served model (id = --served-model-name, default the model dir's name)
   GET  /health                200 while the engine thread runs, else 503

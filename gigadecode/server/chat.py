@@ -2,12 +2,13 @@
 
 The prompt is rendered by the checkpoint's own template (`chat_template.jinja` / `tokenizer_config.json`)
 with what GPT-OSS's template takes: system / developer / user messages, earlier assistant turns (with
-`tool_calls` and `reasoning_content`, passed to the template as `thinking`; a call's turn that has both keeps
-that and leaves its content, a preamble, out: GPT-OSS's template takes one), `role: "tool"` results,
+`tool_calls` and `reasoning` or `reasoning_content`, passed to the template as `thinking`; a call's turn that
+has both keeps that and leaves its content, a preamble, out: GPT-OSS's template takes one), `role: "tool"` results,
 `tools` (OpenAI function tools; `tool_choice: "none"` leaves them out, "required" or a named function holds
 the reply to a call: `structured.forced_call_grammar`) and `reasoning_effort`
 (low | medium | high). On a tokenizer with harmony's special tokens the output is parsed by channel
-(`harmony.HarmonyStreamParser`): analysis -> `reasoning_content`, final -> `content`, calls on commentary
+(`harmony.HarmonyStreamParser`): analysis -> `reasoning` (vLLM's name; also as `reasoning_content`, its former
+one, which clients of DeepSeek's API read), final -> `content`, calls on commentary
 -> `tool_calls` with `finish_reason: "tool_calls"` — whole, and as stream deltas with vLLM's field names. A
 preamble (commentary without a recipient) is content too, as in vLLM, except when structured output holds the
 answer: then `content` is the final message alone, so that it parses, and a preamble goes with the reasoning.
@@ -55,7 +56,7 @@ def chat_prompt(codec: Any, req: ChatBody) -> list[int]:
             called.update((c["id"], c["function"]["name"]) for c in d["tool_calls"] if c.get("id"))
         if m.role == "tool" and m.name is None and m.tool_call_id in called:
             d["name"] = called[m.tool_call_id]       # the template's fallback is the last call's function
-        thinking = m.reasoning_content
+        thinking = m.reasoning_content if m.reasoning_content is not None else m.reasoning
         if thinking is not None:
             d["thinking"] = thinking                     # the GPT-OSS template's name for it
             if thinking and content and d.get("tool_calls"):
@@ -95,7 +96,7 @@ def _message(c: Choice, include_reasoning: bool) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "assistant", "content": c.text() or (None if calls else "")}
     reasoning = c.text("reasoning")
     if reasoning and include_reasoning:
-        msg["reasoning_content"] = reasoning
+        msg["reasoning"] = msg["reasoning_content"] = reasoning       # vLLM's name now, and its former one
     if calls:
         msg["tool_calls"] = calls
     return msg
@@ -107,7 +108,7 @@ def _delta(pieces: list, include_reasoning: bool) -> dict[str, Any]:
         if p.kind == "content":
             d["content"] = d.get("content", "") + p.text
         elif p.kind == "reasoning" and include_reasoning:
-            d["reasoning_content"] = d.get("reasoning_content", "") + p.text
+            d["reasoning"] = d["reasoning_content"] = d.get("reasoning", "") + p.text
         elif p.kind == "tool_call":
             call: dict[str, Any] = {"index": p.index or 0, "function": {"arguments": p.arguments or ""}}
             if p.id is not None:

@@ -168,6 +168,7 @@ class ChatMessage(_Model):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None
     reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None            # vLLM's name for reasoning_content
 
 
 class FunctionDef(_Model):
