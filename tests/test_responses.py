@@ -192,6 +192,20 @@ def test_a_reasoning_item_belongs_to_its_own_turn(demo):
     assert "STALE" not in text and "to=functions.add" in text
 
 
+def test_a_preamble_before_a_call_keeps_the_reasoning_before_the_call(demo):
+    """A reply of reasoning, a preamble message and a call, sent back as input (as `output` lists it): the
+    reasoning stays before the call (harmony keeps a call's chain of thought) and the preamble is not rendered as
+    a final answer given before the call, as the chat route renders the same turn."""
+    text = _rendered(demo, {"tools": [ADD], "input": [
+        {"role": "user", "content": ASK},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "THINK"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me add."}]},
+        {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1, "b": 2}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "3"}]})
+    assert "<|channel|>analysis<|message|>THINK<|end|><|start|>assistant<|channel|>commentary to=functions.add" in text
+    assert "<|channel|>final" not in text
+
+
 class _FailingStream:
     """A request's stream that yields `outs` and then raises `exc` (if any)."""
 

@@ -2,7 +2,8 @@
 machinery. The input items become chat messages rendered by the checkpoint's chat template (`instructions`
 as a developer message, a developer or system message that opens the input appended to it;
 `function_call` / `function_call_output` items as a call and the tool's answer, a `reasoning` item as the
-next assistant turn's analysis); the reply's harmony channels become output items:
+next assistant turn's analysis, an assistant message right before a call, its preamble, as part of that call's
+turn); the reply's harmony channels become output items:
 analysis -> a `reasoning` item, final -> a `message` with `output_text`, calls -> `function_call` items (with
 `text.format` the message holds the final answer alone, a preamble going to the reasoning, as in chat).
 Streamed, the same items come as OpenAI's typed events (`response.output_item.added`,
@@ -136,8 +137,15 @@ def chat_messages(req: ResponsesBody) -> list[dict[str, Any]]:
             name, args, call_id = it.get("name"), it.get("arguments", "{}"), it.get("call_id")
             if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
                 raise APIError(400, f"{where}: a function_call needs string name, arguments and call_id", param=where)
-            messages.append(assistant({"role": "assistant", "content": None, "tool_calls": [
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}]}))
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            prev, last = (items[i - 1] if i else {}), (messages[-1] if messages else {})
+            if (prev.get("type", "message") == "message" and prev.get("role") == "assistant"
+                    and last.get("role") == "assistant" and "tool_calls" not in last):
+                # the preamble the model wrote before this call: one turn, as chat answers it (content, reasoning,
+                # call), so that the reasoning stays before the call and the preamble is no final answer
+                assistant(last)["tool_calls"] = [call]
+            else:
+                messages.append(assistant({"role": "assistant", "content": None, "tool_calls": [call]}))
         elif kind == "function_call_output":
             out, call_id = it.get("output"), it.get("call_id")
             if not isinstance(call_id, str):
