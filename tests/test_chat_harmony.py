@@ -291,3 +291,25 @@ def test_reasoning_goes_out_and_comes_back_under_vllms_names(codec, field):
         srv.__exit__()
     sent = {"role": "assistant", "content": None, field: "Add them.", "tool_calls": [CALL]}
     assert "<|channel|>analysis<|message|>Add them.<|end|>" in _follow_prompt(codec, PUBLISHED_CALL_TEMPLATE, sent)
+
+
+def test_the_stream_helper_closes_a_streamed_call(codec):
+    """The openai client's `chat.completions.stream` fires `tool_calls.function.arguments.done` (with the parsed
+    arguments) on a chunk after the call's delta: the call's delta ends the output, so the finish_reason comes in
+    a chunk of its own (an empty delta), as OpenAI sends it."""
+    from pydantic import BaseModel
+
+    class add(BaseModel):  # noqa: N801 - the tool's name
+        a: int
+        b: int
+    srv, c = client_for(codec, REPLY_CALL)
+    try:
+        with c.chat.completions.stream(model="demo", messages=MSGS, tools=[openai.pydantic_function_tool(add)]) as s:
+            done = [e for e in s if e.type == "tool_calls.function.arguments.done"]
+            final = s.get_final_completion()
+        assert [(e.name, e.index, e.parsed_arguments) for e in done] == [("add", 0, add(a=37, b=45))]
+        assert final.choices[0].finish_reason == "tool_calls"
+        last = list(c.chat.completions.create(model="demo", messages=MSGS, tools=TOOLS, stream=True))[-1].choices[0]
+        assert (last.delta.tool_calls, last.delta.content, last.finish_reason) == (None, None, "tool_calls")
+    finally:
+        srv.__exit__()

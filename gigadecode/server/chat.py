@@ -165,7 +165,7 @@ async def chat_completions(request: Request) -> Response:
     if req.stream:
         unsent: dict[int, list[Any]] = {}      # logprobs of tokens whose chunk had nothing to show (harmony headers)
 
-        def chunk(c: Choice, out: Any, pieces: list) -> dict[str, Any] | None:
+        def chunk(c: Choice, out: Any, pieces: list) -> dict[str, Any] | list[dict[str, Any]] | None:
             delta = _delta(pieces, reasoning)
             lps = unsent.setdefault(c.index, [])
             lps.extend(c.new_logprobs)
@@ -175,7 +175,16 @@ async def chat_completions(request: Request) -> Response:
                                  "logprobs": chat_logprobs(codec, lps) if params.logprobs is not None else None,
                                  "finish_reason": c.finish_reason if c.done else None}
             unsent[c.index] = []
-            return stream_chunk(head, c, d, c.new_ids if req.return_token_ids else None)
+            ids = c.new_ids if req.return_token_ids else None
+            if not (c.done and "tool_calls" in delta):
+                return stream_chunk(head, c, d, ids)
+            # A call's delta comes whole as the call ends, mostly with the output's last token: the finish goes in
+            # a chunk of its own after it, as OpenAI sends it, since the openai client's stream helper closes a
+            # call (`tool_calls.function.arguments.done`) only on a chunk after that call's delta
+            call = stream_chunk(head, c, {**d, "finish_reason": None}, ids)
+            call.pop("kv_transfer_params", None)
+            end = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}
+            return [call, stream_chunk(head, c, end, [] if ids is not None else None)]
         continuous = bool(req.stream_options and req.stream_options.continuous)
         first = [{**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}],

@@ -460,10 +460,10 @@ async def run_to_end(request: Request, choices: list[Choice]) -> Response | None
     return None
 
 
-async def stream_events(choices: list[Choice], make_chunk: Callable[[Choice, Any, list[Piece]], dict | None],
+async def stream_events(choices: list[Choice], make_chunk: Callable[[Choice, Any, list[Piece]], dict | list | None],
                         first: list[dict[str, Any]], usage_chunk: dict[str, Any] | None,
                         continuous_usage: bool = False) -> AsyncIterator[str]:
-    """SSE: `first` chunks, then one chunk per output (`make_chunk`, None = nothing to send; with
+    """SSE: `first` chunks, then the chunks of each output (`make_chunk`: one, a list, or None = nothing to send; with
     `continuous_usage`, vLLM's `continuous_usage_stats`, each carries the usage so far), the usage chunk when
     asked, `[DONE]`. A failed request ends the stream with an error event."""
     try:
@@ -478,8 +478,8 @@ async def stream_events(choices: list[Choice], make_chunk: Callable[[Choice, Any
                 code = "server_shutting_down" if c.error == SHUTTING_DOWN else "request_failed"
                 yield sse(error_body(f"request failed: {c.error}", "server_error", code=code))
                 break
-            chunk = make_chunk(c, out, pieces)
-            if chunk is not None:
+            made = make_chunk(c, out, pieces)
+            for chunk in [] if made is None else made if isinstance(made, list) else [made]:
                 if continuous_usage:
                     chunk["usage"] = usage(choices)
                 yield sse(chunk)
