@@ -168,6 +168,7 @@ class HarmonyStreamParser:
         self._calls: list[ToolCall] = []
         self._last: int | None = None
         self._finished = False
+        self.reasoning_tokens = 0        # tokens of reasoning bodies so far (usage's reasoning_tokens)
 
     # --- feeding ---------------------------------------------------------------------------------
 
@@ -204,6 +205,7 @@ class HarmonyStreamParser:
         elif tok not in self.codec.special_ids:          # body text, or stray text between messages
             if self._body is None:
                 self._body = _Body(self.codec, "content")
+            self.reasoning_tokens += self._body.kind == "reasoning"
             self._emit(out, self._body, self._body.decoder.push(tok))
         return out
 

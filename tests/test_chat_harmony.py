@@ -313,3 +313,20 @@ def test_the_stream_helper_closes_a_streamed_call(codec):
         assert (last.delta.tool_calls, last.delta.content, last.finish_reason) == (None, None, "tool_calls")
     finally:
         srv.__exit__()
+
+
+def test_usage_counts_the_reasoning_tokens(codec):
+    """As OpenAI's reasoning models (and /v1/responses here) report it: `completion_tokens_details.reasoning_tokens`,
+    the tokens of the analysis text, whole and in the streamed usage, summed over the choices; none for
+    /v1/completions, which parses no channels."""
+    thought = len(codec.encode("ones: 7 + 5 = 12, carry 1. tens: 3 + 4 + 1 = 8."))
+    srv, c = client_for(codec, REPLY_ANSWER)
+    try:
+        u = c.chat.completions.create(model="demo", messages=MSGS, n=2).usage
+        assert u.completion_tokens_details.reasoning_tokens == 2 * thought < u.completion_tokens
+        chunks = list(c.chat.completions.create(model="demo", messages=MSGS, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thought
+        assert c.completions.create(model="demo", prompt="x", max_tokens=200).usage.completion_tokens_details is None
+    finally:
+        srv.__exit__()

@@ -138,6 +138,10 @@ class HarmonyRenderer:
     def finish_reason(self, engine_reason: str | None) -> str | None:
         return self.parser.finish_reason(engine_reason)
 
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.parser.reasoning_tokens
+
 
 # --------------------------------------------------------------------------------------------------
 # One generated sequence
@@ -316,11 +320,14 @@ def chat_logprobs(codec: Any, lps: Sequence[Any]) -> dict[str, Any]:
 
 def usage(choices: Sequence[Choice]) -> dict[str, Any]:
     """Prompt tokens counted once per prompt (n choices of one prompt share it), as OpenAI does; with prefix
-    caching, `prompt_tokens_details.cached_tokens` (those the first choice of each prompt found cached)."""
+    caching, `prompt_tokens_details.cached_tokens` (those the first choice of each prompt found cached); harmony
+    chat: `completion_tokens_details.reasoning_tokens` (OpenAI's, for reasoning models)."""
     firsts = {c.prompt_index: c for c in reversed(choices)}.values()
     p = sum(len(c.prompt_ids) for c in firsts)
     g = sum(len(c.token_ids) for c in choices)
     out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+    if all(hasattr(c.renderer, "reasoning_tokens") for c in choices):
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(c.renderer.reasoning_tokens for c in choices)}
     cached = [c.num_cached_tokens for c in firsts if c.num_cached_tokens is not None]
     if cached:
         out["prompt_tokens_details"] = {"cached_tokens": sum(cached)}

@@ -274,32 +274,6 @@ def _snapshot(item: dict[str, Any], empty: bool = False) -> dict[str, Any]:
     return out
 
 
-def reasoning_tokens(codec: Any, token_ids: list[int], final_only: bool = False) -> int:
-    """How many of the reply's tokens are analysis-channel text (harmony's reasoning); with `final_only` (a
-    structured answer), those of every message that is neither the final answer nor a call, as the renderer
-    reads them."""
-    from ..harmony import HarmonyTokens, parse_header
-    t = HarmonyTokens.from_codec(codec)
-    if t is None:
-        return 0
-    count, header, in_body, analysis = 0, [], False, True     # the reply starts after "<|start|>assistant"
-    for tok in token_ids:
-        if in_body:
-            if tok in (t.end, t.return_, t.call):
-                in_body, header = False, []
-            elif analysis:
-                count += 1
-        elif tok == t.message:
-            channel, recipient = parse_header(header, codec.decode, t.channel, t.constrain)
-            call = (recipient or "").startswith("functions.")
-            analysis, in_body = not call and (channel != "final" if final_only else channel == "analysis"), True
-        elif tok == t.start:
-            header = []
-        else:
-            header.append(tok)
-    return count
-
-
 @router.post("/v1/responses", dependencies=[Depends(deps.check_key)])
 async def responses(request: Request) -> Response:
     raw = await read_json(request)
@@ -350,7 +324,7 @@ async def responses(request: Request) -> Response:
         status = "incomplete" if incomplete else "completed"
         for it in items.items:
             it["status"] = "incomplete" if incomplete and it is items.items[-1] else "completed"
-        out_n, thought = len(c.token_ids), reasoning_tokens(codec, c.token_ids, final_only)
+        out_n, thought = len(c.token_ids), getattr(c.renderer, "reasoning_tokens", 0)   # harmony's reasoning
         return {**head, "status": status, "output": items.items,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "usage": {"input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": c.num_cached_tokens or 0},
