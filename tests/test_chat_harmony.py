@@ -330,3 +330,18 @@ def test_usage_counts_the_reasoning_tokens(codec):
         assert c.completions.create(model="demo", prompt="x", max_tokens=200).usage.completion_tokens_details is None
     finally:
         srv.__exit__()
+
+
+def test_minimal_reasoning_effort_is_gpt_oss_low(codec):
+    """OpenAI's `reasoning_effort: "minimal"` (the openai client offers it) is GPT-OSS's lowest, as /v1/responses
+    takes `reasoning.effort: "minimal"`, not a 400."""
+    srv, c = client_for(TextCodec(codec.tokenizer, {**codec.config, "chat_template": HARMONY_CHAT_TEMPLATE}),
+                        REPLY_ANSWER)
+    try:
+        def prompt(effort):
+            r = c.chat.completions.create(model="demo", messages=MSGS, max_tokens=1, reasoning_effort=effort,
+                                          extra_body={"return_token_ids": True})
+            return codec.decode(r.model_extra["prompt_token_ids"], skip_special_tokens=False)
+        assert "Reasoning: low" in prompt("minimal") and prompt("minimal") == prompt("low") != prompt("high")
+    finally:
+        srv.__exit__()

@@ -6,7 +6,7 @@ with what GPT-OSS's template takes: system / developer / user messages, earlier 
 has both keeps that and leaves its content, a preamble, out: GPT-OSS's template takes one), `role: "tool"` results,
 `tools` (OpenAI function tools; `tool_choice: "none"` leaves them out, "required" or a named function holds
 the reply to a call: `structured.forced_call_grammar`) and `reasoning_effort`
-(low | medium | high). On a tokenizer with harmony's special tokens the output is parsed by channel
+(low | medium | high; OpenAI's minimal is low). On a tokenizer with harmony's special tokens the output is parsed by channel
 (`harmony.HarmonyStreamParser`): analysis -> `reasoning` (vLLM's name; also as `reasoning_content`, its former
 one, which clients of DeepSeek's API read), final -> `content`, calls on commentary
 -> `tool_calls` with `finish_reason: "tool_calls"` — whole, and as stream deltas with vLLM's field names. A
@@ -68,8 +68,8 @@ def chat_prompt(codec: Any, req: ChatBody) -> list[int]:
     extra: dict[str, Any] = {}
     if req.tools and req.tool_choice != "none":
         extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-    if req.reasoning_effort is not None:
-        extra["reasoning_effort"] = req.reasoning_effort
+    if req.reasoning_effort is not None:      # OpenAI's "minimal" is GPT-OSS's lowest, as on /v1/responses
+        extra["reasoning_effort"] = "low" if req.reasoning_effort == "minimal" else req.reasoning_effort
     try:
         return codec.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False,
                                          **extra)

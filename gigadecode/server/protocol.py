@@ -189,7 +189,7 @@ class ChatBody(_Body):
     add_generation_prompt: StrictBool | None = True
     tools: list[Tool] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None     # minimal: GPT-OSS's low
     include_reasoning: StrictBool | None = True
 
 
