@@ -175,8 +175,10 @@ PUBLISHED_CALL_TEMPLATE = (
     "{%- if message.content and message.thinking -%}"
     "{{- raise_exception('Cannot pass both content and thinking in an assistant message with tool calls! "
     "Put the analysis message in one or the other, but not both.') -}}"
-    "{%- elif message.content -%}{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.content + '<|end|>' -}}"
-    "{%- elif message.thinking -%}{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' -}}"
+    "{%- elif message.content -%}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.content + '<|end|>' -}}"
+    "{%- elif message.thinking -%}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' -}}"
     "{%- endif -%}"
     "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif -%}"
     "{{- '<|start|>assistant to=functions.' + tool_call.name + '<|channel|>commentary json<|message|>' -}}"
@@ -345,3 +347,26 @@ def test_minimal_reasoning_effort_is_gpt_oss_low(codec):
         assert "Reasoning: low" in prompt("minimal") and prompt("minimal") == prompt("low") != prompt("high")
     finally:
         srv.__exit__()
+
+
+@pytest.mark.parametrize("published", [False, True])     # the demo model's template, or GPT-OSS's
+def test_every_call_of_an_earlier_turn_reaches_the_prompt(codec, published):
+    """A turn with two calls (parallel tool calls, as this server answers them) sent back with both results:
+    GPT-OSS's published template renders only a message's first call, so each call must reach it as a message
+    of its own, or the second call vanishes from the prompt while its result stays."""
+    template = PUBLISHED_CALL_TEMPLATE if published else HARMONY_CHAT_TEMPLATE
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "add", "arguments": f'{{"a": {i}, "b": 2}}'}}
+             for i in (1, 3)]
+    follow = MSGS + [{"role": "assistant", "content": None, "reasoning_content": "Two sums.", "tool_calls": calls},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+                     {"role": "tool", "tool_call_id": "call_3", "content": "5"}]
+    srv, c = client_for(TextCodec(codec.tokenizer, {**codec.config, "chat_template": template}), REPLY_ANSWER)
+    try:
+        r = c.chat.completions.create(model="demo", messages=follow, tools=TOOLS, max_tokens=5,
+                                      extra_body={"return_token_ids": True})
+        prompt = codec.decode(r.model_extra["prompt_token_ids"], skip_special_tokens=False)
+    finally:
+        srv.__exit__()
+    assert prompt.count("Two sums.") == 1, prompt
+    first, second = prompt.index('{"a": 1, "b": 2}<|call|>'), prompt.index('{"a": 3, "b": 2}<|call|>')
+    assert first < second < prompt.index("<|start|>functions.add to=assistant"), prompt      # both calls, then results

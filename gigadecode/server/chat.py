@@ -3,10 +3,11 @@
 The prompt is rendered by the checkpoint's own template (`chat_template.jinja` / `tokenizer_config.json`)
 with what GPT-OSS's template takes: system / developer / user messages, earlier assistant turns (with
 `tool_calls` and `reasoning` or `reasoning_content`, passed to the template as `thinking`; a call's turn that
-has both keeps that and leaves its content, a preamble, out: GPT-OSS's template takes one), `role: "tool"` results,
+has both keeps that and leaves its content, a preamble, out: GPT-OSS's template takes one; several calls go to
+the template as one message each, since it renders a message's first call only), `role: "tool"` results,
 `tools` (OpenAI function tools; `tool_choice: "none"` leaves them out, "required" or a named function holds
-the reply to a call: `structured.forced_call_grammar`) and `reasoning_effort`
-(low | medium | high; OpenAI's minimal is low). On a tokenizer with harmony's special tokens the output is parsed by channel
+the reply to a call: `structured.forced_call_grammar`) and `reasoning_effort` (low | medium | high; OpenAI's
+minimal is low). On a tokenizer with harmony's special tokens the output is parsed by channel
 (`harmony.HarmonyStreamParser`): analysis -> `reasoning` (vLLM's name; also as `reasoning_content`, its former
 one, which clients of DeepSeek's API read), final -> `content`, calls on commentary
 -> `tool_calls` with `finish_reason: "tool_calls"` — whole, and as stream deltas with vLLM's field names. A
@@ -64,7 +65,10 @@ def chat_prompt(codec: Any, req: ChatBody) -> list[int]:
                 # `content`, and refuses both (a 400 for a reply with a preamble fed back): the call's turn
                 # keeps its chain of thought, as harmony wants, and leaves its preamble out
                 d["content"] = ""
-        messages.append(d)
+        calls = d.get("tool_calls") or []
+        messages.append({**d, "tool_calls": calls[:1]} if calls else d)
+        for call in calls[1:]:       # GPT-OSS's published template renders a message's first call only
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
     extra: dict[str, Any] = {}
     if req.tools and req.tool_choice != "none":
         extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
