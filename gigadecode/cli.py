@@ -51,10 +51,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(a system prompt, the turns of a conversation) takes their KV instead of computing it "
                         "again (not with --dcp)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="speculative decoding by n-gram lookup, as vLLM's flag: '{\"method\": \"ngram\", "
-                        "\"num_speculative_tokens\": 3}' (optional prompt_lookup_min / prompt_lookup_max, default "
-                        "2 / 4, and disable_by_batch_size): drafts taken from the request's own prompt and output "
-                        "are verified in one decode step; outputs are exactly those of plain decoding")
+                   help="speculative decoding, as vLLM's flag: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 3}' (n-gram lookup in the request's own prompt and output; "
+                        "optional prompt_lookup_min / prompt_lookup_max, default 2 / 4) or '{\"method\": "
+                        "\"suffix\"}' (suffix decoding: also from the outputs of earlier requests; optional "
+                        "suffix_decoding_max_tree_depth, _max_cached_requests, _max_spec_factor, _min_token_prob), "
+                        "and disable_by_batch_size: drafts are verified in one decode step; outputs are exactly "
+                        "those of plain decoding")
     g.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up (one prefill chunk of --max-prefill-tokens and one decode "
                         "step on borrowed KV blocks, so the first request runs at full speed)")

@@ -27,6 +27,7 @@ from .runner import DecodeSeq, ModelRunner
 from .sampling import Sampler, SamplingParams, make_generator, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
 from .speculative import NgramProposer, measure_row_cost
+from .suffix_decoding import SuffixProposer
 from .structured import GuideFactory
 
 __all__ = ["LLMEngine", "Request", "RequestError", "RequestOutput", "Status", "build_engine"]
@@ -56,7 +57,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.connector = connector     # DI (connector.nixl_connector.NixlConnector) or None
         self.transfers = KVTransfers(self, connector) if connector is not None else None
-        proposer = NgramProposer(self.ecfg.speculative) if self.ecfg.speculative is not None else None
+        spec = self.ecfg.speculative
+        proposer = None if spec is None else SuffixProposer(spec) if spec.method == "suffix" else NgramProposer(spec)
         self.scheduler = Scheduler(self.ecfg, self.kv_manager,
                                    on_preempt=self.transfers.cancel if self.transfers is not None else None,
                                    proposer=proposer)

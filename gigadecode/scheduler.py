@@ -40,7 +40,7 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue, the running set and the KV block tables (`kv_manager`). `on_preempt(req)`
     runs before a preempted request gives up its blocks (the engine cancels a KV load in flight);
-    `proposer` (speculative.NgramProposer) drafts tokens for decoding requests."""
+    `proposer` (speculative.NgramProposer, suffix_decoding.SuffixProposer) drafts tokens for decoding requests."""
 
     def __init__(self, ecfg: EngineConfig, kv_manager: KVCacheManager,
                  on_preempt: Callable[[Request], None] | None = None, proposer=None,
@@ -215,6 +215,9 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str, keep_blocks: bool = False) -> None:
         req.status = Status.finished_with(reason)
+        finished = getattr(self.proposer, "finished", None)
+        if finished is not None:           # suffix decoding caches the outputs of finished requests
+            finished(req, reason)
         if not keep_blocks:
             self.kv_manager.free(req.request_id)
         if req in self.running:

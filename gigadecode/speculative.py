@@ -39,9 +39,15 @@ __all__ = ["SpeculativeConfig", "NgramProposer"]
 MAX_SPECULATIVE_TOKENS = 16
 
 
+NGRAM_FIELDS = ("prompt_lookup_min", "prompt_lookup_max")
+SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config` for its `ngram` method (the one this engine has)."""
+    """vLLM's `speculative_config` for its model-free methods: `ngram` (this module) and `suffix`
+    (`suffix_decoding.py`), with vLLM's fields and defaults."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
@@ -49,19 +55,30 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None    # no drafts while this many requests (or more) decode
     adaptive: bool = True                       # per request, as many drafts as its acceptance pays for
     method: str = "ngram"
+    suffix_decoding_max_tree_depth: int = 24            # the longest pattern + drafts matched
+    suffix_decoding_max_cached_requests: int = 10000    # finished requests whose outputs are kept (0: none)
+    suffix_decoding_max_spec_factor: float = 1.0        # drafts <= factor x the matched pattern's length
+    suffix_decoding_min_token_prob: float = 0.1         # drafting stops below this estimated probability
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in ("ngram", "suffix"):
             raise ConfigError(f"--speculative-config: method {self.method!r} is not available here; this engine "
-                              f"drafts by n-gram lookup only (\"method\": \"ngram\")")
+                              f"drafts by n-gram lookup (\"method\": \"ngram\") or suffix decoding (\"suffix\")")
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"--speculative-config: adaptive must be true or false (got {self.adaptive!r})")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+                     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
             v = getattr(self, name)
             if v is None and name == "disable_by_batch_size":
                 continue
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"--speculative-config: {name} must be an integer >= 1 (got {v!r})")
+            least = 0 if name == "suffix_decoding_max_cached_requests" else 1
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                raise ConfigError(f"--speculative-config: {name} must be an integer >= {least} (got {v!r})")
+        for name, lo, hi in (("suffix_decoding_max_spec_factor", 0.0, math.inf),
+                             ("suffix_decoding_min_token_prob", 0.0, 1.0)):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ConfigError(f"--speculative-config: {name} must be a number in [{lo}, {hi}] (got {v!r})")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"--speculative-config: num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS} "
                               f"(got {self.num_speculative_tokens})")
@@ -72,7 +89,8 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, raw: str | dict | None) -> SpeculativeConfig | None:
         """The flag's JSON (or a dict) -> the config; None or "" -> None (no speculation). ConfigError names
-        what is wrong. As in vLLM, a lone prompt_lookup_min or prompt_lookup_max sets both."""
+        what is wrong. As in vLLM, a lone prompt_lookup_min or prompt_lookup_max sets both, and suffix
+        decoding's num_speculative_tokens defaults to its tree depth (here at most 16)."""
         if raw is None or raw == "" or raw == {}:
             return None
         if isinstance(raw, str):
@@ -84,15 +102,25 @@ class SpeculativeConfig:
             raise ConfigError("--speculative-config must be a JSON object, e.g. "
                               "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
         d: dict[str, Any] = dict(raw)
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
-                 "adaptive"}
+        known = {"method", "num_speculative_tokens", "disable_by_batch_size", "adaptive", *NGRAM_FIELDS,
+                 *SUFFIX_FIELDS}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"--speculative-config: unknown field(s) {unknown}; this engine reads {sorted(known)}")
-        if d.get("method") is None:
-            raise ConfigError("--speculative-config needs \"method\": \"ngram\"")
+        method = d.get("method")
+        if method is None:
+            raise ConfigError("--speculative-config needs \"method\": \"ngram\" or \"suffix\"")
+        other = SUFFIX_FIELDS if method == "ngram" else NGRAM_FIELDS if method == "suffix" else ()
+        stray = sorted(k for k in other if d.get(k) is not None)
+        if stray:
+            raise ConfigError(f"--speculative-config: {stray} do not apply to method {method!r}")
         if d.get("num_speculative_tokens") is None:
-            raise ConfigError("--speculative-config needs num_speculative_tokens (the drafts per step)")
+            if method != "suffix":
+                raise ConfigError("--speculative-config needs num_speculative_tokens (the drafts per step)")
+            depth = d.get("suffix_decoding_max_tree_depth")
+            d["num_speculative_tokens"] = min(MAX_SPECULATIVE_TOKENS, depth if isinstance(depth, int) and
+                                              not isinstance(depth, bool) and depth >= 1 else
+                                              cls.suffix_decoding_max_tree_depth)
         lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
         if lo is None and hi is not None:
             d["prompt_lookup_min"] = hi

@@ -105,15 +105,17 @@ class DraftsFrom:
 def world_session(rank: int, model_dir: str, layout: tuple[int, int, int], drafts: dict | None = None) -> dict:
     """On every rank of a run_world: build the parallel engine; rank 0 runs `session`. Every rank also
     returns the tokens its own replica produced per request (the ranks of a DP group must agree). With
-    `drafts` (request -> tokens) the engine decodes speculatively, drafting from them."""
+    `drafts` (request -> tokens) the engine decodes speculatively, drafting from them; with "suffix", by suffix
+    decoding (every replica caches its finished outputs alike)."""
     from gigadecode.parallel.engine import DistributedEngine, build_parallel_engine, run_worker
     from gigadecode.speculative import SpeculativeConfig
     import torch
     torch.manual_seed(1000 + rank)            # ranks' global generators differ (as they may in real worlds)
     tp, dp, ep = layout
-    spec = SpeculativeConfig(num_speculative_tokens=3) if drafts is not None else None
+    spec = (SpeculativeConfig(method="suffix", num_speculative_tokens=4, suffix_decoding_min_token_prob=0.0)
+            if drafts == "suffix" else SpeculativeConfig(num_speculative_tokens=3) if drafts is not None else None)
     replica, ctx = build_parallel_engine(model_dir, EngineConfig(tp=tp, dp=dp, ep=ep, speculative=spec, **ENGINE))
-    if drafts is not None:
+    if isinstance(drafts, dict):
         replica.scheduler.proposer = DraftsFrom(drafts, replica.cfg.vocab_size)
     produced: dict[str, list[int]] = {}
     step = replica.step
@@ -163,6 +165,7 @@ LAYOUTS = [
     pytest.param((1, 2, 2), False, id="tp1-dp2-ep2"),
     pytest.param((2, 2, 4), False, id="tp2-dp2-ep4"),
     pytest.param((2, 2, 4), True, id="tp2-dp2-ep4-speculative"),
+    pytest.param((2, 1, 2), "suffix", id="tp2-dp1-ep2-suffix"),
 ]
 
 
@@ -172,10 +175,10 @@ def test_parallel_engine_session_equals_single_rank(tiny_ckpt, single, layout, d
     gathers the drafts' logits, each replica verifies alike) the same tokens again."""
     from gigadecode.parallel.spawn import run_world
     tp, dp, ep = layout
-    plain = {rid: toks for rid, (toks, _, _) in single["requests"].items()} if drafts else None
+    plain = {rid: toks for rid, (toks, _, _) in single["requests"].items()} if drafts is True else drafts or None
     outs = run_world(tp * dp, world_session, str(tiny_ckpt), layout, plain)
     got = outs[0]
-    if drafts:
+    if drafts:                                # "after-forgetting" repeats r2: suffix decoding drafts its output
         assert got["spec_accepted"] > 0
     assert got["refused"] == single["refused"]
     for rid, (toks, reason, lps) in single["requests"].items():

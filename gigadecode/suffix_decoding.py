@@ -1,0 +1,222 @@
+"""Suffix decoding (`--speculative-config '{"method": "suffix"}'`, vLLM's method name and fields): drafts from
+what followed the request's latest tokens before, in its own prompt and output and in the outputs of earlier
+requests, so a workload that repeats itself across requests (agent loops, tool calls, templated answers)
+drafts from the first token of an output on.
+
+The method (SuffixDecoding, Oliaro et al. 2024) matches the request's last tokens in a suffix tree of depth
+D and walks down it. We keep no tree; its nodes are found on a token array instead. For the last m tokens
+(the pattern, m <= D), the ends of their earlier occurrences are one node: its count is their number, and
+its children's counts are how often each token follows them. From a node, drafting takes the most frequent
+next token while the product of child count / node count along the way (the draft's estimated probability)
+stays at least `suffix_decoding_min_token_prob`. It drafts at most min(k, m · max_spec_factor, D - m)
+tokens. Of every m and both sources (the request's own history, the cache of earlier outputs), the walk with
+the largest sum of probabilities is the draft.
+
+The cache holds the outputs of requests that finished (stop or length), up to
+`suffix_decoding_max_cached_requests` of them. Past that, the oldest quarter goes at once, so it holds 75-100%
+of them. It stores 12 bytes per cached token: the token, and a sorted index of where each token id occurs.
+The index is rebuilt when the outputs added since its last build reach a quarter of it; until then those
+are scanned. Other requests' outputs only decide what gets drafted: verification keeps every token the
+request's own (speculative.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from .speculative import NgramProposer, SpeculativeConfig, _RequestDrafts
+
+__all__ = ["SuffixProposer", "ResponseCache", "suffix_drafts"]
+
+SEPARATOR = -1                  # after each cached output: nothing matches or follows across it
+OCCURRENCE_CAP = 4096           # the latest occurrences of a pattern's last token taken as its node
+MIN_SCAN = 1 << 16              # outputs added since the index was built that are scanned, not rebuilt for
+
+
+class ResponseCache:
+    """The outputs of earlier requests as one token array, a SEPARATOR after each, oldest first, and where
+    each token id occurs in it."""
+
+    def __init__(self, max_requests: int) -> None:
+        self.max_requests = max_requests
+        self.tokens = np.empty(4096, dtype=np.int32)
+        self.n = 0
+        self.lengths: deque[int] = deque()            # each output's length + 1 (its separator), oldest first
+        self._sorted = np.empty(0, dtype=np.int32)     # tokens[:n_indexed], sorted
+        self._where = np.empty(0, dtype=np.int32)      # their positions (ascending within a token id)
+        self.n_indexed = 0
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def add(self, ids: list[int]) -> None:
+        """Cache one finished request's output (the oldest quarter goes when it is full)."""
+        if self.max_requests == 0 or not ids:
+            return
+        m = len(ids) + 1
+        if self.n + m > len(self.tokens):
+            grown = np.empty(max(self.n + m, 2 * len(self.tokens)), dtype=np.int32)
+            grown[: self.n] = self.tokens[: self.n]
+            self.tokens = grown
+        self.tokens[self.n: self.n + m - 1] = ids
+        self.tokens[self.n + m - 1] = SEPARATOR
+        self.n += m
+        self.lengths.append(m)
+        if len(self.lengths) > self.max_requests:
+            keep = self.max_requests - self.max_requests // 4
+            drop = sum(self.lengths.popleft() for _ in range(len(self.lengths) - keep))
+            self.tokens[: self.n - drop] = self.tokens[drop: self.n].copy()
+            self.n -= drop
+            self._reindex()
+        elif self.n - self.n_indexed > max(MIN_SCAN, self.n_indexed // 4):
+            self._reindex()
+
+    def _reindex(self) -> None:
+        order = np.argsort(self.tokens[: self.n], kind="stable")
+        self._sorted = self.tokens[: self.n][order]
+        self._where = order.astype(np.int32)
+        self.n_indexed = self.n
+
+    def ends_of(self, token: int) -> np.ndarray:
+        """The ends (exclusive) of the latest OCCURRENCE_CAP occurrences of `token`, ascending."""
+        lo, hi = np.searchsorted(self._sorted, token, "left"), np.searchsorted(self._sorted, token, "right")
+        tail = np.flatnonzero(self.tokens[self.n_indexed: self.n] == token) + self.n_indexed
+        pos = np.concatenate([self._where[lo:hi], tail]) if tail.size else self._where[lo:hi]
+        return pos[-OCCURRENCE_CAP:].astype(np.int64) + 1
+
+
+def _nodes(h: np.ndarray, ends: np.ndarray, pattern: np.ndarray, depth: int) -> list[tuple[int, np.ndarray]]:
+    """The nodes a pattern reaches in h: for m = 1 .. min(depth, len(pattern)) while its last m tokens occur,
+    (m, the ends of those occurrences), given `ends` for m = 1 (the ends of pattern[-1]'s occurrences)."""
+    P = len(pattern)
+    out = [(1, ends)]
+    for m in range(2, min(depth, P) + 1):
+        e = ends[ends >= m]
+        e = e[h[e - m] == pattern[P - m]]
+        if e.size == 0:
+            break
+        out.append((m, e))
+        ends = e
+    return out
+
+
+def _walk(h: np.ndarray, L: int, ends: np.ndarray, k: int, min_prob: float) -> tuple[list[int], list[float]]:
+    """Down from the node whose occurrences end at `ends` in h[:L]: up to k drafts, each the token that most
+    often follows (ties: the smaller id) while the running product of child / node counts stays >= min_prob.
+    -> (drafts, their estimated probabilities)."""
+    toks: list[int] = []
+    probs: list[float] = []
+    prob = 1.0
+    while len(toks) < k and ends.size:
+        if ends.size == 1:                       # one occurrence: its continuation, at the same probability
+            e = int(ends[0])
+            seg = h[e: min(L, e + k - len(toks))]
+            cut = np.flatnonzero(seg == SEPARATOR)
+            seg = seg[: cut[0]] if cut.size else seg
+            toks += seg.tolist()
+            probs += [prob] * len(seg)
+            break
+        nxt_at = ends[ends < L]
+        nxt = h[nxt_at]
+        real = nxt != SEPARATOR
+        nxt_at, nxt = nxt_at[real], nxt[real]
+        if nxt.size == 0:
+            break
+        vals, counts = np.unique(nxt, return_counts=True)
+        i = int(np.argmax(counts))
+        p = prob * float(counts[i]) / ends.size   # the node's count: every occurrence, followed or not
+        if p < min_prob:
+            break
+        prob = p
+        toks.append(int(vals[i]))
+        probs.append(p)
+        ends = nxt_at[nxt == vals[i]] + 1
+    return toks, probs
+
+
+Candidate = tuple[list[int], list[float]]       # drafts and their estimated probabilities
+
+
+def _best(h: np.ndarray, L: int, ends: np.ndarray, pattern: np.ndarray, k: int, cfg: SpeculativeConfig,
+          best: Candidate) -> Candidate:
+    """The best walk from the nodes of `pattern` in h[:L] (ends: those of its last token), or `best`."""
+    depth, factor = cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_spec_factor
+    nodes = _nodes(h, ends, pattern, depth)
+    for j, (m, e) in enumerate(nodes):
+        limit = min(k, int(m * factor + 1e-6), depth - m)
+        if limit <= 0:
+            continue
+        # a longer match with the same occurrences walks the same path: take the longest limit of them once
+        if j + 1 < len(nodes) and nodes[j + 1][1].size == e.size and \
+                min(k, int(nodes[j + 1][0] * factor + 1e-6), depth - nodes[j + 1][0]) >= limit:
+            continue
+        toks, probs = _walk(h, L, e, limit, cfg.suffix_decoding_min_token_prob)
+        if sum(probs) > sum(best[1]):
+            best = (toks, probs)
+    return best
+
+
+def suffix_drafts(h: np.ndarray, cache: ResponseCache, k: int, cfg: SpeculativeConfig) -> list[int]:
+    """h [L] a request's token ids (prompt + output so far) -> at most k drafts: the best walk from its last
+    tokens' nodes in its own earlier tokens and in the cached outputs, or [] where neither has one."""
+    return suffix_candidate(h, cache, k, cfg)[0]
+
+
+def suffix_candidate(h: np.ndarray, cache: ResponseCache, k: int, cfg: SpeculativeConfig) -> Candidate:
+    """`suffix_drafts` with the drafts' estimated probabilities."""
+    L = len(h)
+    if L == 0 or k <= 0:
+        return [], []
+    pattern = h[max(0, L - cfg.suffix_decoding_max_tree_depth):]
+    last = h[L - 1]
+    best: Candidate = ([], [])
+    own = np.flatnonzero(h[: L - 1] == last) + 1          # earlier ends only: the pattern's own is not one
+    if own.size:
+        best = _best(h, L, own[-OCCURRENCE_CAP:], pattern, k, cfg, best)
+    if cache.n:
+        ends = cache.ends_of(int(last))
+        if ends.size:
+            best = _best(cache.tokens, cache.n, ends, pattern, k, cfg, best)
+    return best
+
+
+def best_prefix(probs: list[float], row_cost: float) -> int:
+    """How many of a walk's drafts to send: the j that maximizes the tokens a verify step is expected to give
+    per cost, (1 + p_1 + … + p_j) / (1 + c·j), with p_i the chance draft i (and every one before it) is
+    accepted, as the walk estimated it, and c what a draft row costs."""
+    best, best_rate, gain = 0, 1.0, 1.0
+    for j, p in enumerate(probs, 1):
+        gain += p
+        rate = gain / (1.0 + row_cost * j)
+        if rate > best_rate:
+            best, best_rate = j, rate
+    return best
+
+
+class SuffixProposer(NgramProposer):
+    """Drafts by suffix decoding (`suffix_candidate`); with `adaptive`, as many as their estimated
+    probabilities pay for (`best_prefix`). `finished` caches a request's output for the requests after it."""
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        super().__init__(cfg)
+        self.cache = ResponseCache(cfg.suffix_decoding_max_cached_requests)
+
+    def propose(self, req: Any, limit: int) -> list[int]:
+        if req.ngram is None:
+            req.ngram = _RequestDrafts()
+        k = min(self.cfg.num_speculative_tokens, limit)
+        if k <= 0:
+            return []
+        toks, probs = suffix_candidate(req.ngram.sync(req.prompt_ids, req.output_ids), self.cache, k, self.cfg)
+        return toks[: best_prefix(probs, self.row_cost)] if self.cfg.adaptive else toks
+
+    def drafts(self, req: Any, k: int) -> list[int]:
+        return suffix_drafts(req.ngram.sync(req.prompt_ids, req.output_ids), self.cache, k, self.cfg)
+
+    def finished(self, req: Any, reason: str) -> None:
+        """A request ended: its output joins the cache if it ran to a stop or its length."""
+        if reason in ("stop", "length"):
+            self.cache.add(req.output_ids)
