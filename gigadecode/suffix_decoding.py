@@ -10,18 +10,20 @@ its children's counts are how often each token follows them. From a node, drafti
 next token while the product of child count / node count along the way (the draft's estimated probability)
 stays at least `suffix_decoding_min_token_prob`. It drafts at most min(k, m · max_spec_factor, D - m)
 tokens. Of every m and both sources (the request's own history, the cache of earlier outputs), the walk with
-the largest sum of probabilities is the draft.
+the largest sum of probabilities is the draft (on a tie: the longer match's, then the request's own).
 
 The cache holds the outputs of requests that finished (stop or length), up to
 `suffix_decoding_max_cached_requests` of them. Past that, the oldest quarter goes at once, so it holds 75-100%
 of them. It stores 12 bytes per cached token: the token, and a sorted index of where each token id occurs.
-The index is rebuilt when the outputs added since its last build reach a quarter of it; until then those
-are scanned. Other requests' outputs only decide what gets drafted: verification keeps every token the
+Outputs added since the index was last built are merged into it when they reach a sixteenth of it (a sort of
+the new part and one pass over the index: ~60 ms at 5M cached tokens); until then a dict holds where their
+tokens are. Other requests' outputs only decide what gets drafted: verification keeps every token the
 request's own (speculative.py).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from typing import Any
 
@@ -32,8 +34,8 @@ from .speculative import NgramProposer, SpeculativeConfig, _RequestDrafts
 __all__ = ["SuffixProposer", "ResponseCache", "suffix_drafts"]
 
 SEPARATOR = -1                  # after each cached output: nothing matches or follows across it
-OCCURRENCE_CAP = 4096           # the latest occurrences of a pattern's last token taken as its node
-MIN_SCAN = 1 << 16              # outputs added since the index was built that are scanned, not rebuilt for
+OCCURRENCE_CAP = 1024           # the latest occurrences of a pattern's last token taken as its node
+MIN_REBUILD = 1 << 16           # tokens added since the index was built before they may be merged into it
 
 
 class ResponseCache:
@@ -48,6 +50,7 @@ class ResponseCache:
         self._sorted = np.empty(0, dtype=np.int32)     # tokens[:n_indexed], sorted
         self._where = np.empty(0, dtype=np.int32)      # their positions (ascending within a token id)
         self.n_indexed = 0
+        self._recent: dict[int, array] = {}            # token id -> its positions from n_indexed on (int64)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -63,6 +66,8 @@ class ResponseCache:
             self.tokens = grown
         self.tokens[self.n: self.n + m - 1] = ids
         self.tokens[self.n + m - 1] = SEPARATOR
+        for i, t in enumerate(ids, self.n):
+            self._recent.setdefault(t, array("q")).append(i)
         self.n += m
         self.lengths.append(m)
         if len(self.lengths) > self.max_requests:
@@ -70,22 +75,32 @@ class ResponseCache:
             drop = sum(self.lengths.popleft() for _ in range(len(self.lengths) - keep))
             self.tokens[: self.n - drop] = self.tokens[drop: self.n].copy()
             self.n -= drop
-            self._reindex()
-        elif self.n - self.n_indexed > max(MIN_SCAN, self.n_indexed // 4):
-            self._reindex()
+            live = self._where >= drop                 # the index, in its order, without the dropped outputs
+            self._sorted, self._where = self._sorted[live], self._where[live] - drop
+            self.n_indexed = max(0, self.n_indexed - drop)
+            self._merge_recent()
+        elif self.n - self.n_indexed > max(MIN_REBUILD, self.n_indexed // 16):
+            self._merge_recent()
 
-    def _reindex(self) -> None:
-        order = np.argsort(self.tokens[: self.n], kind="stable")
-        self._sorted = self.tokens[: self.n][order]
-        self._where = order.astype(np.int32)
+    def _merge_recent(self) -> None:
+        """Merge tokens[n_indexed:n] into the sorted index, each after the equal ids already there (whose
+        positions are smaller): a sort of the new part and one pass over the index, not a sort of it all."""
+        new = np.argsort(self.tokens[self.n_indexed: self.n], kind="stable") + self.n_indexed
+        ids = self.tokens[new]
+        at = np.searchsorted(self._sorted, ids, side="right")
+        self._sorted = np.insert(self._sorted, at, ids)
+        self._where = np.insert(self._where, at, new.astype(np.int32))
         self.n_indexed = self.n
+        self._recent = {}
 
     def ends_of(self, token: int) -> np.ndarray:
         """The ends (exclusive) of the latest OCCURRENCE_CAP occurrences of `token`, ascending."""
-        lo, hi = np.searchsorted(self._sorted, token, "left"), np.searchsorted(self._sorted, token, "right")
-        tail = np.flatnonzero(self.tokens[self.n_indexed: self.n] == token) + self.n_indexed
-        pos = np.concatenate([self._where[lo:hi], tail]) if tail.size else self._where[lo:hi]
-        return pos[-OCCURRENCE_CAP:].astype(np.int64) + 1
+        t = np.int32(token)          # (a Python int would make numpy widen the whole index to compare)
+        lo, hi = np.searchsorted(self._sorted, t, "left"), np.searchsorted(self._sorted, t, "right")
+        recent = self._recent.get(token)
+        tail = np.frombuffer(recent, dtype=np.int64)[-OCCURRENCE_CAP:] if recent else np.empty(0, np.int64)
+        main = self._where[max(lo, hi - (OCCURRENCE_CAP - tail.size)): hi]
+        return np.concatenate([main.astype(np.int64), tail]) + 1
 
 
 def _nodes(h: np.ndarray, ends: np.ndarray, pattern: np.ndarray, depth: int) -> list[tuple[int, np.ndarray]]:
@@ -142,20 +157,21 @@ Candidate = tuple[list[int], list[float]]       # drafts and their estimated pro
 
 def _best(h: np.ndarray, L: int, ends: np.ndarray, pattern: np.ndarray, k: int, cfg: SpeculativeConfig,
           best: Candidate) -> Candidate:
-    """The best walk from the nodes of `pattern` in h[:L] (ends: those of its last token), or `best`."""
+    """The best walk from the nodes of `pattern` in h[:L] (ends: those of its last token), or `best`: the
+    longest match first, a shorter one only where its score is larger (so a tie keeps the longer match)."""
     depth, factor = cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_spec_factor
-    nodes = _nodes(h, ends, pattern, depth)
-    for j, (m, e) in enumerate(nodes):
+    score = sum(best[1])
+    walked: tuple[int, int] = (-1, -1)           # (occurrences, limit) of the last node walked
+    for m, e in reversed(_nodes(h, ends, pattern, depth)):
         limit = min(k, int(m * factor + 1e-6), depth - m)
-        if limit <= 0:
-            continue
-        # a longer match with the same occurrences walks the same path: take the longest limit of them once
-        if j + 1 < len(nodes) and nodes[j + 1][1].size == e.size and \
-                min(k, int(nodes[j + 1][0] * factor + 1e-6), depth - nodes[j + 1][0]) >= limit:
+        # a walk scores at most its limit (each estimate is <= 1), and a node with the occurrences of the
+        # longer one walked before it (the same set: each holds the next) walks a prefix of that walk
+        if limit <= score or (e.size == walked[0] and limit <= walked[1]):
             continue
         toks, probs = _walk(h, L, e, limit, cfg.suffix_decoding_min_token_prob)
-        if sum(probs) > sum(best[1]):
-            best = (toks, probs)
+        walked = (e.size, limit)
+        if sum(probs) > score:
+            best, score = (toks, probs), sum(probs)
     return best
 
 
