@@ -40,7 +40,10 @@ Malformed output never raises:
 * a tool call whose arguments are not valid JSON (or that names no function) becomes content: the raw
   text of the call, `functions.NAME ARGS` (what vLLM does too). To decide that before anything is sent,
   a call's arguments are streamed as ONE delta when the call ends, not token by token;
-* separate messages of the same kind are joined with "\\n" (in the stream as in `result()`).
+* separate messages of the same kind are joined with "\\n" (in the stream as in `result()`), unless the parser
+  is made with `join=False`: then every delta names the message it comes from (`Delta.message`, 0, 1, ... in
+  the order the reply wrote them, text outside any message counted as one) and its `channel`, and no "\\n" is
+  added; /v1/responses makes each message an output item of its own that way.
 """
 
 from __future__ import annotations
@@ -110,7 +113,9 @@ class ToolCall:
 @dataclass(frozen=True)
 class Delta:
     """One streamed piece. reasoning/content: `text`. tool_call: `index` (0, 1, ... per well-formed call),
-    `id` and `name` (set on the call's first delta) and an `arguments` fragment; `text` is ""."""
+    `id` and `name` (set on the call's first delta) and an `arguments` fragment; `text` is "". `message`: the
+    number of the harmony message it comes from (a new number: a new message), `channel`: that message's
+    channel (None for text outside any harmony message)."""
 
     kind: Literal["reasoning", "content", "tool_call"]
     text: str = ""
@@ -118,6 +123,8 @@ class Delta:
     id: str | None = None
     name: str | None = None
     arguments: str | None = None
+    message: int | None = None
+    channel: str | None = None
 
 
 @dataclass
@@ -140,9 +147,11 @@ def _could_be_header(text: str) -> bool:
 class _Body:
     """The message being read: where its text goes, and its own detokenizer."""
 
-    def __init__(self, codec: TextCodec, kind: str, recipient: str | None = None) -> None:
+    def __init__(self, codec: TextCodec, kind: str, number: int, recipient: str | None = None,
+                 channel: str | None = None) -> None:
         self.kind = kind            # "reasoning" | "content" | "tool"
-        self.recipient = recipient
+        self.number = number        # the message's place in the reply (Delta.message)
+        self.recipient, self.channel = recipient, channel
         self.decoder = StreamDecoder(codec)
         self.held: list[str] = []   # a tool call's arguments, until the call ends
         self.started = False        # has any text of this message gone out (for the "\n" joins)
@@ -156,9 +165,11 @@ class HarmonyStreamParser:
     `result()` for the whole message. The deltas, concatenated, are exactly `result()`."""
 
     def __init__(self, codec: TextCodec, tokens: HarmonyTokens,
-                 new_id: Callable[[], str] = new_tool_call_id, final_only: bool = False) -> None:
+                 new_id: Callable[[], str] = new_tool_call_id, final_only: bool = False, join: bool = True) -> None:
         self.codec, self.t, self._new_id = codec, tokens, new_id
         self._final_only = final_only    # content is the final channel's text alone (see the module's doc)
+        self._join = join                # a later message of a kind starts with "\n" (see the module's doc)
+        self._messages = 0               # messages (and runs of text outside them) opened so far
         self._terminators = frozenset((tokens.end, tokens.return_, tokens.call))
         self._state = _HEADER
         self._implicit = True            # the first header: its "<|start|>assistant" was in the prompt
@@ -191,7 +202,7 @@ class HarmonyStreamParser:
                 self._header.append(tok)
                 if self._implicit and not _could_be_header(self.codec.decode(self._header)):
                     # Plain text without harmony tokens: stream it as content from here on.
-                    self._state, self._implicit, self._body = _IDLE, False, _Body(self.codec, "content")
+                    self._state, self._implicit, self._body = _IDLE, False, self._new_body("content")
                     for i in self._header:
                         self._emit(out, self._body, self._body.decoder.push(i))
                     self._header = []
@@ -201,10 +212,10 @@ class HarmonyStreamParser:
             self._header = [tok] if tok == t.channel else []
         elif self._state == _IDLE and tok == t.message:  # a body without any header: content
             self._close_body(out)
-            self._state, self._body = _BODY, _Body(self.codec, "content")
+            self._state, self._body = _BODY, self._new_body("content")
         elif tok not in self.codec.special_ids:          # body text, or stray text between messages
             if self._body is None:
-                self._body = _Body(self.codec, "content")
+                self._body = self._new_body("content")
             self.reasoning_tokens += self._body.kind == "reasoning"
             self._emit(out, self._body, self._body.decoder.push(tok))
         return out
@@ -254,11 +265,11 @@ class HarmonyStreamParser:
             body.held.append(piece)
             return
         acc = self._text[body.kind]
-        if not body.started and acc:
+        if self._join and not body.started and acc:
             piece = "\n" + piece  # a new message of a kind that already has text
         body.started = True
         acc.append(piece)
-        out.append(Delta(body.kind, piece))  # type: ignore[arg-type]
+        out.append(Delta(body.kind, piece, message=body.number, channel=body.channel))  # type: ignore[arg-type]
 
     def _parse_header(self) -> tuple[str | None, str | None]:
         """(channel, recipient) of the header collected so far."""
@@ -272,14 +283,18 @@ class HarmonyStreamParser:
             kind = "content" if channel == "final" else "reasoning"
         else:
             kind = "reasoning" if channel == "analysis" else "content"
-        self._body = _Body(self.codec, kind, recipient)
+        self._body = self._new_body(kind, recipient, channel)
         self._state, self._header, self._implicit = _BODY, [], False
+
+    def _new_body(self, kind: str, recipient: str | None = None, channel: str | None = None) -> _Body:
+        self._messages += 1
+        return _Body(self.codec, kind, self._messages - 1, recipient, channel)
 
     def _header_as_content(self, out: list[Delta]) -> None:
         """A header cut short (no <|message|>): its text is content."""
         self._close_body(out)
         if self._header:
-            self._emit(out, _Body(self.codec, "content"), self.codec.decode(self._header))
+            self._emit(out, self._new_body("content"), self.codec.decode(self._header))
         self._header = []
 
     def _close_body(self, out: list[Delta]) -> None:
@@ -297,10 +312,11 @@ class HarmonyStreamParser:
         except ValueError:
             ok = False
         if not ok:  # not a usable call: its raw text as content
-            self._emit(out, _Body(self.codec, "content"), f"{body.recipient} {args}".rstrip())
+            self._emit(out, self._new_body("content", None, body.channel), f"{body.recipient} {args}".rstrip())
             return
         call = ToolCall(self._new_id(), name, args)
-        out.append(Delta("tool_call", index=len(self._calls), id=call.id, name=name, arguments=args))
+        out.append(Delta("tool_call", index=len(self._calls), id=call.id, name=name, arguments=args,
+                         message=body.number, channel=body.channel))
         self._calls.append(call)
 
 

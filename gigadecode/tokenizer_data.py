@@ -128,7 +128,8 @@ developer: Keep every answer short and friendly.
 # (transformers; rendered with tojson: {"a": 1, "b": 2}).
 HARMONY_CHAT_TEMPLATE = r"""{#- GPT-OSS harmony chat format (after openai/gpt-oss' chat_template.jinja; no current date).
   Variables: messages, tools (OpenAI function tools), reasoning_effort (low | medium | high, default medium),
-  model_identity, add_generation_prompt. -#}
+  model_identity, add_generation_prompt. An assistant message without tool calls whose `channel` is
+  "commentary" (a preamble, as /v1/responses passes it) is rendered on that channel, not as a final answer. -#}
 {%- macro text_of(content) -%}
     {%- if content is none -%}
     {%- elif content is string -%}{{- content -}}
@@ -220,6 +221,9 @@ HARMONY_CHAT_TEMPLATE = r"""{#- GPT-OSS harmony chat format (after openai/gpt-os
                 {{- "<|call|>" -}}
                 {%- set state.fn = fn['name'] -%}
             {%- endfor -%}
+        {%- elif message['channel'] == "commentary" -%}
+            {#- a preamble that no call followed (harmony's commentary channel without a recipient) -#}
+            {{- "<|start|>assistant<|channel|>commentary<|message|>" + text_of(message['content']) + "<|end|>" -}}
         {%- elif loop.last and not add_generation_prompt -%}
             {%- if thinking -%}
                 {{- "<|start|>assistant<|channel|>analysis<|message|>" + thinking + "<|end|>" -}}

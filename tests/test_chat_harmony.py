@@ -236,8 +236,10 @@ def test_a_preamble_before_a_structured_answer_is_not_content(codec):
             reasoning += (ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
         assert (content, reasoning) == ('{"sum": 82}', "Add them.\nLet me answer.")
         r = c.responses.parse(model="demo", input="What is 37 + 45?", text_format=Sum)
-        assert r.output_parsed == Sum(sum=82) and [o.type for o in r.output] == ["reasoning", "message"]
-        assert r.output[0].content[0].text == "Add them.\nLet me answer."
+        # one item per harmony message; the preamble goes with the reasoning, so output_text is the answer alone
+        assert r.output_parsed == Sum(sum=82) and [o.type for o in r.output] == ["reasoning", "reasoning", "message"]
+        assert [o.content[0].text for o in r.output[:2]] == ["Add them.", "Let me answer."]
+        assert (r.output[2].phase, r.output_text) == ("final_answer", '{"sum": 82}')
         preamble_and_analysis = len(codec.encode("Add them.")) + len(codec.encode("Let me answer."))
         assert r.usage.output_tokens_details.reasoning_tokens == preamble_and_analysis
         plain = c.chat.completions.create(model="demo", messages=MSGS).choices[0].message   # no grammar: as vLLM

@@ -140,6 +140,28 @@ def test_preamble_then_tool_call(codec, toks):
     assert p.finish_reason("stop") == "tool_calls"
 
 
+def test_unjoined_deltas_name_their_message_and_channel(codec, toks):
+    """`join=False` (/v1/responses' items): no "\\n" between messages of a kind; each delta names its message (a
+    number per message, in order) and channel, a call and a malformed call's text included."""
+    bad = "<|start|>assistant<|channel|>commentary to=functions.add<|message|>{oops<|call|>"
+    ids = ids_of(codec, "<|channel|>analysis<|message|>", "One.", "<|end|>", "<|start|>assistant<|channel|>analysis"
+                 "<|message|>", "Two.", "<|end|>", "<|start|>assistant<|channel|>commentary<|message|>", "Adding.",
+                 "<|end|>", "<|start|>assistant<|channel|>commentary to=functions.add<|message|>", '{"a": 1}',
+                 "<|call|>", bad, "<|start|>assistant<|channel|>final<|message|>", "Done.", "<|return|>")
+    p = HarmonyStreamParser(codec, toks, join=False)
+    deltas = p.push_many(ids) + p.finish()
+    by_message: dict[int, list[Delta]] = {}
+    for d in deltas:
+        by_message.setdefault(d.message, []).append(d)
+    got = [(ds[0].kind, ds[0].channel, "".join(d.text or d.arguments or "" for d in ds)) for ds in by_message.values()]
+    assert got == [("reasoning", "analysis", "One."), ("reasoning", "analysis", "Two."),
+                   ("content", "commentary", "Adding."), ("tool_call", "commentary", '{"a": 1}'),
+                   ("content", "commentary", "functions.add {oops"), ("content", "final", "Done.")]
+    assert sorted(by_message) == list(by_message) and len(by_message) == len(set(by_message))
+    joined_res = parse_harmony(codec, toks, ids)        # the default joins them, as chat shows them
+    assert (joined_res.reasoning_content, joined_res.content) == ("One.\nTwo.", "Adding.\nfunctions.add {oops\nDone.")
+
+
 @pytest.mark.parametrize("cut", ["analysis", "final"])
 def test_unterminated_channel(codec, toks, cut):
     if cut == "analysis":

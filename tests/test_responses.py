@@ -20,6 +20,7 @@ from gigadecode.server.protocol import ChatBody
 from gigadecode.server.responses import ResponsesBody, _events, chat_messages, chat_tools
 from gigadecode.tokenizer import TextCodec
 
+from .test_chat_harmony import REPLY_PREAMBLE, REPLY_PREAMBLE_CALL, client_for
 from .test_openai_features import _serve
 
 ADD_CHAT = {"type": "function", "function": {
@@ -204,6 +205,103 @@ def test_a_preamble_before_a_call_keeps_the_reasoning_before_the_call(demo):
         {"type": "function_call_output", "call_id": "c1", "output": "3"}]})
     assert "<|channel|>analysis<|message|>THINK<|end|><|start|>assistant<|channel|>commentary to=functions.add" in text
     assert "<|channel|>final" not in text
+
+
+def test_a_commentary_message_comes_back_as_commentary(demo):
+    """A preamble no call followed (`phase: "commentary"`, as the output lists it) is rendered back on harmony's
+    commentary channel by a template that has it (the demo model's), not as a final answer; a turn's reasoning
+    items all reach the prompt, in order."""
+    text = _rendered(demo, {"input": [
+        {"role": "user", "content": ASK},
+        {"type": "message", "role": "assistant", "phase": "commentary",
+         "content": [{"type": "output_text", "text": "Let me check."}]},
+        {"type": "message", "role": "assistant", "phase": "final_answer",
+         "content": [{"type": "output_text", "text": "82"}]},
+        {"role": "user", "content": "And 1 + 2?"}]})
+    assert "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>" in text
+    assert "<|channel|>final<|message|>82<|end|>" in text and "final<|message|>Let me check." not in text
+    text = _rendered(demo, {"tools": [ADD], "input": [
+        {"role": "user", "content": ASK},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "FIRST"}]},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "SECOND"}]},
+        {"type": "message", "role": "assistant", "phase": "commentary",
+         "content": [{"type": "output_text", "text": "Let me add."}]},
+        {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1, "b": 2}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "3"}]})
+    assert "<|channel|>analysis<|message|>FIRST\nSECOND<|end|><|start|>assistant<|channel|>commentary to=functions.add" \
+        in text
+    assert "<|channel|>final" not in text and "<|channel|>commentary<|message|>Let me add." not in text
+
+
+def _without_ids(output):
+    return [{k: v for k, v in o.model_dump(exclude_none=True).items() if k not in ("id", "call_id")} for o in output]
+
+
+def _check_stream(events, whole):
+    """The stream's events, item by item as OpenAI sends them, add up to the whole (non-streamed) response."""
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
+    body = [e for e in events[2:-1]]
+    for i, item in enumerate(whole.output):
+        mine = [e for e in body if e.output_index == i]
+        assert mine == body[:len(mine)], "one item's events at a time, in output order"
+        body = body[len(mine):]
+        types = [e.type for e in mine]
+        if item.type == "function_call":
+            assert types == ["response.output_item.added", "response.function_call_arguments.delta",
+                             "response.function_call_arguments.done", "response.output_item.done"]
+            assert mine[2].arguments == item.arguments
+        else:
+            text = "output_text" if item.type == "message" else "reasoning_text"
+            assert types[:2] == ["response.output_item.added", "response.content_part.added"]
+            assert set(types[2:-3]) == {f"response.{text}.delta"}
+            assert types[-3:] == [f"response.{text}.done", "response.content_part.done", "response.output_item.done"]
+            assert "".join(e.delta for e in mine[2:-3]) == mine[-3].text == item.content[0].text
+        assert mine[-1].item.type == item.type and getattr(mine[-1].item, "phase", None) == getattr(item, "phase", None)
+    assert body == [] and events[-1].type == "response.completed"
+    assert _without_ids(events[-1].response.output) == _without_ids(whole.output)
+
+
+def test_each_harmony_message_is_an_item_of_its_own(tiny_ckpt):
+    """A reply of reasoning, a preamble and a final answer (scripted harmony): three items, the preamble a
+    message with phase commentary and the answer one with phase final_answer, not one message joining them;
+    streamed, each item's events in turn (the openai client's stream helper builds the same response). The
+    client's `output_text` joins every message's text (its rule); with `text.format` the preamble goes with the
+    reasoning, so that `output_text` is the structured answer alone, and the stream helper parses it."""
+    from pydantic import BaseModel
+
+    class Sum(BaseModel):
+        sum: int
+    srv, c = client_for(TextCodec.from_dir(tiny_ckpt), REPLY_PREAMBLE)
+    try:
+        r = c.responses.create(model="demo", input=ASK)
+        assert [(o.type, getattr(o, "phase", None)) for o in r.output] == [
+            ("reasoning", None), ("message", "commentary"), ("message", "final_answer")]
+        assert [o.content[0].text for o in r.output] == ["Add them.", "Let me answer.", '{"sum": 82}']
+        assert r.output_text == 'Let me answer.{"sum": 82}'
+        _check_stream(list(c.responses.create(model="demo", input=ASK, stream=True)), r)
+        with c.responses.stream(model="demo", input=ASK) as s:
+            assert _without_ids(s.get_final_response().output) == _without_ids(r.output)
+        with c.responses.stream(model="demo", input=ASK, text_format=Sum) as s:
+            final = s.get_final_response()
+        assert final.output_parsed == Sum(sum=82) and final.output_text == '{"sum": 82}'
+        assert [o.type for o in final.output] == ["reasoning", "reasoning", "message"]
+    finally:
+        srv.__exit__()
+
+
+def test_a_preamble_before_a_call_is_a_commentary_message(tiny_ckpt):
+    """Reasoning, a preamble and a call: the preamble is a message with phase commentary between the reasoning
+    and the function_call item, whole and streamed."""
+    srv, c = client_for(TextCodec.from_dir(tiny_ckpt), REPLY_PREAMBLE_CALL)
+    try:
+        r = c.responses.create(model="demo", input=ASK, tools=[ADD])
+        assert [(o.type, getattr(o, "phase", None)) for o in r.output] == [
+            ("reasoning", None), ("message", "commentary"), ("function_call", None)]
+        assert (r.output[1].content[0].text, r.output[2].arguments) == ("Let me answer.", '{"sum": 82}')
+        _check_stream(list(c.responses.create(model="demo", input=ASK, tools=[ADD], stream=True)), r)
+    finally:
+        srv.__exit__()
 
 
 class _FailingStream:

@@ -1,11 +1,14 @@
 """`POST /v1/responses`: OpenAI's Responses API, the one GPT-OSS's own guides use, over the chat route's
 machinery. The input items become chat messages rendered by the checkpoint's chat template (`instructions`
 as a developer message, a developer or system message that opens the input appended to it;
-`function_call` / `function_call_output` items as a call and the tool's answer, a `reasoning` item as the
+`function_call` / `function_call_output` items as a call and the tool's answer, `reasoning` items as the
 next assistant turn's analysis, an assistant message right before a call, its preamble, as part of that call's
-turn); the reply's harmony channels become output items:
-analysis -> a `reasoning` item, final -> a `message` with `output_text`, calls -> `function_call` items (with
-`text.format` the message holds the final answer alone, a preamble going to the reasoning, as in chat).
+turn; another assistant message with `phase: "commentary"` goes to the template with `channel: "commentary"`,
+which this project's harmony template renders as a commentary message and GPT-OSS's published one, which has
+no such message, as a final one). Each harmony message of the reply becomes an output item of its own, in
+order (`response_items`): analysis -> a `reasoning` item, a preamble -> a `message` with `phase:
+"commentary"`, a call -> a `function_call` item, final -> a `message` with `phase: "final_answer"` (with
+`text.format` a preamble goes to the reasoning, as in chat, so the only message is the structured answer).
 Streamed, the same items come as OpenAI's typed events (`response.output_item.added`,
 `response.reasoning_text.delta`, `response.output_text.delta`, `response.function_call_arguments.done`, ...,
 `response.completed`).
@@ -21,7 +24,6 @@ import json
 import logging
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -33,9 +35,10 @@ from ..connector.params import KVTransferParams
 from . import deps
 from .async_engine import SHUTTING_DOWN
 from .chat import chat_prompt
-from .outputs import Choice, HarmonyRenderer, TextRenderer, merge, run_to_end, start
+from .outputs import Choice, TextRenderer, merge, run_to_end, start
 from .protocol import (APIError, ChatBody, _Model, errors_named, forced_call, parse, read_json,
                        sampling_params)
+from .response_items import ItemRenderer, OutputItems, new_id
 
 router = APIRouter()
 log = logging.getLogger("gigadecode.server")
@@ -132,6 +135,8 @@ def chat_messages(req: ResponsesBody) -> list[dict[str, Any]]:
                 continue
             if role != "assistant":
                 thinking = None                      # reasoning no output followed in its turn
+            elif it.get("phase") == "commentary":    # a preamble: for a template that renders harmony's channel
+                m["channel"] = "commentary"
             messages.append(assistant(m) if role == "assistant" else m)
         elif kind == "function_call":
             name, args, call_id = it.get("name"), it.get("arguments", "{}"), it.get("call_id")
@@ -143,6 +148,7 @@ def chat_messages(req: ResponsesBody) -> list[dict[str, Any]]:
                     and last.get("role") == "assistant" and "tool_calls" not in last):
                 # the preamble the model wrote before this call: one turn, as chat answers it (content, reasoning,
                 # call), so that the reasoning stays before the call and the preamble is no final answer
+                last.pop("channel", None)
                 assistant(last)["tool_calls"] = [call]
             else:
                 messages.append(assistant({"role": "assistant", "content": None, "tool_calls": [call]}))
@@ -154,7 +160,8 @@ def chat_messages(req: ResponsesBody) -> list[dict[str, Any]]:
                              "content": out if isinstance(out, str) else _text(out, f"{where}.output")})
         elif kind == "reasoning":
             parts = it.get("content") or it.get("summary") or []
-            thinking = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            thinking = text if thinking is None else thinking + "\n" + text    # one turn's analysis messages
         else:
             raise APIError(400, f"{where}: input items of type {kind!r} are not supported", param=f"{where}.type")
     return messages
@@ -190,90 +197,6 @@ def _responses_param(e: APIError) -> APIError:
     return e
 
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-class OutputItems:
-    """The reply's pieces (in order) -> Responses output items, and, pushed piece by piece, the stream's
-    events: an item opens when a piece of another kind (or another call) arrives and closes before the next."""
-
-    def __init__(self) -> None:
-        self.items: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None
-        self._call_index: int | None = None
-
-    def push(self, p: Any) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        kind = "function_call" if p.kind == "tool_call" else "reasoning" if p.kind == "reasoning" else "message"
-        if self._open is None or self._open["type"] != kind or (kind == "function_call" and p.id is not None
-                                                                and p.index != self._call_index):
-            events += self.close()
-            events += self._start(kind, p)
-        item, at = self._open, len(self.items) - 1
-        if kind == "function_call":
-            if p.arguments:
-                item["arguments"] += p.arguments
-                events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
-                               "output_index": at, "delta": p.arguments})
-        elif p.text:
-            part = item["content"][0]
-            part["text"] += p.text
-            kind_ev = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-            ev = {"type": kind_ev, "item_id": item["id"], "output_index": at, "content_index": 0, "delta": p.text}
-            events.append({**ev, "logprobs": []} if kind == "message" else ev)
-        return events
-
-    def _start(self, kind: str, p: Any) -> list[dict[str, Any]]:
-        if kind == "function_call":
-            item = {"type": "function_call", "id": _new_id("fc"), "call_id": p.id or _new_id("call"),
-                    "name": p.name or "", "arguments": "", "status": "in_progress"}
-            self._call_index = p.index
-        elif kind == "reasoning":
-            item = {"type": "reasoning", "id": _new_id("rs"), "summary": [],
-                    "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
-        else:
-            item = {"type": "message", "id": _new_id("msg"), "role": "assistant", "status": "in_progress",
-                    "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
-        self.items.append(item)
-        self._open = item
-        at = len(self.items) - 1
-        events = [{"type": "response.output_item.added", "output_index": at, "item": _snapshot(item, empty=True)}]
-        if kind != "function_call":
-            events.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": at,
-                           "content_index": 0, "part": {**item["content"][0], "text": ""}})
-        return events
-
-    def close(self, status: str = "completed") -> list[dict[str, Any]]:
-        item, self._open = self._open, None
-        if item is None:
-            return []
-        item["status"] = status
-        at = self.items.index(item)
-        events: list[dict[str, Any]] = []
-        if item["type"] == "function_call":
-            events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
-                           "output_index": at, "arguments": item["arguments"]})
-        else:
-            part, text_kind = item["content"][0], ("output_text" if item["type"] == "message" else "reasoning_text")
-            events.append({"type": f"response.{text_kind}.done", "item_id": item["id"], "output_index": at,
-                           "content_index": 0, "text": part["text"], **({"logprobs": []} if text_kind == "output_text" else {})})
-            events.append({"type": "response.content_part.done", "item_id": item["id"], "output_index": at,
-                           "content_index": 0, "part": dict(part)})
-        events.append({"type": "response.output_item.done", "output_index": at, "item": _snapshot(item)})
-        return events
-
-
-def _snapshot(item: dict[str, Any], empty: bool = False) -> dict[str, Any]:
-    out = json.loads(json.dumps(item))
-    if empty:
-        if out["type"] == "function_call":
-            out["arguments"] = ""
-        else:
-            out["content"] = []
-    return out
-
-
 @router.post("/v1/responses", dependencies=[Depends(deps.check_key)])
 async def responses(request: Request) -> Response:
     raw = await read_json(request)
@@ -307,11 +230,11 @@ async def responses(request: Request) -> Response:
         params = sampling_params(raw, max_tokens, None, deps.sampling_defaults(aeng), None, guided)
         _, choices = await start(aeng, [prompt], params, "resp", 1, deps.advertised(request, req.kv_transfer_params),
                                  "input",
-                                 lambda: (HarmonyRenderer(codec, tokens, final_only) if tokens is not None
+                                 lambda: (ItemRenderer(codec, tokens, final_only) if tokens is not None
                                           else TextRenderer(codec)),
                                  [])
     c = choices[0]
-    head = {"id": _new_id("resp"), "object": "response", "created_at": int(time.time()), "model": name,
+    head = {"id": new_id("resp"), "object": "response", "created_at": int(time.time()), "model": name,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": params.temperature, "top_p": params.top_p, "tools": req.tools or [],
             "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": raw.get("parallel_tool_calls", True),
