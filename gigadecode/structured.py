@@ -13,6 +13,15 @@ request's end tokens are allowed (scope "all": the EOS ids; "final": `<|return|>
 sees them; once one is drawn only they may follow (min_tokens or ignore_eos can run a request on past it).
 A grammar that breaks down mid-way (llguidance's parser gives up, or no token fits) fails the request
 (`Guide.error`): it never ends "stop" with text outside the grammar. A grammar that cannot be compiled is the request's error (RequestError, param "guided").
+
+An object schema that lists its `properties` (or `patternProperties`) and does not say `additionalProperties`
+takes no other keys (`closed_objects`), as vLLM's default backend, xgrammar, compiles schemas (its strict mode:
+properties the schema does not name are not generated; vLLM's `disable_additional_properties` does the same
+for llguidance) and as OpenAI's strict structured outputs require (`additionalProperties: false` on every
+object). JSON Schema's own default would let the model add any key (the demo model answered `{"sum": 45,
+"b": 733}` to a schema naming `sum` alone). A schema that sets `additionalProperties` (or
+`unevaluatedProperties`) keeps it, and the parts of an `allOf` stay open (each closed would exclude the others'
+keys). The same holds for a forced call's arguments (a tool's `parameters`).
 """
 
 from __future__ import annotations
@@ -32,6 +41,37 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 # compiled grammars kept (on the engine thread, where every running request waits for a compile): a request's
 # check and admission, its n sequences and later requests with the same grammar compile it once
 COMPILED_CACHE = 64
+
+
+# where a JSON schema holds subschemas: one schema, a list of them, or a map of name -> schema
+_SUBSCHEMA = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems",
+              "contains", "propertyNames", "not", "if", "then", "else")
+_SUBSCHEMAS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any, open_here: bool = False) -> Any:
+    """A copy of `schema` in which every object schema with `properties` or `patternProperties` and no
+    `additionalProperties` / `unevaluatedProperties` has `additionalProperties: false` (see the module's doc);
+    `open_here`: leave this schema itself as it is (a part of an `allOf`), its subschemas not."""
+    if isinstance(schema, list):                     # `items` as a list (draft 4-7 tuples)
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUBSCHEMA:
+        if k in out:
+            out[k] = closed_objects(out[k])
+    for k in _SUBSCHEMAS:
+        if isinstance(out.get(k), list):
+            out[k] = [closed_objects(s, open_here=k == "allOf") for s in out[k]]
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed_objects(s) for name, s in out[k].items()}
+    if (not open_here and ("properties" in out or "patternProperties" in out)
+            and "additionalProperties" not in out and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = False
+    return out
 
 
 class GuideFactory:
@@ -86,7 +126,7 @@ class GuideFactory:
         tok = self._tokenizer()
         try:
             if kind in ("json", "json_object"):
-                schema = source if kind == "json" else {"type": "object"}
+                schema = json.dumps(closed_objects(json.loads(source))) if kind == "json" else {"type": "object"}
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
             elif kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(source)
@@ -183,7 +223,7 @@ def forced_call_grammar(tools: list[dict[str, Any]], name: str | None = None) ->
              'analysis: <|channel|> "analysis" <|message|> /(.|\\n)*/ <|end|> <|start|> "assistant"',
              "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
     for i, f in enumerate(fns):
-        schema = dict(f.get("parameters") or {"type": "object"})
+        schema = closed_objects(dict(f.get("parameters") or {"type": "object"}))
         schema["x-guidance"] = JSON_LAYOUT
         head = json.dumps(f"commentary to=functions.{f['name']} ")
         rules.append(f'call_{i}: <|channel|> {head} <|constrain|> "json" <|message|> args_{i} <|call|>')

@@ -159,6 +159,54 @@ def test_the_server_fields(demo):
         assert not eng.requests
 
 
+SUM_ONLY = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}   # no additionalProperties
+
+
+def test_an_object_schema_that_does_not_say_additional_properties_takes_no_other_keys(demo):
+    """Held to a schema naming `sum` alone, the demo model (greedy) went on with another key (`{"sum": 45, "b":
+    733}`): JSON Schema allows it, but vLLM's default backend (xgrammar, strict mode) generates no property the
+    schema does not name, and OpenAI's strict mode requires additionalProperties false; so here too, in chat and
+    the Responses API. A schema that says `additionalProperties: true` keeps them (the model's own extra key)."""
+    d, _, _ = demo
+    eng, srv = _serve(d)
+    with srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        ask = [{"role": "user", "content": "What is 37 + 45?"}]
+
+        def chat(schema):
+            r = c.chat.completions.create(model="m", messages=ask, temperature=0, max_tokens=160, response_format={
+                "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+            return json.loads(r.choices[0].message.content)
+        assert set(chat(SUM_ONLY)) == {"sum"}
+        r = c.responses.create(model="m", input="What is 37 + 45?", temperature=0, max_output_tokens=160,
+                               text={"format": {"type": "json_schema", "name": "answer", "schema": SUM_ONLY}})
+        assert set(json.loads(r.output_text)) == {"sum"}
+        assert set(chat({**SUM_ONLY, "additionalProperties": True})) > {"sum"}
+        assert not eng.requests
+
+
+def test_closed_objects():
+    """Where `additionalProperties: false` goes: every object schema that lists properties and says nothing of
+    other keys (nested, in $defs, in anyOf and array items, a tool's parameters); not one that says it (or
+    unevaluatedProperties), not an allOf part (it would exclude its siblings' keys), not a const value."""
+    from gigadecode.structured import closed_objects, forced_call_grammar
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    closed = {**obj, "additionalProperties": False}
+    schema = {"type": "object", "properties": {"x": obj, "l": {"type": "array", "items": obj}},
+              "$defs": {"D": obj}, "anyOf": [obj, {"type": "string"}],
+              "allOf": [obj], "not": {"const": {"properties": {}}},
+              "patternProperties": {"^p": {**obj, "additionalProperties": True}}}
+    assert closed_objects(schema) == {
+        "type": "object", "properties": {"x": closed, "l": {"type": "array", "items": closed}},
+        "$defs": {"D": closed}, "anyOf": [closed, {"type": "string"}],
+        "allOf": [obj], "not": {"const": {"properties": {}}},
+        "patternProperties": {"^p": {**obj, "additionalProperties": True}}, "additionalProperties": False}
+    assert closed_objects({**obj, "unevaluatedProperties": False}) == {**obj, "unevaluatedProperties": False}
+    assert closed_objects({"type": "object"}) == {"type": "object"} and obj == {"type": "object", "properties": {
+        "a": {"type": "integer"}}}
+    assert '"additionalProperties": false' in forced_call_grammar([ADD])
+
+
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
 MUL = {"type": "function", "function": {"name": "multiply", "description": "Multiply two numbers.", "parameters": {
@@ -250,16 +298,16 @@ def test_a_tokenizer_with_ids_beyond_the_models_vocab(demo, tmp_path):
 
 
 def test_structured_outputs_options_that_change_the_output_are_refused():
-    """vLLM's structured_outputs options: those asking for what the server does anyway are accepted, those it
-    would silently ignore (a whitespace pattern, additionalProperties turned off, a structural tag) are a 400
-    naming the option, as guided_whitespace_pattern is."""
+    """vLLM's structured_outputs options: those asking for what the server does anyway are accepted (among them
+    `disable_additional_properties`: an object schema that does not say additionalProperties takes no other
+    keys here, as with xgrammar), those it would silently ignore (a whitespace pattern, a structural tag) are a
+    400 naming the option, as guided_whitespace_pattern is."""
     from gigadecode.server.protocol import APIError, guided_of
     schema = {"type": "object"}
     for extra in ({"disable_any_whitespace": True}, {"disable_fallback": True}, {"whitespace_pattern": None},
-                  {"disable_additional_properties": False}):
+                  {"disable_additional_properties": False}, {"disable_additional_properties": True}):
         assert guided_of({"structured_outputs": {"json": schema, **extra}}, "all")[0] == ("json", '{"type": "object"}', "all")
-    for extra in ({"whitespace_pattern": "[ ]*"}, {"disable_additional_properties": True},
-                  {"structural_tag": '{"type": "structural_tag"}'}):
+    for extra in ({"whitespace_pattern": "[ ]*"}, {"structural_tag": '{"type": "structural_tag"}'}):
         with pytest.raises(APIError) as e:
             guided_of({"structured_outputs": {"json": schema, **extra}}, "all")
         assert e.value.status == 400 and e.value.param == "structured_outputs." + next(iter(extra)), e.value.param

@@ -378,8 +378,9 @@ def guided_of(raw: Mapping[str, Any], scope: str) -> tuple[tuple[str, str, str] 
     elif field_ == "structured_outputs":
         if not isinstance(v, Mapping):
             raise APIError(400, "structured_outputs must be an object", param=field_)
-        for k, unset in (("whitespace_pattern", None), ("disable_additional_properties", False),
-                         ("structural_tag", None)):                  # options that would change the output
+        # options that would change the output (`disable_additional_properties` asks for what the server does:
+        # structured.closed_objects)
+        for k, unset in (("whitespace_pattern", None), ("structural_tag", None)):
             if v.get(k, unset) not in (unset, None):
                 raise APIError(400, f"structured_outputs.{k} is not supported", param=f"{field_}.{k}")
         spec = {k: v[k] for k in ("json", "regex", "choice", "grammar", "json_object") if v.get(k) not in (None, False)}
