@@ -8,7 +8,7 @@ time of the whole run (this machine is noisy: the steps are the stable figure; o
 ~0.2-0.4 of a one-row step, `bench/speculative.py`). The default checkpoint is the packaged `demo` model, which
 answers "What is A + B?" with its working on harmony's analysis channel.
 
-    .venv/bin/python bench/spec_acceptance.py [--model demo] [--requests 24] [--k 4]
+    .venv/bin/python bench/spec_acceptance.py [--model demo] [--requests 24] [--k 4] [--proposers plain suffix]
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (ngram; suffix's cap)")
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--proposers", nargs="*", default=None,
+                    help="run only these (plain, ngram, suffix, suffix-fixed); the tokens are then checked against "
+                         "plain decoding's only if it runs first")
     args = ap.parse_args()
     model_dir = TRAINED[args.model] if args.model in TRAINED else resolve_model(args.model)
     codec = TextCodec.from_dir(model_dir)
@@ -59,13 +62,15 @@ def main() -> None:
         "plain": None,
         "ngram": SpeculativeConfig(num_speculative_tokens=args.k),
         "suffix": SpeculativeConfig(method="suffix", num_speculative_tokens=args.k),
-        "suffix, fixed": SpeculativeConfig(method="suffix", num_speculative_tokens=args.k, adaptive=False),
+        "suffix-fixed": SpeculativeConfig(method="suffix", num_speculative_tokens=args.k, adaptive=False),
     }
     base = None
     print(f"{args.model}: {args.requests} chat requests one after another, greedy, fp32, k = {args.k}")
     print(f"{'proposer':<15} {'tokens':>7} {'steps':>6} {'drafted':>8} {'accepted':>9} {'accept':>7} "
           f"{'tok/step':>9} {'wall s':>7}")
     for name, spec in runs.items():
+        if args.proposers is not None and name not in args.proposers:
+            continue
         ecfg = EngineConfig(dtype="float32", kv_dtype="auto", speculative=spec)
         eng = LLMEngine(ModelRunner(model_dir, ecfg))
         outs, wall = serve_one_by_one(eng, prompts, args.max_tokens)

@@ -107,7 +107,8 @@ def test_bad_grammars_are_the_requests_error(demo):
     with pytest.raises(SamplingError):
         SamplingParams(guided=("regex", "a", "middle"))
     assert len(eng.requests) == before                             # nothing queued
-    assert eng.generate([[5, 6]], SamplingParams(max_tokens=2))[0].finish_reason == "length"
+    # the engine serves on (ignore_eos: an unseeded draw at temperature 1 may pick EOS, ~0.5% of the time)
+    assert eng.generate([[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True))[0].finish_reason == "length"
 
 
 def test_the_sampler_draws_only_allowed_tokens():
