@@ -228,6 +228,7 @@ class GptOssConfig:
             "rope_parameters": rope,
             "router_aux_loss_coef": 0.9,
             "sliding_window": self.sliding_window,
+            "swiglu_alpha": self.swiglu_alpha,
             "swiglu_limit": self.swiglu_limit,
             "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": self.torch_dtype,

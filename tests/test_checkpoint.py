@@ -128,6 +128,20 @@ def test_big_presets_configs():
         preset_config("huge")
 
 
+def test_written_config_keeps_every_model_field(tmp_path):
+    """A checkpoint written for a config with non-default activation / norm / RoPE values is that model for us
+    and for transformers (a field left out of config.json would load as its default: another model)."""
+    from transformers import GptOssConfig as HFConfig
+
+    c = preset_config("tiny", "bf16").with_(swiglu_alpha=1.25, swiglu_limit=3.5, rms_norm_eps=1e-3,
+                                            tie_word_embeddings=True, attention_bias=False)
+    assert GptOssConfig.from_hf(c.to_hf()) == c
+    d = make_checkpoint(tmp_path / "ck", cfg=c, experts="bf16")
+    assert GptOssConfig.from_hf(d) == c
+    hf = HFConfig.from_pretrained(str(d))
+    assert (hf.swiglu_alpha, hf.swiglu_limit, hf.rms_norm_eps) == (1.25, 3.5, 1e-3)
+
+
 def test_writer_argument_errors(tmp_path):
     with pytest.raises(ValueError, match="mxfp4 or bf16"):
         make_checkpoint(tmp_path / "x", "tiny", experts="fp8")
