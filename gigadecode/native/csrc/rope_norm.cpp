@@ -2,6 +2,7 @@
 // buffer (packed-FP8 or plain, in place), the blocks of a table read back token-major in the compute dtype
 // (prefill attends over them), and RMSNorm.
 #include <tuple>
+#include <vector>
 
 #include "common.h"
 #include "kv_layout.h"
@@ -44,12 +45,15 @@ at::Tensor rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at:
       for (int64_t j = 0; j < n; ++j) o[j * stride] = f32_to_fp8(std::min(std::max(val[j] / scale, -448.f), 448.f));
     }
   };
-  TORCH_CHECK(d <= 1024, "head_dim > 1024");
   for (int64_t b = 0; b < Bt; ++b)
     TORCH_CHECK(sl[b] >= 0 && sl[b] / B < nb, "slot ", sl[b], " outside the KV buffer");
   // slots in parallel (padding slots all write the null block 0, whose contents are never read)
   at::parallel_for(0, Bt, 1, [&](int64_t b0, int64_t b1) {
-    float rk[1024], c[512], sn[512];
+    // one RoPE'd k head [d] and the slot's cos / sin [d/2] (any head_dim: GPT-OSS configs do not bound it)
+    std::vector<float> scratch(2 * d);
+    float* rk = scratch.data();
+    float* c = rk + d;
+    float* sn = c + half;
     for (int64_t b = b0; b < b1; ++b) {
       const float* xb = x + b * W3;
       for (int64_t j = 0; j < half; ++j) {
