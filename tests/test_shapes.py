@@ -2,7 +2,7 @@
 GPT-OSS configs unlike the presets, against transformers on the same files.
 
 Each case mixes what the presets do not have: a hidden size that is not a multiple of 64 (with bf16 experts, not
-even of 8), head dims of 6 to 80, 1 to 12 q heads over 1 to 3 kv heads, 2 to 9 experts with top-1 to top-4, odd
+even of 8), head dims of 6 to 80 and 1026, 1 to 12 q heads over 1 to 3 kv heads, 2 to 9 experts with top-1 to top-4, odd
 vocabularies, sliding windows of 1 to 33 tokens (and one longer than the context), block sizes of 1 to 32, and prefill chunks shorter than the
 prompt. Three prompts (1 token, across a window and a few blocks, longer) decode together, greedily. Every
 generated token must be transformers' argmax on the same sequence (teacher-forced: its uncached forward over
@@ -61,6 +61,10 @@ CASES = {
     # linear RoPE scaling (positions / factor), which transformers runs for GPT-OSS as well
     "linear-rope": (dict(layer_types=(F, S), sliding_window=11, vocab_size=515,
                          rope=RopeConfig(rope_type="linear", theta=500.0, factor=2.5)), "bf16", 8, 32),
+    # a head dim past 1024 (nothing in a GPT-OSS config bounds it; the native KV write once did)
+    "head-dim-1026": (dict(layer_types=(S, F), hidden_size=32, intermediate_size=32, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=1026, num_local_experts=3, num_experts_per_tok=2,
+                           sliding_window=7, vocab_size=499), "mxfp4", 16, 512),
     # a window longer than the whole context (transformers loads it; it never binds)
     "window-past-context": (dict(layer_types=(S, F), max_position_embeddings=128, sliding_window=200,
                                  vocab_size=1001), "mxfp4", 16, 24),
