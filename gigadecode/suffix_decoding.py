@@ -155,6 +155,15 @@ def _walk(h: np.ndarray, L: int, ends: np.ndarray, k: int, min_prob: float) -> t
 Candidate = tuple[list[int], list[float]]       # drafts and their estimated probabilities
 
 
+def _limit(m: int, k: int, depth: int, factor: float) -> int:
+    """The most drafts a match of m tokens may walk: min(k, m · factor, depth - m). m · factor is only made an
+    int where it is the smaller (a factor of 1e308, inf or a 400-digit integer is valid config and must not
+    overflow)."""
+    limit = min(k, depth - m)
+    spec = m * factor
+    return min(limit, int(spec + 1e-6)) if spec < limit else limit
+
+
 def _best(h: np.ndarray, L: int, ends: np.ndarray, pattern: np.ndarray, k: int, cfg: SpeculativeConfig,
           best: Candidate) -> Candidate:
     """The best walk from the nodes of `pattern` in h[:L] (ends: those of its last token), or `best`: the
@@ -163,7 +172,7 @@ def _best(h: np.ndarray, L: int, ends: np.ndarray, pattern: np.ndarray, k: int, 
     score = sum(best[1])
     walked: tuple[int, int] = (-1, -1)           # (occurrences, limit) of the last node walked
     for m, e in reversed(_nodes(h, ends, pattern, depth)):
-        limit = min(k, int(m * factor + 1e-6), depth - m)
+        limit = _limit(m, k, depth, factor)
         # a walk scores at most its limit (each estimate is <= 1), and a node with the occurrences of the
         # longer one walked before it (the same set: each holds the next) walks a prefix of that walk
         if limit <= score or (e.size == walked[0] and limit <= walked[1]):

@@ -5,6 +5,7 @@ request's own history and from earlier requests' outputs, in fewer steps once th
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -217,3 +218,23 @@ def test_aborted_and_failed_outputs_are_not_cached(tiny_ckpt):
     while eng.has_unfinished():
         eng.step()
     assert cached_outputs(eng.scheduler.proposer.cache) == [eng.requests["b"].output_ids]
+
+
+@pytest.mark.parametrize("factor", ["1e308", "1e400", "Infinity", "1" + "0" * 400])
+def test_a_huge_spec_factor_drafts_as_an_unlimited_one(factor):
+    """max_spec_factor is any number >= 0 (1e400 is JSON's inf): m · factor must not overflow into an
+    exception at the first lookup (it did: int(inf)); it then limits nothing, as a factor of 100 here."""
+    c = SpeculativeConfig.parse('{"method": "suffix", "num_speculative_tokens": 6, '
+                                '"suffix_decoding_max_spec_factor": %s}' % factor)
+    cache = ResponseCache(10)
+    cache.add([7, 1, 2, 3, 4, 5, 6, 8, 9])
+    for own in ([9, 1, 2], [1, 2, 3, 4, 1, 2], [5, 5, 5, 5], [4]):
+        got = suffix_drafts(np.array(own, np.int32), cache, 6, c)
+        assert got == brute_drafts(own, [[7, 1, 2, 3, 4, 5, 6, 8, 9]], 6, 24, 100.0, 0.1), own
+    assert suffix_drafts(np.array([9, 1], np.int32), cache, 6, c) == [2, 3, 4, 5, 6, 8]
+
+    class Req:
+        prompt_ids, output_ids, ngram = [3, 1], [2], None
+    proposer = suffix_decoding.SuffixProposer(dataclasses.replace(c, adaptive=False))
+    proposer.finished(type("Done", (), {"output_ids": [7, 1, 2, 3, 4, 5, 6, 8, 9]})(), "stop")
+    assert proposer.propose(Req(), 4) == [3, 4, 5, 6]              # "1 2" matched: 4 (the limit), not 2
