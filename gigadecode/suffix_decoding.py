@@ -118,38 +118,44 @@ def _nodes(h: np.ndarray, ends: np.ndarray, pattern: np.ndarray, depth: int) -> 
     return out
 
 
-def _walk(h: np.ndarray, L: int, ends: np.ndarray, k: int, min_prob: float) -> tuple[list[int], list[float]]:
+def _walk(h: np.ndarray, L: int, ends: np.ndarray, k: int, min_prob: float, toks: list[int] | None = None,
+          probs: list[float] | None = None) -> tuple[list[int], list[float], np.ndarray | None]:
     """Down from the node whose occurrences end at `ends` in h[:L]: up to k drafts, each the token that most
     often follows (ties: the smaller id) while the running product of child / node counts stays >= min_prob.
-    -> (drafts, their estimated probabilities)."""
-    toks: list[int] = []
-    probs: list[float] = []
-    prob = 1.0
+    Given `toks` and `probs` (a walk that stopped at its limit, `ends` where it got to), it goes on from there.
+    -> (drafts, their estimated probabilities, the ends to go on from if it stopped at k, else None)."""
+    toks = list(toks or ())
+    probs = list(probs or ())
+    prob = probs[-1] if probs else 1.0
     while len(toks) < k and ends.size:
         if ends.size == 1:                       # one occurrence: its continuation, at the same probability
-            e = int(ends[0])
-            seg = h[e: min(L, e + k - len(toks))]
+            e, want = int(ends[0]), k - len(toks)
+            seg = h[e: min(L, e + want)]
             cut = np.flatnonzero(seg == SEPARATOR)
             seg = seg[: cut[0]] if cut.size else seg
             toks += seg.tolist()
             probs += [prob] * len(seg)
-            break
+            return toks, probs, (np.array([e + want], np.int64) if len(seg) == want else None)
         nxt_at = ends[ends < L]
         nxt = h[nxt_at]
         real = nxt != SEPARATOR
         nxt_at, nxt = nxt_at[real], nxt[real]
         if nxt.size == 0:
             break
-        vals, counts = np.unique(nxt, return_counts=True)
-        i = int(np.argmax(counts))
-        p = prob * float(counts[i]) / ends.size   # the node's count: every occurrence, followed or not
+        if (nxt == nxt[0]).all():                # one child (a repeated or periodic history): no sort needed
+            tok, count = int(nxt[0]), nxt.size
+        else:
+            vals, counts = np.unique(nxt, return_counts=True)
+            i = int(np.argmax(counts))
+            tok, count = int(vals[i]), int(counts[i])
+        p = prob * float(count) / ends.size      # the node's count: every occurrence, followed or not
         if p < min_prob:
             break
         prob = p
-        toks.append(int(vals[i]))
+        toks.append(tok)
         probs.append(p)
-        ends = nxt_at[nxt == vals[i]] + 1
-    return toks, probs
+        ends = nxt_at[nxt == tok] + 1
+    return toks, probs, (ends if len(toks) == k and ends.size else None)
 
 
 Candidate = tuple[list[int], list[float]]       # drafts and their estimated probabilities
@@ -170,18 +176,38 @@ def _best(h: np.ndarray, L: int, ends: np.ndarray, pattern: np.ndarray, k: int, 
     longest match first, a shorter one only where its score is larger (so a tie keeps the longer match)."""
     depth, factor = cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_spec_factor
     score = sum(best[1])
-    walked: tuple[int, int] = (-1, -1)           # (occurrences, limit) of the last node walked
+    last = None            # the last node walked: (its occurrences, limit, drafts, estimates, ends to go on from)
     for m, e in reversed(_nodes(h, ends, pattern, depth)):
         limit = _limit(m, k, depth, factor)
-        # a walk scores at most its limit (each estimate is <= 1), and a node with the occurrences of the
-        # longer one walked before it (the same set: each holds the next) walks a prefix of that walk
-        if limit <= score or (e.size == walked[0] and limit <= walked[1]):
+        if limit <= score:                       # a walk scores at most its limit (each estimate is <= 1)
             continue
-        toks, probs = _walk(h, L, e, limit, cfg.suffix_decoding_min_token_prob)
-        walked = (e.size, limit)
+        if last is not None and e.size == last[0]:
+            # the occurrences of the longer node walked before it (the same set: each node's hold the next
+            # longer one's), so the same walk: a prefix of that one, or that one gone on where it stopped at
+            # its limit (a repeated token: one walk, not one per length)
+            if limit <= last[1] or last[4] is None:
+                continue
+            toks, probs, where = _walk(h, L, last[4], limit, cfg.suffix_decoding_min_token_prob, last[2], last[3])
+        else:
+            toks, probs, where = _walk(h, L, e, limit, cfg.suffix_decoding_min_token_prob)
+        last = (e.size, limit, toks, probs, where)
         if sum(probs) > score:
             best, score = (toks, probs), sum(probs)
     return best
+
+
+def _latest_ends(h: np.ndarray, n: int, token: np.int32) -> np.ndarray:
+    """The ends (exclusive) of the latest OCCURRENCE_CAP occurrences of `token` in h[:n], ascending: searched
+    from the end in growing chunks, so a history of one token repeated 100k times costs a chunk, not 100k."""
+    found: list[np.ndarray] = []
+    count, hi, chunk = 0, n, 4 * OCCURRENCE_CAP
+    while hi > 0 and count < OCCURRENCE_CAP:
+        lo = max(0, hi - chunk)
+        at = np.flatnonzero(h[lo:hi] == token) + lo
+        found.append(at)
+        count += at.size
+        hi, chunk = lo, chunk * 4
+    return np.concatenate(found[::-1])[-OCCURRENCE_CAP:] + 1 if count else np.empty(0, np.int64)
 
 
 def suffix_drafts(h: np.ndarray, cache: ResponseCache, k: int, cfg: SpeculativeConfig) -> list[int]:
@@ -198,9 +224,9 @@ def suffix_candidate(h: np.ndarray, cache: ResponseCache, k: int, cfg: Speculati
     pattern = h[max(0, L - cfg.suffix_decoding_max_tree_depth):]
     last = h[L - 1]
     best: Candidate = ([], [])
-    own = np.flatnonzero(h[: L - 1] == last) + 1          # earlier ends only: the pattern's own is not one
+    own = _latest_ends(h, L - 1, last)                    # earlier ends only: the pattern's own is not one
     if own.size:
-        best = _best(h, L, own[-OCCURRENCE_CAP:], pattern, k, cfg, best)
+        best = _best(h, L, own, pattern, k, cfg, best)
     if cache.n:
         ends = cache.ends_of(int(last))
         if ends.size:

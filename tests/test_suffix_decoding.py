@@ -238,3 +238,28 @@ def test_a_huge_spec_factor_drafts_as_an_unlimited_one(factor):
     proposer = suffix_decoding.SuffixProposer(dataclasses.replace(c, adaptive=False))
     proposer.finished(type("Done", (), {"output_ids": [7, 1, 2, 3, 4, 5, 6, 8, 9]})(), "stop")
     assert proposer.propose(Req(), 4) == [3, 4, 5, 6]              # "1 2" matched: 4 (the limit), not 2
+
+
+def test_a_repeated_token_costs_a_chunk_and_one_walk(monkeypatch):
+    """One token repeated 100k times (a model stuck in a loop): the lookup scans the history's latest chunk
+    for the last token, not all of it, and walks the nodes of every length (which hold the same occurrences)
+    as one walk that goes on where a shorter node allows more; it was a 100k scan and a walk per length
+    (1 + 2 + ... + 12 steps, ~3 ms a step)."""
+    h = np.full(100_000, 7, np.int32)
+    steps, scanned = [], []
+    walk, flatnonzero = suffix_decoding._walk, np.flatnonzero
+
+    def counting_walk(*a, **kw):
+        out = walk(*a, **kw)
+        steps.append(len(out[0]) - len(a[5] if len(a) > 5 and a[5] else kw.get("toks") or ()))
+        return out
+
+    def counting_flatnonzero(x):
+        scanned.append(np.size(x))
+        return flatnonzero(x)
+    monkeypatch.setattr(suffix_decoding, "_walk", counting_walk)
+    monkeypatch.setattr(np, "flatnonzero", counting_flatnonzero)
+    # every length m <= 23 matches; m = 12 walks the most (min(k, m, depth - m) = 12) at ~1 each
+    assert suffix_drafts(h, ResponseCache(10), 16, cfg(k=16, depth=24)) == [7] * 12
+    assert sum(steps) <= 16, steps
+    assert max(scanned) <= 4 * suffix_decoding.OCCURRENCE_CAP, scanned
