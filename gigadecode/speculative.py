@@ -37,6 +37,8 @@ from .config import ConfigError
 __all__ = ["SpeculativeConfig", "NgramProposer"]
 
 MAX_SPECULATIVE_TOKENS = 16
+METHOD_ERROR = ("--speculative-config: method {!r} is not available here; this engine drafts by n-gram lookup "
+                "(\"method\": \"ngram\") or suffix decoding (\"suffix\")")
 
 
 NGRAM_FIELDS = ("prompt_lookup_min", "prompt_lookup_max")
@@ -61,9 +63,8 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1         # drafting stops below this estimated probability
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "suffix"):
-            raise ConfigError(f"--speculative-config: method {self.method!r} is not available here; this engine "
-                              f"drafts by n-gram lookup (\"method\": \"ngram\") or suffix decoding (\"suffix\")")
+        if not isinstance(self.method, str) or self.method not in ("ngram", "suffix"):
+            raise ConfigError(METHOD_ERROR.format(self.method))
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"--speculative-config: adaptive must be true or false (got {self.adaptive!r})")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
@@ -110,7 +111,9 @@ class SpeculativeConfig:
         method = d.get("method")
         if method is None:
             raise ConfigError("--speculative-config needs \"method\": \"ngram\" or \"suffix\"")
-        other = SUFFIX_FIELDS if method == "ngram" else NGRAM_FIELDS if method == "suffix" else ()
+        if not isinstance(method, str) or method not in ("ngram", "suffix"):
+            raise ConfigError(METHOD_ERROR.format(method))    # before the fields, which depend on it
+        other = SUFFIX_FIELDS if method == "ngram" else NGRAM_FIELDS
         stray = sorted(k for k in other if d.get(k) is not None)
         if stray:
             raise ConfigError(f"--speculative-config: {stray} do not apply to method {method!r}")

@@ -263,3 +263,22 @@ def test_a_repeated_token_costs_a_chunk_and_one_walk(monkeypatch):
     assert suffix_drafts(h, ResponseCache(10), 16, cfg(k=16, depth=24)) == [7] * 12
     assert sum(steps) <= 16, steps
     assert max(scanned) <= 4 * suffix_decoding.OCCURRENCE_CAP, scanned
+
+
+@pytest.mark.parametrize("raw, words", [
+    # a method this engine lacks is named as such, not as a missing num_speculative_tokens (it was, for any
+    # method without one: suffix decoding's default made num_speculative_tokens look like the only problem)
+    ('{"method": "eagle"}', "method 'eagle' is not available"),
+    ('{"method": "draft_model", "suffix_decoding_max_tree_depth": 4}', "method 'draft_model' is not available"),
+    ('{"method": ["suffix"]}', "method ['suffix'] is not available"),
+    ('{"method": 7, "num_speculative_tokens": 2}', "method 7 is not available"),
+    ('{"method": "suffix", "suffix_decoding_max_spec_factor": NaN}', "suffix_decoding_max_spec_factor"),
+    ('{"method": "suffix", "suffix_decoding_min_token_prob": null, "num_speculative_tokens": true}', ">= 1"),
+    ('{"method": "suffix", "suffix_decoding_max_tree_depth": "8"}', "suffix_decoding_max_tree_depth"),
+    ('{"method": "suffix", "suffix_decoding_max_cached_requests": 1e3}', "suffix_decoding_max_cached_requests"),
+    ('{"method": "suffix", "num_speculative_tokens": 1e400}', "num_speculative_tokens"),
+])
+def test_config_refusals_name_the_problem(raw, words):
+    with pytest.raises(ConfigError) as e:
+        SpeculativeConfig.parse(raw)
+    assert words in str(e.value), str(e.value)
