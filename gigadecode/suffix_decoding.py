@@ -10,7 +10,8 @@ its children's counts are how often each token follows them. From a node, drafti
 next token while the product of child count / node count along the way (the draft's estimated probability)
 stays at least `suffix_decoding_min_token_prob`. It drafts at most min(k, m · max_spec_factor, D - m)
 tokens. Of every m and both sources (the request's own history, the cache of earlier outputs), the walk with
-the largest sum of probabilities is the draft (on a tie: the longer match's, then the request's own).
+the largest sum of probabilities is the draft (on a tie: the request's own before the cache's, and within
+one source the longer match's).
 
 The cache holds the outputs of requests that finished (stop or length), up to
 `suffix_decoding_max_cached_requests` of them. Past that, the oldest quarter goes at once, so it holds 75-100%

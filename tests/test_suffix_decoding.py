@@ -28,8 +28,8 @@ def brute_drafts(own: list[int], cached: list[list[int]], k: int, depth: int, fa
     earlier occurrence; then the cached outputs, each its own sequence) and each m, the node of the last m
     tokens is every earlier window equal to them; walk to the most frequent next token (ties: the smaller)
     while the product of child / node counts stays >= min_prob, at most min(k, m * factor, depth - m)
-    tokens; the walk with the largest sum of probabilities wins (on ties: the longer match, then the own
-    history)."""
+    tokens; the walk with the largest sum of probabilities wins (on ties: the own history's before the cached
+    outputs', and within one source the longer match)."""
     pattern = own[-depth:]
     best: tuple[list[int], float] = ([], 0.0)
     for seqs, last_end in (([own], lambda s: len(own) - 1), (cached, lambda s: len(cached[s]))):
@@ -145,6 +145,12 @@ def test_drafts_cases():
     assert suffix_drafts(np.array([5, 1, 2], np.int32), cache, 8, cfg(k=8, min_prob=0.7)) == []
     # nothing matches
     assert suffix_drafts(np.array([42], np.int32), cache, 8, c) == []
+    # a tie across sources: the own history's 2-token match ("1 2" -> 3 4) over the cache's 3-token one
+    # ("7 1 2" -> 5 6), both 2 drafts at probability 1 (k = 2); the docs said the longer match won
+    tie = ResponseCache(10)
+    tie.add([7, 1, 2, 5, 6, 8])
+    assert suffix_drafts(np.array([1, 2, 3, 4, 7, 1, 2], np.int32), tie, 2, cfg(k=2)) == [3, 4]
+    assert suffix_drafts(np.array([1, 2, 3, 4, 7, 1, 2], np.int32), tie, 3, cfg(k=3)) == [5, 6, 8]
 
 
 def test_config():
