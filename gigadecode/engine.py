@@ -221,11 +221,13 @@ class LLMEngine:
         except KVParamsError as e:
             raise RequestError(str(e), param=e.param, code="invalid_kv_transfer_params") from None
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """End a request now. `reason` "stop": a client's stop string ended it, so it finishes stopped (its
+        output up to here is whole, and suffix decoding caches it like any stopped request's)."""
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
-        self._finish(req, "abort")
+        self._finish(req, "stop" if reason == "stop" else "abort")
         return True
 
     def release_kv(self, raw: dict | KVTransferParams) -> bool:

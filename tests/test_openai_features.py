@@ -307,6 +307,40 @@ def test_speculative_decoding_serves_plain_decoding_tokens(live, tiny_ckpt):
         _serve(tiny_ckpt, ["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'])
 
 
+def test_suffix_decoding_caches_what_a_stop_string_ended(live, tiny_ckpt):
+    """`serve --speculative-config '{"method": "suffix"}'`: an answer a stop string ended ("stop" to the
+    client) joins suffix decoding's cache as one that ran to its length does (the server ends the engine
+    request at the stop string; that was an abort, never cached). The repeated request drafts from the cache
+    and /metrics counts it; the tokens stay plain decoding's."""
+    _, plain = live
+    prompt = random_prompt(30, 1024, seed=8)
+    want = plain.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0, extra_body=EXTRA)
+    eng, srv = _serve(tiny_ckpt, ["--speculative-config", '{"method": "suffix"}'])
+    cache = eng.scheduler.proposer.cache
+
+    def cached(n: int) -> bool:                 # the engine thread caches it after the answer went out
+        t0 = time.monotonic()
+        while len(cache) < n and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+        return len(cache) == n
+
+    with srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        got = client.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0, extra_body=EXTRA)
+        assert got.choices[0].token_ids == want.choices[0].token_ids and got.choices[0].finish_reason == "length"
+        assert cached(1)
+        text = want.choices[0].text
+        stop = text[len(text) // 2: len(text) // 2 + 3]
+        got = client.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                                        extra_body=EXTRA)
+        assert got.choices[0].finish_reason == "stop" and got.choices[0].text == text[: text.index(stop)]
+        assert cached(2)
+        assert list(cache.tokens[: cache.n]).count(-1) == 2
+        m = httpx.get(srv.url + "/metrics").text
+        spec = {ln.split()[0]: float(ln.split()[-1]) for ln in m.splitlines() if ln.startswith("gigadecode_spec")}
+        assert spec["gigadecode_spec_decode_num_accepted_tokens_total"] > 0, spec     # drafted from the first
+
+
 def test_logit_bias_forces_and_bans_tokens(live):
     _, client = live
     prompt = random_prompt(9, 1024, seed=7)

@@ -53,7 +53,7 @@ class StepInbox:
     """What world rank 0 tells every rank before a step."""
     adds: list[tuple[int, str, list[int], SamplingParams, KVTransferParams | None]] = field(default_factory=list)
     #     (dp group, request id, prompt, params, kv_transfer_params)
-    aborts: list[tuple[int, str]] = field(default_factory=list)                            # (dp group, id)
+    aborts: list[tuple[int, str, str]] = field(default_factory=list)             # (dp group, id, reason)
     releases: list[str] = field(default_factory=list)     # DI producer: leases to end now, on every rank
     warm_up: bool = False                                 # every replica runs `LLMEngine.warm_up` first
     stop: bool = False
@@ -140,9 +140,9 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
             engine.add_request(prompt, params, request_id=rid, kv_transfer_params=kv_params)
         except ValueError as e:              # rank 0 checked it; only a replica out of step gets here
             outputs.append(RequestOutput(rid, [], True, "error", error=str(e)))
-    for g, rid in inbox.aborts:
+    for g, rid, reason in inbox.aborts:
         if g == ctx.dp_rank:
-            engine.abort(rid)
+            engine.abort(rid, reason)
             engine.requests.pop(rid, None)
     for rid in inbox.releases:               # every rank of the group holding the lease ends it in this step
         engine.release_lease(rid)
@@ -249,12 +249,14 @@ class DistributedEngine:
         self._inbox.adds.append((g, request_id, list(prompt_ids), params, kv))
         return request_id
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """`LLMEngine.abort` on the ranks of the request's group, in the next step."""
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
-        req.status = Status.FINISHED_ABORTED
-        self._inbox.aborts.append((self._group.pop(request_id), request_id))
+        reason = "stop" if reason == "stop" else "abort"
+        req.status = Status.finished_with(reason)
+        self._inbox.aborts.append((self._group.pop(request_id), request_id, reason))
         return True
 
     def release_kv(self, raw: dict) -> bool:

@@ -298,8 +298,8 @@ class AsyncEngine:
         output, and the metrics, give it `finish_reason`."""
         def do() -> None:
             eng = self.engine
-            try:
-                eng.abort(request_id)
+            try:                               # a stop string's end is a stop (suffix decoding caches it)
+                eng.abort(request_id, "stop" if finish_reason == "stop" else "abort")
             except Exception:  # noqa: BLE001
                 log.exception("engine.abort(%s) failed", request_id)
             if request_id in self._tracks:
