@@ -152,10 +152,26 @@ def moe_decode(h: torch.Tensor, Wl: LayerWeights, spec: KernelSpec, expert_offse
     """The eager form's MoE of one layer: h [Bt, H] -> [Bt, H]. Only the experts
     the batch selected are decoded, each once for all of its tokens (`ops.moe_routed`). With expert
     parallelism the stacks hold the experts from global id `expert_offset` on and the result is this rank's
-    partial sum (pairs routed elsewhere cost nothing)."""
+    partial sum (pairs routed elsewhere cost nothing).
+
+    Rounded where the native kernels round (`native.twins`), not after every torch op: MXFP4 experts as
+    `moe_mxfp4` (decoded into fp32, both products, the SwiGLU and the gate-weighted sum in fp32, only the
+    activations between the two products rounded to h's dtype, the result rounded once); dense experts as the
+    per-layer model's (products in h's dtype, the SwiGLU in fp32 rounded once). In fp32 every cast is a no-op."""
     idx, gate_w = route(h, Wl.router_w, Wl.router_b, spec.top_k)  # [Bt, k]
-    return moe_routed(h, idx, gate_w, lambda le: dense_expert(Wl, le, h.dtype), Wl.gate_up_bias,
-                      Wl.down_bias, spec.alpha, spec.limit, expert_offset)
+    if not spec.mxfp4:
+        return moe_routed(h, idx, gate_w, lambda le: dense_expert(Wl, le, h.dtype), Wl.gate_up_bias,
+                          Wl.down_bias, spec.alpha, spec.limit, expert_offset, act=_swiglu_fp32)
+    act = None if h.dtype == torch.float32 else h.dtype
+    out = moe_routed(h.float(), idx, gate_w.float(), lambda le: dense_expert(Wl, le, torch.float32),
+                     Wl.gate_up_bias.float(), Wl.down_bias.float(), spec.alpha, spec.limit, expert_offset,
+                     act_dtype=act)
+    return out.to(h.dtype)
+
+
+def _swiglu_fp32(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """`swiglu` computed in fp32 and rounded once to gate_up's dtype (the native kernel's)."""
+    return swiglu(gate_up.float(), alpha, limit).to(gate_up.dtype)
 
 
 def mxfp4_matvec(blocks: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -232,27 +248,32 @@ def attention_block(x: torch.Tensor, Wl: LayerWeights, kv: torch.Tensor | tuple[
                     cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor, slot: torch.Tensor,
                     fpos: torch.Tensor, active: torch.Tensor, *, window: int | None, spec: KernelSpec
                     ) -> torch.Tensor:
-    """One layer's attention up to the o-proj: x [Bt, H] -> [Bt, nh*d].
-    Writes the step's K/V into the layer's KV (`write_read_kv`) and reads its table."""
+    """One layer's attention up to the o-proj: x [Bt, H] -> [Bt, nh*d] in x's dtype.
+    Writes the step's K/V into the layer's KV (`write_read_kv`) and reads its table. Past the qkv projection
+    everything is fp32, as in the native kernels (`rope_kv_write`, `paged_decode_attention`): RoPE, the
+    scores, sink and softmax, the value sum; K and V are rounded once, into the cache, and the output once."""
     nh, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     h = rms_norm(x, Wl.input_norm, spec.eps)
-    qkv = F.linear(h, Wl.qkv_w, Wl.qkv_b)                          # [Bt, (nh + 2 kv) d]
+    qkv = F.linear(h, Wl.qkv_w, Wl.qkv_b).float()                  # [Bt, (nh + 2 kv) d]
+    cos, sin = cos.float(), sin.float()
     q = apply_rope(qkv[:, : nh * d].reshape(-1, nh, d), cos, sin)
     k = apply_rope(qkv[:, nh * d: (nh + kvh) * d].reshape(-1, kvh, d), cos, sin)
     v = qkv[:, (nh + kvh) * d:].reshape(-1, kvh, d)
-    keys, vals = write_read_kv(kv, slot, k, v, table, x.dtype, spec)
-    return decode_attention(q, keys, vals, fpos, active, Wl.sinks, window, spec.scale)
+    keys, vals = write_read_kv(kv, slot, k, v, table, torch.float32, spec)
+    return decode_attention(q, keys, vals, fpos, active, Wl.sinks.float(), window, spec.scale).to(x.dtype)
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                   slot: torch.Tensor, spec: KernelSpec) -> torch.Tensor:
-    """qkv [Bt, (nh + 2 kv) d] -> q [Bt, nh, d] with RoPE (fp32); RoPE'd k and v stored at `slot` [Bt]."""
+    """qkv [Bt, (nh + 2 kv) d] -> q [Bt, nh, d] with RoPE (fp32); RoPE'd k and v stored at `slot` [Bt].
+    RoPE in fp32 (the native `rope_kv_write`): k and v are rounded once, into the cache."""
     nh, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    qkv, cos, sin = qkv.float(), cos.float(), sin.float()
     q = apply_rope(qkv[:, : nh * d].reshape(-1, nh, d), cos, sin)
     k = apply_rope(qkv[:, nh * d: (nh + kvh) * d].reshape(-1, kvh, d), cos, sin)
     v = qkv[:, (nh + kvh) * d:].reshape(-1, kvh, d)
     write_kv(k_buf, v_buf, slot, k, v, spec.block_size, spec.k_scale, spec.v_scale)
-    return q.float()
+    return q
 
 
 @dataclass(frozen=True)
