@@ -353,9 +353,10 @@ def _wait_up(url, proc):
 
 
 @contextlib.contextmanager
-def fake_decode_server(answer: bytes | None):
+def fake_decode_server(answer: bytes | None, then_close: bool = False):
     """A decode server that reads a request, then sends `answer` and hangs (headers of a stream that never
-    comes), or with None closes the connection without a word (a server that died mid-request)."""
+    comes; with `then_close`, it drops the connection there: a server that died mid-stream), or with None closes
+    the connection without a word (a server that died mid-request)."""
     import socket
     import threading
     srv = socket.socket()
@@ -370,7 +371,9 @@ def fake_decode_server(answer: bytes | None):
             except OSError:
                 return
             c.recv(1 << 20)
-            if answer is None:
+            if answer is None or then_close:
+                if answer is not None:
+                    c.sendall(answer)
                 c.close()
             else:
                 c.sendall(answer)
@@ -424,3 +427,46 @@ def test_proxy_passes_min_tokens_and_names_one_prompt_a_request(di, single):
     r = httpx.post(di["proxy"] + "/v1/completions", json={**body, "prompt": ["a b", "c d"]}, timeout=60)
     assert r.status_code == 400 and "one prompt a request (got 2)" in r.json()["error"]["message"]
     wait_idle(di["prefill"], timeout=3)
+
+
+def _chunked(*parts: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts)
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/chat/completions"])
+def test_a_decode_server_that_dies_mid_stream_ends_it_in_the_routes_own_error_shape(di, path):
+    """The decode server sends one whole event and half of the next, then drops the connection. The client (the
+    openai one) gets what a single server sends when a request fails mid-stream: on /v1/responses an `error`
+    event (numbered after the last one relayed), on the chat route an error chunk (openai raises it as an
+    APIError naming decode_failed); the half event is never relayed (it broke the client's parse), and the
+    prefill's lease is released."""
+    import httpx
+    if path == "/v1/responses":
+        whole = b'event: response.created\ndata: {"type":"response.created","sequence_number":0,"response":{}}\n\n'
+        half = b'event: response.in_progress\ndata: {"type":"response.in'
+    else:
+        whole = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[{"index":0,'
+                 b'"delta":{"role":"assistant","content":"hi"},"finish_reason":null}]}\n\n')
+        half = b'data: {"id":"c","object":"chat.comp'
+    port = free_port()
+    with fake_decode_server(HANG + _chunked(whole, half), then_close=True) as decode:
+        proxy = start_gigadecode(["proxy", "--prefill", di["prefill"], "--decode", decode, "--port", str(port)])
+        try:
+            _wait_port(port, proxy)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+            if path == "/v1/responses":
+                events = list(client.responses.create(model=MODEL, input="How fast is the decode engine?",
+                                                      max_output_tokens=4, stream=True))
+                assert [e.type for e in events] == ["response.created", "error"], events
+                assert events[1].code == "decode_failed" and events[1].sequence_number == 1
+                assert decode.rsplit(":", 1)[1] in events[1].message
+            else:
+                got = []
+                with pytest.raises(openai.APIError) as e:
+                    for ch in client.chat.completions.create(model=MODEL, stream=True, max_tokens=4,
+                                                             messages=[{"role": "user", "content": "hi"}]):
+                        got.append(ch.choices[0].delta.content)
+                assert got == ["hi"] and e.value.code == "decode_failed", e.value
+            assert wait_idle(di["prefill"], timeout=3)["gigadecode_kv_leases"] == 0
+        finally:
+            stop_process_tree(proxy)

@@ -32,6 +32,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -293,7 +294,8 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                 raise
             if r.status_code >= 400:
                 await _release(http, leased, headers)
-            return StreamingResponse(_relay(r, up, lambda: _release(http, leased, headers)), status_code=r.status_code,
+            relay = _relay(r, up, lambda: _release(http, leased, headers), path == "/v1/responses")
+            return StreamingResponse(relay, status_code=r.status_code,
                                      media_type=r.headers.get("content-type", "text/event-stream"),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         await _release(http, leased, headers)
@@ -440,21 +442,37 @@ async def _release(http: httpx.AsyncClient, leased: dict[str, Any], headers: dic
 
 
 _background: set[asyncio.Task] = set()        # releases scheduled by streams that ended early
+_SEQ = re.compile(rb'"sequence_number":\s*(\d+)')   # a /v1/responses event's number
 
 
-async def _relay(r: httpx.Response, up: Upstream, release: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
-    """The decode server's stream as it comes; closing it (client gone) closes the upstream request. A stream
-    that does not run to its end (the client left, the decode server failed) releases the prefill's lease: the
-    decode side may never have read it (a release after the read is a no-op)."""
-    ended = False
+async def _relay(r: httpx.Response, up: Upstream, release: Callable[[], Awaitable[None]],
+                 responses: bool = False) -> AsyncIterator[bytes]:
+    """The decode server's stream, whole SSE events as they come; closing it (client gone) closes the upstream
+    request. A stream that does not run to its end (the client left, the decode server failed) releases the
+    prefill's lease: the decode side may never have read it (a release after the read is a no-op). A failure
+    mid-stream drops the event it cut in half and ends as a single server ends a failed stream: an error chunk
+    and [DONE], or on /v1/responses an `error` event numbered after the last one relayed."""
+    ended, tail, seq = False, b"", -1
     try:
         async for chunk in r.aiter_raw():
-            yield chunk
+            tail += chunk
+            cut = tail.rfind(b"\n\n") + 2
+            if cut > 1:
+                whole, tail = tail[:cut], tail[cut:]
+                if responses and (n := _SEQ.findall(whole)):
+                    seq = int(n[-1])
+                yield whole
+        if tail:                         # not SSE (an error's JSON body): as it came
+            yield tail
         ended = True
     except httpx.TransportError as e:
-        msg = {"error": {"message": f"decode server {up.url} failed mid-stream: {type(e).__name__}: {e}",
-                         "type": "server_error", "param": None, "code": "decode_failed"}}
-        yield f"data: {json.dumps(msg)}\n\ndata: [DONE]\n\n".encode()
+        msg = f"decode server {up.url} failed mid-stream: {type(e).__name__}: {e}"
+        if responses:
+            ev = {"type": "error", "code": "decode_failed", "message": msg, "param": None, "sequence_number": seq + 1}
+            yield f"event: error\ndata: {json.dumps(ev)}\n\n".encode()
+        else:
+            err = {"message": msg, "type": "server_error", "param": None, "code": "decode_failed"}
+            yield f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n".encode()
     finally:
         up.in_flight -= 1
         if not ended:                  # a task: this generator may be closing under a cancellation
