@@ -137,3 +137,63 @@ def test_a_stop_token_ends_the_reasoning_without_its_text(url, demo_dir):
             ch = r.choices[0]
             got, got_ids, finish = ch.message.model_extra["reasoning_content"], ch.model_extra["token_ids"], ch.finish_reason
         assert (got, got_ids, finish) == (want, ids[:j + 1], "stop")
+
+
+def test_reasoning_usage_call_chunks_closed_schemas_and_response_items(url):
+    """What the OpenAI routes gained, the same through the DI proxy as on `serve`: vLLM's `reasoning` beside
+    `reasoning_content` and usage's reasoning_tokens; a streamed call's finish_reason in a chunk of its own (the
+    openai stream helper fires tool_calls.function.arguments.done); a schema that does not say
+    additionalProperties takes no other key; /v1/responses' stream helper events and `responses.parse`."""
+    from pydantic import BaseModel
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    r = c.chat.completions.create(model="demo", messages=ASK, temperature=0, max_tokens=128)
+    m, u = r.choices[0].message, r.usage
+    assert m.model_extra["reasoning"] == m.model_extra["reasoning_content"] and "ones: 7 + 5 = 12" in m.model_extra["reasoning"]
+    assert 0 < u.completion_tokens_details.reasoning_tokens < u.completion_tokens
+    with c.chat.completions.stream(model="demo", messages=ASK, tools=[ADD], temperature=0, max_tokens=128) as s:
+        events = [e for e in s]
+    done = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert len(done) == 1 and done[0].name == "add" and json.loads(done[0].arguments) == {"a": 37, "b": 45}
+    last = [e.chunk.choices[0] for e in events if e.type == "chunk" and e.chunk.choices][-1]
+    assert last.finish_reason == "tool_calls" and not last.delta.tool_calls        # a chunk of its own
+    schema = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}
+    r = c.chat.completions.create(model="demo", messages=ASK, temperature=0, max_tokens=128, response_format={
+        "type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    assert list(json.loads(r.choices[0].message.content)) == ["sum"]
+    tool = {"type": "function", **ADD["function"]}
+    with c.responses.stream(model="demo", input="What is 37 + 45?", tools=[tool], temperature=0,
+                            max_output_tokens=128) as s:
+        types = [e.type for e in s]
+        final = s.get_final_response()
+    assert "response.function_call_arguments.done" in types and types[-1] == "response.completed"
+    assert [o.type for o in final.output] == ["function_call"] and json.loads(final.output[0].arguments) == {"a": 37, "b": 45}
+
+    class Sum(BaseModel):
+        sum: int
+    r = c.responses.parse(model="demo", input="What is 37 + 45?", text_format=Sum, temperature=0, max_output_tokens=128)
+    assert [(o.type, getattr(o, "phase", None)) for o in r.output] == [("reasoning", None), ("message", "final_answer")]
+    assert isinstance(r.output_parsed, Sum)
+
+
+def test_a_suffix_decoding_decode_server_behind_the_proxy(demo_dir):
+    """A decode server with `--speculative-config '{"method": "suffix"}'` behind the proxy: an answer a stop string
+    ended joins its cache (the server ends the engine request "stop"; an abort is never cached), so the same
+    request streamed next drafts it from there (23 of its 28 tokens accepted here; 4 from its own history alone);
+    a tool call as on `serve`; no KV held on either server once they are done."""
+    from .test_server import metrics, wait_idle
+    with di_servers(demo_dir, FLAGS, FLAGS + ["--speculative-config", '{"method": "suffix"}']) as urls:
+        c = openai.OpenAI(base_url=urls["proxy"] + "/v1", api_key="x", max_retries=0, timeout=120)
+        body = dict(model="demo", prompt="What is 37 + 45?", temperature=0, max_tokens=100, stop=[" = 53."])
+        r = c.completions.create(**body)              # the stop string ends it long before max_tokens or <|return|>
+        text, n = r.choices[0].text, r.usage.completion_tokens
+        assert r.choices[0].finish_reason == "stop" and text.startswith(" write 5 carry 1") and n > 12
+        accepted = wait_idle(urls["decode"], timeout=10)["gigadecode_spec_decode_num_accepted_tokens_total"]
+        chunks = [ch.choices[0] for ch in c.completions.create(**body, stream=True)]
+        assert "".join(ch.text for ch in chunks) == text and chunks[-1].finish_reason == "stop"
+        m = wait_idle(urls["decode"], timeout=10)
+        assert m["gigadecode_spec_decode_num_accepted_tokens_total"] - accepted >= n // 2, n
+        r = c.chat.completions.create(model="demo", messages=ASK, tools=[ADD], temperature=0, max_tokens=128)
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"a": 37, "b": 45}
+        wait_idle(urls["decode"], timeout=10)
+        assert wait_idle(urls["prefill"], timeout=10)["gigadecode_kv_leases"] == 0
