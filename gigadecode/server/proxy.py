@@ -9,7 +9,7 @@ For each POST /v1/completions, /v1/chat/completions or /v1/responses:
    reached or answers 5xx is retried on the next one (each at most once); a 4xx goes back to the
    client as it is;
 2. send the client's original body plus the `kv_transfer_params` the prefill answered to a decode
-   server, and stream (or return) its answer as it is;
+   server, and stream (whole SSE events) or return its answer as it is;
 3. if the decode side will never read those params (it refused the request, none was reachable, or the
    client left before it had them), POST them to the prefill server's `/kv/release`, which frees the
    leased blocks at once instead of when the lease runs out.
