@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .speculative import NgramProposer, SpeculativeConfig, _RequestDrafts
+from .speculative import DEFAULT_ROW_COST, SpeculativeConfig, _RequestDrafts
 
 __all__ = ["SuffixProposer", "ResponseCache", "suffix_drafts"]
 
@@ -248,15 +248,19 @@ def best_prefix(probs: list[float], row_cost: float) -> int:
     return best
 
 
-class SuffixProposer(NgramProposer):
+class SuffixProposer:
     """Drafts by suffix decoding (`suffix_candidate`); with `adaptive`, as many as their estimated
-    probabilities pay for (`best_prefix`). `finished` caches a request's output for the requests after it."""
+    probabilities pay for (`best_prefix`; `row_cost` as the n-gram proposer's, measured at the warm-up).
+    `finished` caches a request's output for the requests after it. (No `observe`: the walk's own estimates
+    size the drafts, not the request's acceptance so far.)"""
 
     def __init__(self, cfg: SpeculativeConfig) -> None:
-        super().__init__(cfg)
+        self.cfg = cfg
+        self.row_cost = DEFAULT_ROW_COST
         self.cache = ResponseCache(cfg.suffix_decoding_max_cached_requests)
 
     def propose(self, req: Any, limit: int) -> list[int]:
+        """Up to min(num_speculative_tokens, limit) drafts for `req` (its `ngram` slot keeps its history)."""
         if req.ngram is None:
             req.ngram = _RequestDrafts()
         k = min(self.cfg.num_speculative_tokens, limit)
@@ -264,9 +268,6 @@ class SuffixProposer(NgramProposer):
             return []
         toks, probs = suffix_candidate(req.ngram.sync(req.prompt_ids, req.output_ids), self.cache, k, self.cfg)
         return toks[: best_prefix(probs, self.row_cost)] if self.cfg.adaptive else toks
-
-    def drafts(self, req: Any, k: int) -> list[int]:
-        return suffix_drafts(req.ngram.sync(req.prompt_ids, req.output_ids), self.cache, k, self.cfg)
 
     def finished(self, req: Any, reason: str) -> None:
         """A request ended: its output joins the cache if it ran to a stop or its length."""
