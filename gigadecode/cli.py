@@ -23,24 +23,28 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "for float16 or float32 checkpoints)")
     g.add_argument("--kv-dtype", default=None, choices=["auto", "bf16", "fp8"],
                    help="KV storage: auto = the model dtype, fp8 = packed FP8 (default for GK decode engines)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from --kv-budget-gib)")
-    g.add_argument("--kv-budget-gib", type=float, default=None)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: --max-num-seqs sequences of --max-model-len, "
+                        "at most --kv-budget-gib)")
+    g.add_argument("--kv-budget-gib", type=float, default=None,
+                   help="KV memory cap of the default pool, GiB (default 2)")
     g.add_argument("--decoder", default="gk-native", choices=["gk-native", "gk", "gk-compiled", "reference"],
                    help="gk-native: the GK program on the native kernels (default); gk / gk-compiled: its torch "
                         "forms; reference: the per-layer model")
-    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most (default 64)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence (prompt + generated tokens) a request may reach (default: the model's "
                         "max_position_embeddings, or what the KV pool holds if less); the default pool is sized "
                         "for it")
-    g.add_argument("--max-prefill-tokens", type=int, default=512)
+    g.add_argument("--max-prefill-tokens", type=int, default=512,
+                   help="prompt tokens one step prefills at most (chunked prefill; default 512)")
     g.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for the kernels (default: the cores this process may use; under torchrun, "
-                        "divided among the local ranks)")
-    g.add_argument("--tp", type=int, default=1)
-    g.add_argument("--dp", type=int, default=1)
-    g.add_argument("--ep", type=int, default=1)
+                   help="CPU threads for the kernels (default: $OMP_NUM_THREADS when set, else the cores this process "
+                        "may use; under torchrun, those cores divided among the local ranks, torchrun's own "
+                        "OMP_NUM_THREADS=1 aside)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel size (under torchrun)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size (under torchrun)")
     g.add_argument("--dcp", type=int, default=1,
                    help="decode context parallel: ranks of a TP group that share kv heads and split every "
                         "sequence's tokens (divides --tp; tp/dcp must divide the kv heads)")
@@ -56,8 +60,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "optional prompt_lookup_min / prompt_lookup_max, default 2 / 4) or '{\"method\": "
                         "\"suffix\"}' (suffix decoding: also from the outputs of earlier requests; optional "
                         "suffix_decoding_max_tree_depth, _max_cached_requests, _max_spec_factor, _min_token_prob), "
-                        "and disable_by_batch_size: drafts are verified in one decode step; outputs are exactly "
-                        "those of plain decoding")
+                        "and disable_by_batch_size, adaptive (default true: as many drafts as a request's acceptance "
+                        "pays for): drafts are verified in one decode step; outputs are exactly those of plain "
+                        "decoding")
     g.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up (one prefill chunk of --max-prefill-tokens and one decode "
                         "step on borrowed KV blocks, so the first request runs at full speed)")
@@ -72,10 +77,10 @@ def engine_config(args: argparse.Namespace, **kw):
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=32, help="default 32")
+    g.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-k", type=int, default=0, help="default 0: off")
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
@@ -150,17 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
                                      "logit clears the second by far more than float error")
     p.add_argument("--preset", required=True, choices=["tiny", "small", "20b-shape", "120b-shape", "demo"],
                    help="demo: the trained demo model (it adds; --seed and --experts do not apply)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--experts", default="mxfp4", choices=["mxfp4", "bf16"])
+    p.add_argument("--out", required=True, help="the checkpoint's directory")
+    p.add_argument("--seed", type=int, default=0, help="random init seed (default 0)")
+    p.add_argument("--experts", default="mxfp4", choices=["mxfp4", "bf16"],
+                   help="experts stored as MXFP4 (default, as GPT-OSS) or bf16")
     p.set_defaults(func=cmd_make_checkpoint)
 
     p = add(sub, "generate", "generate from prompts (continuous batching, GK decode)")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="checkpoint directory or Hugging Face repo id (local cache)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt")
-    src.add_argument("--prompt-ids")
-    src.add_argument("--requests", help="JSON lines: {\"prompt_ids\": [...], \"max_tokens\": N, ...}")
+    src.add_argument("--prompt", help="a prompt text (raw, no chat template)")
+    src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    src.add_argument("--requests", help="JSON lines: {\"prompt_ids\": [...] (or \"prompt\"), \"max_tokens\": N, ...} "
+                                         "with sampling fields per line")
     src.add_argument("--chat", metavar="MESSAGE",
                      help="a user message through the checkpoint's chat template; the reply is shown as its "
                           "reasoning, answer and tool calls (with --json: reasoning_content, content, tool_calls)")
@@ -177,11 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = add(sub, "serve", "OpenAI-compatible HTTP server (prefill, decode, or both)")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="checkpoint directory or Hugging Face repo id (local cache)")
     p.add_argument("--role", default="both", choices=["prefill", "decode", "both"],
                    help="DI role: prefill = kv_producer, decode = kv_consumer, both = kv_both (single node)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the API (and a prefill's KV side channel) binds (default 127.0.0.1; 0.0.0.0: "
+                        "every interface)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--api-key", default=os.environ.get("GIGADECODE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default $GIGADECODE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the model dir's name)")
@@ -191,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request bodies larger than this get 413 before they are parsed (default 4 MiB)")
     p.add_argument("--shutdown-timeout-s", type=float, default=5.0,
                    help="on SIGTERM / SIGINT, how long requests in flight may run on; the rest then end with "
-                        "an error (503, or an error event in a stream)")
+                        "an error (503, or an error event in a stream; default 5)")
     di = p.add_argument_group("disaggregated inference")
     di.add_argument("--kv-secret", default=os.environ.get("GIGADECODE_KV_SECRET"), metavar="KEY",
                     help="prefill and decode: the key both sign and check kv_transfer_params with (required for "
@@ -200,8 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill: the address decode engines use to reach this server's KV side channel "
                          "(default: the address each request reached the API on)")
     di.add_argument("--kv-port", type=int, default=0, help="prefill: side-channel port for the KV handshake (0 = any)")
-    di.add_argument("--kv-lease-s", type=float, default=30.0, help="prefill: how long leased KV waits for the decode read")
-    di.add_argument("--kv-transfer-timeout-s", type=float, default=10.0, help="decode: handshake + read time limit")
+    di.add_argument("--kv-lease-s", type=float, default=30.0, help="prefill: how long leased KV waits for the decode read (default 30)")
+    di.add_argument("--kv-transfer-timeout-s", type=float, default=10.0, help="decode: handshake + read time limit (default 10)")
     di.add_argument("--kv-failure-policy", default="fail", choices=["fail", "recompute"],
                     help="decode: on a failed transfer, fail the request or prefill it locally")
     di.add_argument("--vllm-kv-layout", default="auto", choices=["auto", "vec", "amx"],
@@ -217,18 +226,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "sends them the prompt's token ids less the last one and signs their answer for the decode "
                         "servers (needs --kv-secret)")
     p.add_argument("--vllm-kv-lease-s", type=float, default=30.0,
-                   help="the vLLM prefills' kv_lease_duration: a decode that has not read by then fails")
+                   help="the vLLM prefills' kv_lease_duration: a decode that has not read by then fails "
+                        "(default 30)")
     p.add_argument("--kv-secret", default=os.environ.get("GIGADECODE_KV_SECRET"), metavar="KEY",
                    help="with --prefill-vllm: the decode servers' KV secret (default $GIGADECODE_KV_SECRET)")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="gigadecode decode servers")
     p.add_argument("--prefill-timeout-s", type=float, default=None,
                    help="how long one prefill server may take to answer before the next is tried, or a 502 "
                         "(default: no limit)")
     p.add_argument("--decode-timeout-s", type=float, default=None,
                    help="how long the decode server may take to start its answer (a stream's first bytes, a "
                         "non-streaming request's whole answer) before a 504 (default: no limit)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1; 0.0.0.0: every interface")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
@@ -239,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help=f"where the demo model lives (default {DEFAULT_DEMO_DIR})")
     p.add_argument("--prompt", default="What is 37 + 45?",
                    help="the demo model answers `What is A + B?` (0 <= A, B <= 99)")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="default 128")
     p.add_argument("--local", action="store_true", help="one process (generate) instead of the DI servers")
     p.set_defaults(func=cmd_demo)
     return ap

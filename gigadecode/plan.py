@@ -328,7 +328,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     [--json]`."""
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="DIR", help="model directory (its config.json)")
-    src.add_argument("--preset", metavar="NAME", help="tiny | small | 20b-shape | 120b-shape")
+    src.add_argument("--preset", metavar="NAME",
+                     help="a make-checkpoint preset's config: tiny | small | 20b-shape | 120b-shape | demo")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
@@ -340,15 +341,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--context", type=int, default=None, metavar="T",
                         help="sequence length for blocks per sequence and concurrent sequences "
                              "(default: the model's max_position_embeddings)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--kv-dtype", choices=sorted(KV_ITEMSIZE), default="fp8", help="KV storage dtype")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    parser.add_argument("--kv-dtype", choices=sorted(KV_ITEMSIZE), default="fp8", help="KV storage dtype (default fp8)")
     mem = parser.add_mutually_exclusive_group(required=True)
     mem.add_argument("--device-memory-gib", type=float, metavar="G", help="device memory per rank, GiB")
     mem.add_argument("--kv-budget-gib", type=float, metavar="G", help="KV budget per rank, GiB (used as is)")
     parser.add_argument("--memory-utilization", type=float, default=None, metavar="U",
                         help="fraction of --device-memory-gib to use (default 0.9)")
     parser.add_argument("--activation-gib", type=float, default=None, metavar="G",
-                        help="activation memory per rank (default: a documented floor estimate)")
+                        help="activation memory per rank (default: a floor, one decode step of 64 sequences in fp32)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return parser
 
