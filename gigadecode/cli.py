@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "every interface)")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--api-key", default=os.environ.get("GIGADECODE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default $GIGADECODE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /kv/release "
+                        "(/health, /metrics and /version stay open; default $GIGADECODE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the model dir's name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
