@@ -284,3 +284,14 @@ def test_reasoning_effort_needs_chat(tiny_ckpt):
     assert r.returncode != 0 and "--reasoning-effort goes with --chat" in r.stderr
     r = _generate("--model", str(tiny_ckpt), "--chat", "hi", "--prompt-ids", "1,2")
     assert r.returncode == 2 and "not allowed with argument" in r.stderr
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    # `gigadecode plan … | head -1`: the reader has gone when the plan is printed; the command stops quietly
+    # (exit 1), as a shell tool does, instead of a BrokenPipeError traceback
+    p = subprocess.Popen([sys.executable, "-m", "gigadecode", "plan", "--preset", "tiny", "--kv-budget-gib", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()                                    # before the command has written a byte
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
