@@ -295,3 +295,15 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     err = p.stderr.read()
     assert p.wait(timeout=120) == 1
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_every_flag_the_readme_names_exists():
+    # the README stays true: each `--flag` it names is one of some command's (torchrun's and vLLM's own aside)
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    theirs = {"--nproc-per-node", "--kv-transfer-config"}          # torchrun's, vLLM's api_server's
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    ours = {o for p in sub.choices.values() for a in p._actions for o in a.option_strings}
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", readme)) - theirs
+    assert named - ours == set()
