@@ -147,7 +147,8 @@ def context_length(cfg: GptOssConfig, ecfg: EngineConfig) -> int:
 def _plain_greedy(p: SamplingParams, num_output: int) -> bool:
     """True when the token is the argmax of the raw logits (nothing masks, penalizes or reports them)."""
     return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and not p.logit_bias and num_output >= p.min_tokens)
+            and p.frequency_penalty == 0.0 and not p.logit_bias and num_output >= p.min_tokens
+            and p.allowed_token_ids is None and not p.bad_words_token_ids)
 
 
 class ModelRunner:

@@ -10,7 +10,7 @@ This module owns
   `torch.argmax` treats as the maximum: the first NaN wins). `greedy` is the single-process reference
   that splits the vocabulary into contiguous shards and runs both halves.
 - `Sampler`: one step for a batch of requests: min-tokens masking, repetition / frequency / presence
-  penalties, then greedy (distributed argmax) or temperature, min-p, top-k, top-p and a multinomial
+  penalties, the hard token masks (`token_masks.py`), then greedy (distributed argmax) or temperature, min-p, top-k, top-p and a multinomial
   draw from each request's own `torch.Generator`; plus the raw logprobs vLLM returns.
 
 Stop checks (EOS, stop ids, max_tokens) belong to the engine; this module only masks EOS / stop ids
@@ -26,6 +26,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import torch
+
+from .token_masks import check_allowed, check_bad_words, constrain, out_of_vocab
 
 #: Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by a smaller one
 #: overflows float32 and the distribution is a one-hot anyway.
@@ -79,7 +81,8 @@ class SamplingParams:
     top-k off (-1 is stored as 0). logprobs: None returns none; N >= 0 returns the sampled token's
     logprob plus the top N. prompt_logprobs: the same for every prompt token after the first (the logprob
     of that token given the ones before it, the first is None): vLLM's field, which OpenAI's `echo` asks for.
-    guided: (kind, source, scope) holds the output to a grammar (`structured.py`). Values are type-checked (a string, bool, NaN or inf is an error) and
+    guided: (kind, source, scope) holds the output to a grammar (`structured.py`). allowed_token_ids and
+    bad_words_token_ids: vLLM's whitelist and its bad words as token ids (`token_masks.py`). Values are type-checked (a string, bool, NaN or inf is an error) and
     normalized (floats stored as float, stop_token_ids as a tuple) on construction.
     """
 
@@ -99,6 +102,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     guided: tuple[str, str, str] | None = None       # structured output: (kind, source, scope), structured.py
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) added to the logits
+    allowed_token_ids: tuple[int, ...] | None = None # vLLM's: only these may be sampled (token_masks.py)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # vLLM's bad_words, tokenized (token_masks.py)
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -139,6 +144,11 @@ class SamplingParams:
         else:
             bias = tuple((_int("logit_bias", t), _real("logit_bias", b)) for t, b in bias)
         put("logit_bias", bias)
+        for name, check in (("allowed_token_ids", check_allowed), ("bad_words_token_ids", check_bad_words)):
+            try:
+                put(name, check(getattr(self, name)))
+            except ValueError as e:
+                raise SamplingError(name, str(e)) from None
         g = self.guided
         if g is not None:
             if (isinstance(g, (str, bytes)) or not isinstance(g, Sequence) or len(g) != 3
@@ -181,6 +191,9 @@ class SamplingParams:
         bad = [t for t, _ in self.logit_bias if t >= vocab_size]
         if bad:
             raise SamplingError("logit_bias", f"token ids must be in [0, {vocab_size}) (got {bad})")
+        bad_ids = out_of_vocab(self.allowed_token_ids, self.bad_words_token_ids, vocab_size)
+        if bad_ids is not None:
+            raise SamplingError(bad_ids[0], f"token ids must be in [0, {vocab_size}) (got {bad_ids[1]})")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
@@ -300,6 +313,7 @@ class TokenLogprobs:
 class SampleResult:
     token_ids: torch.Tensor                                # [B] int64, on the logits' device
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per request; None if not asked
+    dead: dict[int, str] = field(default_factory=dict)     # rows with no token left (token_masks): fail them
 
 
 class Sampler:
@@ -308,7 +322,7 @@ class Sampler:
     Per request, in vLLM v1's order: (1) while fewer than min_tokens tokens were generated, the stop
     ids (and EOS unless ignore_eos) are masked to -inf; (2) repetition penalty over prompt + output
     tokens (logit > 0 divided by it, else multiplied), then frequency (× count) and presence penalties
-    over output tokens, subtracted; (3) greedy requests take the distributed argmax; the rest divide by
+    over output tokens, subtracted, then the hard masks (token_masks.py); (3) greedy requests take the distributed argmax; the rest divide by
     temperature, drop tokens with prob < min_p × max prob, keep the top_k largest logits (ties with the
     k-th kept), keep the smallest most-probable set whose probability reaches top_p (at least one), and
     draw once with `torch.multinomial` from their own generator (unseeded: torch's default one).
@@ -331,7 +345,8 @@ class Sampler:
                allowed: Sequence[torch.Tensor | None] | None = None) -> SampleResult:
         """logits [B, V] (float32; other float dtypes are upcast); params, generators, histories: one per
         row. Histories may be omitted (no penalties apply), as may generators (all unseeded). `allowed`: per
-        row None or a [V] bool mask of the only tokens it may draw (structured output), applied last."""
+        row None or a [V] bool mask of the only tokens it may draw (structured output), applied last with the
+        params' allowed_token_ids and bad words (`token_masks.constrain`; rows they leave empty: `dead`)."""
         if logits.dim() != 2 or logits.shape[1] == 0:
             raise SamplingError("logits", f"must be [B, V] with V >= 1 (got shape {tuple(logits.shape)})")
         b, v = logits.shape
@@ -366,12 +381,7 @@ class Sampler:
                 x[i].index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=dev, dtype=x.dtype))
         self._mask_min_tokens(x, params, output_ids)
         self._apply_penalties(x, params, prompt_and_output_ids, output_ids)
-        for i, a in enumerate(allowed or ()):
-            if a is not None:
-                a = a.to(dev)
-                row = x[i].masked_fill(~a, -math.inf)
-                # min_tokens may have masked the only tokens the grammar allows (its end): the grammar wins
-                x[i] = row if bool(torch.isfinite(row).any()) else raw[i].float().masked_fill(~a, -math.inf)
+        dead = constrain(x, raw, params, output_ids, allowed)   # grammar, allowed_token_ids, bad words
 
         tokens = torch.empty(b, dtype=torch.int64, device=dev)               # [B]
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
@@ -383,7 +393,7 @@ class Sampler:
             ri = torch.tensor(random_rows, device=dev)
             tokens[ri] = self._sample_random(x[ri], [params[i] for i in random_rows],
                                              [generators[i] for i in random_rows], random_rows)
-        return SampleResult(tokens, self._logprobs(raw, params, tokens))
+        return SampleResult(tokens, self._logprobs(raw, params, tokens), dead)
 
     # ----------------------------------------------------------------------------------------------
     def _mask_min_tokens(self, x: torch.Tensor, params: Sequence[SamplingParams],
