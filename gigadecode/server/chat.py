@@ -13,7 +13,9 @@ one, which clients of DeepSeek's API read), final -> `content`, calls on comment
 -> `tool_calls` with `finish_reason: "tool_calls"` — whole, and as stream deltas with vLLM's field names. A
 preamble (commentary without a recipient) is content too, as in vLLM, except when structured output holds the
 answer: then `content` is the final message alone, so that it parses, and a preamble goes with the reasoning.
-Without those tokens the output is plain content.
+Without those tokens the output is plain content. vLLM's `allowed_token_ids`, `bad_words`,
+`truncate_prompt_tokens` (of the rendered prompt) and `include_stop_str_in_output` apply as in /v1/completions
+(`extras`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..sampling import MAX_LOGPROBS
 from . import deps
+from .extras import token_constraints, truncate
 from .outputs import (Choice, HarmonyRenderer, TextRenderer, chat_logprobs, run_to_end, sse_response, start,
                       stream_chunk, stream_events, usage, vllm_prompt_logprobs)
 from .protocol import (APIError, ChatBody, errors_named, forced_call, guided_of, sampling_params,
@@ -130,6 +133,7 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, "this model has no tokenizer, so it cannot take chat messages; use "
                             "/v1/completions with token ids", param="messages")
     prompt = await asyncio.to_thread(chat_prompt, codec, req)     # a long prompt must not hold the event loop
+    prompt = truncate([prompt], raw, aeng.max_model_len)[0]       # vLLM's truncate_prompt_tokens
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}] (got {req.top_logprobs})",
                        param="top_logprobs")
@@ -153,7 +157,7 @@ async def chat_completions(request: Request) -> Response:
     guided = forced_call(raw, tools, True, tokens is not None, guided)
     with errors_named("max_tokens", max_param):
         params = sampling_params(raw, max_tokens, logprobs, deps.sampling_defaults(aeng), prompt_logprobs,
-                                 guided)
+                                 guided, token_constraints(raw, codec))
 
     def renderer() -> Any:
         return HarmonyRenderer(codec, tokens, final_only) if tokens is not None else TextRenderer(codec)
@@ -161,7 +165,7 @@ async def chat_completions(request: Request) -> Response:
     kv = deps.advertised(request, req.kv_transfer_params)
     with errors_named("max_tokens", max_param), errors_named("guided", guided_field):
         rid, choices = await start(aeng, [prompt], params, "chatcmpl", req.n or 1, kv, "messages", renderer,
-                                   stop_strings(req))
+                                   stop_strings(req), include_stop=bool(req.include_stop_str_in_output))
     head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
             "created": int(time.time()), "model": name}
     reasoning = req.include_reasoning is not False

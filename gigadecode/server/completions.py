@@ -4,7 +4,8 @@
 strings, `n`, `logit_bias`, logprobs (OpenAI's legacy shape) and `echo` (the prompt's text, and with
 `logprobs` its tokens' logprobs, before the completion's: what log-likelihood evaluations read) are
 supported; vLLM's extras (`return_token_ids`, `prompt_logprobs`, `kv_transfer_params`, ...) as the module
-`api` lists.
+`api` lists, and those of `extras` (`allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`,
+`include_stop_str_in_output`, `skip_special_tokens`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import deps
+from .extras import token_constraints, truncate
 from .outputs import (Choice, TextRenderer, completion_logprobs, echoed_prompt_logprobs, run_to_end, sse_response,
                       start, stream_chunk, stream_events, usage, vllm_prompt_logprobs)
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_SEQUENCES, APIError, CompletionBody, errors_named,
@@ -45,10 +47,10 @@ def completion_prompts(prompt: Any, codec: Any) -> list[list[int]]:
     return [list(p) for p in prompt]
 
 
-def _rendered(codec: Any, ids: list[int]) -> tuple[str, list[int]]:
-    """A prompt's text as the completion's text is rendered (special tokens left out), and where each of its
-    tokens starts in it."""
-    r = TextRenderer(codec)
+def _rendered(codec: Any, ids: list[int], skip_special: bool) -> tuple[str, list[int]]:
+    """A prompt's text as the completion's text is rendered (special tokens left out unless `skip_special` is
+    False), and where each of its tokens starts in it."""
+    r = TextRenderer(codec, skip_special)
     return "".join(p.text for p in r.push(ids, True)), r.token_offsets
 
 
@@ -57,6 +59,8 @@ async def completions(request: Request) -> Response:
     raw, req, aeng, name = await deps.open_generation(request, CompletionBody, chat=False)
     codec = aeng.codec
     prompts = await asyncio.to_thread(completion_prompts, req.prompt, codec)   # long text: off the event loop
+    prompts = truncate(prompts, raw, aeng.max_model_len)
+    skip_special = req.skip_special_tokens is not False
     # max_tokens left out: OpenAI's 16; an explicit null: each prompt's rest of the context (as vLLM)
     rest = None
     if "max_tokens" in raw and raw["max_tokens"] is None:
@@ -74,13 +78,15 @@ async def completions(request: Request) -> Response:
         max_tokens = 1
     prompt_lps = req.prompt_logprobs if req.prompt_logprobs is not None else raw.get("logprobs") if echo else None
     guided, guided_field = guided_of(raw, "all")
-    params = sampling_params(raw, max_tokens, raw.get("logprobs"), deps.sampling_defaults(aeng), prompt_lps, guided)
+    params = sampling_params(raw, max_tokens, raw.get("logprobs"), deps.sampling_defaults(aeng), prompt_lps, guided,
+                             token_constraints(raw, codec))
     kv = deps.advertised(request, req.kv_transfer_params)
     with errors_named("guided", guided_field):
         rid, choices = await start(aeng, prompts, params, "cmpl", req.n or 1, kv, "prompt",
-                                   lambda: TextRenderer(codec), stop_strings(req), max_tokens_of=rest)
+                                   lambda: TextRenderer(codec, skip_special), stop_strings(req), max_tokens_of=rest,
+                                   include_stop=bool(req.include_stop_str_in_output))
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name}
-    echoes = [_rendered(codec, ids) for ids in prompts] if echo else []     # (text, token offsets) per prompt
+    echoes = [_rendered(codec, ids, skip_special) for ids in prompts] if echo else []     # (text, token offsets) per prompt
 
     def choice_body(c: Choice, text: str, lps: Sequence[Any], first: int, with_prompt: bool) -> dict[str, Any]:
         """`lps`: the logprobs of the choice's tokens from token `first` on; `with_prompt`: the chunk (or

@@ -4,10 +4,10 @@ and chat routes share.
 
 A `Choice` turns each `RequestOutput`'s new token ids into `Piece`s through its renderer: `TextRenderer`
 (detokenized text, all of it content) or, for chat on a harmony tokenizer, `HarmonyRenderer` (reasoning,
-content and tool-call pieces from `harmony.HarmonyStreamParser`). Content passes a `StopMatcher`: OpenAI
-`stop` strings are matched on the decoded text across token boundaries (text that could still become a
-stop string is held back), the match and what follows are cut, the choice finishes with `stop` and its
-engine request is aborted.
+content and tool-call pieces from `harmony.HarmonyStreamParser`). Content passes a `StopMatcher`
+(`stop_strings.py`): OpenAI `stop` strings are matched on the decoded text across token boundaries, what
+follows a match is cut (the match too, unless vLLM's `include_stop_str_in_output`), the choice finishes
+with `stop` and its engine request is aborted.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ..sampling import SEED_MAX, SamplingParams
 from .async_engine import SHUTTING_DOWN, AsyncEngine, RequestStream
 from .disconnect import ClientGone, unless_disconnected
 from .protocol import MAX_SEQUENCES, APIError, engine_error, error_body
+from .stop_strings import StopMatcher
 
 log = logging.getLogger("gigadecode.server")
 
@@ -47,49 +48,14 @@ class Piece:
     arguments: str | None = None
 
 
-class StopMatcher:
-    """Cuts content at the first OpenAI stop string, across pushes. Text pushed as `protected` (that of a
-    request's first `min_tokens` tokens) may start a match but not end one (vLLM's rule)."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.held = ""
-        self.hit = False
-        self._base = 0              # where `held` starts in the content pushed so far
-        self._min_end = 0           # a match must end past this position
-
-    def push(self, text: str, protected: bool = False) -> str:
-        if not self.stops or self.hit:
-            return "" if self.hit else text
-        buf = self.held + text
-        if protected:
-            self._min_end = self._base + len(buf)
-        at = [i for i in (buf.find(s, max(0, self._min_end - self._base - len(s) + 1)) for s in self.stops) if i >= 0]
-        if at:
-            self.hit, self.held = True, ""
-            return buf[:min(at)]
-        keep = 0                                  # longest tail of buf that starts some stop string
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), keep, -1):
-                if s.startswith(buf[-k:]):
-                    keep = k
-                    break
-        self.held = buf[len(buf) - keep:] if keep else ""
-        self._base += len(buf) - keep
-        return buf[:len(buf) - keep]
-
-    def flush(self) -> str:
-        out, self.held = ("" if self.hit else self.held), ""
-        return out
-
-
 class TextRenderer:
-    """Detokenized text (multi-byte characters never split; special tokens left out), all of it content.
-    `token_offsets[i]`: where token i's text starts in the text rendered so far (OpenAI's `text_offset`)."""
+    """Detokenized text (multi-byte characters never split; special tokens left out unless
+    `skip_special_tokens` is False, vLLM's field), all of it content. `token_offsets[i]`: where token i's text
+    starts in the text rendered so far (OpenAI's `text_offset`)."""
 
-    def __init__(self, codec: Any) -> None:
+    def __init__(self, codec: Any, skip_special_tokens: bool = True) -> None:
         from ..tokenizer import StreamDecoder
-        self.decoder = StreamDecoder(codec) if codec is not None else None
+        self.decoder = StreamDecoder(codec, skip_special_tokens) if codec is not None else None
         self.token_offsets: list[int] = []
         self._length = 0
 
@@ -173,7 +139,8 @@ class Choice:
         """Take one RequestOutput -> the new pieces (stop strings applied). A stop string finishes the choice
         and aborts its engine request; outputs after that (its abort) are ignored. As in vLLM, no stop string
         may end in the text of the first `min_tokens` tokens, and the stop token (EOS or one of
-        `stop_token_ids`) that ended a sequence stays in its token ids but not in its text."""
+        `stop_token_ids`) that ended a sequence stays in its token ids but not in its text (unless the request
+        asked for include_stop_str_in_output: then its text is rendered too, as vLLM does)."""
         if self.done:
             self.new_ids, self.new_logprobs = [], []
             return []
@@ -188,7 +155,8 @@ class Choice:
             self.prompt_logprobs = list(out.prompt_logprobs)
         if getattr(out, "num_cached_tokens", None) is not None:
             self.num_cached_tokens = out.num_cached_tokens
-        stop_id = ids.pop() if ids and out.finished and out.finish_reason == "stop" else None
+        stop_id = (ids.pop() if ids and out.finished and out.finish_reason == "stop" and not self.stop.include
+                   else None)
         k = min(len(ids), max(0, self.min_tokens - first))
         rendered = [(p, True) for p in self.renderer.push(ids[:k], False)]
         rendered += [(p, False) for p in self.renderer.push(ids[k:], False)]
@@ -355,12 +323,13 @@ def sse(obj: Any) -> str:
 # --------------------------------------------------------------------------------------------------
 async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingParams, prefix: str, n: int,
                 kv: Any, prompt_param: str, make_renderer: Callable[[], Any],
-                stops: Sequence[str], max_tokens_of: Callable[[list[int]], int] | None = None
-                ) -> tuple[str, list[Choice]]:
+                stops: Sequence[str], max_tokens_of: Callable[[list[int]], int] | None = None,
+                include_stop: bool = False) -> tuple[str, list[Choice]]:
     """Submit `n` sequences per prompt (choice index = prompt index · n + j). A seeded request's j-th
     sequence draws with seed + j (`_nth_seed`). DI params go with the first sequence of the (single) prompt only: a
     prefill's KV is read once; the other sequences prefill here. `max_tokens_of(prompt)`, when given, sets each
-    prompt's max_tokens (the rest of the context, for a request that leaves it open)."""
+    prompt's max_tokens (the rest of the context, for a request that leaves it open); `include_stop`: vLLM's
+    include_stop_str_in_output."""
     if len(prompts) * n > MAX_SEQUENCES:
         raise APIError(400, f"a request may ask for at most {MAX_SEQUENCES} sequences (prompts × n; got "
                             f"{len(prompts)} × {n})", param=prompt_param)
@@ -382,7 +351,7 @@ async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingPar
                     stream = await aeng.submit(ids, p, rid, kv if index == 0 else None)
                 except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
                     raise engine_error(e, prompt_param) from None
-                choices.append(Choice(index, pi, stream, ids, make_renderer(), StopMatcher(stops),
+                choices.append(Choice(index, pi, stream, ids, make_renderer(), StopMatcher(stops, include_stop),
                                       min_tokens=p.min_tokens))
     except BaseException:
         for c in choices:

@@ -136,6 +136,10 @@ class _Body(_Model):
     return_token_ids: StrictBool | None = False
     prompt_logprobs: StrictInt | None = None
     kv_transfer_params: KVTransferParams | None = None
+    allowed_token_ids: list[StrictInt] | None = None         # vLLM's extras (extras.py)
+    bad_words: list[StrictStr] | None = None
+    include_stop_str_in_output: StrictBool | None = False
+    truncate_prompt_tokens: StrictInt | None = None
 
 
 class CompletionBody(_Body):
@@ -143,6 +147,7 @@ class CompletionBody(_Body):
     echo: StrictBool | None = False
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
+    skip_special_tokens: StrictBool | None = True
 
 
 class ContentPart(_Model):
@@ -223,6 +228,8 @@ UNSUPPORTED_CHAT = {"functions": "the legacy `functions` field is not supported;
                     "chat_template_kwargs": "chat_template_kwargs are not supported (use reasoning_effort)",
                     "documents": "documents are not supported",
                     "echo": "echo is not supported in chat (it is in /v1/completions)",
+                    "skip_special_tokens": "skip_special_tokens=false is not supported in chat (harmony's special "
+                                           "tokens are parsed, not shown; it is in /v1/completions)",
                     "best_of": "only best_of=1 is supported"}
 UNSUPPORTED_COMPLETION = {"suffix": "suffix is not supported",
                           "best_of": "only best_of=1 is supported"}
@@ -230,23 +237,18 @@ UNSUPPORTED_COMPLETION = {"suffix": "suffix is not supported",
 # server does anyway (`_ASKS_NOTHING`), so a client never gets output that differs from what it asked for
 UNSUPPORTED_EITHER = {
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (JSON is laid out as json.dumps does)",
-    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported (send a prompt that fits the context)",
-    "allowed_token_ids": "allowed_token_ids is not supported (use logit_bias)",
-    "bad_words": "bad_words is not supported (use logit_bias)",
     "use_beam_search": "beam search is not supported", "length_penalty": "length_penalty needs beam search, "
                                                                       "which is not supported",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported (use return_token_ids)",
-    "detokenize": "detokenize=false is not supported", "include_stop_str_in_output":
-        "include_stop_str_in_output is not supported (stop strings are cut from the text)",
-    "skip_special_tokens": "skip_special_tokens=false is not supported (special tokens are left out of the text)",
+    "detokenize": "detokenize=false is not supported",
     "logits_processors": "logits_processors are not supported", "vllm_xargs": "vllm_xargs are not supported",
     "priority": "priority scheduling is not supported (every request has priority 0)",
 }
 # values of those fields that ask for exactly what the server does (None: the field left unset)
 _ASKS_NOTHING: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,), "length_penalty": (1, 1.0),
-    "return_tokens_as_token_ids": (False,), "detokenize": (True,), "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,), "priority": (0,), "allowed_token_ids": ([],), "bad_words": ([],),
+    "return_tokens_as_token_ids": (False,), "detokenize": (True,),
+    "skip_special_tokens": (True,), "priority": (0,),
     "echo": (False,), "best_of": (1,), "continue_final_message": (False,), "chat_template_kwargs": ({},),
     "modalities": (["text"],), "documents": ([],), "suffix": ("",),
 }
@@ -274,15 +276,18 @@ def refuse_unsupported(raw: Mapping[str, Any], chat: bool) -> None:
 
 def sampling_params(raw: Mapping[str, Any], max_tokens: Any, logprobs: int | None,
                     defaults: Sequence[tuple[str, Any]] = (), prompt_logprobs: int | None = None,
-                    guided: tuple[str, str, str] | None = None) -> SamplingParams:
+                    guided: tuple[str, str, str] | None = None, extra: Mapping[str, Any] | None = None
+                    ) -> SamplingParams:
     """The body's sampling fields; `defaults` (the checkpoint's generation_config.json) fill what it leaves
-    unset (an explicit null counts as unset, as in vLLM)."""
+    unset (an explicit null counts as unset, as in vLLM); `extra`: fields the route worked out (vLLM's token
+    masks, `extras.token_constraints`)."""
     d = {k: v for k, v in defaults if k != "max_tokens"}
     d.update({k: raw[k] for k in SAMPLING_KEYS if raw.get(k) is not None})
     d["max_tokens"] = max_tokens
     d["logprobs"] = logprobs
     d["prompt_logprobs"] = prompt_logprobs
     d["guided"] = guided
+    d.update(extra or {})
     try:
         return SamplingParams.from_dict(d)
     except SamplingError as e:

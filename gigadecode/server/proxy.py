@@ -323,6 +323,9 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
             return _error(400, "behind a vLLM prefill a request has one prompt: a string or a list of token ids",
                           "invalid_request_error", "invalid_prompt")
+        cut = body.get("truncate_prompt_tokens")      # vLLM's: the decode server keeps the last N tokens, so the
+        if isinstance(cut, int) and not isinstance(cut, bool) and cut >= 1:   # KV must be the same N tokens'
+            ids = ids[-cut:]
         dbody = {**body, "prompt": ids}
         dbody.pop("kv_transfer_params", None)
         if len(ids) < 2:                               # nothing to prefill remotely
