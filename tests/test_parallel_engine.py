@@ -26,6 +26,8 @@ from .helpers import random_prompt
 
 ENGINE = dict(kv_dtype="fp8", block_size=4, num_blocks=40, max_prefill_tokens=16, max_num_seqs=8)
 LENGTHS = [3, 17, 5, 23, 9, 30, 12, 2]
+MASK_ALLOWED = list(range(100, 160))
+MASK_BAD_WORDS = [[101], [102], [103, 104]]
 
 
 def _params(i: int) -> SamplingParams:
@@ -37,6 +39,9 @@ def _params(i: int) -> SamplingParams:
         dict(temperature=0.0, logprobs=2, prompt_logprobs=1, max_tokens=6, ignore_eos=True),  # + logprobs
         dict(temperature=0.0, min_tokens=4, max_tokens=12),                          # stops at EOS after 4
         dict(temperature=0.0, max_tokens=12, guided=("regex", "[a-z]{2,8}", "all")),  # structured (gathered)
+        # greedy, but not the distributed argmax: vLLM's whitelist and bad words mask the gathered logits
+        dict(temperature=0.0, max_tokens=10, ignore_eos=True, allowed_token_ids=MASK_ALLOWED,
+             bad_words_token_ids=MASK_BAD_WORDS),
     ]
     return SamplingParams(**kinds[i % len(kinds)])
 
@@ -52,10 +57,11 @@ def session(engine, vocab: int) -> dict:
             engine.add_request(bad, SamplingParams(max_tokens=2))
         except RequestError as e:
             refused.append(type(e).__name__)
-    try:
-        engine.add_request([1, 2], SamplingParams(temperature=-1.0))
-    except SamplingError as e:
-        refused.append(e.param)
+    for bad_params in (dict(temperature=-1.0), dict(allowed_token_ids=[vocab + 1])):
+        try:
+            engine.add_request([1, 2], SamplingParams(**bad_params))
+        except SamplingError as e:
+            refused.append(e.param)
     for _ in range(3):
         engine.step()
     ids += [engine.add_request(prompts[i], _params(i), request_id=f"r{i}") for i in range(4, len(prompts))]
@@ -150,7 +156,7 @@ def single(tiny_ckpt):
 
 def test_single_rank_session_is_sane(single, tiny_ckpt):
     reqs = single["requests"]
-    assert single["refused"] == ["RequestError", "RequestError", "temperature"]
+    assert single["refused"] == ["RequestError", "RequestError", "temperature", "allowed_token_ids"]
     assert reqs["r1"][1] == "abort" and 0 < len(reqs["r1"][0]) < 9
     assert all(reqs[r][1] in ("length", "stop") for r in reqs if r != "r1")
     assert len(reqs["r4"][2]) == LENGTHS[4] - 1 + 6                  # logprobs for every token after the first
@@ -158,6 +164,9 @@ def test_single_rank_session_is_sane(single, tiny_ckpt):
     codec = TextCodec.from_dir(tiny_ckpt)
     toks, reason, _ = reqs["r6"]
     assert reason == "stop" and re.fullmatch("[a-z]{2,8}", codec.decode(toks[:-1])), codec.decode(toks)
+    toks = reqs["r7"][0]
+    assert len(toks) == 10 and set(toks) <= set(MASK_ALLOWED) and not {101, 102} & set(toks)
+    assert all(toks[i:i + 2] != [103, 104] for i in range(len(toks) - 1))
 
 
 LAYOUTS = [

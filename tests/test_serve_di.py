@@ -7,6 +7,7 @@ tokens."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -470,3 +471,46 @@ def test_a_decode_server_that_dies_mid_stream_ends_it_in_the_routes_own_error_sh
             assert wait_idle(di["prefill"], timeout=3)["gigadecode_kv_leases"] == 0
         finally:
             stop_process_tree(proxy)
+
+
+def test_proxy_carries_vllms_sampling_extras(di, single, tiny_ckpt):
+    """vLLM's allowed_token_ids, bad_words, truncate_prompt_tokens and include_stop_str_in_output through the
+    proxy: both servers truncate alike (the decode server reads the KV of the same last N tokens), the decode
+    server samples under the masks and keeps the stop string, streamed or not."""
+    import httpx
+    from gigadecode.tokenizer import TextCodec
+    codec = TextCodec.from_dir(tiny_ckpt)
+    prompt = random_prompt(24, 1024, seed=61)
+    allowed = list(range(200, 260))
+    base = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+
+    def post(path="/v1/completions", **extra):
+        r = httpx.post(di["proxy"] + path, json={**base, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+    r = post(truncate_prompt_tokens=10, allowed_token_ids=allowed)
+    want = single.generate([prompt[-10:]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                                          allowed_token_ids=allowed))[0].output_ids
+    assert r["choices"][0]["token_ids"] == want and set(want) <= set(allowed) and r["usage"]["prompt_tokens"] == 10
+    plain = post()["choices"][0]
+    t = next(t for t in plain["token_ids"][1:] if codec.encode(codec.decode([t]).lstrip()) == [t])
+    banned = post(bad_words=[codec.decode([t]).lstrip()])["choices"][0]["token_ids"]
+    assert t in plain["token_ids"] and t not in banned and len(banned) == 10
+    text = plain["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    upto = text[:text.index(stop) + len(stop)]
+    assert post(stop=stop, include_stop_str_in_output=True)["choices"][0]["text"] == upto
+    streamed = ""
+    with httpx.stream("POST", di["proxy"] + "/v1/completions", json={**base, "stream": True, "stop": stop,
+                                                                    "include_stop_str_in_output": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0]["text"]
+    assert streamed == upto
+    chat = post("/v1/chat/completions", messages=[{"role": "user", "content": "hello there"}], prompt=None,
+                truncate_prompt_tokens=5, max_tokens=4)
+    assert chat["usage"]["prompt_tokens"] == 5 and len(chat["prompt_token_ids"]) == 5
+    r = httpx.post(di["proxy"] + "/v1/completions", json={**base, "allowed_token_ids": [5000]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
+    wait_idle(di["prefill"], timeout=3)
