@@ -5,24 +5,29 @@ In the engine (every decoder, with speculative decoding's drafts, with a grammar
 none of them) and through the real server with the official `openai` client. The oracles do not use the code
 under test: transformers' logits (teacher-forced, restricted to the allowed set or stripped of the banned
 tokens by the rule written out here), the plain output's own tokens and text, and the truncated prompt run
-directly."""
+directly. Behind a vLLM prefill the proxy truncates the ids it sends."""
 
 from __future__ import annotations
 
 import random
 import re
 
+import httpx
 import openai
 import pytest
 import torch
+from fastapi import FastAPI, Request
 
+from gigadecode.connector.params import prompt_digest
 from gigadecode.sampling import SamplingError, SamplingParams
+from gigadecode.server.proxy import build_proxy_app
 from gigadecode.speculative import SpeculativeConfig
 from gigadecode.tokenizer import TextCodec
 
-from .helpers import hf_logits, random_prompt
+from .helpers import KV_SECRET, hf_logits, random_prompt
 from .test_engine import make_engine
 from .test_openai_features import _serve
+from .test_server import ServerThread, fake_upstream
 from .test_speculative import OracleProposer
 
 DECODERS = ["gk-native", "gk", "reference"]
@@ -336,3 +341,27 @@ def test_bad_values_are_a_400_naming_the_field(live, chat):
                 client.completions.create(model="m", prompt="hi", max_tokens=2, extra_body=body)
         assert e.value.body["param"] == param, body
     assert len(_complete(client, [5, 6, 7], n=3).token_ids) == 3           # served on
+
+
+def test_the_proxy_truncates_what_it_sends_a_vllm_prefill():
+    """Behind a vLLM prefill the proxy sends the prompt's ids itself: with truncate_prompt_tokens it sends the
+    last N (less the last one) and binds the params to those N, which the decode server keeps too."""
+    vllm, seen = FastAPI(), []
+
+    @vllm.post("/v1/completions")
+    async def prefill(request: Request):
+        seen.append(await request.json())
+        return {"choices": [{"index": 0, "text": ""}], "kv_transfer_params": {
+            "remote_engine_id": "v", "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "r",
+            "remote_block_ids": [[1]], "remote_num_tokens": len(seen[-1]["prompt"])}}
+    dec_app, dec = fake_upstream("dec", "decode")
+    ids = list(range(10, 30))
+    with ServerThread(vllm) as v, ServerThread(dec_app) as d:
+        proxy = build_proxy_app([], [d.url], prefill_vllm=[v.url], kv_secret=KV_SECRET)
+        with ServerThread(proxy) as px:
+            r = httpx.post(px.url + "/v1/completions", json={"model": "m", "prompt": ids, "max_tokens": 2,
+                                                              "truncate_prompt_tokens": 6}, timeout=20)
+    assert r.status_code == 200, r.text
+    assert seen[0]["prompt"] == ids[-6:-1]
+    body = dec["bodies"][0][1]
+    assert body["prompt"] == ids[-6:] and body["kv_transfer_params"]["prompt_digest"] == prompt_digest(ids[-6:])
