@@ -10,8 +10,9 @@ This module owns
   `torch.argmax` treats as the maximum: the first NaN wins). `greedy` is the single-process reference
   that splits the vocabulary into contiguous shards and runs both halves.
 - `Sampler`: one step for a batch of requests: min-tokens masking, repetition / frequency / presence
-  penalties, the hard token masks (`token_masks.py`), then greedy (distributed argmax) or temperature, min-p, top-k, top-p and a multinomial
-  draw from each request's own `torch.Generator`; plus the raw logprobs vLLM returns.
+  penalties, the hard token masks (`token_masks.py`), then greedy (distributed argmax) or temperature,
+  min-p, top-k, top-p and a multinomial draw from each request's own `torch.Generator`; plus the raw
+  logprobs vLLM returns.
 
 Stop checks (EOS, stop ids, max_tokens) belong to the engine; this module only masks EOS / stop ids
 while a request is below `min_tokens`.
@@ -82,8 +83,9 @@ class SamplingParams:
     logprob plus the top N. prompt_logprobs: the same for every prompt token after the first (the logprob
     of that token given the ones before it, the first is None): vLLM's field, which OpenAI's `echo` asks for.
     guided: (kind, source, scope) holds the output to a grammar (`structured.py`). allowed_token_ids and
-    bad_words_token_ids: vLLM's whitelist and its bad words as token ids (`token_masks.py`). Values are type-checked (a string, bool, NaN or inf is an error) and
-    normalized (floats stored as float, stop_token_ids as a tuple) on construction.
+    bad_words_token_ids: vLLM's whitelist and its bad words as token ids (`token_masks.py`). Values are
+    type-checked (a string, bool, NaN or inf is an error) and normalized (floats stored as float,
+    stop_token_ids as a tuple) on construction.
     """
 
     temperature: float = 1.0
@@ -322,10 +324,11 @@ class Sampler:
     Per request, in vLLM v1's order: (1) while fewer than min_tokens tokens were generated, the stop
     ids (and EOS unless ignore_eos) are masked to -inf; (2) repetition penalty over prompt + output
     tokens (logit > 0 divided by it, else multiplied), then frequency (× count) and presence penalties
-    over output tokens, subtracted, then the hard masks (token_masks.py); (3) greedy requests take the distributed argmax; the rest divide by
-    temperature, drop tokens with prob < min_p × max prob, keep the top_k largest logits (ties with the
-    k-th kept), keep the smallest most-probable set whose probability reaches top_p (at least one), and
-    draw once with `torch.multinomial` from their own generator (unseeded: torch's default one).
+    over output tokens, subtracted, then the hard masks (token_masks.py); (3) greedy requests take the
+    distributed argmax; the rest divide by temperature, drop tokens with prob < min_p × max prob, keep the
+    top_k largest logits (ties with the k-th kept), keep the smallest most-probable set whose probability
+    reaches top_p (at least one), and draw once with `torch.multinomial` from their own generator
+    (unseeded: torch's default one).
 
     A seeded request's draw depends only on its own logits, params, history and generator, never on the
     rest of the batch. Logits with NaN or +inf raise SamplingError (param "logits").

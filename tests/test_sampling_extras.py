@@ -294,12 +294,13 @@ def test_truncate_prompt_tokens(live):
     assert c.choices[0].token_ids == direct.token_ids and c.usage.prompt_tokens == 7
     assert c.choices[0].model_extra["prompt_token_ids"] == prompt[-7:]
     assert _complete(client, prompt, n=8).token_ids != direct.token_ids        # the cut changed the answer
-    assert _complete(client, prompt, n=8, truncate_prompt_tokens=-1).token_ids == _complete(client, prompt, n=8).token_ids
+    whole = _complete(client, prompt, n=8).token_ids
+    assert _complete(client, prompt, n=8, truncate_prompt_tokens=-1).token_ids == whole      # -1: the context
     msg = [{"role": "user", "content": "hello there"}]
-    whole = client.chat.completions.create(model="m", messages=msg, max_tokens=6, temperature=0, extra_body=EXTRA)
+    chat = client.chat.completions.create(model="m", messages=msg, max_tokens=6, temperature=0, extra_body=EXTRA)
     cut = client.chat.completions.create(model="m", messages=msg, max_tokens=6, temperature=0,
                                          extra_body={**EXTRA, "truncate_prompt_tokens": 5})
-    ids = whole.model_extra["prompt_token_ids"][-5:]
+    ids = chat.model_extra["prompt_token_ids"][-5:]
     assert cut.model_extra["prompt_token_ids"] == ids and cut.usage.prompt_tokens == 5
     assert cut.choices[0].model_extra["token_ids"] == _complete(client, ids, n=6).token_ids
 
@@ -320,7 +321,8 @@ def test_skip_special_tokens_false_on_completions(live):
 
 BAD_BODIES = [({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [VOCAB]}, "allowed_token_ids"),
               ({"allowed_token_ids": ["5"]}, "allowed_token_ids.0"), ({"allowed_token_ids": 5}, "allowed_token_ids"),
-              ({"bad_words": [7]}, "bad_words.0"), ({"bad_words": "x"}, "bad_words"), ({"bad_words": [" "]}, "bad_words"),
+              ({"bad_words": [7]}, "bad_words.0"), ({"bad_words": "x"}, "bad_words"),
+              ({"bad_words": [" "]}, "bad_words"),
               ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
               ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
               ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),

@@ -86,7 +86,8 @@ async def completions(request: Request) -> Response:
                                    lambda: TextRenderer(codec, skip_special), stop_strings(req), max_tokens_of=rest,
                                    include_stop=bool(req.include_stop_str_in_output))
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name}
-    echoes = [_rendered(codec, ids, skip_special) for ids in prompts] if echo else []     # (text, token offsets) per prompt
+    # (text, token offsets) per prompt
+    echoes = [_rendered(codec, ids, skip_special) for ids in prompts] if echo else []
 
     def choice_body(c: Choice, text: str, lps: Sequence[Any], first: int, with_prompt: bool) -> dict[str, Any]:
         """`lps`: the logprobs of the choice's tokens from token `first` on; `with_prompt`: the chunk (or
