@@ -63,6 +63,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "and disable_by_batch_size, adaptive (default true: as many drafts as a request's acceptance "
                         "pays for): drafts are verified in one decode step; outputs are exactly those of plain "
                         "decoding")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: requests are admitted in arrival order, the newest running one is preempted when "
+                        "the KV pool is short (default); priority: by each request's `priority` (lower first, "
+                        "ties by arrival), the running request of the largest (priority, arrival) is preempted "
+                        "(vLLM's flag; under fcfs a non-zero priority is refused)")
     g.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up (one prefill chunk of --max-prefill-tokens and one decode "
                         "step on borrowed KV blocks, so the first request runs at full speed)")

@@ -148,19 +148,19 @@ class LLMEngine:
         return lo
 
     # -- public API ------------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None,
-                    kv_transfer_params: KVTransferParams | dict | None = None) -> str:
-        """Queue a request; RequestError / SamplingError (nothing queued) if the engine refuses it. DI:
-        `kv_transfer_params` (parsed here when a dict) say where its KV comes from or goes to."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    kv_transfer_params: KVTransferParams | dict | None = None, priority: int = 0) -> str:
+        """Queue a request; RequestError / SamplingError (nothing queued) if the engine refuses it. DI: the
+        `kv_transfer_params` (parsed here when a dict) say where its KV comes from or goes to; `priority`: Request's."""
         params = params or SamplingParams()
         rid = request_id or f"req-{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
             raise RequestError(f"request id must be a non-empty string (got {rid!r})")
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
+        self.scheduler.check_priority(priority)
         self.check_request(prompt_ids, params)
-        req = Request(rid, list(prompt_ids), params, generator=make_generator(params.seed))
+        req = Request(rid, list(prompt_ids), params, generator=make_generator(params.seed), priority=priority)
         if params.guided is not None:
             req.guide = self.guides.make(params.guided)
         if kv_transfer_params:

@@ -69,6 +69,7 @@ class EngineConfig:
     vllm_kv_layout: str = "auto"        # DI consumer of a vLLM prefill: its CPU KV page order (auto | vec | amx)
     enable_prefix_caching: bool = False  # full KV blocks found again by their tokens (kv/prefix_cache.py)
     speculative: SpeculativeConfig | None = None   # n-gram drafts verified in the decode step (speculative.py)
+    scheduling_policy: str = "fcfs"    # fcfs | priority (requests' `priority`: admission order, preemption victims)
 
     def __post_init__(self) -> None:
         from numbers import Integral, Real
@@ -131,6 +132,8 @@ class EngineConfig:
             raise ConfigError(f"kv_role must be kv_producer|kv_consumer|kv_both (got {self.kv_role!r})")
         if self.vllm_kv_layout not in ("auto", "vec", "amx"):
             raise ConfigError(f"--vllm-kv-layout must be auto|vec|amx (got {self.vllm_kv_layout!r})")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"--scheduling-policy must be fcfs|priority (got {self.scheduling_policy!r})")
         if self.kv_failure_policy not in ("fail", "recompute"):
             raise ConfigError(f"kv_failure_policy must be fail|recompute (got {self.kv_failure_policy!r})")
         if self.k_scale <= 0 or self.v_scale <= 0 or not math.isfinite(self.k_scale * self.v_scale):
@@ -175,4 +178,5 @@ def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig
                         vllm_kv_layout=getattr(args, "vllm_kv_layout", "auto"),
                         enable_prefix_caching=bool(getattr(args, "enable_prefix_caching", False)),
                         speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
+                        scheduling_policy=getattr(args, "scheduling_policy", None) or "fcfs",
                         kv_secret=getattr(args, "kv_secret", None) or None)

@@ -88,10 +88,15 @@ def _read_requests(args: argparse.Namespace, codec) -> list[tuple[list[int], dic
             if not isinstance(d, dict):
                 raise SystemExit(f"gigadecode generate: {args.requests}:{n}: a request must be a JSON object")
             d = {k: v for k, v in d.items() if v is not None}     # null: not given (the flag applies)
-            unknown = sorted(set(d) - known - {"prompt_ids", "prompt"})
+            unknown = sorted(set(d) - known - {"prompt_ids", "prompt", "priority"})
             if unknown:
                 raise SystemExit(f"gigadecode generate: {args.requests}:{n}: unknown key(s) {', '.join(unknown)} "
-                                 f"(a request has prompt_ids or prompt, and any of {', '.join(sorted(known))})")
+                                 f"(a request has prompt_ids or prompt, and any of priority, "
+                                 f"{', '.join(sorted(known))})")
+            priority = d.get("priority", 0)
+            if type(priority) is not int or (priority and getattr(args, "scheduling_policy", "fcfs") != "priority"):
+                raise SystemExit(f"gigadecode generate: {args.requests}:{n}: priority must be an integer, and 0 "
+                                 f"unless --scheduling-policy priority (got {priority!r})")
             if "prompt_ids" in d:
                 ids = d.pop("prompt_ids")
             elif "prompt" in d and codec is not None:
@@ -99,7 +104,7 @@ def _read_requests(args: argparse.Namespace, codec) -> list[tuple[list[int], dic
             else:
                 raise SystemExit(f"gigadecode generate: {args.requests}:{n}: needs prompt_ids (or prompt with a tokenizer)")
             try:
-                SamplingParams.from_dict({**_base_params(args), **d})
+                SamplingParams.from_dict({**_base_params(args), **{k: v for k, v in d.items() if k != "priority"}})
             except SamplingError as e:
                 raise SystemExit(f"gigadecode generate: {args.requests}:{n}: {e}")
             out.append((ids, d, f"{args.requests}:{n}"))
@@ -192,8 +197,10 @@ def _run_generate(args: argparse.Namespace, ecfg, engine, codec, reqs: list[tupl
     ids: list[str | None] = []
     refused: dict[int, str] = {}                  # request index -> why the engine refused it
     for k, (prompt, extra, where) in enumerate(reqs):
+        extra = dict(extra)
+        priority = extra.pop("priority", 0)       # the scheduler's, not a sampling field
         try:
-            ids.append(engine.add_request(prompt, SamplingParams.from_dict({**base, **extra})))
+            ids.append(engine.add_request(prompt, SamplingParams.from_dict({**base, **extra}), priority=priority))
         except ValueError as e:                   # RequestError, SamplingError
             if len(reqs) == 1:
                 raise                             # main() names it: exit 2

@@ -75,6 +75,8 @@ class Request:
     guide: Any = None                           # structured output: its grammar's state (structured.Guide)
     draft_ids: list[int] = field(default_factory=list)   # speculative decoding: this step's drafts
     ngram: Any = None                           # speculative decoding: the proposer's state (its history, acceptance)
+    priority: int = 0                           # --scheduling-policy priority: lower is scheduled first
+    arrival_index: int = 0                      # the scheduler's arrival order (ties of priority)
 
     @property
     def all_ids(self) -> list[int]:

@@ -5,11 +5,17 @@ Each step `schedule()`
    program), growing its KV by one slot when a block fills; with speculative decoding (`proposer`) it also
    gets its drafts (`Request.draft_ids`) and their slots, where the pool has them without preempting anyone;
 2. spends a prefill token budget (`max_prefill_tokens`) on running prompts first, then on waiting
-   requests in arrival order (chunked prefill through the per-layer model, so a long prompt never
+   requests in queue order (chunked prefill through the per-layer model, so a long prompt never
    stalls running decodes for more than one chunk);
 3. admits only what the KV pool holds; when a running request cannot grow, the newest running request
    is preempted: its blocks are freed and it is recomputed later from prompt + output so far (its
    sampler generator is kept, so its output does not change).
+Scheduling policy (`EngineConfig.scheduling_policy`, vLLM's `--scheduling-policy`): "fcfs" queues by arrival
+and a preempted request goes back to the front; "priority" keeps the waiting queue sorted by
+(`Request.priority`, arrival) -- lower values first, a preempted request re-enters at its place -- and the
+victim of a preemption is the running request with the largest (priority, arrival). As in vLLM's v1
+scheduler, a waiting request never preempts a running one: priority orders admissions and chooses victims.
+Arrival is the order of `add` (`Request.arrival_index`), the same on every TP rank.
 A request needs tokens `[num_computed, len(prompt + output))` computed; when the last of them is
 computed its logits are sampled. A DI consumer request is admitted with blocks for its N-1 remote tokens
 (`remote_admits`; it waits for its KV as `WAITING_FOR_REMOTE_KV`, then its first step is a decode), a DI
@@ -18,13 +24,14 @@ producer request with nothing to compute goes straight to its hand-off (`handoff
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .engine_config import EngineConfig
 from .kv.manager import KVCacheManager
-from .request import Request, Status
+from .request import Request, RequestError, Status
 
 
 @dataclass
@@ -52,9 +59,40 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queried = 0        # prompt tokens of admissions that looked in the prefix cache
         self.prefix_hit = 0            # ... and those found there
+        self.priority = ecfg.scheduling_policy == "priority"
+        self._arrivals = itertools.count()
+
+    def check_priority(self, priority: object) -> None:
+        """RequestError (param "priority") unless `priority` is an int this policy takes: any int under
+        "priority", only 0 under "fcfs" (vLLM refuses a non-zero priority when priority scheduling is off)."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestError(f"priority must be an integer (got {priority!r})", param="priority")
+        if priority != 0 and not self.priority:
+            raise RequestError(f"got priority {priority}, but priority scheduling is not enabled "
+                               f"(--scheduling-policy priority)", param="priority")
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        req.arrival_index = next(self._arrivals)
+        self._enqueue(req, front=False)
+
+    @staticmethod
+    def _key(req: Request) -> tuple[int, int]:
+        return req.priority, req.arrival_index
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        """Into the waiting queue: fcfs at the back (a new request) or the front (a preempted or requeued one);
+        priority at its (priority, arrival) place, the queue staying sorted."""
+        if not self.priority:
+            (self.waiting.appendleft if front else self.waiting.append)(req)
+            return
+        key = self._key(req)
+        at = next((i for i, r in enumerate(self.waiting) if self._key(r) > key), len(self.waiting))
+        self.waiting.insert(at, req)
+
+    def _victim(self) -> Request:
+        """Whom to preempt when the pool is short: the newest running request (fcfs), or the one with the
+        largest (priority, arrival) (priority)."""
+        return max(self.running, key=self._key) if self.priority else self.running[-1]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -71,13 +109,13 @@ class Scheduler:
         return out
 
     def _grow_decodes(self, out: SchedulerOutput) -> None:
-        """Running requests that need one token: one more slot each, preempting the newest if the pool is
+        """Running requests that need one token: one more slot each, preempting `_victim()` while the pool is
         short (possibly the request itself)."""
         for req in list(self.running):
             if req.status != Status.RUNNING or req.num_tokens - req.num_computed != 1:
                 continue
             while not self._allocate(req, req.num_tokens, req.num_computed):
-                victim = self.running[-1]
+                victim = self._victim()
                 self.preempt(victim)
                 if victim is req:
                     break
@@ -144,7 +182,8 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Waiting requests in arrival order, while the budget, the pool and `max_num_seqs` allow."""
+        """Waiting requests in queue order, while the budget, the pool and `max_num_seqs` allow (the first that
+        does not fit stops the admissions: no one passes it)."""
         while self.waiting and budget > 0 and len(self.running) < self.ecfg.max_num_seqs:
             req = self.waiting[0]
             if req.remote_tokens:                  # DI consumer: blocks as if N-1 tokens were computed
@@ -204,14 +243,15 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
 
     def requeue(self, req: Request) -> None:
-        """A running request back to the front of the queue with nothing computed (its blocks are freed)."""
+        """A running request back to the front of the queue (fcfs; its place under priority) with nothing
+        computed (its blocks are freed)."""
         self.kv_manager.free(req.request_id)
         self.running.remove(req)
         req.num_computed, req.remote_tokens, req.status = 0, 0, Status.WAITING
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
 
     def finish(self, req: Request, reason: str, keep_blocks: bool = False) -> None:
         req.status = Status.finished_with(reason)

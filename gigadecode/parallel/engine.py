@@ -51,8 +51,8 @@ from ..distributed.mesh import LayoutError
 @dataclass
 class StepInbox:
     """What world rank 0 tells every rank before a step."""
-    adds: list[tuple[int, str, list[int], SamplingParams, KVTransferParams | None]] = field(default_factory=list)
-    #     (dp group, request id, prompt, params, kv_transfer_params)
+    adds: list[tuple[int, str, list[int], SamplingParams, KVTransferParams | None, int]] = field(default_factory=list)
+    #     (dp group, request id, prompt, params, kv_transfer_params, priority)
     aborts: list[tuple[int, str, str]] = field(default_factory=list)             # (dp group, id, reason)
     releases: list[str] = field(default_factory=list)     # DI producer: leases to end now, on every rank
     warm_up: bool = False                                 # every replica runs `LLMEngine.warm_up` first
@@ -133,11 +133,11 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
                   trace: list[StepTrace] | None) -> GroupReport | None:
     """Apply the inbox to this rank's replica, step it, and (first TP rank of the group) report."""
     outputs: list[RequestOutput] = []
-    for g, rid, prompt, params, kv_params in inbox.adds:
+    for g, rid, prompt, params, kv_params, priority in inbox.adds:    # in rank 0's order: the same arrivals
         if g != ctx.dp_rank:
             continue
         try:
-            engine.add_request(prompt, params, request_id=rid, kv_transfer_params=kv_params)
+            engine.add_request(prompt, params, request_id=rid, kv_transfer_params=kv_params, priority=priority)
         except ValueError as e:              # rank 0 checked it; only a replica out of step gets here
             outputs.append(RequestOutput(rid, [], True, "error", error=str(e)))
     for g, rid, reason in inbox.aborts:
@@ -228,12 +228,14 @@ class DistributedEngine:
 
     # -- LLMEngine's interface ---------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, kv_transfer_params: KVTransferParams | dict | None = None) -> str:
+                    request_id: str | None = None, kv_transfer_params: KVTransferParams | dict | None = None,
+                    priority: int = 0) -> str:
         params = params or SamplingParams()
         if request_id is None:
             request_id, self._ids = f"req-{self._ids}", self._ids + 1
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        self.replica.scheduler.check_priority(priority)     # the replicas' policy (every rank has the same)
         kv = LLMEngine._parse_kv(kv_transfer_params) if kv_transfer_params else None
         self.replica.check_request(prompt_ids, params, kv)   # every group's replica would agree
         if not params.is_greedy and params.seed is None:    # every TP rank must draw the same tokens
@@ -244,9 +246,9 @@ class DistributedEngine:
         for g, rep in self._reports.items():                # and a prefill's KV held for a read
             load[g] += len(rep.leased)
         g = min(range(self.ctx.dp_size), key=lambda i: (load[i], i))
-        self.requests[request_id] = Request(request_id, list(prompt_ids), params)
+        self.requests[request_id] = Request(request_id, list(prompt_ids), params, priority=priority)
         self._group[request_id] = g
-        self._inbox.adds.append((g, request_id, list(prompt_ids), params, kv))
+        self._inbox.adds.append((g, request_id, list(prompt_ids), params, kv, priority))
         return request_id
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:

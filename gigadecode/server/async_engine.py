@@ -253,7 +253,7 @@ class AsyncEngine:
 
     # -- asyncio API -------------------------------------------------------------------------------
     async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                     kv_transfer_params: dict | None = None) -> RequestStream:
+                     kv_transfer_params: dict | None = None, priority: int = 0) -> RequestStream:
         """Add a request; returns its stream once the engine accepted it. `engine.add_request`'s
         errors (SamplingError, RequestError, ValueError) are raised here."""
         if not self.is_running:
@@ -266,11 +266,8 @@ class AsyncEngine:
         def add() -> None:
             eng = self.engine
             try:
-                if kv_transfer_params is not None:
-                    eng.add_request(prompt_ids, params, request_id=request_id,
-                                    kv_transfer_params=kv_transfer_params)
-                else:
-                    eng.add_request(prompt_ids, params, request_id=request_id)
+                kv = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+                eng.add_request(prompt_ids, params, request_id=request_id, priority=priority, **kv)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 _resolve(loop, accepted, exc=e)
                 return
@@ -287,9 +284,9 @@ class AsyncEngine:
         return RequestStream(request_id, len(prompt_ids), self, q)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params: dict | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """submit + iterate: yields the request's `RequestOutput`s; leaving early aborts it."""
-        stream = await self.submit(prompt_ids, params, request_id, kv_transfer_params)
+        stream = await self.submit(prompt_ids, params, request_id, kv_transfer_params, priority)
         async for out in stream:
             yield out
 

@@ -33,8 +33,8 @@ from . import deps
 from .extras import token_constraints, truncate
 from .outputs import (Choice, HarmonyRenderer, TextRenderer, chat_logprobs, run_to_end, sse_response, start,
                       stream_chunk, stream_events, usage, vllm_prompt_logprobs)
-from .protocol import (APIError, ChatBody, errors_named, forced_call, guided_of, sampling_params,
-                       stop_strings)
+from .protocol import (APIError, ChatBody, errors_named, forced_call, guided_of, request_priority,
+                       sampling_params, stop_strings)
 
 router = APIRouter()
 
@@ -165,7 +165,8 @@ async def chat_completions(request: Request) -> Response:
     kv = deps.advertised(request, req.kv_transfer_params)
     with errors_named("max_tokens", max_param), errors_named("guided", guided_field):
         rid, choices = await start(aeng, [prompt], params, "chatcmpl", req.n or 1, kv, "messages", renderer,
-                                   stop_strings(req), include_stop=bool(req.include_stop_str_in_output))
+                                   stop_strings(req), include_stop=bool(req.include_stop_str_in_output),
+                                   priority=request_priority(raw))
     head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
             "created": int(time.time()), "model": name}
     reasoning = req.include_reasoning is not False

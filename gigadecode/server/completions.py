@@ -22,7 +22,7 @@ from .extras import token_constraints, truncate
 from .outputs import (Choice, TextRenderer, completion_logprobs, echoed_prompt_logprobs, run_to_end, sse_response,
                       start, stream_chunk, stream_events, usage, vllm_prompt_logprobs)
 from .protocol import (DEFAULT_COMPLETION_MAX_TOKENS, MAX_SEQUENCES, APIError, CompletionBody, errors_named,
-                       guided_of, sampling_params, stop_strings)
+                       guided_of, request_priority, sampling_params, stop_strings)
 
 router = APIRouter()
 
@@ -84,7 +84,8 @@ async def completions(request: Request) -> Response:
     with errors_named("guided", guided_field):
         rid, choices = await start(aeng, prompts, params, "cmpl", req.n or 1, kv, "prompt",
                                    lambda: TextRenderer(codec, skip_special), stop_strings(req), max_tokens_of=rest,
-                                   include_stop=bool(req.include_stop_str_in_output))
+                                   include_stop=bool(req.include_stop_str_in_output),
+                                   priority=request_priority(raw))
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name}
     # (text, token offsets) per prompt
     echoes = [_rendered(codec, ids, skip_special) for ids in prompts] if echo else []

@@ -324,12 +324,12 @@ def sse(obj: Any) -> str:
 async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingParams, prefix: str, n: int,
                 kv: Any, prompt_param: str, make_renderer: Callable[[], Any],
                 stops: Sequence[str], max_tokens_of: Callable[[list[int]], int] | None = None,
-                include_stop: bool = False) -> tuple[str, list[Choice]]:
+                include_stop: bool = False, priority: int = 0) -> tuple[str, list[Choice]]:
     """Submit `n` sequences per prompt (choice index = prompt index · n + j). A seeded request's j-th
     sequence draws with seed + j (`_nth_seed`). DI params go with the first sequence of the (single) prompt only: a
     prefill's KV is read once; the other sequences prefill here. `max_tokens_of(prompt)`, when given, sets each
     prompt's max_tokens (the rest of the context, for a request that leaves it open); `include_stop`: vLLM's
-    include_stop_str_in_output."""
+    include_stop_str_in_output; `priority`: every sequence's (the request's `priority` field)."""
     if len(prompts) * n > MAX_SEQUENCES:
         raise APIError(400, f"a request may ask for at most {MAX_SEQUENCES} sequences (prompts × n; got "
                             f"{len(prompts)} × {n})", param=prompt_param)
@@ -348,7 +348,7 @@ async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingPar
                 p = (prompt_params if j == 0 or params.seed is None
                      else replace(prompt_params, seed=_nth_seed(params.seed, j)))
                 try:
-                    stream = await aeng.submit(ids, p, rid, kv if index == 0 else None)
+                    stream = await aeng.submit(ids, p, rid, kv if index == 0 else None, priority)
                 except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
                     raise engine_error(e, prompt_param) from None
                 choices.append(Choice(index, pi, stream, ids, make_renderer(), StopMatcher(stops, include_stop),

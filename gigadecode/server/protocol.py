@@ -242,13 +242,12 @@ UNSUPPORTED_EITHER = {
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported (use return_token_ids)",
     "detokenize": "detokenize=false is not supported",
     "logits_processors": "logits_processors are not supported", "vllm_xargs": "vllm_xargs are not supported",
-    "priority": "priority scheduling is not supported (every request has priority 0)",
 }
 # values of those fields that ask for exactly what the server does (None: the field left unset)
 _ASKS_NOTHING: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,), "length_penalty": (1, 1.0),
     "return_tokens_as_token_ids": (False,), "detokenize": (True,),
-    "skip_special_tokens": (True,), "priority": (0,),
+    "skip_special_tokens": (True,),
     "echo": (False,), "best_of": (1,), "continue_final_message": (False,), "chat_template_kwargs": ({},),
     "modalities": (["text"],), "documents": ([],), "suffix": ("",),
 }
@@ -272,6 +271,18 @@ def refuse_unsupported(raw: Mapping[str, Any], chat: bool) -> None:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if raw.get("stream_options") and raw.get("stream") is not True:
         raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+    request_priority(raw)
+
+
+def request_priority(raw: Mapping[str, Any]) -> int:
+    """vLLM's `priority` (unset or null: 0; lower is scheduled first): an integer, not a boolean. Whether
+    the engine takes a non-zero one (--scheduling-policy priority) is the engine's to say (a 400 naming it)."""
+    v = raw.get("priority")
+    if v is None:
+        return 0
+    if type(v) is not int:
+        raise APIError(400, f"priority must be an integer (got {v!r})", param="priority")
+    return v
 
 
 def sampling_params(raw: Mapping[str, Any], max_tokens: Any, logprobs: int | None,

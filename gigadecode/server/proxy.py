@@ -332,6 +332,8 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             return dbody
         pbody = {"model": body.get("model"), "prompt": ids[:-1], "max_tokens": 1, "temperature": 0.0, "stream": False,
                  "kv_transfer_params": {"do_remote_decode": True}}
+        if body.get("priority") is not None:           # its place in the prefill's queue too (vLLM's field)
+            pbody["priority"] = body["priority"]
         pr = await post_prefill(http, path, pbody, headers)
         if not isinstance(pr, httpx.Response):
             return pr

@@ -37,7 +37,7 @@ from .async_engine import SHUTTING_DOWN
 from .chat import chat_prompt
 from .outputs import Choice, TextRenderer, merge, run_to_end, start
 from .protocol import (APIError, ChatBody, _Model, errors_named, forced_call, parse, read_json,
-                       sampling_params)
+                       request_priority, sampling_params)
 from .response_items import ItemRenderer, OutputItems, new_id
 
 router = APIRouter()
@@ -232,7 +232,7 @@ async def responses(request: Request) -> Response:
                                  "input",
                                  lambda: (ItemRenderer(codec, tokens, final_only) if tokens is not None
                                           else TextRenderer(codec)),
-                                 [])
+                                 [], priority=request_priority(raw))
     c = choices[0]
     head = {"id": new_id("resp"), "object": "response", "created_at": int(time.time()), "model": name,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
