@@ -46,12 +46,30 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(**kinds[i % len(kinds)])
 
 
-def session(engine, vocab: int) -> dict:
+# --scheduling-policy priority: the requests' priorities (the others, 0)
+PRIORITIES = [2, 0, 1, 3, 0, 2, -1, 1]
+
+
+def session(engine, vocab: int, priority: bool = False) -> dict:
     """The scripted session (on one rank's LLMEngine or on rank 0 of a parallel engine) -> per request
-    its tokens, finish reason and logprobs, plus what the engine refused."""
+    its tokens, finish reason and logprobs, plus what the engine refused and the step of each request's first
+    token. `priority`: the requests r0.. have PRIORITIES (the engine's policy is priority)."""
     prompts = [random_prompt(n, vocab, seed=300 + n) for n in LENGTHS]
     refused = []
-    ids = [engine.add_request(prompts[i], _params(i), request_id=f"r{i}") for i in range(4)]
+    first: dict[str, int] = {}
+    steps = 0
+
+    def step() -> None:
+        nonlocal steps
+        for o in engine.step():
+            if o.new_token_ids:
+                first.setdefault(o.request_id, steps)
+        steps += 1
+
+    def add(i: int) -> str:
+        return engine.add_request(prompts[i], _params(i), request_id=f"r{i}",
+                                  priority=PRIORITIES[i] if priority else 0)
+    ids = [add(i) for i in range(4)]
     for bad in ([vocab + 5], [1] * 10_000):
         try:
             engine.add_request(bad, SamplingParams(max_tokens=2))
@@ -63,16 +81,16 @@ def session(engine, vocab: int) -> dict:
         except SamplingError as e:
             refused.append(e.param)
     for _ in range(3):
-        engine.step()
-    ids += [engine.add_request(prompts[i], _params(i), request_id=f"r{i}") for i in range(4, len(prompts))]
+        step()
+    ids += [add(i) for i in range(4, len(prompts))]
     # unseeded: rank 0 seeds it for the whole DP group; ignore_eos so its length does not depend on the draw
     engine.add_request(prompts[0], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True),
                        request_id="unseeded")
-    engine.step()
-    engine.step()
+    step()
+    step()
     engine.abort("r1")
     while engine.has_unfinished():
-        engine.step()
+        step()
     out = {}
     unseeded_ids = engine.requests["unseeded"].output_ids
     for rid in ids:
@@ -90,7 +108,7 @@ def session(engine, vocab: int) -> dict:
     r = engine.requests["after-forgetting"]
     out["after-forgetting"] = (r.output_ids, r.finish_reason, [(lp.token_id, round(lp.logprob, 3))
                                                               for lp in r.output_logprobs or []])
-    return {"requests": out, "refused": refused, "unseeded_ids": unseeded_ids}
+    return {"requests": out, "refused": refused, "unseeded_ids": unseeded_ids, "first": first}
 
 
 class DraftsFrom:
@@ -108,11 +126,13 @@ class DraftsFrom:
                 for t in self.plain.get(req.request_id, [])[o: o + min(3, limit)]]
 
 
-def world_session(rank: int, model_dir: str, layout: tuple[int, int, int], drafts: dict | None = None) -> dict:
+def world_session(rank: int, model_dir: str, layout: tuple[int, int, int], drafts: dict | None = None,
+                  policy: str = "fcfs") -> dict:
     """On every rank of a run_world: build the parallel engine; rank 0 runs `session`. Every rank also
     returns the tokens its own replica produced per request (the ranks of a DP group must agree). With
     `drafts` (request -> tokens) the engine decodes speculatively, drafting from them; with "suffix", by suffix
-    decoding (every replica caches its finished outputs alike)."""
+    decoding (every replica caches its finished outputs alike). `policy`: the engines' scheduling policy
+    (priority: the session's requests have PRIORITIES)."""
     from gigadecode.parallel.engine import DistributedEngine, build_parallel_engine, run_worker
     from gigadecode.speculative import SpeculativeConfig
     import torch
@@ -120,7 +140,8 @@ def world_session(rank: int, model_dir: str, layout: tuple[int, int, int], draft
     tp, dp, ep = layout
     spec = (SpeculativeConfig(method="suffix", num_speculative_tokens=4, suffix_decoding_min_token_prob=0.0)
             if drafts == "suffix" else SpeculativeConfig(num_speculative_tokens=3) if drafts is not None else None)
-    replica, ctx = build_parallel_engine(model_dir, EngineConfig(tp=tp, dp=dp, ep=ep, speculative=spec, **ENGINE))
+    replica, ctx = build_parallel_engine(model_dir, EngineConfig(tp=tp, dp=dp, ep=ep, speculative=spec,
+                                                                 scheduling_policy=policy, **ENGINE))
     if isinstance(drafts, dict):
         replica.scheduler.proposer = DraftsFrom(drafts, replica.cfg.vocab_size)
     produced: dict[str, list[int]] = {}
@@ -137,7 +158,7 @@ def world_session(rank: int, model_dir: str, layout: tuple[int, int, int], draft
         return {"dp_rank": ctx.dp_rank, "produced": produced}
     with DistributedEngine(replica, ctx) as eng:
         # every replica warms up in lockstep first (its forward's collectives must line up): tokens unchanged
-        res = {"warm_up_s": eng.warm_up(), **session(eng, replica.cfg.vocab_size)}
+        res = {"warm_up_s": eng.warm_up(), **session(eng, replica.cfg.vocab_size, policy == "priority")}
         res["preemptions"] = eng.stats.preemptions
         res["spec_accepted"] = eng.stats.spec_accepted_tokens
         res["kv_used"] = eng.kv_usage()[0]
@@ -170,23 +191,36 @@ def test_single_rank_session_is_sane(single, tiny_ckpt):
 
 
 LAYOUTS = [
-    pytest.param((2, 1, 2), False, id="tp2-dp1-ep2"),
-    pytest.param((1, 2, 2), False, id="tp1-dp2-ep2"),
-    pytest.param((2, 2, 4), False, id="tp2-dp2-ep4"),
-    pytest.param((2, 2, 4), True, id="tp2-dp2-ep4-speculative"),
-    pytest.param((2, 1, 2), "suffix", id="tp2-dp1-ep2-suffix"),
+    pytest.param((2, 1, 2), False, "fcfs", id="tp2-dp1-ep2"),
+    pytest.param((1, 2, 2), False, "fcfs", id="tp1-dp2-ep2"),
+    pytest.param((2, 2, 4), False, "fcfs", id="tp2-dp2-ep4"),
+    pytest.param((2, 2, 4), True, "fcfs", id="tp2-dp2-ep4-speculative"),
+    pytest.param((2, 1, 2), "suffix", "fcfs", id="tp2-dp1-ep2-suffix"),
+    pytest.param((2, 1, 2), False, "priority", id="tp2-dp1-ep2-priority"),
 ]
 
 
-@pytest.mark.parametrize("layout, drafts", LAYOUTS)
-def test_parallel_engine_session_equals_single_rank(tiny_ckpt, single, layout, drafts):
+@pytest.fixture(scope="module")
+def single_priority(tiny_ckpt):
+    eng = LLMEngine(ModelRunner(tiny_ckpt, EngineConfig(scheduling_policy="priority", **ENGINE)))
+    return {**session(eng, eng.cfg.vocab_size, priority=True), "preemptions": eng.stats.preemptions}
+
+
+@pytest.mark.parametrize("layout, drafts, policy", LAYOUTS)
+def test_parallel_engine_session_equals_single_rank(tiny_ckpt, single, layout, drafts, policy, request):
     """... and with speculative decoding (drafts as extra decode rows: the EP agreement pads rows, TP
-    gathers the drafts' logits, each replica verifies alike) the same tokens again."""
+    gathers the drafts' logits, each replica verifies alike) the same tokens again; under priority
+    scheduling (priority travels to every rank with the request) the tokens of fcfs, and on one DP group
+    every request's first token in the step one rank's priority scheduler gives it."""
     from gigadecode.parallel.spawn import run_world
     tp, dp, ep = layout
     plain = {rid: toks for rid, (toks, _, _) in single["requests"].items()} if drafts is True else drafts or None
-    outs = run_world(tp * dp, world_session, str(tiny_ckpt), layout, plain)
+    outs = run_world(tp * dp, world_session, str(tiny_ckpt), layout, plain, policy)
     got = outs[0]
+    if policy == "priority":
+        alone = request.getfixturevalue("single_priority")
+        assert got["first"] == alone["first"] and alone["first"] != single["first"]
+        assert got["preemptions"] == alone["preemptions"]
     if drafts:                                # "after-forgetting" repeats r2: suffix decoding drafts its output
         assert got["spec_accepted"] > 0
     assert got["refused"] == single["refused"]
@@ -207,7 +241,7 @@ def test_parallel_engine_session_equals_single_rank(tiny_ckpt, single, layout, d
         first = by_group.setdefault(o["dp_rank"], o["produced"])
         assert o["produced"] == first
     assert sum(len(v) for g in by_group.values() for v in g.values()) > 0
-    if dp == 1:                                          # the same pool and batch as one rank: it preempts too
+    if dp == 1 and policy == "fcfs":                     # the same pool and batch as one rank: it preempts too
         assert got["preemptions"] > 0
 
 
