@@ -138,6 +138,8 @@ def test_serve_prefill_or_decode_needs_a_kv_secret(tiny_ckpt):
     ('[1, 2]\n', ":1: a request must be a JSON object"),
     ('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3], "max_token": 4}\n', ":2: unknown key(s) max_token"),
     ('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3], "temperature": -1}\n', ":2: invalid sampling parameter temperature"),
+    ('{"prompt_ids": [1, 2], "priority": 1}\n', ":1: priority must be an integer, and 0 unless --scheduling-policy"),
+    ('{"prompt_ids": [1, 2], "priority": 0.0}\n', ":1: priority must be an integer"),
 ])
 def test_bad_requests_files_are_refused_before_the_model_loads(tmp_path, content, message):
     """A --requests file that cannot be read, holds no request, a line that is not an object, a key that is
@@ -174,6 +176,24 @@ def test_requests_the_engine_refuses_are_named_by_line_and_the_others_run(tiny_c
     assert [len(d["token_ids"]) for d in lines] == [3, 0, 0, 2]
     assert "outside the vocabulary" in lines[1]["error"] and "maximum context length" in lines[2]["error"]
     assert f"{path}:2: " in err and f"{path}:3: " in err and f"{path}:1: " not in err
+
+
+def test_generate_requests_take_a_priority(tiny_ckpt, tmp_path, capsys):
+    """`"priority"` in a request line under --scheduling-policy priority: one sequence at a time, the first
+    tokens come in (priority, line) order; every output is fcfs's; under fcfs a non-zero priority is refused
+    with its line, before the model loads."""
+    def run(prios: list[int], *flags: str) -> list[dict]:
+        path = tmp_path / "requests.jsonl"
+        path.write_text("".join(f'{{"prompt_ids": [{5 + i}, 6, 7], "max_tokens": 4, "priority": {p}}}\n'
+                                for i, p in enumerate(prios)))
+        assert main(["generate", "--model", str(tiny_ckpt), "--requests", str(path), "--json", "--threads", "1",
+                     "--ignore-eos", "--max-num-seqs", "1", *flags]) == 0
+        return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    got = run([3, 1, 2, 1], "--scheduling-policy", "priority")
+    assert sorted(range(4), key=lambda i: got[i]["ttft_s"]) == [1, 3, 2, 0]
+    assert [d["token_ids"] for d in got] == [d["token_ids"] for d in run([0, 0, 0, 0])]
+    with pytest.raises(SystemExit, match=":1: priority must be an integer, and 0 unless"):
+        run([1, 0, 0, 0])
 
 
 def test_generate_json_has_logprobs_and_a_null_field_leaves_the_flag(tiny_ckpt, tmp_path, capsys):
