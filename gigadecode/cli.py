@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="a prompt text (raw, no chat template)")
     src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
     src.add_argument("--requests", help="JSON lines: {\"prompt_ids\": [...] (or \"prompt\"), \"max_tokens\": N, ...} "
-                                         "with sampling fields per line")
+                                         "with sampling fields per line, and \"priority\" (--scheduling-policy "
+                                         "priority)")
     src.add_argument("--chat", metavar="MESSAGE",
                      help="a user message through the checkpoint's chat template; the reply is shown as its "
                           "reasoning, answer and tool calls (with --json: reasoning_content, content, tool_calls)")
