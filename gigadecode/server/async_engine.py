@@ -266,8 +266,10 @@ class AsyncEngine:
         def add() -> None:
             eng = self.engine
             try:
-                kv = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
-                eng.add_request(prompt_ids, params, request_id=request_id, priority=priority, **kv)
+                extra: dict[str, Any] = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+                if not (type(priority) is int and priority == 0):     # what is not set is not passed
+                    extra["priority"] = priority
+                eng.add_request(prompt_ids, params, request_id=request_id, **extra)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 _resolve(loop, accepted, exc=e)
                 return
