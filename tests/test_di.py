@@ -145,6 +145,32 @@ def test_di_equals_single_node_on_unusual_configs(tmp_path, name):
         consumer.connector.close()
 
 
+def test_a_priority_decode_server_admits_remote_requests_by_priority(tiny_ckpt, producer, single):
+    """--scheduling-policy priority on a decode server: requests whose KV comes from the prefill wait in one
+    queue and are admitted (their blocks, then the load) by (priority, arrival), one at a time here; their
+    tokens are one node's and every block goes back on both sides."""
+    consumer = build_engine(tiny_ckpt, EngineConfig(kv_role="kv_consumer", kv_transfer_timeout_s=3.0,
+                                                    scheduling_policy="priority", max_num_seqs=1, **BASE))
+    try:
+        prompts = [random_prompt(n, 1024, seed=970 + n) for n in (5, 17, 9, 23)]
+        want = [run(single, p).output_ids for p in prompts]
+        ids = [consumer.add_request(p, greedy(), kv_transfer_params=producer.prefill(p), priority=q)
+               for p, q in zip(prompts, (2, 0, 3, 1))]
+        first: list[str] = []
+        t0 = time.monotonic()
+        while consumer.has_unfinished():
+            first += [o.request_id for o in consumer.step() if o.new_token_ids and o.request_id not in first]
+            assert time.monotonic() - t0 < 60
+        assert first == [ids[1], ids[3], ids[0], ids[2]]
+        assert [consumer.requests[r].error for r in ids] == [None] * 4
+        assert [consumer.requests[r].output_ids for r in ids] == want
+        assert consumer.stats.kv_bytes_transferred > 0
+        assert consumer.kv_manager.num_free_blocks == NUM_BLOCKS - 1
+    finally:
+        consumer.connector.close()
+    assert producer.wait_free(NUM_BLOCKS - 1) == NUM_BLOCKS - 1
+
+
 def test_sliding_list_is_clipped_to_the_window(producer, consumer):
     prompt = random_prompt(70, 1024, seed=1)
     params = producer.prefill(prompt)
