@@ -19,8 +19,10 @@ Request fields beyond OpenAI's (vLLM's names): top_k, min_p, seed, min_tokens, i
 repetition_penalty, stop_token_ids, return_token_ids (each choice then carries `token_ids`, plus
 `prompt_token_ids`: a stream sends them in each choice's first chunk), include_reasoning, allowed_token_ids,
 bad_words, truncate_prompt_tokens, include_stop_str_in_output and (completions) skip_special_tokens (`extras`),
-priority (passed to `engine.add_request`: --scheduling-policy priority; under fcfs only 0), and kv_transfer_params (passed to `engine.add_request`; a finished request's `kv_transfer_params_out` comes
-back as the body's top-level `kv_transfer_params`, in the last chunk when streaming). OpenAI's `stop`, `n`, `logit_bias`, `tools`, `tool_choice` (auto | none | required | a named function) and
+priority (passed to `engine.add_request`: --scheduling-policy priority; under fcfs only 0), and
+kv_transfer_params (passed to `engine.add_request`; a finished request's `kv_transfer_params_out` comes back as
+the body's top-level `kv_transfer_params`, in the last chunk when streaming). OpenAI's `stop`, `n`, `logit_bias`,
+`tools`, `tool_choice` (auto | none | required | a named function) and
 `reasoning_effort` are supported; the checkpoint's generation_config.json fills sampling fields a request
 leaves unset. Streaming is SSE in OpenAI's chunk format, ending with `data: [DONE]`.
 

@@ -266,8 +266,10 @@ class AsyncEngine:
         def add() -> None:
             eng = self.engine
             try:
-                extra: dict[str, Any] = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
-                if not (type(priority) is int and priority == 0):     # what is not set is not passed
+                extra: dict[str, Any] = {}                             # what is not set is not passed
+                if kv_transfer_params is not None:
+                    extra["kv_transfer_params"] = kv_transfer_params
+                if not (type(priority) is int and priority == 0):
                     extra["priority"] = priority
                 eng.add_request(prompt_ids, params, request_id=request_id, **extra)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
