@@ -18,6 +18,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SLIDING = "sliding_attention"
+_INT32_MAX = 2**31 - 1
 FULL = "full_attention"
 
 
@@ -184,6 +185,14 @@ class GptOssConfig:
     @property
     def experts_mxfp4(self) -> bool:
         return self.quantization is not None and self.quantization.quant_method == "mxfp4"
+
+    @property
+    def attention_window(self) -> int:
+        """The sliding window the kernels and the KV pool run: `sliding_window`, or when that is longer than any
+        sequence can be (past max_position_embeddings, which bounds the engine's context) the context itself,
+        where it binds no more than before. A window of 2**31 or more, which transformers loads, would
+        otherwise overflow the kernels' 32-bit window and size the decode's window tables by it."""
+        return min(self.sliding_window, self.max_position_embeddings, _INT32_MAX)
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == SLIDING

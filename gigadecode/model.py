@@ -141,7 +141,7 @@ class GptOssModel:
         nh, nkv = self.num_heads, self.num_kv_heads
         qkv = native.projection(h, lw.qkv_w, lw.qkv_b)        # [N, (nh + 2 nkv) d]
         group = kv.config.layer_group[layer]
-        window = cfg.sliding_window if cfg.is_sliding(layer) else None
+        window = cfg.attention_window if cfg.is_sliding(layer) else None
         B = kv.block_size
         dcp = self.parallel is not None and self.parallel.dcp_size > 1
         kb, vb = kv.layer_kv(layer)

@@ -200,7 +200,7 @@ def plan_memory(cfg: GptOssConfig, *, tp: int = 1, dp: int = 1, ep: int = 1, blo
         f"{(UINT32_OFFSET_LIMIT - 1) // per_buffer_half_elems} blocks fit"]
     stacked_cap = (UINT32_OFFSET_LIMIT - 1) // (group_size * per_buffer_half_elems)
     stacked_all_cap = (UINT32_OFFSET_LIMIT - 1) // (L * per_buffer_half_elems)
-    window = cfg.sliding_window if any(cfg.is_sliding(i) for i in range(L)) else 0
+    window = cfg.attention_window if any(cfg.is_sliding(i) for i in range(L)) else 0
 
     # DCP: this rank's share of every sequence; the blocks one sequence of `context` tokens holds at once.
     tokens = TokenShard(dcp, 0, interleave) if dcp > 1 else None

@@ -113,7 +113,7 @@ def build_decoder(cfg: GptOssConfig, weights: ModelWeights, model: GptOssModel, 
                              compiled=ecfg.decoder == "gk-compiled", parallel=parallel,
                              native=ecfg.decoder == "gk-native")
     gk.bind_kv_cache(kv.bind_map())
-    return GKDecoder(gk, model, ecfg, cfg.sliding_window)
+    return GKDecoder(gk, model, ecfg, cfg.attention_window)
 
 
 def default_num_blocks(cfg: GptOssConfig, ecfg: EngineConfig, num_kv_heads: int, max_model_len: int) -> int:

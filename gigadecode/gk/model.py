@@ -51,7 +51,7 @@ def kernel_spec(cfg: GptOssConfig, weights: ModelWeights, kv_config: KVCacheConf
         kind_group.append(sliding_groups.index(g) if cfg.is_sliding(i) else full_groups.index(g))
     return KernelSpec(
         num_layers=cfg.num_hidden_layers, num_heads=nh, num_kv_heads=kvh, head_dim=cfg.head_dim,
-        window=cfg.sliding_window, eps=cfg.rms_norm_eps, top_k=cfg.num_experts_per_tok,
+        window=cfg.attention_window, eps=cfg.rms_norm_eps, top_k=cfg.num_experts_per_tok,
         alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, block_size=block_size,
         layer_sliding=tuple(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)),
         layer_kind_group=tuple(kind_group), layer_buffer=tuple(kv_config.layer_buffer),

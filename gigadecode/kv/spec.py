@@ -83,7 +83,7 @@ def get_kv_spec(cfg: GptOssConfig, block_size: int, itemsize: int, num_kv_heads:
     out: dict[int, KVSpec] = {}
     for i in range(cfg.num_hidden_layers):
         if cfg.is_sliding(i):
-            out[i] = SlidingWindowSpec(block_size, kv, cfg.head_dim, itemsize, cfg.sliding_window)
+            out[i] = SlidingWindowSpec(block_size, kv, cfg.head_dim, itemsize, cfg.attention_window)
         else:
             out[i] = FullAttentionSpec(block_size, kv, cfg.head_dim, itemsize)
     return out

@@ -1,0 +1,46 @@
+"""Adversarial input, end to end: checkpoints, engine flags and requests that once broke the engine (a
+crash mid-request, garbage tokens, a traceback from deep inside) and now get a clear error or the right
+answer. Each case runs on the tiny checkpoint in about a second."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gigadecode.engine import build_engine
+from gigadecode.engine_config import EngineConfig
+from gigadecode.sampling import SamplingParams
+
+
+def edited(src: Path, dst: Path, **changes) -> Path:
+    """A copy of the checkpoint `src` with config.json keys changed."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def greedy(ckpt: Path, prompt: list[int], decoder: str, n: int = 4) -> list[int]:
+    kv = "auto" if decoder == "reference" else "fp8"
+    eng = build_engine(str(ckpt), EngineConfig(dtype="float32", kv_dtype=kv, decoder=decoder,
+                                               gk_decode=decoder != "reference", num_blocks=64, threads=1))
+    (req,) = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    assert req.finish_reason == "length", req.error
+    return list(req.output_ids)
+
+
+@pytest.mark.parametrize("decoder", ["gk-native", "reference"])
+def test_a_sliding_window_past_32_bits_never_binds(tiny_ckpt, tmp_path, decoder):
+    """transformers loads a sliding_window of 2**33 or 2**63 (a window past the context, which never binds). The
+    kernels took it as a 32-bit int: 2**33 gave other tokens than a window of the whole context, 2**63 failed the
+    request ("Unable to cast Python instance of type int"), 2**31 - 1 sized the decode's window tables by it
+    (0.6 tok/s on tiny)."""
+    prompt = list(range(3, 40))                           # longer than tiny's window of 16: it binds there
+    whole = greedy(edited(tiny_ckpt, tmp_path / "whole", sliding_window=4096), prompt, decoder)
+    assert whole != greedy(tiny_ckpt, prompt, decoder)   # (the window is not moot for this prompt)
+    for w in (2**31 - 1, 2**33, 2**63):
+        assert greedy(edited(tiny_ckpt, tmp_path / f"w{w}", sliding_window=w), prompt, decoder) == whole, w
