@@ -34,6 +34,9 @@ def default_threads() -> int:
     return max(1, cores // max(1, local_ranks))
 
 
+# `--threads` past this many per CPU only oversubscribes the cores; tens of thousands crash OpenMP's thread start
+MAX_THREADS_PER_CPU = 8
+
 # decode paths: the GK program on the native kernels, in eager torch, compiled by Inductor; the per-layer model
 DECODERS = ("gk-native", "gk", "gk-compiled", "reference")
 
@@ -110,6 +113,11 @@ class EngineConfig:
             raise ConfigError(f"--decoder must be {'|'.join(DECODERS)} (got {self.decoder!r})")
         if self.threads is not None:
             at_least("--threads", self.threads, 1)
+            most = MAX_THREADS_PER_CPU * (os.cpu_count() or 1)
+            if self.threads > most:
+                raise ConfigError(f"--threads {self.threads} is more than {MAX_THREADS_PER_CPU} per CPU of this machine "
+                                  f"({most}): the kernels run no faster for it, and OpenMP fails to start thousands "
+                                  f"of threads (it aborts the process)")
         for flag, v in (("--tp", self.tp), ("--dp", self.dp), ("--ep", self.ep), ("--dcp", self.dcp)):
             at_least(flag, v, 1)
         if self.tp % self.dcp:

@@ -44,3 +44,15 @@ def test_a_sliding_window_past_32_bits_never_binds(tiny_ckpt, tmp_path, decoder)
     assert whole != greedy(tiny_ckpt, prompt, decoder)   # (the window is not moot for this prompt)
     for w in (2**31 - 1, 2**33, 2**63):
         assert greedy(edited(tiny_ckpt, tmp_path / f"w{w}", sliding_window=w), prompt, decoder) == whole, w
+
+
+def test_threads_past_what_openmp_can_start_are_refused():
+    """`--threads 100000` passed the check (>= 1) and OpenMP then killed the process at the first parallel region
+    (a segfault; 30,000: "libgomp: Thread creation failed" and exit 1)."""
+    import os
+
+    from gigadecode.config import ConfigError
+    most = 8 * (os.cpu_count() or 1)
+    EngineConfig(threads=most)
+    with pytest.raises(ConfigError, match=f"--threads 100000 is more than 8 per CPU of this machine \\({most}\\)"):
+        EngineConfig(threads=100_000)
