@@ -450,8 +450,8 @@ class LLMEngine:
             if req.guide is not None and req.guide.error is not None:     # its grammar broke down
                 self.fail(req, req.guide.error, outputs)
                 continue
-            if i in res.dead:                  # its token masks left nothing to sample (token_masks.constrain)
-                self.fail(req, res.dead[i], outputs)
+            if i in res.failed:            # its logits, or its token masks left nothing: its failure alone
+                self.fail(req, f"sampling failed: {res.failed[i]}", outputs)
                 continue
             tok = int(res.token_ids[i])
             req.output_ids.append(tok)

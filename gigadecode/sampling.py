@@ -299,6 +299,10 @@ def greedy(logits: torch.Tensor, num_shards: int = 1) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 # Sampler
 # --------------------------------------------------------------------------------------------------
+# why a row could not be sampled (SampleResult.failed): the request fails, the rest of the batch goes on
+NON_FINITE = "the model's logits for this request hold NaN or +inf (a corrupt checkpoint, or values past its dtype)"
+NO_TOKEN_LEFT = "no token is left to sample: every logit is -inf"
+
 @dataclass(frozen=True)
 class TokenLogprobs:
     """Raw logprobs (log_softmax of the model's logits, before penalties and temperature) for one
@@ -315,7 +319,9 @@ class TokenLogprobs:
 class SampleResult:
     token_ids: torch.Tensor                                # [B] int64, on the logits' device
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per request; None if not asked
-    dead: dict[int, str] = field(default_factory=dict)     # rows with no token left (token_masks): fail them
+    # rows that could not be sampled -> why (their token is meaningless): NaN / +inf logits, none left finite, or
+    # hard token masks (token_masks) that leave nothing
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -331,7 +337,8 @@ class Sampler:
     (unseeded: torch's default one).
 
     A seeded request's draw depends only on its own logits, params, history and generator, never on the
-    rest of the batch. Logits with NaN or +inf raise SamplingError (param "logits").
+    rest of the batch. A row whose logits hold NaN or +inf, or that has no finite logit left to draw, is that
+    row's failure alone (`SampleResult.failed`), never the batch's.
     """
 
     def __init__(self, *, num_shards: int = 1, eos_token_ids: Sequence[int] = ()) -> None:
@@ -349,7 +356,7 @@ class Sampler:
         """logits [B, V] (float32; other float dtypes are upcast); params, generators, histories: one per
         row. Histories may be omitted (no penalties apply), as may generators (all unseeded). `allowed`: per
         row None or a [V] bool mask of the only tokens it may draw (structured output), applied last with the
-        params' allowed_token_ids and bad words (`token_masks.constrain`; rows they leave empty: `dead`)."""
+        params' allowed_token_ids and bad words (`token_masks.constrain`; rows they leave empty: `failed`)."""
         if logits.dim() != 2 or logits.shape[1] == 0:
             raise SamplingError("logits", f"must be [B, V] with V >= 1 (got shape {tuple(logits.shape)})")
         b, v = logits.shape
@@ -373,10 +380,12 @@ class Sampler:
         x = logits.float()                                                   # [B, V] working copy
         if x is logits:
             x = x.clone()
+        failed: dict[int, str] = {}
         bad_rows = (x.isnan() | (x == math.inf)).any(dim=1)                  # [B]
         if bool(bad_rows.any()):
-            rows = bad_rows.nonzero().flatten().tolist()
-            raise SamplingError("logits", f"rows {rows} contain NaN or +inf")
+            for i in bad_rows.nonzero().flatten().tolist():
+                failed[i] = NON_FINITE
+            x[bad_rows] = 0.0                         # drawn from like any row, then discarded
 
         for i, p in enumerate(params):                                     # OpenAI's logit_bias, first
             if p.logit_bias:
@@ -384,7 +393,8 @@ class Sampler:
                 x[i].index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=dev, dtype=x.dtype))
         self._mask_min_tokens(x, params, output_ids)
         self._apply_penalties(x, params, prompt_and_output_ids, output_ids)
-        dead = constrain(x, raw, params, output_ids, allowed)   # grammar, allowed_token_ids, bad words
+        for i, why in constrain(x, raw, params, output_ids, allowed).items():   # grammar, allowed ids, bad words
+            failed.setdefault(i, why)
 
         tokens = torch.empty(b, dtype=torch.int64, device=dev)               # [B]
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
@@ -392,11 +402,14 @@ class Sampler:
         if greedy_rows:
             gi = torch.tensor(greedy_rows, device=dev)
             tokens[gi] = greedy(x[gi], self.num_shards)
+            for j in (x[gi].amax(dim=-1) == -math.inf).nonzero().flatten().tolist():
+                failed.setdefault(greedy_rows[j], NO_TOKEN_LEFT)
         if random_rows:
             ri = torch.tensor(random_rows, device=dev)
             tokens[ri] = self._sample_random(x[ri], [params[i] for i in random_rows],
-                                             [generators[i] for i in random_rows], random_rows)
-        return SampleResult(tokens, self._logprobs(raw, params, tokens), dead)
+                                             [generators[i] for i in random_rows], random_rows, failed)
+        logprobs = self._logprobs(raw, params, tokens, skip=failed)
+        return SampleResult(tokens, logprobs, failed)
 
     # ----------------------------------------------------------------------------------------------
     def _mask_min_tokens(self, x: torch.Tensor, params: Sequence[SamplingParams],
@@ -430,8 +443,10 @@ class Sampler:
                     x[i, out] -= p.frequency_penalty * counts.to(x.dtype) + p.presence_penalty
 
     def _sample_random(self, x: torch.Tensor, params: list[SamplingParams],
-                       generators: list[torch.Generator | None], rows: list[int]) -> torch.Tensor:
-        """x [R, V] penalized logits of the non-greedy rows -> sampled ids [R]."""
+                       generators: list[torch.Generator | None], rows: list[int],
+                       failed: dict[int, str]) -> torch.Tensor:
+        """x [R, V] penalized logits of the non-greedy rows -> sampled ids [R]; a row with no finite logit left
+        is added to `failed` (by its batch row)."""
         r, v = x.shape
         dev = x.device
         x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
@@ -459,10 +474,11 @@ class Sampler:
             drop[:, 0] = False
             x[pj] = torch.empty_like(sx).scatter_(1, order, sx.masked_fill(drop, -math.inf))
 
-        dead = (x.amax(dim=-1) == -math.inf).nonzero().flatten().tolist()
-        if dead:
-            raise SamplingError("logits", f"rows {[rows[j] for j in dead]} have no token left to sample "
-                                          "(every logit is -inf)")
+        dead = x.amax(dim=-1) == -math.inf
+        if bool(dead.any()):
+            for j in dead.nonzero().flatten().tolist():
+                failed.setdefault(rows[j], NO_TOKEN_LEFT)
+            x[dead] = 0.0
         probs = x.softmax(dim=-1)                                                    # [R, V]
         out = torch.empty(r, dtype=torch.int64, device=dev)
         for j, g in enumerate(generators):
@@ -474,9 +490,9 @@ class Sampler:
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, params: Sequence[SamplingParams],
-                  tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+                  tokens: torch.Tensor, skip: Mapping[int, str] = {}) -> list[TokenLogprobs | None]:
         result: list[TokenLogprobs | None] = [None] * len(params)
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None and i not in skip]
         if not rows:
             return result
         ri = torch.tensor(rows, device=raw.device)

@@ -14,7 +14,7 @@ batch's working logits inside `Sampler.sample`, after logit_bias, min_tokens and
 They are hard: when they and min_tokens' masking leave nothing, min_tokens gives way (the row is masked from
 the raw logits instead; the grammar already won over min_tokens this way). When they alone leave nothing (an
 allowed set that the bad words or the grammar exclude entirely), the request cannot go on: its row is
-reported dead and the engine fails that request alone.
+reported (`SampleResult.failed`) and the engine fails that request alone.
 
 A request that uses none of them costs one attribute test per step; nothing here builds a tensor for it.
 """
@@ -107,7 +107,8 @@ def constrain(x: torch.Tensor, raw: torch.Tensor, params: Sequence[Any], output_
     """Mask rows of the working logits x [B, V] (float32, already biased and penalized) in place to the tokens
     the hard constraints leave (module docstring); `raw` [B, V]: the model's logits, `grammar`: per row None
     or a [V] bool mask of the tokens a grammar allows. -> {row: why} for rows left with no token at all: those
-    rows are set to their raw logits so the batch samples normally, and their token must be discarded."""
+    rows are set to zeros (finite even where the raw row holds NaN) so the batch samples normally, and their
+    token must be discarded."""
     rows = [i for i, p in enumerate(params)
             if p.allowed_token_ids is not None or p.bad_words_token_ids or (grammar and grammar[i] is not None)]
     dead: dict[int, str] = {}
@@ -131,6 +132,6 @@ def constrain(x: torch.Tensor, raw: torch.Tensor, params: Sequence[Any], output_
         if not bool(torch.isfinite(row).any()):
             dead[i] = ("no token is left to sample: allowed_token_ids, bad_words and the structured-output grammar "
                        "together exclude every token")
-            row = raw[i].float()
+            row = torch.zeros_like(row)
         x[i] = row
     return dead

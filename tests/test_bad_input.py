@@ -56,3 +56,23 @@ def test_threads_past_what_openmp_can_start_are_refused():
     EngineConfig(threads=most)
     with pytest.raises(ConfigError, match=f"--threads 100000 is more than 8 per CPU of this machine \\({most}\\)"):
         EngineConfig(threads=100_000)
+
+
+def test_a_row_of_nan_logits_fails_that_row_alone():
+    """A NaN or +inf logit raised SamplingError for the whole batch; an all -inf row too. Now each such row is
+    reported in `failed` and every other row is drawn as it would be alone."""
+    import math
+
+    import torch
+
+    from gigadecode.sampling import NO_TOKEN_LEFT, NON_FINITE, Sampler
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    logits[1, 7], logits[2, 3], logits[3] = math.nan, math.inf, -math.inf
+    params = [SamplingParams(temperature=t, logprobs=2) for t in (0.0, 1.0, 0.0, 1.0, 1.0)]
+    gens = [torch.Generator().manual_seed(i) for i in range(5)]
+    res = Sampler().sample(logits, params, gens)
+    assert res.failed == {1: NON_FINITE, 2: NON_FINITE, 3: NO_TOKEN_LEFT}
+    assert res.logprobs[1] is None and res.logprobs[4] is not None
+    alone = Sampler().sample(logits[[0, 4]], [params[0], params[4]], [None, torch.Generator().manual_seed(4)])
+    assert res.token_ids[[0, 4]].tolist() == alone.token_ids.tolist() and not alone.failed

@@ -10,6 +10,8 @@ import torch
 
 from gigadecode.sampling import (
     NO_INDEX,
+    NO_TOKEN_LEFT,
+    NON_FINITE,
     Sampler,
     SamplingError,
     SamplingParams,
@@ -288,11 +290,10 @@ def test_logprobs_are_raw_log_softmax():
     assert res.logprobs[1].rank == 1                              # greedy, unpenalized: the top token
 
 
-def test_nan_logits_rejected():
+def test_nan_logits_fail_their_row():
     x = torch.zeros(2, 5)
     x[1, 3] = math.nan
-    with pytest.raises(SamplingError, match="logits"):
-        Sampler().sample(x, [SamplingParams()] * 2)
+    assert Sampler().sample(x, [SamplingParams()] * 2).failed == {1: NON_FINITE}
 
 
 def test_stop_ids_outside_vocab():
@@ -367,8 +368,8 @@ def test_bad_inputs():
         Sampler().sample(torch.zeros(5), [SamplingParams()])
     x = torch.full((1, 4), -math.inf)
     x[0, 0] = 0.0
-    with pytest.raises(SamplingError, match="no token left"):   # the only finite token is a stop id
-        Sampler().sample(x, [SamplingParams(min_tokens=1, stop_token_ids=[0])], [None], [[]], [[]])
+    res = Sampler().sample(x, [SamplingParams(min_tokens=1, stop_token_ids=[0])], [None], [[]], [[]])
+    assert res.failed == {0: NO_TOKEN_LEFT}                     # the only finite token is a stop id
     assert Sampler().sample(x, [SamplingParams()]).token_ids.tolist() == [0]
 
 

@@ -31,6 +31,7 @@ exactly the single-process ones. With a context:
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -314,14 +315,21 @@ class ParallelContext:
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """Distributed greedy argmax over local logits [B, vocab_len] -> global token ids [B] (int64),
         exactly torch.argmax over the whole vocabulary (ties to the lowest id, NaN wins)."""
+        return self.greedy_with_values(logits)[0]
+
+    def greedy_with_values(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`greedy`, and each row's winning logit [B], the same on every TP rank: NaN when the row holds a NaN
+        anywhere, +inf for a +inf, -inf when the whole row is -inf."""
         vals, idx = shard_argmax(logits, self.vocab_start)
         if self.tp_size == 1:
-            return idx
+            return idx, vals
         ity = _INT_OF[vals.element_size()]
         packed = torch.stack((vals.contiguous().view(ity).to(torch.int64), idx))   # [2, B] exact bits
         g = self.all_gather_tp(packed)                                              # [tp, 2, B]
         values = g[:, 0].to(ity).view(vals.dtype)
-        return reduce_argmax(values, g[:, 1])
+        nan = values.isnan().any(dim=0)
+        best = values.masked_fill(values.isnan(), -math.inf).amax(dim=0).masked_fill(nan, math.nan)
+        return reduce_argmax(values, g[:, 1]), best
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Local logits [B, vocab_len] -> the full [B, V] on every TP rank (for non-greedy sampling)."""
