@@ -26,10 +26,14 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
     q [..., H, T, d]; k, v [..., H, S, d] (kv heads already repeated, or broadcastable: GQA as [.., kv, rep,
     T, d] against [.., kv, 1, S, d]); mask [..., T, S] bool (True = attend) or broadcastable; sinks [..., H]
-    (broadcastable to q's leading dims). -> [..., H, T, d].
+    (broadcastable to q's leading dims). -> [..., H, T, d]. A key no query sees adds nothing, whatever its value
+    holds: a reused KV block's slots past the sequence keep the bytes of its last owner, NaN included, and a
+    probability of 0 times NaN would still be NaN.
     """
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale                    # [.., H, T, S]
-    scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))
+    mask = mask.unsqueeze(-3)                                                  # [.., 1, T, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    v = v.masked_fill(~mask.any(dim=-2).unsqueeze(-1), 0.0)                    # [.., 1, S, 1]: no query sees it
     sink = sinks[..., None, None].to(scores.dtype).expand(*scores.shape[:-1], 1)
     logits = torch.cat((scores, sink), dim=-1)
     logits = logits - logits.amax(dim=-1, keepdim=True)
@@ -168,6 +172,7 @@ def flash_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
             if kmin > qmax or (window is not None and kmax <= qmin - window):
                 continue                                                   # no query of the tile sees these
             k1 = min(S, k0 + tile)
+            vt = vh[:, k0:k1]
             s = torch.bmm(qt, kh[:, k0:k1].transpose(1, 2)).float().mul_(c)   # [nkv, rep tq, tk]
             if kmax > qmin or (window is not None and kmin <= qmax - window):    # partly masked
                 kp = k_pos[None, k0:k1]
@@ -175,12 +180,15 @@ def flash_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
                 if window is not None:
                     vis &= kp > qp - window
                 s = s.view(nkv, rep, tq, -1).masked_fill_(~vis, neg).view(nkv, rep * tq, -1)
+                seen = vis.any(dim=0)                                      # [tk]: keys some query sees
+                if not bool(seen.all()):                                   # the others' values add nothing,
+                    vt = vt.masked_fill(~seen[None, :, None], 0.0)         # even stale NaN (sink_attention)
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             m_safe = m_new.masked_fill(m_new == neg, 0.0)                  # rows with nothing seen yet
             p = s.sub_(m_safe).exp2_()
             corr = (m - m_safe).exp2_()
             l = l.mul_(corr).add_(p.sum(-1, keepdim=True))
-            acc = acc.mul_(corr).add_(torch.bmm(p.to(vh.dtype), vh[:, k0:k1]))
+            acc = acc.mul_(corr).add_(torch.bmm(p.to(vt.dtype), vt))
             m = m_new
         lse = (m + l.log2()).mul_(_LN2)                                    # natural log; -inf: no key seen
         o = acc.div_(l.clamp_min(1e-30)).view(nkv, rep, tq, d)

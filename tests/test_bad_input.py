@@ -76,3 +76,41 @@ def test_a_row_of_nan_logits_fails_that_row_alone():
     assert res.logprobs[1] is None and res.logprobs[4] is not None
     alone = Sampler().sample(logits[[0, 4]], [params[0], params[4]], [None, torch.Generator().manual_seed(4)])
     assert res.token_ids[[0, 4]].tolist() == alone.token_ids.tolist() and not alone.failed
+
+
+@pytest.fixture(scope="module")
+def nan_ckpt(tiny_ckpt, tmp_path_factory) -> Path:
+    """tiny, with token 100's embedding row NaN: a prompt holding it gives NaN activations, KV and logits."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    d = tmp_path_factory.mktemp("nan") / "ckpt"
+    shutil.copytree(tiny_ckpt, d)
+    t = load_file(str(d / "model.safetensors"))
+    t["model.embed_tokens.weight"][100] = float("nan")
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+@pytest.mark.parametrize("decoder,dtype", [("reference", "float32"), ("gk", "bfloat16"), ("gk-native", "float32")])
+def test_nan_activations_fail_their_request_and_leave_no_trace(nan_ckpt, decoder, dtype):
+    """A request whose activations turn NaN (its prompt meets a NaN weight) failed every request of its batch
+    ("engine step failed: SamplingError: ... rows [1] contain NaN or +inf"), and the NaN it left in its KV blocks
+    failed the next requests that reused them: the torch attention paths (fp32 prefill, the eager GK decode)
+    multiplied the stale values past a sequence's end by a probability of 0. Now it fails alone, and the
+    requests after it get their own tokens."""
+    kv = "auto" if decoder == "reference" else "fp8"
+
+    def engine():
+        return build_engine(str(nan_ckpt), EngineConfig(dtype=dtype, kv_dtype=kv, decoder=decoder, num_blocks=12,
+                                                        gk_decode=decoder != "reference", threads=1))
+
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    good, other = [5, 6, 7], [8, 9] * 8
+    alone = [list(engine().generate([q], p)[0].output_ids) for q in (good, other)]
+    eng = engine()
+    a, bad, b = eng.generate([good, [5, 100, 7], good], p)
+    assert [list(a.output_ids), list(b.output_ids)] == [alone[0], alone[0]]
+    assert bad.finish_reason == "error" and "logits for this request hold NaN" in bad.error
+    eng.generate([[100] * 60], p)                       # NaN K/V in most of the pool's blocks, then freed
+    assert [list(r.output_ids) for r in eng.generate([good, other], p)] == alone
+    assert eng.kv_usage()[0] == 0
