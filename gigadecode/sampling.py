@@ -299,7 +299,7 @@ def greedy(logits: torch.Tensor, num_shards: int = 1) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 # Sampler
 # --------------------------------------------------------------------------------------------------
-# why a row could not be sampled (SampleResult.failed): the request fails, the rest of the batch goes on
+# why a row could not be sampled (SampleResult.failed): its request fails, the rest of the batch goes on
 NON_FINITE = "the model's logits for this request hold NaN or +inf (a corrupt checkpoint, or values past its dtype)"
 NO_TOKEN_LEFT = "no token is left to sample: every logit is -inf"
 
@@ -382,10 +382,8 @@ class Sampler:
             x = x.clone()
         failed: dict[int, str] = {}
         bad_rows = (x.isnan() | (x == math.inf)).any(dim=1)                  # [B]
-        if bool(bad_rows.any()):
-            for i in bad_rows.nonzero().flatten().tolist():
-                failed[i] = NON_FINITE
-            x[bad_rows] = 0.0                         # drawn from like any row, then discarded
+        failed.update(dict.fromkeys(bad_rows.nonzero().flatten().tolist(), NON_FINITE))
+        x[bad_rows] = 0.0                                                    # drawn from, then discarded
 
         for i, p in enumerate(params):                                     # OpenAI's logit_bias, first
             if p.logit_bias:
@@ -408,8 +406,7 @@ class Sampler:
             ri = torch.tensor(random_rows, device=dev)
             tokens[ri] = self._sample_random(x[ri], [params[i] for i in random_rows],
                                              [generators[i] for i in random_rows], random_rows, failed)
-        logprobs = self._logprobs(raw, params, tokens, skip=failed)
-        return SampleResult(tokens, logprobs, failed)
+        return SampleResult(tokens, self._logprobs(raw, params, tokens, skip=failed), failed)
 
     # ----------------------------------------------------------------------------------------------
     def _mask_min_tokens(self, x: torch.Tensor, params: Sequence[SamplingParams],
@@ -445,8 +442,7 @@ class Sampler:
     def _sample_random(self, x: torch.Tensor, params: list[SamplingParams],
                        generators: list[torch.Generator | None], rows: list[int],
                        failed: dict[int, str]) -> torch.Tensor:
-        """x [R, V] penalized logits of the non-greedy rows -> sampled ids [R]; a row with no finite logit left
-        is added to `failed` (by its batch row)."""
+        """x [R, V] penalized logits of the non-greedy rows -> sampled ids [R] (rows with none left: `failed`)."""
         r, v = x.shape
         dev = x.device
         x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
@@ -475,10 +471,9 @@ class Sampler:
             x[pj] = torch.empty_like(sx).scatter_(1, order, sx.masked_fill(drop, -math.inf))
 
         dead = x.amax(dim=-1) == -math.inf
-        if bool(dead.any()):
-            for j in dead.nonzero().flatten().tolist():
-                failed.setdefault(rows[j], NO_TOKEN_LEFT)
-            x[dead] = 0.0
+        for j in dead.nonzero().flatten().tolist():
+            failed.setdefault(rows[j], NO_TOKEN_LEFT)
+        x[dead] = 0.0
         probs = x.softmax(dim=-1)                                                    # [R, V]
         out = torch.empty(r, dtype=torch.int64, device=dev)
         for j, g in enumerate(generators):
