@@ -302,17 +302,21 @@ class TokenizerFileError(ValueError):
     """A tokenizer.json or tokenizer_config.json that cannot be read (the message names the file)."""
 
 
+class ChatTemplateError(TokenizerFileError):
+    """The checkpoint's chat template cannot be used: it does not compile, or names no default template."""
+
+
 class TextCodec:
     """Text <-> token ids for one model directory (its tokenizer.json + tokenizer_config.json)."""
 
     def __init__(self, tokenizer: Tokenizer, config: Mapping[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.config: dict[str, Any] = dict(config or {})
-        self.chat_template: str | None = self.config.get("chat_template") or None
+        self.chat_template: Any = self.config.get("chat_template") or None
         self.special_ids: frozenset[int] = frozenset(
             i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
-        self._compiled: Any = None
+        self._compiled: dict[str, Any] = {}
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> TextCodec | None:
@@ -384,21 +388,46 @@ class TextCodec:
         if self.chat_template is None:
             text = "".join(f"<|start|>{m['role']}<|message|>{_text_of(m['content'])}<|end|>" for m in messages)
             return text + ("<|start|>assistant<|message|>" if add_generation_prompt else "")
-        if self._compiled is None:
+        name, source = self._template_source(tools)
+        if name not in self._compiled:
+            from jinja2 import TemplateError
             from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
             env.filters["tojson"] = _tojson  # the helpers transformers gives templates (real GPT-OSS uses them)
             env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
-            self._compiled = env.from_string(self.chat_template)
+            try:
+                self._compiled[name] = env.from_string(source)
+            except TemplateError as e:
+                raise ChatTemplateError(f"the checkpoint's chat template{'' if name is None else f' {name!r}'} "
+                                        f"does not compile: {type(e).__name__}: {e}") from None
         names = {k: v.get("content") if isinstance(v, dict) else v
                  for k, v in self.config.items() if k.endswith("_token")}
         context = {**names, **template_kwargs}
         if tools is not None:
             context["tools"] = [dict(t) for t in tools]
-        return self._compiled.render(messages=[dict(m) for m in messages],
-                                     add_generation_prompt=add_generation_prompt, **context)
+        return self._compiled[name].render(messages=[dict(m) for m in messages],
+                                           add_generation_prompt=add_generation_prompt, **context)
+
+    def _template_source(self, tools: Any) -> tuple[str | None, str]:
+        """(name, Jinja source) of the template to render, chosen as transformers chooses: one template (a
+        string), or named ones (a list of {"name", "template"}, or a dict of name -> template): "tool_use" when
+        the request has tools and the checkpoint has it, else "default"."""
+        t = self.chat_template
+        if isinstance(t, str):
+            return None, t
+        if isinstance(t, list) and all(isinstance(x, dict) and isinstance(x.get("name"), str) for x in t):
+            t = {x["name"]: x.get("template") for x in t}
+        if not isinstance(t, dict):
+            raise ChatTemplateError(f"the checkpoint's chat_template must be a string or a list of named "
+                                    f"templates (got {type(t).__name__})")
+        name = "tool_use" if tools is not None and "tool_use" in t else "default"
+        if name not in t:
+            raise ChatTemplateError(f"the checkpoint has chat templates {sorted(t)} but none named 'default'")
+        if not isinstance(t[name], str):
+            raise ChatTemplateError(f"the checkpoint's chat template {name!r} is not a string")
+        return name, t[name]
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> list[int]:

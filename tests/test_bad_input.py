@@ -114,3 +114,54 @@ def test_nan_activations_fail_their_request_and_leave_no_trace(nan_ckpt, decoder
     eng.generate([[100] * 60], p)                       # NaN K/V in most of the pool's blocks, then freed
     assert [list(r.output_ids) for r in eng.generate([good, other], p)] == alone
     assert eng.kv_usage()[0] == 0
+
+
+@pytest.mark.parametrize("form", ["list", "dict"])
+def test_named_chat_templates_render_as_transformers_renders_them(tiny_ckpt, tmp_path, form):
+    """tokenizer_config.json may hold several named templates (a list of {"name", "template"}, as transformers
+    saves them; a dict after it loads them): transformers renders "tool_use" for a request with tools, else
+    "default". Every chat here failed ("TypeError: Can't compile non template nodes", a traceback from
+    `generate --chat`)."""
+    from transformers import AutoTokenizer
+
+    from gigadecode.tokenizer import TextCodec
+    d = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    default = tc["chat_template"]
+    tool_use = "{% for t in tools %}TOOL {{ t['function']['name'] }};{% endfor %}" + default
+    named = [{"name": "default", "template": default}, {"name": "tool_use", "template": tool_use}]
+    tc["chat_template"] = named if form == "list" else {x["name"]: x["template"] for x in named}
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    codec, hf = TextCodec.from_dir(d), AutoTokenizer.from_pretrained(str(d))
+    msgs = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for kw in ({}, {"tools": tools}):
+        assert codec.render_chat(msgs, **kw) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                                                       **kw)
+    assert codec.render_chat(msgs, tools=tools).startswith("TOOL f;")
+
+
+@pytest.mark.parametrize("template,message", [
+    ("{% for %}", "the checkpoint's chat template does not compile: TemplateSyntaxError"),
+    (5, "chat_template must be a string or a list of named templates \\(got int\\)"),
+    ([{"name": "tool_use", "template": "x"}], "chat templates \\['tool_use'\\] but none named 'default'"),
+])
+def test_a_broken_chat_template_is_named_not_a_traceback(tiny_ckpt, tmp_path, capsys, template, message):
+    """`generate --chat` over a template that does not compile printed a jinja2 traceback."""
+    from gigadecode.cli import main
+    from gigadecode.tokenizer import ChatTemplateError, TextCodec
+    d = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc["chat_template"] = template
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    assert main(["generate", "--model", str(d), "--chat", "hi", "--max-tokens", "2", "--no-warmup", "--threads", "1",
+                 "--num-blocks", "16"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("gigadecode generate: error: ")
+    with pytest.raises(ChatTemplateError, match=message):
+        TextCodec.from_dir(d).render_chat([{"role": "user", "content": "hi"}])
+    # a server's chat routes: the server's fault (500, the template named), not a 400 blaming the messages
+    from gigadecode.server.chat import chat_prompt
+    from gigadecode.server.protocol import APIError, ChatBody
+    with pytest.raises(APIError, match=message) as e:
+        chat_prompt(TextCodec.from_dir(d), ChatBody(model="m", messages=[{"role": "user", "content": "hi"}]))
+    assert e.value.status == 500

@@ -77,9 +77,12 @@ def chat_prompt(codec: Any, req: ChatBody) -> list[int]:
         extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
     if req.reasoning_effort is not None:      # OpenAI's "minimal" is GPT-OSS's lowest, as on /v1/responses
         extra["reasoning_effort"] = "low" if req.reasoning_effort == "minimal" else req.reasoning_effort
+    from ..tokenizer import ChatTemplateError
     try:
         return codec.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt is not False,
                                          **extra)
+    except ChatTemplateError as e:        # the server's template, not these messages: no chat request can run
+        raise APIError(500, str(e), type="server_error", code="chat_template") from None
     except Exception as e:  # noqa: BLE001 - a template that cannot render these messages
         raise APIError(400, f"cannot apply the chat template to these messages: {type(e).__name__}: {e}",
                        param="messages") from None
