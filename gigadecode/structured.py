@@ -38,6 +38,8 @@ from .request import RequestError
 # JSON laid out as json.dumps does (", " and ": ", no other whitespace): free whitespace lets a model pad
 # forever (a schema's own "x-guidance" options still apply over these)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# how a request's error starts when its grammar broke down mid-way (the client's grammar: a 400, not a 500)
+GRAMMAR_FAILED = "structured output: "
 # compiled grammars kept (on the engine thread, where every running request waits for a compile): a request's
 # check and admission, its n sequences and later requests with the same grammar compile it once
 COMPILED_CACHE = 64
@@ -179,7 +181,7 @@ class Guide:
             mask[self._ends] = True
         if m.is_error() or not bool(mask.any()):           # the grammar broke down, or nothing fits: the
             first = (m.get_error() or "").split("\n")[0]     # request's error (the row draws an end meanwhile)
-            self.error = f"structured output: {first or 'the grammar allows no token here'}"
+            self.error = f"{GRAMMAR_FAILED}{first or 'the grammar allows no token here'}"
             mask[:] = False
             mask[self._ends] = True
             if not bool(mask.any()):                       # no end token at all: any token (the row is failed)

@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 
+import httpx
 import openai
 import pytest
 import torch
@@ -157,6 +158,19 @@ def test_the_server_fields(demo):
             with pytest.raises(openai.BadRequestError) as e:
                 c.completions.create(model="m", prompt="x", max_tokens=2, extra_body=extra)
             assert e.value.body["param"] == param, e.value.body
+        # a grammar that compiles but breaks down mid-way is the request's error too: a 400 (it was a 500
+        # server_error), and in a stream an invalid_request_error event
+        broken = {"guided_json": json.dumps({"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}},
+                                             "required": ["a"], "$defs": {"x": {"type": "array", "minItems": 1,
+                                                                                "items": {"$ref": "#/$defs/x"}}}})}
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="m", prompt="x", max_tokens=30, temperature=0, extra_body=broken)
+        assert e.value.body["code"] == "grammar_failed" and "structured output" in e.value.body["message"]
+        body = {"model": "m", "prompt": "x", "max_tokens": 30, "temperature": 0, "stream": True, **broken}
+        events = [json.loads(line[6:]) for line in httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+                  .text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["error"]["type"] == "invalid_request_error", events[-1]
+        assert events[-1]["error"]["code"] == "grammar_failed"
         assert not eng.requests
 
 

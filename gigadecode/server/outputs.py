@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..sampling import SEED_MAX, SamplingParams
+from ..structured import GRAMMAR_FAILED
 from .async_engine import SHUTTING_DOWN, AsyncEngine, RequestStream
 from .disconnect import ClientGone, unless_disconnected
 from .protocol import MAX_SEQUENCES, APIError, engine_error, error_body
@@ -412,12 +413,20 @@ async def _collect(choices: list[Choice]) -> None:
             break
 
 
+def error_kind(error: str) -> tuple[int, str, str]:
+    """A failed request's error -> (status, type, code) of its answer or in-band error event."""
+    if error == SHUTTING_DOWN:
+        return 503, "server_error", "server_shutting_down"
+    if error.startswith(GRAMMAR_FAILED):                          # the request's own grammar broke down
+        return 400, "invalid_request_error", "grammar_failed"
+    return 500, "server_error", "request_failed"
+
+
 def _final_error(choices: list[Choice]) -> None:
     for c in choices:
-        if c.error == SHUTTING_DOWN:
-            raise APIError(503, f"request failed: {c.error}", type="server_error", code="server_shutting_down")
         if c.error is not None:
-            raise APIError(500, f"request failed: {c.error}", type="server_error", code="request_failed")
+            status, type_, code = error_kind(c.error)
+            raise APIError(status, f"request failed: {c.error}", type=type_, code=code)
         if c.finish_reason == "abort":
             raise APIError(500, "request was aborted", type="server_error", code="request_aborted")
 
@@ -451,8 +460,8 @@ async def stream_events(choices: list[Choice], make_chunk: Callable[[Choice, Any
                 continue
             pieces = c.absorb(out)
             if c.done and c.error is not None:
-                code = "server_shutting_down" if c.error == SHUTTING_DOWN else "request_failed"
-                yield sse(error_body(f"request failed: {c.error}", "server_error", code=code))
+                _, type_, code = error_kind(c.error)
+                yield sse(error_body(f"request failed: {c.error}", type_, code=code))
                 break
             made = make_chunk(c, out, pieces)
             for chunk in [] if made is None else made if isinstance(made, list) else [made]:

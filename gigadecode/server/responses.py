@@ -33,9 +33,8 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from ..connector.params import KVTransferParams
 from . import deps
-from .async_engine import SHUTTING_DOWN
 from .chat import chat_prompt
-from .outputs import Choice, TextRenderer, merge, run_to_end, start
+from .outputs import Choice, TextRenderer, error_kind, merge, run_to_end, start
 from .protocol import (APIError, ChatBody, _Model, errors_named, forced_call, parse, read_json,
                        request_priority, sampling_params)
 from .response_items import ItemRenderer, OutputItems, new_id
@@ -292,7 +291,7 @@ async def _events(c: Choice, head: dict[str, Any], final: Any) -> AsyncIterator[
             if c.done:
                 break
         if c.error is not None:
-            code = "server_shutting_down" if c.error == SHUTTING_DOWN else "request_failed"
+            code = error_kind(c.error)[2]
             yield event({"type": "error", "code": code, "message": f"request failed: {c.error}", "param": None})
             return
         for ev in items.close("incomplete" if c.finish_reason == "length" else "completed"):
