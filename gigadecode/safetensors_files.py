@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -43,8 +46,7 @@ def read_safetensors_index(model_dir: Path) -> dict[str, TensorEntry]:
     Fails with a CheckpointError naming the file and tensor for a bad header or a tensor whose bytes lie
     past the end of its file (a truncated download).
     """
-    _check_shard_index(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = _checkpoint_files(model_dir)
     if not files:
         raise CheckpointError(f"no *.safetensors files in {model_dir}")
     index: dict[str, TensorEntry] = {}
@@ -88,12 +90,28 @@ def read_safetensors_index(model_dir: Path) -> dict[str, TensorEntry]:
     return index
 
 
-def _check_shard_index(model_dir: Path) -> None:
-    """A sharded checkpoint's `model.safetensors.index.json` names its shards: one that is missing (an
-    incomplete download) is named, rather than reported as the first tensor it held."""
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files that hold the checkpoint. With a `model.safetensors.index.json`, the files
+    transformers reads: model.safetensors when there is one, else the shards the index names (a stray
+    *.safetensors beside them, such as a shard of an earlier download, is left out, with a warning); without an
+    index, every *.safetensors file (each tensor in one of them)."""
+    every = sorted(model_dir.glob("*.safetensors"))
+    if not (model_dir / "model.safetensors.index.json").is_file():
+        return every
+    single = model_dir / "model.safetensors"
+    files = [single] if single.is_file() else [model_dir / f for f in sorted(_check_shard_index(model_dir))]
+    left = [f.name for f in every if f not in files]
+    if left:
+        log.warning("%s: reading %s, as transformers does; not %s", model_dir,
+                    single.name if single.is_file() else "the shards model.safetensors.index.json names",
+                    ", ".join(left))
+    return files
+
+
+def _check_shard_index(model_dir: Path) -> set[str]:
+    """A sharded checkpoint's `model.safetensors.index.json` -> the shard files it names; one that is missing
+    (an incomplete download) is named, rather than reported as the first tensor it held."""
     path = model_dir / "model.safetensors.index.json"
-    if not path.is_file():
-        return
     try:
         shards = {str(f) for f in json.loads(path.read_text())["weight_map"].values()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -103,6 +121,7 @@ def _check_shard_index(model_dir: Path) -> None:
     if missing:
         raise CheckpointError(f"{path.name} lists {len(missing)} shard file(s) missing from {model_dir}: "
                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (an incomplete download?)")
+    return shards
 
 
 class FileTensor:

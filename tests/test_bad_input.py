@@ -165,3 +165,28 @@ def test_a_broken_chat_template_is_named_not_a_traceback(tiny_ckpt, tmp_path, ca
     with pytest.raises(APIError, match=message) as e:
         chat_prompt(TextCodec.from_dir(d), ChatBody(model="m", messages=[{"role": "user", "content": "hi"}]))
     assert e.value.status == 500
+
+
+def test_a_sharded_checkpoint_reads_the_files_transformers_reads(tiny_ckpt, tmp_path, caplog):
+    """With a model.safetensors.index.json, transformers reads the shards it names (or model.safetensors when
+    that is there too) and nothing else. A stray shard beside them (an earlier download with another shard
+    count) failed the load here: "tensor ... appears in both model-00001-of-00009.safetensors and ..."."""
+    import torch
+
+    from gigadecode.checkpoint import make_checkpoint
+    from gigadecode.weights import load_weights
+    from helpers import load_hf
+    d = make_checkpoint(tmp_path / "sharded", "tiny", seed=0, experts="mxfp4", shard_bytes=100_000)
+    first = sorted(d.glob("model-*.safetensors"))[0]
+    shutil.copy(first, d / "model-00001-of-00009.safetensors")          # the stray
+    want = load_weights(tiny_ckpt)
+    with caplog.at_level("WARNING", logger="gigadecode.safetensors_files"):
+        got = load_weights(d)
+    assert "not model-00001-of-00009.safetensors" in caplog.text
+    assert all(torch.equal(got.tensors[k], v) for k, v in want.tensors.items())
+    load_hf(str(d))                                                     # (transformers loads it)
+    shutil.copy(tiny_ckpt / "model.safetensors", d / "model.safetensors")
+    for f in d.glob("model-*.safetensors"):                            # model.safetensors wins over the index
+        f.write_bytes(b"\0" * 8)
+    got = load_weights(d)
+    assert all(torch.equal(got.tensors[k], v) for k, v in want.tensors.items())
