@@ -176,6 +176,9 @@ class LLMEngine:
         params.validate(self.cfg.vocab_size)
         if params.guided is not None:
             self.guides.make(params.guided)                 # a grammar that does not compile: refused here
+        elif params.min_tokens and len(set(params.stop_token_ids) | set(() if params.ignore_eos else self.eos_token_ids)
+                                       ) >= self.cfg.vocab_size:     # min_tokens would mask every token
+            raise RequestError("min_tokens > 0 with every token id a stop token leaves nothing to sample", "min_tokens")
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
             raise RequestError("prompt is empty" if not prompt_ids else "prompt must be a list of token ids",
                                param="prompt")

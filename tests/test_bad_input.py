@@ -190,3 +190,17 @@ def test_a_sharded_checkpoint_reads_the_files_transformers_reads(tiny_ckpt, tmp_
         f.write_bytes(b"\0" * 8)
     got = load_weights(d)
     assert all(torch.equal(got.tensors[k], v) for k, v in want.tensors.items())
+
+
+def test_min_tokens_with_every_token_a_stop_token_is_refused(tiny_ckpt):
+    """min_tokens masks the stop ids until it is met: with all of them stop ids nothing is left to draw. A sampled
+    request failed every request of its step (SamplingError "no token left"), a greedy one drew the masked token
+    0 and finished "stop" before its min_tokens. Now it is refused up front, naming min_tokens."""
+    from gigadecode.request import RequestError
+    eng = build_engine(str(tiny_ckpt), EngineConfig(dtype="float32", num_blocks=64, threads=1))
+    every = list(range(eng.cfg.vocab_size))
+    for t in (0.0, 1.0):
+        with pytest.raises(RequestError, match="min_tokens > 0 with every token id a stop token") as e:
+            eng.add_request([5, 6], SamplingParams(temperature=t, max_tokens=3, min_tokens=2, stop_token_ids=every))
+        assert e.value.param == "min_tokens"
+    eng.add_request([5, 6], SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=every[1:]))   # one left
