@@ -204,3 +204,17 @@ def test_min_tokens_with_every_token_a_stop_token_is_refused(tiny_ckpt):
             eng.add_request([5, 6], SamplingParams(temperature=t, max_tokens=3, min_tokens=2, stop_token_ids=every))
         assert e.value.param == "min_tokens"
     eng.add_request([5, 6], SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=every[1:]))   # one left
+
+
+def test_a_kv_pool_larger_than_the_memory_left_is_refused(tiny_ckpt, monkeypatch):
+    """`--num-blocks 8000000 --kv-dtype bf16` on tiny (30.5 GiB) on a machine with 22 GiB free: zeroing the pool
+    got the process killed by the OOM killer (exit 137, nothing said). Now the start is refused with the sizes."""
+    from gigadecode.config import ConfigError, GptOssConfig
+    from gigadecode.kv import cache
+    assert cache.available_memory() > 0                        # (read on this machine)
+    monkeypatch.setattr(cache, "available_memory", lambda: 2**20)
+    cfg, ecfg = GptOssConfig.from_hf(tiny_ckpt), EngineConfig(dtype="float32", kv_dtype="bf16")
+    cache.KVCache(cfg, ecfg, num_blocks=8)                     # 8 blocks: 64 KiB
+    with pytest.raises(ConfigError, match=r"the KV pool \(1000 blocks of 16 tokens\) needs 3.9 MiB, and this machine "
+                                          r"has 1.0 MiB available: lower --num-blocks or --kv-budget-gib"):
+        cache.KVCache(cfg, ecfg, num_blocks=1000)

@@ -12,9 +12,11 @@ compute dtype. Slot of token at position p in a block table: `table[p // block] 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..config import GptOssConfig
+from ..config import ConfigError, GptOssConfig
 from ..engine_config import EngineConfig
 from .spec import KVCacheConfig, get_kv_spec, make_kv_cache_config
 
@@ -60,6 +62,7 @@ class KVCache:
         self.config: KVCacheConfig = make_kv_cache_config(self.specs, num_blocks)
         check_buffer_offset(num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         shape = (2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        check_fits_memory(self.config.group_size * math.prod(shape) * itemsize, num_blocks, self.block_size)
         # One allocation per buffer (zeros: the null block and unwritten slots read as 0, never NaN).
         self.group_bufs = [torch.zeros(shape, dtype=self.storage_dtype, device=device)
                            for _ in range(self.config.group_size)]
@@ -95,6 +98,34 @@ class KVCache:
         """block_ids [nb] -> k, v [nb*block, kv, d] in the compute dtype (token-major)."""
         kb, vb = self.layer_kv(layer)
         return gather_kv(kb, vb, block_ids, self.compute_dtype, self.k_scale, self.v_scale)
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: the kernel's MemAvailable, or less under a cgroup memory limit;
+    None where neither can be read (not Linux)."""
+    got = []
+    try:
+        with open("/proc/meminfo") as f:
+            got += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            got.append(int(limit) - int(open("/sys/fs/cgroup/memory.current").read()))
+    except (OSError, ValueError):
+        pass
+    return min(got) if got else None
+
+
+def check_fits_memory(nbytes: int, num_blocks: int, block_size: int) -> None:
+    """A pool larger than the memory left is refused with its size (the allocation zeroes every page: the
+    kernel's OOM killer would end the process without a word)."""
+    free = available_memory()
+    if free is not None and nbytes > free:
+        size = lambda n: f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"  # noqa: E731
+        raise ConfigError(f"the KV pool ({num_blocks} blocks of {block_size} tokens) needs {size(nbytes)}, and this "
+                          f"machine has {size(free)} available: lower --num-blocks or --kv-budget-gib")
 
 
 def check_buffer_offset(num_blocks: int, kv: int, block: int, d: int) -> int:
