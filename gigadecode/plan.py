@@ -163,19 +163,19 @@ def plan_memory(cfg: GptOssConfig, *, tp: int = 1, dp: int = 1, ep: int = 1, blo
 
     breakdown = weight_breakdown(cfg, tp=tp, ep=ep, dcp=dcp)
     weight_bytes = sum(breakdown.values())
+    if activation_gib is not None and not (math.isfinite(activation_gib) and activation_gib >= 0):
+        raise ValueError(f"--activation-gib must be >= 0 and finite (got {activation_gib})")
     act_bytes = (round(activation_gib * GIB) if activation_gib is not None
                  else estimate_activation_bytes(cfg, tp=tp, ep=ep, max_num_seqs=max_num_seqs, dcp=dcp))
-    if act_bytes < 0:
-        raise ValueError(f"--activation-gib must be >= 0 (got {activation_gib})")
 
     device_bytes = None
     if kv_budget_gib is not None:
-        if kv_budget_gib <= 0:
-            raise ValueError(f"--kv-budget-gib must be > 0 (got {kv_budget_gib})")
+        if not (math.isfinite(kv_budget_gib) and kv_budget_gib > 0):
+            raise ValueError(f"--kv-budget-gib must be > 0 and finite (got {kv_budget_gib})")
         budget = kv_budget_gib * GIB
     else:
-        if device_memory_gib <= 0:
-            raise ValueError(f"--device-memory-gib must be > 0 (got {device_memory_gib})")
+        if not (math.isfinite(device_memory_gib) and device_memory_gib > 0):
+            raise ValueError(f"--device-memory-gib must be > 0 and finite (got {device_memory_gib})")
         device_bytes = device_memory_gib * GIB
         usable = device_bytes * memory_utilization
         budget = usable - weight_bytes - act_bytes

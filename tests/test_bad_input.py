@@ -218,3 +218,19 @@ def test_a_kv_pool_larger_than_the_memory_left_is_refused(tiny_ckpt, monkeypatch
     with pytest.raises(ConfigError, match=r"the KV pool \(1000 blocks of 16 tokens\) needs 3.9 MiB, and this machine "
                                           r"has 1.0 MiB available: lower --num-blocks or --kv-budget-gib"):
         cache.KVCache(cfg, ecfg, num_blocks=1000)
+
+
+@pytest.mark.parametrize("kw,flag", [
+    (dict(kv_budget_gib=float("nan")), "--kv-budget-gib must be > 0 and finite \\(got nan\\)"),
+    (dict(kv_budget_gib=float("inf")), "--kv-budget-gib must be > 0 and finite \\(got inf\\)"),
+    (dict(device_memory_gib=float("inf")), "--device-memory-gib must be > 0 and finite"),
+    (dict(device_memory_gib=80.0, activation_gib=float("nan")), "--activation-gib must be >= 0 and finite"),
+    (dict(device_memory_gib=80.0, activation_gib=float("inf")), "--activation-gib must be >= 0 and finite"),
+])
+def test_plan_names_non_finite_sizes(kw, flag):
+    """`gigadecode plan --kv-budget-gib nan` said "cannot convert float NaN to integer"; `--activation-gib inf`
+    printed an OverflowError traceback."""
+    from gigadecode.checkpoint import preset_config
+    from gigadecode.plan import plan_memory
+    with pytest.raises(ValueError, match=flag):
+        plan_memory(preset_config("tiny"), **kw)
