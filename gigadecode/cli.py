@@ -143,6 +143,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------
+def tcp_port(text: str) -> int:
+    """A --port / --kv-port value: refused by argparse when out of range (it was an OverflowError traceback from
+    the bind, after the model had loaded)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"port {n} is outside 0-65535")
+    return n
+
+
 def add(sub, name: str, text: str) -> argparse.ArgumentParser:
     """A subcommand whose one-line summary is also the head of its own --help."""
     return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
@@ -196,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address the API (and a prefill's KV side channel) binds (default 127.0.0.1; 0.0.0.0: "
                         "every interface)")
-    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--port", type=tcp_port, default=8000, help="default 8000")
     p.add_argument("--api-key", default=os.environ.get("GIGADECODE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /kv/release "
                         "(/health, /metrics and /version stay open; default $GIGADECODE_API_KEY)")
@@ -215,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("--kv-advertise-host", default=None, metavar="HOST",
                     help="prefill: the address decode engines use to reach this server's KV side channel "
                          "(default: the address each request reached the API on)")
-    di.add_argument("--kv-port", type=int, default=0, help="prefill: side-channel port for the KV handshake (0 = any)")
+    di.add_argument("--kv-port", type=tcp_port, default=0, help="prefill: side-channel port for the KV handshake (0 = any)")
     di.add_argument("--kv-lease-s", type=float, default=30.0, help="prefill: how long leased KV waits for the decode read (default 30)")
     di.add_argument("--kv-transfer-timeout-s", type=float, default=10.0, help="decode: handshake + read time limit (default 10)")
     di.add_argument("--kv-failure-policy", default="fail", choices=["fail", "recompute"],
@@ -245,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long the decode server may take to start its answer (a stream's first bytes, a "
                         "non-streaming request's whole answer) before a 504 (default: no limit)")
     p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1; 0.0.0.0: every interface")
-    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--port", type=tcp_port, default=8000, help="default 8000")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,

@@ -234,3 +234,14 @@ def test_plan_names_non_finite_sizes(kw, flag):
     from gigadecode.plan import plan_memory
     with pytest.raises(ValueError, match=flag):
         plan_memory(preset_config("tiny"), **kw)
+
+
+@pytest.mark.parametrize("argv", [["serve", "--model", "M", "--port", "99999"], ["serve", "--model", "M", "--port", "-1"],
+                                  ["serve", "--model", "M", "--role", "prefill", "--kv-port", "70000"],
+                                  ["proxy", "--prefill", "http://p", "--decode", "http://d", "--port", "65536"]])
+def test_ports_out_of_range_are_refused_by_the_parser(argv, capsys):
+    """`serve --port 99999` loaded the model, then died in the bind with an OverflowError traceback."""
+    from gigadecode.cli import build_parser
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and "is outside 0-65535" in capsys.readouterr().err
