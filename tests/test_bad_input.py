@@ -245,3 +245,16 @@ def test_ports_out_of_range_are_refused_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
     assert e.value.code == 2 and "is outside 0-65535" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [True, 5, [{"type": "reasoning_text", "text": 5}], "think"])
+def test_a_malformed_reasoning_input_item_is_a_400(content):
+    """/v1/responses with a reasoning item whose content is not a list of text parts: "TypeError: 'bool' object
+    is not iterable", a 500 and a connection reset by the server."""
+    from gigadecode.server.protocol import APIError
+    from gigadecode.server.responses import ResponsesBody, chat_messages
+    req = ResponsesBody.model_validate({"model": "m", "input": [{"role": "user", "content": "hi"},
+                                                                {"type": "reasoning", "content": content}]})
+    with pytest.raises(APIError, match="a reasoning item's content") as e:
+        chat_messages(req)
+    assert (e.value.status, e.value.param) == (400, "input.1.content")

@@ -159,7 +159,11 @@ def chat_messages(req: ResponsesBody) -> list[dict[str, Any]]:
                              "content": out if isinstance(out, str) else _text(out, f"{where}.output")})
         elif kind == "reasoning":
             parts = it.get("content") or it.get("summary") or []
-            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text", ""), str)
+                                                      for p in parts):
+                raise APIError(400, f"{where}: a reasoning item's content (or summary) must be a list of "
+                                    f"{{\"text\": string}} parts", param=f"{where}.content")
+            text = "".join(p.get("text", "") for p in parts)
             thinking = text if thinking is None else thinking + "\n" + text    # one turn's analysis messages
         else:
             raise APIError(400, f"{where}: input items of type {kind!r} are not supported", param=f"{where}.type")
