@@ -312,7 +312,8 @@ def test_parallel_reference_decoder_and_bf16_experts(tiny_ckpt_bf16):
 # --------------------------------------------------------------------------------------------------
 def test_distributed_argmax_equals_torch_argmax_ties_included():
     """V = 6 over tp = 4: shards of 2, 2, 2 and an empty one. Ties across shard boundaries go to the lowest
-    id, NaN wins (first NaN), an all -inf row gives 0 — exactly torch.argmax."""
+    id, NaN wins (first NaN), an all -inf row gives 0 — exactly torch.argmax. Every rank gets each row's winning
+    logit too: NaN, +inf and -inf rows are the ones the engine fails (their token means nothing)."""
     inf, nan = math.inf, math.nan
     logits = torch.tensor([
         [0.0, 1.0, 1.0, 0.0, 0.0, 1.0],            # tie across shards 0 and 1 and 2 -> 1
@@ -320,10 +321,13 @@ def test_distributed_argmax_equals_torch_argmax_ties_included():
         [-inf, -inf, -inf, -inf, -inf, -inf],      # all -inf -> 0
         [1.0, 2.0, 3.0, nan, 5.0, nan],            # NaN is the max -> 3
         [-1.0, -2.0, -3.0, -4.0, -5.0, -0.5],      # max in the last real shard -> 5
+        [0.0, 1.0, inf, 0.0, nan, 0.0],            # NaN beats +inf -> 4
     ])
     got = run_world(4, argmax_job, 4, logits)
     want = logits.argmax(-1).tolist()
-    assert all(g == want for g in got)
+    assert all(ids == want for ids, _ in got)
+    for _, best in got:
+        assert [b if math.isfinite(b) else str(b) for b in best] == [1.0, 2.0, "-inf", "nan", -0.5, "nan"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -79,11 +79,13 @@ def generate_job(rank: int, model_dir: str, prompts: list[list[int]], tp: int, d
     return res, report
 
 
-def argmax_job(rank: int, tp: int, logits: torch.Tensor) -> list[int]:
-    """Distributed greedy over a TP world of `tp` ranks on full logits [B, V] (each rank takes its shard)."""
+def argmax_job(rank: int, tp: int, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Distributed greedy over a TP world of `tp` ranks on full logits [B, V] (each rank takes its shard) ->
+    (token ids, winning logits)."""
     from ..checkpoint import preset_config
     from ..distributed.context import make_parallel_context
     cfg = preset_config("tiny").with_(vocab_size=logits.shape[1])
     ctx = make_parallel_context(cfg, tp, 1, 1)
     local = logits[:, ctx.vocab_start: ctx.vocab_stop]
-    return ctx.greedy(local).tolist()
+    ids, best = ctx.greedy_with_values(local)
+    return ids.tolist(), best.tolist()
