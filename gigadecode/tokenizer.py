@@ -332,8 +332,14 @@ class TextCodec:
             raise TokenizerFileError(f"{cfg_path} is not a valid tokenizer_config.json: {e}") from None
         if not isinstance(config, dict):
             raise TokenizerFileError(f"{cfg_path} must hold a JSON object (got a {type(config).__name__})")
-        if not config.get("chat_template") and (model_dir / "chat_template.jinja").is_file():
-            config["chat_template"] = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        # template files win over tokenizer_config's entry, as in transformers: chat_template.jinja is the default,
+        # additional_chat_templates/NAME.jinja the named ones (tool_use: for a request with tools)
+        files = {"default": model_dir / "chat_template.jinja"} if (model_dir / "chat_template.jinja").is_file() else {}
+        if (model_dir / "additional_chat_templates").is_dir():
+            files.update((f.stem, f) for f in sorted((model_dir / "additional_chat_templates").glob("*.jinja")))
+        if files:
+            texts = {name: f.read_text(encoding="utf-8") for name, f in files.items()}
+            config["chat_template"] = texts["default"] if list(texts) == ["default"] else texts
         try:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions

@@ -258,3 +258,24 @@ def test_a_malformed_reasoning_input_item_is_a_400(content):
     with pytest.raises(APIError, match="a reasoning item's content") as e:
         chat_messages(req)
     assert (e.value.status, e.value.param) == (400, "input.1.content")
+
+
+def test_template_files_win_over_the_config_entry_as_in_transformers(tiny_ckpt, tmp_path):
+    """transformers renders chat_template.jinja when tokenizer_config.json has a chat_template too (the files
+    take priority), and reads additional_chat_templates/NAME.jinja as named templates; here the config's entry
+    won and the extra files were never read."""
+    from transformers import AutoTokenizer
+
+    from gigadecode.tokenizer import TextCodec
+    d = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "chat_template.jinja").write_text("FILE " + tc["chat_template"])
+    (d / "additional_chat_templates").mkdir()
+    (d / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS " + tc["chat_template"])
+    codec, hf = TextCodec.from_dir(d), AutoTokenizer.from_pretrained(str(d))
+    msgs = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for kw, head in (({}, "FILE"), ({"tools": tools}, "TOOLS")):
+        text = codec.render_chat(msgs, **kw)
+        assert text.startswith(head) and text == hf.apply_chat_template(msgs, tokenize=False,
+                                                                         add_generation_prompt=True, **kw)
