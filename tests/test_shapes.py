@@ -6,7 +6,8 @@ even of 8), head dims of 6 to 80 and 1026, 1 to 12 q heads over 1 to 3 kv heads,
 vocabularies, sliding windows of 1 to 33 tokens (and one longer than the context), block sizes of 1 to 32, and prefill chunks shorter than the
 prompt. Three prompts (1 token, across a window and a few blocks, longer) decode together, greedily. Every
 generated token must be transformers' argmax on the same sequence (teacher-forced: its uncached forward over
-prompt + our tokens), wherever its top two logits are clear of float noise.
+prompt + our tokens), wherever its top two logits are clear of float noise, and its logprob must be
+transformers' to 2e-3 (a config field read wrong often moves the logprobs and leaves the argmax alone).
 
 The oracle is the uncached forward, not `generate`: with a sliding window of 1, transformers' cached `generate`
 disagrees with its own forward (its sliding cache keeps no earlier token), while the forward's mask is the
@@ -26,7 +27,7 @@ from gigadecode.engine import build_engine
 from gigadecode.engine_config import EngineConfig
 from gigadecode.sampling import SamplingParams
 
-from .helpers import assert_teacher_forced_argmax, load_hf
+from .helpers import assert_teacher_forced_argmax, hf_logits, load_hf
 
 F, S = "full_attention", "sliding_attention"
 CASES = {
@@ -65,12 +66,20 @@ CASES = {
     "head-dim-1026": (dict(layer_types=(S, F), hidden_size=32, intermediate_size=32, num_attention_heads=2,
                            num_key_value_heads=1, head_dim=1026, num_local_experts=3, num_experts_per_tok=2,
                            sliding_window=7, vocab_size=499), "mxfp4", 16, 512),
+    # config.json fields the presets leave at their defaults, all at once: tied embeddings (no lm_head tensor), no
+    # attention biases, a SwiGLU clamp that binds often and another gain, a large RMSNorm eps, YaRN with other
+    # betas / factor / original length, truncated
+    "hf-fields": (dict(layer_types=(S, F, S), sliding_window=3, vocab_size=301, tie_word_embeddings=True,
+                       attention_bias=False, swiglu_limit=2.0, swiglu_alpha=0.7, rms_norm_eps=0.5,
+                       rope=RopeConfig(theta=1e4, factor=8.0, beta_fast=8.0, beta_slow=2.0,
+                                       original_max_position_embeddings=256, truncate=True)), "bf16", 4, 5),
     # a window longer than the whole context (transformers loads it; it never binds)
     "window-past-context": (dict(layer_types=(S, F), max_position_embeddings=128, sliding_window=200,
                                  vocab_size=1001), "mxfp4", 16, 24),
 }
 NEW_TOKENS = 8
 CLEAR = 1e-4                     # top-2 gap (relative to max |logit|) below which a position is a near-tie
+LOGPROB_TOL = 2e-3               # |our logprob - transformers'| of each generated token (fp32: ~1e-5 seen)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -82,7 +91,8 @@ def test_engine_matches_transformers_on_unusual_configs(tmp_path, name):
     prompts = [[rnd.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (1, 37, 70)]
     eng = build_engine(str(ckpt), EngineConfig(dtype="float32", block_size=block_size, num_blocks=512 // block_size + 64,
                                                max_prefill_tokens=chunk))
-    rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)) for p in prompts]
+    rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0))
+            for p in prompts]
     while not all(eng.requests[r].finished for r in rids):
         eng.step()
     if cfg.hidden_size % 8:
@@ -95,3 +105,10 @@ def test_engine_matches_transformers_on_unusual_configs(tmp_path, name):
     assert all(len(got) == NEW_TOKENS for got in outputs)
     checked = assert_teacher_forced_argmax(hf, prompts, outputs, CLEAR, name)
     assert checked >= 2 * NEW_TOKENS                 # the check is not vacuous
+    # and each token's logprob is transformers' (fp32 both: ~1e-5 apart; a config field read wrong, such as the
+    # SwiGLU gain or the RMSNorm eps, moves it by far more while often leaving the argmax alone)
+    for p, r, got in zip(prompts, rids, outputs):
+        ref = hf_logits(hf, p + got).log_softmax(-1)[len(p) - 1:]
+        want = [float(ref[j, t]) for j, t in enumerate(got)]
+        ours = [lp.logprob for lp in eng.requests[r].output_logprobs]
+        assert max(abs(a - b) for a, b in zip(ours, want)) < LOGPROB_TOL, (name, len(p), ours, want)
