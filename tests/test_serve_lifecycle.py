@@ -81,3 +81,26 @@ def test_a_long_text_prompt_does_not_hold_the_event_loop(tiny_ckpt):
         assert answered[-1] - answered[0] > 1.5 and max(gaps) < 1.0, gaps
     finally:
         stop_process_tree(proc)
+
+
+def test_an_address_it_cannot_listen_on_is_said_before_the_model_loads(tiny_ckpt):
+    """The API's socket is bound before the model loads: a taken port or a host name that does not resolve ends
+    `serve` at once with one line naming the address (it loaded the model, printed "listening on", and only
+    then failed in uvicorn's bind)."""
+    import socket
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        for host, p in (("127.0.0.1", port), ("no-such-host.invalid", free_port())):
+            proc = start_gigadecode(["serve", "--model", str(tiny_ckpt), "--host", host, "--port", str(p)])
+            try:
+                out, _ = proc.communicate(timeout=120)
+            finally:
+                stop_process_tree(proc)
+            assert proc.returncode != 0, out
+            assert f"cannot listen on {host}:{p}" in out, out
+            assert "loaded in" not in out and "Traceback" not in out, out
+    finally:
+        taken.close()

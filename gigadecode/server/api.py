@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -140,10 +141,30 @@ def serve(args: Any) -> int:
     if is_parallel(engine_config(args)):
         return _serve_parallel(args)
     t0 = time.perf_counter()
-    return _serve_engine(args, engine_from_args(args, args.role), t0)
+    sock = listen_socket(args.host, args.port)          # a taken port is said now, not after the model loads
+    return _serve_engine(args, engine_from_args(args, args.role), t0, sock)
 
 
-def _serve_engine(args: Any, engine: Any, t0: float) -> int:
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The API's socket, bound before the model loads (as vLLM binds its own), so an address that is taken,
+    not this machine's or does not resolve is a one-line error at once instead of after minutes of loading.
+    uvicorn listens on it."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as e:                                # socket.gaierror is one
+        raise SystemExit(f"gigadecode serve: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _serve_engine(args: Any, engine: Any, t0: float, sock: socket.socket) -> int:
     import prometheus_client
 
     from ..tokenizer import TextCodec
@@ -158,13 +179,13 @@ def _serve_engine(args: Any, engine: Any, t0: float) -> int:
     layout = f"TP{args.tp} × DP{args.dp} × EP{args.ep}, " if getattr(engine, "ctx", None) is not None else ""
     print(f"gigadecode serve: model {name!r} ({layout}{args.role}, {total} KV blocks, context "
           f"{aeng.max_model_len}) loaded in {time.perf_counter() - t0:.1f}s; listening on "
-          f"http://{args.host}:{args.port}", flush=True)
+          f"http://{args.host}:{sock.getsockname()[1]}", flush=True)
     grace = getattr(args, "shutdown_timeout_s", 5.0)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=grace + 2.0)
     server = DrainingServer(config, aeng, grace)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         aeng.stop(timeout=None)          # the engine thread has left its last step before anything else runs
     if not server.started:
@@ -203,6 +224,8 @@ def _serve_parallel(args: Any) -> int:
         raise SystemExit(f"gigadecode serve: --tp {ecfg.tp} × --dp {ecfg.dp} needs {n} ranks: start it with "
                          f"torchrun --nproc-per-node {n} -m gigadecode serve …")
     t0 = time.perf_counter()
+    # rank 0 serves HTTP: its socket is bound before any rank loads (torchrun sets RANK)
+    sock = listen_socket(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
     replica, ctx = build_parallel_engine(args.model, ecfg, host=args.host,
                                          advertise_host=getattr(args, "kv_advertise_host", None),
                                          side_port=getattr(args, "kv_port", 0) or 0)
@@ -218,6 +241,6 @@ def _serve_parallel(args: Any) -> int:
             run_worker(replica, ctx)
             return 0
         with DistributedEngine(replica, ctx) as engine:
-            return _serve_engine(args, engine, t0)
+            return _serve_engine(args, engine, t0, sock)
     finally:
         dist.destroy_process_group()
