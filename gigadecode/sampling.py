@@ -391,7 +391,10 @@ class Sampler:
                 x[i].index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=dev, dtype=x.dtype))
         self._mask_min_tokens(x, params, output_ids)
         self._apply_penalties(x, params, prompt_and_output_ids, output_ids)
-        for i, why in constrain(x, raw, params, output_ids, allowed).items():   # grammar, allowed ids, bad words
+        # min_tokens gives way to the hard masks from the raw logits: a failed row's are zeros there too (its NaN /
+        # +inf would reach the draw, and torch.multinomial would fail the whole batch)
+        fallback = raw.float().masked_fill(bad_rows[:, None], 0.0) if failed else raw
+        for i, why in constrain(x, fallback, params, output_ids, allowed).items():   # grammar, allowed ids, bad words
             failed.setdefault(i, why)
 
         tokens = torch.empty(b, dtype=torch.int64, device=dev)               # [B]

@@ -78,6 +78,25 @@ def test_a_row_of_nan_logits_fails_that_row_alone():
     assert res.token_ids[[0, 4]].tolist() == alone.token_ids.tolist() and not alone.failed
 
 
+def test_a_failed_row_that_min_tokens_leaves_to_its_masks_fails_alone():
+    """A +inf row whose hard masks (here allowed_token_ids) allow only stop tokens while min_tokens masks them:
+    the masks fell back to the raw row, +inf and all, and torch.multinomial raised for the whole batch."""
+    import math
+
+    import torch
+
+    from gigadecode.sampling import NON_FINITE, Sampler
+    logits = torch.zeros(2, 8)
+    logits[0, 0] = math.inf
+    params = [SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=[1], allowed_token_ids=[0, 1]),
+              SamplingParams(temperature=1.0)]
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    res = Sampler(eos_token_ids=[0]).sample(logits, params, gens, [[3], [3]], [[], []])
+    assert res.failed == {0: NON_FINITE}
+    alone = Sampler(eos_token_ids=[0]).sample(logits[[1]], params[1:], [torch.Generator().manual_seed(1)])
+    assert res.token_ids[1] == alone.token_ids[0]
+
+
 @pytest.fixture(scope="module")
 def nan_ckpt(tiny_ckpt, tmp_path_factory) -> Path:
     """tiny, with token 100's embedding row NaN: a prompt holding it gives NaN activations, KV and logits."""
