@@ -239,6 +239,25 @@ def test_a_kv_pool_larger_than_the_memory_left_is_refused(tiny_ckpt, monkeypatch
         cache.KVCache(cfg, ecfg, num_blocks=1000)
 
 
+def test_available_memory_counts_a_cgroups_page_cache_free(tmp_path, monkeypatch):
+    """Under a cgroup limit the memory left was memory.max - memory.current, and memory.current counts the page
+    cache (a checkpoint's file pages, just read), which the kernel drops before it fails an allocation: a pool
+    that fits was refused in a container after the load. Its active_file + inactive_file count as free."""
+    from gigadecode.kv import cache
+    (tmp_path / "meminfo").write_text("MemTotal: 67108864 kB\nMemAvailable: 33554432 kB\n")   # 32 GiB
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    (cg / "memory.max").write_text(f"{16 << 30}\n")
+    (cg / "memory.current").write_text(f"{14 << 30}\n")
+    (cg / "memory.stat").write_text(f"anon {6 << 30}\nfile {8 << 30}\nactive_file {3 << 30}\n"
+                                    f"inactive_file {5 << 30}\nshmem 0\n")
+    monkeypatch.setattr(cache, "MEMINFO", str(tmp_path / "meminfo"))
+    monkeypatch.setattr(cache, "CGROUP_DIR", str(cg))
+    assert cache.available_memory() == (16 - 14 + 8) << 30
+    (cg / "memory.max").write_text("max\n")
+    assert cache.available_memory() == 32 << 30
+
+
 @pytest.mark.parametrize("kw,flag", [
     (dict(kv_budget_gib=float("nan")), "--kv-budget-gib must be > 0 and finite \\(got nan\\)"),
     (dict(kv_budget_gib=float("inf")), "--kv-budget-gib must be > 0 and finite \\(got inf\\)"),

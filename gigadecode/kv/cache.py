@@ -100,19 +100,32 @@ class KVCache:
         return gather_kv(kb, vb, block_ids, self.compute_dtype, self.k_scale, self.v_scale)
 
 
+MEMINFO = "/proc/meminfo"
+CGROUP_DIR = "/sys/fs/cgroup"
+
+
 def available_memory() -> int | None:
-    """Bytes this process may still allocate: the kernel's MemAvailable, or less under a cgroup memory limit;
-    None where neither can be read (not Linux)."""
+    """Bytes this process may still allocate: the kernel's MemAvailable, or less under a cgroup memory limit
+    (the limit less what the cgroup holds, its page cache aside: memory.current counts the file pages a
+    checkpoint's read leaves, which the kernel reclaims before it fails an allocation, as MemAvailable counts
+    them free); None where neither can be read (not Linux)."""
     got = []
     try:
-        with open("/proc/meminfo") as f:
+        with open(MEMINFO) as f:
             got += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
     except (OSError, ValueError, IndexError):
         pass
     try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        limit = open(f"{CGROUP_DIR}/memory.max").read().strip()
         if limit != "max":
-            got.append(int(limit) - int(open("/sys/fs/cgroup/memory.current").read()))
+            cache = 0
+            try:
+                with open(f"{CGROUP_DIR}/memory.stat") as f:
+                    cache = sum(int(line.split()[1]) for line in f
+                                if line.split()[:1] in (["active_file"], ["inactive_file"]))
+            except (OSError, ValueError, IndexError):
+                pass
+            got.append(int(limit) - int(open(f"{CGROUP_DIR}/memory.current").read()) + cache)
     except (OSError, ValueError):
         pass
     return min(got) if got else None
