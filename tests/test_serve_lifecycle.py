@@ -104,3 +104,31 @@ def test_an_address_it_cannot_listen_on_is_said_before_the_model_loads(tiny_ckpt
             assert "loaded in" not in out and "Traceback" not in out, out
     finally:
         taken.close()
+
+
+def test_the_api_socket_takes_the_address_family_uvicorn_took(monkeypatch):
+    """uvicorn bound an IPv4 socket unless the host has a ':' (an IPv6 address). listen_socket took the first
+    getaddrinfo answer, which for 'localhost' is ::1 where /etc/hosts names it for both (Fedora, RHEL, macOS):
+    the server then listened on [::1] only and a client or proxy at 127.0.0.1 was refused."""
+    import socket
+
+    from gigadecode.server.api import listen_socket
+    real = socket.getaddrinfo
+
+    def both_families(host, port, family=0, *a, **kw):     # ::1 first, as glibc's default gai.conf orders them
+        got = real(host, port, family, *a, **kw)
+        if host == "localhost" and family == 0:
+            got = real("::1", port, socket.AF_INET6, *a, **kw) + got
+        return got
+
+    monkeypatch.setattr(socket, "getaddrinfo", both_families)
+    sock = listen_socket("localhost", 0)
+    try:
+        assert sock.family == socket.AF_INET and sock.getsockname()[0] == "127.0.0.1"
+    finally:
+        sock.close()
+    sock = listen_socket("", 0)                             # uvicorn's bind took '' as every interface
+    try:
+        assert sock.family == socket.AF_INET and sock.getsockname()[0] == "0.0.0.0"
+    finally:
+        sock.close()

@@ -148,9 +148,11 @@ def serve(args: Any) -> int:
 def listen_socket(host: str, port: int) -> socket.socket:
     """The API's socket, bound before the model loads (as vLLM binds its own), so an address that is taken,
     not this machine's or does not resolve is a one-line error at once instead of after minutes of loading.
-    uvicorn listens on it."""
+    uvicorn listens on it. The address family is the one uvicorn's own bind took: IPv6 for a host with a ':',
+    else IPv4 ('' too: every interface)."""
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET     # uvicorn's choice: IPv4 unless an IPv6
+        family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, family, socket.SOCK_STREAM,   # address
                                                           flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, kind, proto)
         try:
