@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .token_masks import check_allowed, check_bad_words, constrain, out_of_vocab
+from .token_masks import check_allowed, check_bad_words, constrain, forbids_every_allowed, out_of_vocab
 
 #: Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by a smaller one
 #: overflows float32 and the distribution is a one-hot anyway.
@@ -151,6 +151,9 @@ class SamplingParams:
                 put(name, check(getattr(self, name)))
             except ValueError as e:
                 raise SamplingError(name, str(e)) from None
+        if forbids_every_allowed(self.allowed_token_ids, self.bad_words_token_ids):
+            raise SamplingError("bad_words", "one-token bad words forbid every token allowed_token_ids allows: "
+                                             "nothing could be sampled")
         g = self.guided
         if g is not None:
             if (isinstance(g, (str, bytes)) or not isinstance(g, Sequence) or len(g) != 3

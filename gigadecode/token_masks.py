@@ -80,6 +80,11 @@ def out_of_vocab(allowed: tuple[int, ...] | None, bad_words: tuple[tuple[int, ..
     return ("bad_words", bad) if bad else None
 
 
+def forbids_every_allowed(allowed: tuple[int, ...] | None, bad_words: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether one-token bad words forbid every id of the whitelist: such a request could never sample a token."""
+    return allowed is not None and set(allowed) <= {w[0] for w in bad_words if len(w) == 1}
+
+
 def banned_now(bad_words: tuple[tuple[int, ...], ...], output_ids: Sequence[int]) -> list[int]:
     """The tokens bad words forbid after `output_ids` (vLLM's rule: each word whose tokens but the last end
     the output, or that has one token, forbids its last token)."""

@@ -165,6 +165,7 @@ BAD_PARAMS = [
     (dict(allowed_token_ids=[True]), "allowed_token_ids"), (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
     (dict(allowed_token_ids="12"), "allowed_token_ids"), (dict(bad_words_token_ids=[[]]), "bad_words_token_ids"),
     (dict(bad_words_token_ids=[[1.5]]), "bad_words_token_ids"), (dict(bad_words_token_ids=[5]), "bad_words_token_ids"),
+    (dict(allowed_token_ids=[5, 6], bad_words_token_ids=[[6], [5], [7, 5]]), "bad_words"),   # nothing left, ever
 ]
 
 
@@ -181,6 +182,7 @@ def test_bad_values_are_refused_and_the_engine_serves_on(tiny_ckpt):
             eng.add_request(prompt, _greedy(3, **kw))
         assert e.value.param == param
     assert SamplingParams.from_dict({"allowed_token_ids": [9, 4, 9]}).allowed_token_ids == (4, 9)
+    SamplingParams(allowed_token_ids=[5, 6], bad_words_token_ids=[[6], [7, 5]])   # 5 stays: not refused
     assert len(eng.generate([prompt], _greedy(3))[0].output_ids) == 3
 
 
@@ -332,9 +334,13 @@ BAD_BODIES = [({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_bad_values_are_a_400_naming_the_field(live, chat):
-    _, client = live
-    for body, param in BAD_BODIES + ([({"skip_special_tokens": False}, "skip_special_tokens")] if chat else
-                                     [({"skip_special_tokens": "no"}, "skip_special_tokens")]):
+    codec, client = live
+    a = codec.encode("a")
+    assert len(a) == 1
+    nothing_left = ({"allowed_token_ids": a, "bad_words": ["a"]}, "bad_words")    # the whitelist, all bad words
+    for body, param in BAD_BODIES + [nothing_left] + (
+            [({"skip_special_tokens": False}, "skip_special_tokens")] if chat else
+            [({"skip_special_tokens": "no"}, "skip_special_tokens")]):
         with pytest.raises(openai.BadRequestError) as e:
             if chat:
                 client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
