@@ -8,18 +8,14 @@ import math
 import pytest
 import torch
 
+from gigadecode.argmax import NO_INDEX, greedy, reduce_argmax, shard_argmax, vocab_shard
 from gigadecode.sampling import (
-    NO_INDEX,
     NO_TOKEN_LEFT,
     NON_FINITE,
     Sampler,
     SamplingError,
     SamplingParams,
-    greedy,
     make_generator,
-    reduce_argmax,
-    shard_argmax,
-    vocab_shard,
 )
 
 SHARDS = (1, 2, 3, 4, 7)

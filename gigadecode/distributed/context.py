@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from ..config import GptOssConfig
 from ..gemm import linear
 from ..kv.dcp import TokenShard
-from ..sampling import reduce_argmax, shard_argmax
+from ..argmax import reduce_argmax, shard_argmax
 from .mesh import Mesh2D, ParallelLayout, build_layout
 
 _INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import GptOssConfig
-from ..sampling import vocab_shard
+from ..argmax import vocab_shard
 from ..weights import Shard
 
 
