@@ -11,13 +11,12 @@ import time
 import httpx
 import openai
 import pytest
-from fastapi import FastAPI, Request
 
 from gigadecode.server.proxy import build_proxy_app
 
 from .helpers import KV_SECRET, random_prompt
 from .test_openai_features import EXTRA, _serve
-from .test_server import ServerThread, fake_upstream
+from .test_server import ServerThread, fake_upstream, fake_vllm_prefill
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +108,7 @@ def test_the_proxy_gives_priority_to_both_servers():
             r = httpx.post(px.url + "/v1/completions", json=body, timeout=20)
     assert r.status_code == 200, r.text
     assert pre["bodies"][0][1]["priority"] == 4 and dec["bodies"][0][1]["priority"] == 4
-    vllm, seen = FastAPI(), []                              # a vLLM prefill: the proxy writes its body
-
-    @vllm.post("/v1/completions")
-    async def prefill(request: Request):
-        seen.append(await request.json())
-        return {"choices": [{"index": 0, "text": ""}], "kv_transfer_params": {
-            "remote_engine_id": "v", "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "r",
-            "remote_block_ids": [[1]], "remote_num_tokens": len(seen[-1]["prompt"])}}
+    vllm, seen = fake_vllm_prefill()                        # a vLLM prefill: the proxy writes its body
     dec_app, dec = fake_upstream("dec", "decode")
     with ServerThread(vllm) as v, ServerThread(dec_app) as d:
         with ServerThread(build_proxy_app([], [d.url], prefill_vllm=[v.url], kv_secret=KV_SECRET)) as px:

@@ -16,7 +16,6 @@ import httpx
 import openai
 import pytest
 import torch
-from fastapi import FastAPI, Request
 
 from gigadecode.connector.params import prompt_digest
 from gigadecode.sampling import SamplingError, SamplingParams
@@ -27,7 +26,7 @@ from gigadecode.tokenizer import TextCodec
 from .helpers import KV_SECRET, hf_logits, random_prompt
 from .test_engine import make_engine
 from .test_openai_features import _serve
-from .test_server import ServerThread, fake_upstream
+from .test_server import ServerThread, fake_upstream, fake_vllm_prefill
 from .test_speculative import OracleProposer
 
 DECODERS = ["gk-native", "gk", "reference"]
@@ -354,14 +353,7 @@ def test_bad_values_are_a_400_naming_the_field(live, chat):
 def test_the_proxy_truncates_what_it_sends_a_vllm_prefill():
     """Behind a vLLM prefill the proxy sends the prompt's ids itself: with truncate_prompt_tokens it sends the
     last N (less the last one) and binds the params to those N, which the decode server keeps too."""
-    vllm, seen = FastAPI(), []
-
-    @vllm.post("/v1/completions")
-    async def prefill(request: Request):
-        seen.append(await request.json())
-        return {"choices": [{"index": 0, "text": ""}], "kv_transfer_params": {
-            "remote_engine_id": "v", "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "r",
-            "remote_block_ids": [[1]], "remote_num_tokens": len(seen[-1]["prompt"])}}
+    vllm, seen = fake_vllm_prefill()
     dec_app, dec = fake_upstream("dec", "decode")
     ids = list(range(10, 30))
     with ServerThread(vllm) as v, ServerThread(dec_app) as d:

@@ -613,6 +613,20 @@ class ServerThread:
         self.sock.close()
 
 
+def fake_vllm_prefill() -> tuple[FastAPI, list]:
+    """A stock vLLM prefill server as the proxy's `--prefill-vllm` sees it: it records each body the proxy
+    writes for it and answers NixlConnector params for the prompt it was sent -> (app, bodies seen)."""
+    app, seen = FastAPI(), []
+
+    @app.post("/v1/completions")
+    async def prefill(request: Request):
+        seen.append(await request.json())
+        return {"choices": [{"index": 0, "text": ""}], "kv_transfer_params": {
+            "remote_engine_id": "v", "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "r",
+            "remote_block_ids": [[1]], "remote_num_tokens": len(seen[-1]["prompt"])}}
+    return app, seen
+
+
 def fake_upstream(name: str, mode: str) -> tuple[FastAPI, dict]:
     """mode: "fail" (500), "prefill" (answers kv_transfer_params; 400 for model "bad"), "decode"."""
     app = FastAPI()
