@@ -271,3 +271,22 @@ def test_model_prefill_with_the_native_kernel(tmp_path, name):
     med = lambda xs: sorted(xs)[len(xs) // 2]
     assert med(errs) <= 1.25 * med(errs_torch) + 2e-3, (errs, errs_torch)
     assert all(e <= 2 * max(et, med(errs_torch)) + 2e-3 for e, et in zip(errs, errs_torch)), (errs, errs_torch)
+
+
+@pytest.mark.parametrize("amx", AMX_MODES)
+@pytest.mark.parametrize("d", [64, 24])        # the bf16 pair kernel (where built) and the fp32-product kernel
+def test_native_prefill_attention_keys_before_the_window_are_not_read(d, amx):
+    """NaN in the keys and values before every query's window must not reach the output: the kernels lay
+    keys out in whole chunks from the first one any query sees, so the chunk holding the window's first key
+    also holds keys before it (probability 0, but 0 · NaN = NaN)."""
+    T, S, window, q_start = 8, 64, 8, 56              # queries 56..63 see keys 49..63
+    q, k, v, q_pos, k_pos, sinks = make_case(T, S, 1, 2, d, q_start, 0, torch.bfloat16, seed=11)
+    k[:49] = float("nan")
+    v[:49] = float("nan")
+    with amx_mode(amx):
+        ours = native.prefill_attention(q, k, v, q_pos, 0, sinks, d ** -0.5, window)
+    ref = dense_reference(q.float(), k[49:].float(), v[49:].float(), q_pos, k_pos[49:], sinks.float(), d ** -0.5,
+                          window)
+    assert torch.isfinite(ours).all()
+    atol = 4 * 2.0 ** -9 * v[49:].float().abs().max().item()
+    torch.testing.assert_close(ours.float(), ref, rtol=2.0 ** -7, atol=atol)

@@ -68,12 +68,20 @@ struct FlashRows {
   }
 };
 
-// The keys (indices from the first, key s at position k_start + s) any of the queries sees: [first, last],
-// first rounded down to a multiple of `align`; first > last when none sees any
+// The first key (index from the first, key s at position k_start + s) any of the queries sees. The layouts
+// start a whole chunk earlier (`seen_keys`) and hold zeros for the keys before this one: no query weighs them,
+// but a probability of 0 times a NaN left there (a block another request freed) would still be NaN.
+inline int64_t first_seen_key(const int64_t* q_pos, int64_t T, int64_t k_start, int64_t window) {
+  const int64_t qlo = *std::min_element(q_pos, q_pos + T);
+  return window ? std::max<int64_t>(0, qlo - window + 1 - k_start) : 0;
+}
+
+// The keys any of the queries sees: [first, last], first (`first_seen_key`) rounded down to a multiple of
+// `align`; first > last when none sees any
 inline std::pair<int64_t, int64_t> seen_keys(const int64_t* q_pos, int64_t T, int64_t S, int64_t k_start,
                                              int64_t window, int64_t align) {
-  const int64_t qlo = *std::min_element(q_pos, q_pos + T), qhi = *std::max_element(q_pos, q_pos + T);
-  const int64_t first = window ? std::max<int64_t>(0, qlo - window + 1 - k_start) / align * align : 0;
+  const int64_t qhi = *std::max_element(q_pos, q_pos + T);
+  const int64_t first = first_seen_key(q_pos, T, k_start, window) / align * align;
   return {first, std::min<int64_t>(S - 1, qhi - k_start)};
 }
 

@@ -181,6 +181,7 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
   // not by the context), every item's rows carried through them
   const auto [k_first, k_last] = seen_keys(qp, T, S, k_start, window, KC);
   if (k_last < k_first) return out;                                    // no query sees a key: all 0
+  const int64_t k_seen = first_seen_key(qp, T, k_start, window);       // keys before it: zeros in the layouts
   FlashRows st(T, nh, nkv, d, RG);                                     // every row's softmax state
   const float sc = float(scale);
   const int rp = DV <= 4 ? 4 : 2;
@@ -198,7 +199,7 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
         const int64_t h = i / (Sw / 2), j = i % (Sw / 2);             // local key pair j of kv head h
         for (int e = 0; e < 2; ++e) {
           const int64_t s = ws + 2 * j + e, col = 2 * j + e;
-          if (s >= we) {
+          if (s >= we || s < k_seen) {
             for (int64_t p = 0; p < half; ++p) kt[(h * half + p) * Sw + col] = 0;
             continue;
           }
@@ -207,8 +208,8 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
         }
         uint32_t* dst = vpairs + (h * (Sw / 2) + j) * d;
         const int64_t s0 = ws + 2 * j;
-        const uint16_t* v0 = s0 < we ? vptr + (s0 * nkv + h) * d : nullptr;
-        const uint16_t* v1 = s0 + 1 < we ? vptr + ((s0 + 1) * nkv + h) * d : nullptr;
+        const uint16_t* v0 = s0 < we && s0 >= k_seen ? vptr + (s0 * nkv + h) * d : nullptr;
+        const uint16_t* v1 = s0 + 1 < we && s0 + 1 >= k_seen ? vptr + ((s0 + 1) * nkv + h) * d : nullptr;
         for (int64_t c = 0; c < d; ++c) dst[c] = uint32_t(v0 ? v0[c] : 0) | uint32_t(v1 ? v1[c] : 0) << 16;
       }
     });

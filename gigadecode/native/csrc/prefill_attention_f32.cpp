@@ -83,6 +83,7 @@ at::Tensor prefill_attention_f32(const at::Tensor& q, const at::Tensor& k, const
   at::Tensor sk = sinks.contiguous();
   const auto [k_first, k_last] = seen_keys(qp, T, S, k_start, window, KC);
   if (k_last < k_first) return out;                                    // no query sees a key: all 0
+  const int64_t k_seen = first_seen_key(qp, T, k_start, window);       // keys before it: zeros in the layouts
   FlashRows st(T, nh, nkv, dp, RG);                                    // every row's softmax state
   const float sc = float(scale);
   for (int64_t ws = k_first; ws <= k_last; ws += KW) {
@@ -95,7 +96,7 @@ at::Tensor prefill_attention_f32(const at::Tensor& q, const at::Tensor& k, const
         const int64_t h = i / Sw, col = i % Sw, s = ws + col;         // local key col of kv head h
         float* vrow = vf + (h * Sw + col) * dp;
         float* kc = kt + (h * Sw + col / KC * KC) * d + col % KC;    // the key's lane in its chunk's rows
-        if (s >= we) {
+        if (s >= we || s < k_seen) {
           for (int64_t p = 0; p < d; ++p) kc[p * KC] = 0.f;
           std::fill(vrow, vrow + dp, 0.f);
           continue;
