@@ -21,8 +21,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="compute dtype (default auto: the checkpoint's torch_dtype, bfloat16 for GPT-OSS; float32 "
                         "for float16 or float32 checkpoints)")
-    g.add_argument("--kv-dtype", default=None, choices=["auto", "bf16", "fp8"],
-                   help="KV storage: auto = the model dtype, fp8 = packed FP8 (default for GK decode engines)")
+    g.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default=None, type=kv_dtype_arg,
+                   metavar="{auto,bf16,fp8}",
+                   help="KV storage: auto = the model dtype, fp8 = packed FP8 e4m3 (default for GK decode engines); "
+                        "vLLM's --kv-cache-dtype spellings fp8_e4m3 and bfloat16 are taken too")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: --max-num-seqs sequences of --max-model-len, "
                         "at most --kv-budget-gib)")
@@ -36,14 +38,19 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest sequence (prompt + generated tokens) a request may reach (default: the model's "
                         "max_position_embeddings, or what the KV pool holds if less); the default pool is sized "
                         "for it")
-    g.add_argument("--max-prefill-tokens", type=int, default=512,
-                   help="prompt tokens one step prefills at most (chunked prefill; default 512)")
+    g.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=int,
+                   default=512,
+                   help="prompt tokens one step prefills at most (chunked prefill; default 512). Also taken as "
+                        "vLLM's --max-num-batched-tokens, whose budget counts the step's decode tokens too; here "
+                        "it bounds the prompt tokens alone")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the kernels (default: $OMP_NUM_THREADS when set, else the cores this process "
                         "may use; under torchrun, those cores divided among the local ranks, torchrun's own "
                         "OMP_NUM_THREADS=1 aside)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel size (under torchrun)")
+    g.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
+                   help="tensor-parallel size (under torchrun)")
+    g.add_argument("--dp", "--data-parallel-size", "-dp", dest="dp", type=int, default=1,
+                   help="data-parallel size (under torchrun)")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size (under torchrun)")
     g.add_argument("--dcp", type=int, default=1,
                    help="decode context parallel: ranks of a TP group that share kv heads and split every "
@@ -143,6 +150,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------
+KV_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8"}
+
+
+def kv_dtype_arg(text: str) -> str:
+    """A --kv-dtype / --kv-cache-dtype value, vLLM's spellings included, as auto / bf16 / fp8."""
+    if text in KV_DTYPES:
+        return KV_DTYPES[text]
+    why = " (the FP8 KV cache stores e4m3)" if text.startswith("fp8") else ""
+    raise argparse.ArgumentTypeError(f"invalid KV dtype {text!r}{why}: choose from auto, bf16, fp8")
+
+
+def chat_template_arg(text: str) -> str:
+    """A --chat-template value: the Jinja source it names (a file, or the template itself), compiled here, so
+    a template that cannot be used fails the command line before the model loads."""
+    from .chat_template import ChatTemplateError, ChatTemplates, load_chat_template_arg
+    try:
+        source = load_chat_template_arg(text)
+        ChatTemplates(source, origin="this").compiled()
+    except ChatTemplateError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return source
+
+
+CHAT_TEMPLATE_HELP = ("a Jinja chat template to render chats with instead of the checkpoint's: a file, or the "
+                      "template itself (vLLM's flag)")
+
+
 def tcp_port(text: str) -> int:
     """A --port / --kv-port value: refused by argparse when out of range (it was an OverflowError traceback from
     the bind, after the model had loaded)."""
@@ -191,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "reasoning, answer and tool calls (with --json: reasoning_content, content, tool_calls)")
     p.add_argument("--reasoning-effort", choices=["low", "medium", "high"], default=None,
                    help="with --chat: the reasoning effort the chat template states (GPT-OSS: low|medium|high)")
+    p.add_argument("--chat-template", type=chat_template_arg, default=None, metavar="TEMPLATE",
+                   help="with --chat: " + CHAT_TEMPLATE_HELP)
     add_sampling_arguments(p)
     add_engine_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object per request")
@@ -202,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = add(sub, "serve", "OpenAI-compatible HTTP server (prefill, decode, or both)")
-    p.add_argument("--model", required=True, help="checkpoint directory or Hugging Face repo id (local cache)")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                   help="the checkpoint, as `vllm serve MODEL` takes it (or --model)")
+    p.add_argument("--model", default=None, help="checkpoint directory or Hugging Face repo id (local cache)")
     p.add_argument("--role", default="both", choices=["prefill", "decode", "both"],
                    help="DI role: prefill = kv_producer, decode = kv_consumer, both = kv_both (single node)")
     p.add_argument("--host", default="127.0.0.1",
@@ -217,6 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="request bodies larger than this get 413 before they are parsed (default 4 MiB)")
+    p.add_argument("--chat-template", type=chat_template_arg, default=None, metavar="TEMPLATE",
+                   help=CHAT_TEMPLATE_HELP + "; the prefill and decode servers of a DI pair need the same one")
+    gpt_oss = p.add_argument_group(
+        "vLLM's GPT-OSS flags", "taken so that a vLLM command line for GPT-OSS runs unchanged; the harmony "
+        "output is always parsed: tool calls come back as tool_calls for a request with tools, the analysis "
+        "channel as reasoning_content")
+    gpt_oss.add_argument("--enable-auto-tool-choice", action="store_true",
+                         help="tool_choice auto (always on)")
+    gpt_oss.add_argument("--tool-call-parser", choices=["openai"], default=None,
+                         help="harmony tool calls (the only parser)")
+    gpt_oss.add_argument("--reasoning-parser", choices=["openai_gptoss"], default=None,
+                         help="harmony reasoning (the only parser)")
     p.add_argument("--shutdown-timeout-s", type=float, default=5.0,
                    help="on SIGTERM / SIGINT, how long requests in flight may run on; the rest then end with "
                         "an error (503, or an error event in a stream; default 5)")
@@ -298,6 +348,16 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .hub import resolve_model
     from .weights import CheckpointError
+    if args.command == "serve":
+        tag = args.__dict__.pop("model_tag")
+        if tag is not None and args.model is not None and tag != args.model:
+            print(f"gigadecode serve: error: two models given: {tag!r} and --model {args.model!r}", file=sys.stderr)
+            return 2
+        args.model = args.model or tag
+        if args.model is None:
+            print("gigadecode serve: error: a model is required: `gigadecode serve MODEL` or --model MODEL",
+                  file=sys.stderr)
+            return 2
     try:
         if getattr(args, "model", None) and args.command not in ("demo",):
             args.model = str(resolve_model(args.model))

@@ -181,7 +181,7 @@ def _warm_up(args: argparse.Namespace, engine) -> None:
 def _codec_and_requests(args: argparse.Namespace):
     """The checkpoint's text codec (None without a tokenizer) and the requests `args` names."""
     from .tokenizer import TextCodec
-    codec = TextCodec.from_dir(args.model)
+    codec = TextCodec.from_dir(args.model, getattr(args, "chat_template", None))
     return codec, _read_requests(args, codec)
 
 

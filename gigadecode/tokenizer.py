@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from .chat_template import ChatTemplateError, ChatTemplates  # noqa: F401 (ChatTemplateError re-exported)
 from .tokenizer_data import CHAT_TEMPLATE, CORPUS, HARMONY_CHAT_TEMPLATE  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
@@ -280,21 +281,6 @@ def _text_of(content: Any) -> str:
     return "".join(part["text"] for part in content)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> None:
-    raise ValueError(f"chat template: {message}")
-
-
-def _strftime_now(fmt: str) -> str:
-    import datetime
-
-    return datetime.datetime.now().strftime(fmt)
-
-
 LONG_TEXT_CHARS = 1 << 14          # from here on, text is encoded without holding the GIL
 
 
@@ -302,28 +288,37 @@ class TokenizerFileError(ValueError):
     """A tokenizer.json or tokenizer_config.json that cannot be read (the message names the file)."""
 
 
-class ChatTemplateError(TokenizerFileError):
-    """The checkpoint's chat template cannot be used: it does not compile, or names no default template."""
-
-
 class TextCodec:
     """Text <-> token ids for one model directory (its tokenizer.json + tokenizer_config.json)."""
 
-    def __init__(self, tokenizer: Tokenizer, config: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, config: Mapping[str, Any] | None = None,
+                 chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.config: dict[str, Any] = dict(config or {})
-        self.chat_template: Any = self.config.get("chat_template") or None
+        # `chat_template` (--chat-template) replaces the checkpoint's template(s); compiled here, so a bad one
+        # is an error at start, not at the first chat
+        self.templates = (ChatTemplates(chat_template, origin="--chat-template's") if chat_template is not None
+                          else ChatTemplates(self.config.get("chat_template")))
+        if chat_template is not None:
+            self.templates.compiled()
         self.special_ids: frozenset[int] = frozenset(
             i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
-        self._compiled: dict[str, Any] = {}
+
+    @property
+    def chat_template(self) -> Any:
+        """The template source chats render with (a string, named templates, or None: no template)."""
+        return self.templates.source
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> TextCodec | None:
-        """The codec of model_dir, or None when it has no tokenizer.json."""
+    def from_dir(cls, model_dir: str | Path, chat_template: str | None = None) -> TextCodec | None:
+        """The codec of model_dir, or None when it has no tokenizer.json; `chat_template` (a Jinja source)
+        replaces the checkpoint's template(s)."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
+            if chat_template is not None:
+                raise TokenizerFileError(f"--chat-template needs the checkpoint's tokenizer ({path} is missing)")
             return None
         cfg_path = model_dir / "tokenizer_config.json"
         try:
@@ -345,7 +340,7 @@ class TextCodec:
         except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
             raise TokenizerFileError(f"{path} is not a valid tokenizer.json (Hugging Face tokenizers "
                                      f"format): {e}") from None
-        return cls(tokenizer, config)
+        return cls(tokenizer, config, chat_template)
 
     @property
     def vocab_size(self) -> int:
@@ -394,46 +389,9 @@ class TextCodec:
         if self.chat_template is None:
             text = "".join(f"<|start|>{m['role']}<|message|>{_text_of(m['content'])}<|end|>" for m in messages)
             return text + ("<|start|>assistant<|message|>" if add_generation_prompt else "")
-        name, source = self._template_source(tools)
-        if name not in self._compiled:
-            from jinja2 import TemplateError
-            from jinja2.ext import loopcontrols
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-            env.filters["tojson"] = _tojson  # the helpers transformers gives templates (real GPT-OSS uses them)
-            env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
-            try:
-                self._compiled[name] = env.from_string(source)
-            except TemplateError as e:
-                raise ChatTemplateError(f"the checkpoint's chat template{'' if name is None else f' {name!r}'} "
-                                        f"does not compile: {type(e).__name__}: {e}") from None
         names = {k: v.get("content") if isinstance(v, dict) else v
                  for k, v in self.config.items() if k.endswith("_token")}
-        context = {**names, **template_kwargs}
-        if tools is not None:
-            context["tools"] = [dict(t) for t in tools]
-        return self._compiled[name].render(messages=[dict(m) for m in messages],
-                                           add_generation_prompt=add_generation_prompt, **context)
-
-    def _template_source(self, tools: Any) -> tuple[str | None, str]:
-        """(name, Jinja source) of the template to render, chosen as transformers chooses: one template (a
-        string), or named ones (a list of {"name", "template"}, or a dict of name -> template): "tool_use" when
-        the request has tools and the checkpoint has it, else "default"."""
-        t = self.chat_template
-        if isinstance(t, str):
-            return None, t
-        if isinstance(t, list) and all(isinstance(x, dict) and isinstance(x.get("name"), str) for x in t):
-            t = {x["name"]: x.get("template") for x in t}
-        if not isinstance(t, dict):
-            raise ChatTemplateError(f"the checkpoint's chat_template must be a string or a list of named "
-                                    f"templates (got {type(t).__name__})")
-        name = "tool_use" if tools is not None and "tool_use" in t else "default"
-        if name not in t:
-            raise ChatTemplateError(f"the checkpoint has chat templates {sorted(t)} but none named 'default'")
-        if not isinstance(t[name], str):
-            raise ChatTemplateError(f"the checkpoint's chat template {name!r} is not a string")
-        return name, t[name]
+        return self.templates.render(messages, add_generation_prompt, tools, {**names, **template_kwargs})
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> list[int]:

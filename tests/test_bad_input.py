@@ -163,7 +163,7 @@ def test_named_chat_templates_render_as_transformers_renders_them(tiny_ckpt, tmp
 @pytest.mark.parametrize("template,message", [
     ("{% for %}", "the checkpoint's chat template does not compile: TemplateSyntaxError"),
     (5, "chat_template must be a string or a list of named templates \\(got int\\)"),
-    ([{"name": "tool_use", "template": "x"}], "chat templates \\['tool_use'\\] but none named 'default'"),
+    ([{"name": "tool_use", "template": "x"}], "chat templates are named \\['tool_use'\\], but none 'default'"),
 ])
 def test_a_broken_chat_template_is_named_not_a_traceback(tiny_ckpt, tmp_path, capsys, template, message):
     """`generate --chat` over a template that does not compile printed a jinja2 traceback."""

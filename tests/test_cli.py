@@ -339,3 +339,89 @@ def test_every_module_is_named_in_the_architecture_doc():
     assert len(files) > 50
     missing = sorted(str(p.relative_to(root)) for p in files if f"`{p.name}`" not in doc and p.name not in doc)
     assert not missing, f"docs/architecture.md does not name: {missing}"
+
+
+def test_serve_reads_a_vllm_command_line(monkeypatch):
+    """`vllm serve MODEL -tp N --kv-cache-dtype fp8 --max-num-batched-tokens T` and the GPT-OSS recipe's
+    tool and reasoning parser flags parse to our own settings; a model given twice, none, or a parser or KV
+    dtype we do not have is an error that names it."""
+    import gigadecode.cli as cli
+    seen = []
+    monkeypatch.setattr(cli, "cmd_serve", lambda args: seen.append(args) or 0)
+    monkeypatch.setattr("gigadecode.hub.resolve_model", lambda m: m)
+    assert main(["serve", "/ckpt", "-tp", "2", "--data-parallel-size", "3", "--kv-cache-dtype", "fp8_e4m3",
+                 "--max-num-batched-tokens", "1024", "--enable-auto-tool-choice", "--tool-call-parser", "openai",
+                 "--reasoning-parser", "openai_gptoss"]) == 0
+    a = seen[-1]
+    assert (a.model, a.tp, a.dp, a.kv_dtype, a.max_prefill_tokens) == ("/ckpt", 2, 3, "fp8", 1024)
+    assert not hasattr(a, "model_tag")
+    assert main(["serve", "--model", "/ckpt", "--tensor-parallel-size", "4", "--kv-dtype", "bfloat16"]) == 0
+    assert (seen[-1].model, seen[-1].tp, seen[-1].kv_dtype) == ("/ckpt", 4, "bf16")
+    assert main(["serve", "/ckpt", "--model", "/ckpt"]) == 0 and seen[-1].model == "/ckpt"
+    assert len(seen) == 3
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "/a", "--model", "/b"], "two models given: '/a' and --model '/b'"),
+    (["serve"], "a model is required"),
+    (["serve", "/a", "--tool-call-parser", "hermes"], "argument --tool-call-parser: invalid choice: 'hermes'"),
+    (["serve", "/a", "--kv-cache-dtype", "fp8_e5m2"], "invalid KV dtype 'fp8_e5m2' \\(the FP8 KV cache stores e4m3\\)"),
+    (["serve", "/a", "--chat-template", "/no/such/template.jinja"], "'/no/such/template.jinja': no such file"),
+    (["serve", "/a", "--chat-template", "{% if %}"], "this chat template does not compile"),
+    (["generate", "--model", "/a", "--chat", "hi", "--chat-template", "{{ x + }}"], "does not compile"),
+])
+def test_bad_vllm_style_flags_are_named(argv, message, capsys):
+    """Each refusal exits 2 (argparse's own or ours) with a line that says what was wrong."""
+    import re
+    try:
+        rc = main(argv)
+    except SystemExit as e:                         # argparse refuses the value itself
+        rc = e.code
+    assert rc == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+TEMPLATE = ("{% for m in messages %}<<{{ m.role }}>>{{ m.content }}{% endfor %}"
+            "{% if add_generation_prompt %}<<assistant>>{% endif %}")
+
+
+def test_chat_template_flag_renders_chats_with_it(tiny_ckpt, tmp_path, capsys):
+    """--chat-template (a file for generate, the template itself for serve) replaces the checkpoint's: the
+    prompt is the given template's rendering, written out here by hand, through `generate --chat`, and through
+    a `serve MODEL` started with vLLM's flags (its /tokenize and a chat completion)."""
+    import httpx
+    import openai
+
+    from gigadecode.ports import free_port
+    from gigadecode.tokenizer import TextCodec
+
+    from .helpers import stop_process_tree
+    from .test_server import wait_health
+    codec = TextCodec.from_dir(tiny_ckpt)
+    want = codec.encode("<<user>>hi there<<assistant>>")
+    assert want != codec.apply_chat_template([{"role": "user", "content": "hi there"}])   # not the checkpoint's
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    assert main(["generate", "--model", str(tiny_ckpt), "--chat", "hi there", "--chat-template",
+                 str(tmp_path / "t.jinja"), "--json", "--max-tokens", "2", "--no-warmup", "--threads", "1",
+                 "--num-blocks", "16"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["prompt_ids"] == want
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gigadecode", "serve", str(tiny_ckpt), "--port", str(port),
+                             "--chat-template", TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser",
+                             "openai", "--reasoning-parser", "openai_gptoss", "--kv-cache-dtype", "fp8",
+                             "--max-num-batched-tokens", "64", "--num-blocks", "32", "--no-warmup",
+                             "--log-level", "warning"],
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "GIGADECODE_API_KEY": ""},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_health(url, proc)
+        msgs = [{"role": "user", "content": "hi there"}]
+        assert httpx.post(url + "/tokenize", json={"messages": msgs}, timeout=30).json()["tokens"] == want
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=tiny_ckpt.name, messages=msgs, max_tokens=2,
+                                           extra_body={"return_token_ids": True})
+        assert r.model_extra["prompt_token_ids"] == want
+    finally:
+        stop_process_tree(proc)

@@ -172,7 +172,7 @@ def _serve_engine(args: Any, engine: Any, t0: float, sock: socket.socket) -> int
     from ..tokenizer import TextCodec
     prometheus_client.disable_created_metrics()
     name = args.served_model_name or Path(args.model).resolve().name
-    aeng = AsyncEngine(engine, codec=TextCodec.from_dir(args.model), model_dir=str(args.model),
+    aeng = AsyncEngine(engine, codec=TextCodec.from_dir(args.model, getattr(args, "chat_template", None)), model_dir=str(args.model),
                        warm_up=not getattr(args, "no_warmup", False))
     app = build_app(aeng, name, api_key=args.api_key, role=args.role,
                     kv_advertise_host=getattr(args, "kv_advertise_host", None),
