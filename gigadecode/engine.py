@@ -26,7 +26,7 @@ from .request import EngineStats, Request, RequestError, RequestOutput, Status
 from .runner import DecodeSeq, ModelRunner
 from .sampling import Sampler, SamplingParams, make_generator, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
-from .speculative import NgramProposer, measure_row_cost
+from .speculative import NgramProposer
 from .suffix_decoding import SuffixProposer
 from .structured import GuideFactory
 
@@ -66,52 +66,10 @@ class LLMEngine:
         self.max_model_len = self.scheduler.max_model_len = self._context_limit()
 
     def warm_up(self) -> float | None:
-        """One prefill chunk (`max_prefill_tokens` tokens, fewer where the context or the pool holds less) and,
-        unless this engine only prefills (kv_producer), one decode step after it, on KV blocks borrowed from
-        the pool and given back. What a first chunk pays once (memory touched for the first time, oneDNN's
-        kernels for its shapes) is paid here, so the first request runs at full speed. Nothing else changes:
-        no request, no counted tokens, every block free again. Call it on the thread that will step the
-        engine: its OpenMP workers, its malloc arena and the kernels' per-thread scratch are that thread's.
-        (A parallel engine's replicas warm up together: `DistributedEngine.warm_up`.) A failure is logged and
-        costs the first request's speed, nothing more. -> seconds, or None when it failed or the pool cannot
-        hold even a 1-token chunk."""
-        n = min(self.ecfg.max_prefill_tokens, self.max_model_len - 1)
-        while n > 1 and not self._fits_pool(n + 1):
-            n //= 2
-        rid = "\0warm-up"                     # held and given back before any request exists
-        if n < 1 or not self._fits_pool(n + 1) or not self.kv_manager.allocate(rid, n + 1, 0):
-            return None
-        t0 = time.perf_counter()
-        try:
-            tables = self.kv_manager.block_tables(rid)
-            self.runner.prefill([SeqChunk([0] * n, 0, tables, "last")])
-            if self.ecfg.kv_role != "kv_producer":
-                self.runner.decode([DecodeSeq(0, n, tables)], pad_to=1)
-                self._measure_draft_rows(n, tables)
-        except Exception:  # noqa: BLE001 - the requests still run (and fail on their own if the engine is broken)
-            log.exception("warm-up failed; going on without it")
-            return None
-        finally:
-            self.kv_manager.free(rid)
-        took = time.perf_counter() - t0
-        log.info("warm-up: a %d-token prefill chunk%s in %.2f s", n,
-                 "" if self.ecfg.kv_role == "kv_producer" else " and a decode step", took)
-        return took
-
-    def _measure_draft_rows(self, n: int, tables: list[list[int]]) -> None:
-        """Speculative decoding, adaptive: what a draft row costs here (`speculative.measure_row_cost`), on the
-        warm-up's borrowed blocks at position n - k - 1 (their KV is garbage and never named). Distinct tokens:
-        rows of one token would route to the same experts, which real drafts do not."""
-        proposer, spec = self.scheduler.proposer, self.ecfg.speculative
-        if proposer is None or spec is None or not spec.adaptive or not hasattr(proposer, "row_cost"):
-            return
-        k = min(spec.num_speculative_tokens, n - 1)
-        if k < 1 or self.runner.parallel is not None:      # a parallel engine's replicas would time apart
-            return
-        ids = [(1 + 7919 * i) % self.cfg.vocab_size for i in range(k + 1)]
-        proposer.row_cost = measure_row_cost(
-            lambda d: self.runner.decode([DecodeSeq(ids[0], n - k - 1, tables, tuple(ids[1: 1 + d]))], pad_to=1), k)
-        log.info("speculative decoding: a draft row costs %.2f of a 1-row decode step", proposer.row_cost)
+        """One prefill chunk and one decode step on borrowed KV blocks, so the first request runs at full
+        speed (`warmup.warm_up`). -> seconds, or None when it failed or the pool cannot hold a 1-token chunk."""
+        from .warmup import warm_up
+        return warm_up(self)
 
     @property
     def waiting(self):
@@ -132,10 +90,10 @@ class LLMEngine:
         """The longest sequence one request can hold alone: at every moment of its life (prefill chunks of
         `max_prefill_tokens`, a sliding group's window on top of them) its blocks fit the pool, so a request
         the engine admits can always finish. A `--max-model-len` the pool cannot hold is refused here."""
-        lo, hi = 0, self.runner.max_model_len            # _fits_pool(lo); find the largest such n
+        lo, hi = 0, self.runner.max_model_len            # fits_pool(lo); find the largest such n
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self._fits_pool(mid) else (lo, mid - 1)
+            lo, hi = (mid, hi) if self.fits_pool(mid) else (lo, mid - 1)
         asked = self.ecfg.max_model_len
         if asked is not None and lo < asked:
             raise ConfigError(f"--max-model-len {asked}: one request of {asked} tokens needs "
@@ -334,7 +292,7 @@ class LLMEngine:
         chunk = min(self.ecfg.max_prefill_tokens, num_tokens)
         return sum(g.spec.peak_blocks(num_tokens, chunk, self.runner.tokens) for g in self.runner.kv.config.groups)
 
-    def _fits_pool(self, num_tokens: int) -> bool:
+    def fits_pool(self, num_tokens: int) -> bool:
         """Whether a request of `num_tokens` tokens alone fits the pool at every step of its life."""
         return self._peak_blocks(num_tokens) <= self.runner.kv.num_blocks - 1
 

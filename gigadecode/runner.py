@@ -120,7 +120,7 @@ def build_decoder(cfg: GptOssConfig, weights: ModelWeights, model: GptOssModel, 
 def default_num_blocks(cfg: GptOssConfig, ecfg: EngineConfig, num_kv_heads: int, max_model_len: int) -> int:
     """Enough for max_num_seqs full-length sequences, capped by the KV memory budget; + the null block; +
     what a sliding group holds beyond its window while a prefill chunk runs, so that one request alone can
-    reach `max_model_len` (the engine's `_fits_pool`)."""
+    reach `max_model_len` (the engine's `fits_pool`)."""
     itemsize = torch.empty((), dtype=ecfg.kv_storage_dtype()).element_size()
     specs = get_kv_spec(cfg, ecfg.block_size, itemsize, num_kv_heads)
     kvc = make_kv_cache_config(specs, 1)

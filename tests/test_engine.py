@@ -199,7 +199,7 @@ def test_warm_up_runs_the_model_and_leaves_nothing_behind(tiny_ckpt, prompts, al
     if num_blocks == 600:
         assert n == max_prefill_tokens
     else:                                                   # halved until its blocks fit the pool
-        assert n < max_prefill_tokens and eng._fits_pool(n + 1) and not eng._fits_pool(2 * n + 1)
+        assert n < max_prefill_tokens and eng.fits_pool(n + 1) and not eng.fits_pool(2 * n + 1)
     assert any(not torch.equal(a, b) for a, b in zip(kv_before, eng.runner.kv.group_bufs))   # KV was written
     assert eng.kv_manager.num_free_blocks == num_blocks - 1 and not eng.requests
     assert eng.stats.prefill_tokens == eng.stats.decode_tokens == eng.stats.steps == 0
