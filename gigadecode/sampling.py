@@ -67,6 +67,13 @@ def _int(name: str, value: Any) -> int:
     return int(value)
 
 
+def nth_seed(seed: int, j: int) -> int:
+    """The seed of a seeded request's j-th sequence (n > 1): seed + j, wrapped past the top of the range
+    `torch.Generator.manual_seed` takes (a request may send the largest seed with n > 1)."""
+    s = seed + j
+    return s - 2**64 if s > SEED_MAX else s
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters; vLLM's names, defaults and ranges.

@@ -5,7 +5,7 @@ and chat routes share.
 A `Choice` turns each `RequestOutput`'s new token ids into `Piece`s through its renderer: `TextRenderer`
 (detokenized text, all of it content) or, for chat on a harmony tokenizer, `HarmonyRenderer` (reasoning,
 content and tool-call pieces from `harmony.HarmonyStreamParser`). Content passes a `StopMatcher`
-(`stop_strings.py`): OpenAI `stop` strings are matched on the decoded text across token boundaries, what
+(`../stop_strings.py`): OpenAI `stop` strings are matched on the decoded text across token boundaries, what
 follows a match is cut (the match too, unless vLLM's `include_stop_str_in_output`), the choice finishes
 with `stop` and its engine request is aborted.
 """
@@ -23,12 +23,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from ..sampling import SEED_MAX, SamplingParams
+from ..sampling import SamplingParams, nth_seed
+from ..stop_strings import StopMatcher
 from ..structured import GRAMMAR_FAILED
 from .async_engine import SHUTTING_DOWN, AsyncEngine, RequestStream
 from .disconnect import ClientGone, unless_disconnected
 from .protocol import MAX_SEQUENCES, APIError, engine_error, error_body
-from .stop_strings import StopMatcher
 
 log = logging.getLogger("gigadecode.server")
 
@@ -327,7 +327,7 @@ async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingPar
                 stops: Sequence[str], max_tokens_of: Callable[[list[int]], int] | None = None,
                 include_stop: bool = False, priority: int = 0) -> tuple[str, list[Choice]]:
     """Submit `n` sequences per prompt (choice index = prompt index · n + j). A seeded request's j-th
-    sequence draws with seed + j (`_nth_seed`). DI params go with the first sequence of the (single) prompt only: a
+    sequence draws with seed + j (`sampling.nth_seed`). DI params go with the first sequence of the (single) prompt only: a
     prefill's KV is read once; the other sequences prefill here. `max_tokens_of(prompt)`, when given, sets each
     prompt's max_tokens (the rest of the context, for a request that leaves it open); `include_stop`: vLLM's
     include_stop_str_in_output; `priority`: every sequence's (the request's `priority` field)."""
@@ -347,7 +347,7 @@ async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingPar
                 index = pi * n + j
                 rid = base if len(prompts) * n == 1 else f"{base}-{index}"
                 p = (prompt_params if j == 0 or params.seed is None
-                     else replace(prompt_params, seed=_nth_seed(params.seed, j)))
+                     else replace(prompt_params, seed=nth_seed(params.seed, j)))
                 try:
                     stream = await aeng.submit(ids, p, rid, kv if index == 0 else None, priority)
                 except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
@@ -359,13 +359,6 @@ async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingPar
             c.stream.close()
         raise
     return base, choices
-
-
-def _nth_seed(seed: int, j: int) -> int:
-    """seed + j, wrapped past the top of the range `torch.Generator.manual_seed` takes (a request may send
-    the largest seed with n > 1; it must not become a 500)."""
-    s = seed + j
-    return s - 2**64 if s > SEED_MAX else s
 
 
 async def merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, Any]]:

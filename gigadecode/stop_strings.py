@@ -21,6 +21,7 @@ class StopMatcher:
         self.include = include
         self.held = ""
         self.hit = False
+        self.matched: str | None = None    # the stop string that ended the text
         self._base = 0              # where `held` starts in the content pushed so far
         self._min_end = 0           # a match must end past this position
 
@@ -36,7 +37,8 @@ class StopMatcher:
             self.hit, self.held = True, ""
             at = min(i for i, _ in found)
             # the earliest match ends the text; among stop strings matching there, the first listed
-            return buf[:at + len(next(s for i, s in found if i == at))] if self.include else buf[:at]
+            self.matched = next(s for i, s in found if i == at)
+            return buf[:at + len(self.matched)] if self.include else buf[:at]
         keep = 0                                  # longest tail of buf that starts some stop string
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), keep, -1):

@@ -1,0 +1,120 @@
+"""vLLM's offline API, `gigadecode.LLM`: greedy tokens and logprobs against transformers (fp32), `n` with seeds
+against the engine's own seeded requests, stop strings against a plain run's text cut by hand, chat on the
+trained demo model against its known replies, and bad input that queues nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gigadecode import LLM, SamplingParams
+from gigadecode.checkpoint import make_checkpoint
+from gigadecode.request import RequestError
+from gigadecode.sampling import SamplingError
+from gigadecode.sampling import SamplingParams as EngineParams
+
+from .helpers import hf_greedy, hf_logits
+from .test_demo_model import ADD
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    # fp32 compute and fp32 KV: what transformers computes, so greedy tokens are transformers' own
+    return LLM(str(tiny_ckpt), dtype="float32", kv_cache_dtype="auto", num_blocks=64, threads=1, warmup=False)
+
+
+def test_generate_is_transformers_greedy_with_its_logprobs(llm, hf_model):
+    codec = llm.get_tokenizer()
+    outs = llm.generate(["hello there", {"prompt_token_ids": [5, 6, 7, 8]}, {"prompt": "the cat"}],
+                        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2))
+    assert [o.prompt for o in outs] == ["hello there", None, "the cat"]
+    assert [o.prompt_token_ids for o in outs] == [codec.encode("hello there"), [5, 6, 7, 8], codec.encode("the cat")]
+    for o in outs:
+        (c,) = o.outputs
+        assert c.token_ids == hf_greedy(hf_model, o.prompt_token_ids, 10)
+        assert c.text == codec.decode(c.token_ids) and c.finish_reason == "length" and c.stop_reason is None
+        ref = torch.log_softmax(hf_logits(hf_model, o.prompt_token_ids + c.token_ids[:-1]), -1)
+        ref = ref[len(o.prompt_token_ids) - 1:]                      # the distribution each token was drawn from
+        for i, (t, d) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert d[t].rank == 1 and abs(d[t].logprob - ref[i, t].item()) < 1e-4
+            assert len(d) == 2 and d[t].decoded_token == codec.decode([t], skip_special_tokens=False)
+        assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)))
+    assert not llm.engine.requests and llm.engine.kv_usage()[0] == 0
+
+
+def test_n_sequences_draw_with_seed_plus_j(llm):
+    """The j-th of n seeded sequences is the engine's own request with seed + j, as the server's choices."""
+    ids = llm.get_tokenizer().encode("hello there")
+    (out,) = llm.generate("hello there", SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=6, ignore_eos=True))
+    alone = [llm.engine.generate([ids], EngineParams(temperature=1.0, seed=7 + j, max_tokens=6, ignore_eos=True))[0]
+             for j in range(3)]
+    for r in alone:
+        llm.engine.requests.pop(r.request_id)
+    assert [c.token_ids for c in out.outputs] == [r.output_ids for r in alone]
+    assert [c.index for c in out.outputs] == [0, 1, 2] and len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_stop_strings_cut_the_text_and_the_tokens(llm):
+    codec = llm.get_tokenizer()
+    (plain,) = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    toks, text = plain.outputs[0].token_ids, plain.outputs[0].text
+    # a stop string across the boundary of the 3rd and 4th tokens' text
+    cut = len(codec.decode(toks[:3]))
+    stop = text[cut - 2:cut + 2]
+    at = text.find(stop)
+    need = next(k for k in range(1, len(toks) + 1) if stop in codec.decode(toks[:k]))   # tokens that complete it
+    for include in (False, True):
+        (o,) = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                          stop=["never there", stop], include_stop_str_in_output=include))
+        c = o.outputs[0]
+        assert c.text == text[:at + len(stop) * include]
+        assert c.token_ids == toks[:need] and c.finish_reason == "stop" and c.stop_reason == stop
+    # a stop token: the sequence ends at it, and names it
+    (o,) = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                      stop_token_ids=[toks[4]]))
+    assert o.outputs[0].token_ids == toks[:toks.index(toks[4]) + 1] and o.outputs[0].stop_reason == toks[4]
+    assert not llm.engine.requests and llm.engine.kv_usage()[0] == 0
+
+
+def test_a_refused_prompt_queues_nothing(llm):
+    (before,) = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=4))
+    with pytest.raises(RequestError):
+        llm.generate(["hello there", {"prompt_token_ids": [1] * (llm.engine.max_model_len + 1)}],
+                     SamplingParams(temperature=0, max_tokens=4))
+    assert not llm.engine.requests and not llm.engine.has_unfinished() and llm.engine.kv_usage()[0] == 0
+    (after,) = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=4))
+    assert after.outputs[0].token_ids == before.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kw,field", [({"n": 0}, "n"), ({"stop": [1]}, "stop"), ({"temperature": -1}, "temperature"),
+                                      ({"skip_special_tokens": "no"}, "skip_special_tokens")])
+def test_bad_sampling_params_are_named(kw, field):
+    with pytest.raises(SamplingError, match=field):
+        SamplingParams(**kw)
+
+
+def test_bad_arguments_are_named(llm, tiny_ckpt):
+    with pytest.raises(ValueError, match="a prompt is text"):
+        llm.generate([3.5])
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate("x", [SamplingParams(), SamplingParams()])
+    with pytest.raises(ValueError, match="fp8_e5m2"):
+        LLM(str(tiny_ckpt), kv_cache_dtype="fp8_e5m2")
+
+
+def test_chat_on_the_demo_model(tmp_path_factory):
+    """The trained demo model's known replies (tests/test_demo_model.py): its working and answer as
+    reasoning and content, and a tool call when it has the tool."""
+    d = make_checkpoint(tmp_path_factory.mktemp("demo") / "demo", "demo")
+    llm = LLM(str(d), dtype="float32", kv_cache_dtype="auto", threads=1, warmup=False)
+    ask = [{"role": "user", "content": "What is 37 + 45?"}]
+    (o,) = llm.chat(ask, SamplingParams(temperature=0, max_tokens=128))
+    c = o.outputs[0]
+    assert c.reasoning_content == "ones: 7 + 5 = 12, write 2 carry 1. tens: 3 + 4 + 1 = 8. so 37 + 45 = 82."
+    assert c.content == "37 + 45 = 82" and c.finish_reason == "stop" and c.tool_calls == []
+    assert o.prompt_token_ids == llm.get_tokenizer().apply_chat_template(ask)
+    a, b = 12, 30
+    (o1, o2) = llm.chat([ask, [{"role": "user", "content": f"What is {a} + {b}?"}]],
+                        SamplingParams(temperature=0, max_tokens=128), tools=[ADD])
+    for o, (x, y) in ((o1, (37, 45)), (o2, (a, b))):
+        assert o.outputs[0].tool_calls == [{"name": "add", "arguments": f'{{"a": {x}, "b": {y}}}'}]
