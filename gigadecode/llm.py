@@ -12,7 +12,7 @@ every prompt of a call is batched together, and the outputs come back in the pro
 is the engine's (`sampling.SamplingParams`: vLLM's names, ranges and defaults) plus what acts on text, which
 the engine never sees: `n` sequences a prompt (the j-th of a seeded request draws with seed + j, as the
 server's choices do), `stop` strings (matched across tokens; the sequence ends at the token that completes
-one), `include_stop_str_in_output` and `skip_special_tokens`.
+one), `include_stop_str_in_output`, `skip_special_tokens` and `truncate_prompt_tokens`.
 
 Bad input loses nothing: a prompt the engine refuses (past the context, ids outside the vocabulary) raises
 before any prompt of the call runs, and a sequence that fails in the engine comes back with
@@ -40,6 +40,7 @@ class SamplingParams(EngineSamplingParams):
     stop: Sequence[str] | str | None = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None     # keep the prompt's last N tokens (-1: the context length)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -49,6 +50,9 @@ class SamplingParams(EngineSamplingParams):
         if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
             raise SamplingError("stop", f"must be a string or a list of strings (got {self.stop!r})")
         object.__setattr__(self, "stop", tuple(s for s in stop if s))
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not (t >= 1 or t == -1)):
+            raise SamplingError("truncate_prompt_tokens", f"must be >= 1, or -1 for the context length (got {t!r})")
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingError(name, f"must be a bool (got {getattr(self, name)!r})")
@@ -252,6 +256,8 @@ class LLM:
         try:
             # every prompt is queued, or none is: a refused one (RequestError) takes the others back out
             for k, ((_, ids), sp) in enumerate(zip(items, params)):
+                ids = self._truncated(ids, sp.truncate_prompt_tokens)
+                items[k] = (items[k][0], ids)
                 for j in range(sp.n):
                     pj = sp if j == 0 or sp.seed is None else replace(sp, seed=nth_seed(sp.seed, j))
                     rid = eng.add_request(ids, pj, request_id=f"llm-{self._calls}-{k}-{j}",
@@ -274,6 +280,15 @@ class LLM:
             for rid in added:
                 eng.abort(rid)
                 eng.requests.pop(rid, None)
+
+    def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length)."""
+        if keep is None:
+            return ids
+        limit = self.engine.max_model_len
+        if keep > limit:
+            raise ValueError(f"truncate_prompt_tokens ({keep}) is greater than the context length ({limit})")
+        return ids[-(limit if keep == -1 else keep):]
 
     def _prompt_logprobs(self, r) -> list[dict[int, Logprob] | None] | None:
         return None if r.params.prompt_logprobs is None else [self._logprob_dict(lp) for lp in r.prompt_logprobs]

@@ -86,8 +86,21 @@ def test_a_refused_prompt_queues_nothing(llm):
     assert after.outputs[0].token_ids == before.outputs[0].token_ids
 
 
+def test_truncate_prompt_tokens_keeps_the_last_ones(llm):
+    ids = list(range(3, 40))
+    sp = dict(temperature=0, max_tokens=5, ignore_eos=True)
+    (cut,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=9, **sp))
+    (tail,) = llm.generate({"prompt_token_ids": ids[-9:]}, SamplingParams(**sp))
+    assert cut.prompt_token_ids == ids[-9:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    (whole,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=-1, **sp))
+    assert whole.prompt_token_ids == ids                  # -1: the context length, which holds them all
+    with pytest.raises(ValueError, match="greater than the context length"):
+        llm.generate("x", SamplingParams(truncate_prompt_tokens=llm.engine.max_model_len + 1))
+
+
 @pytest.mark.parametrize("kw,field", [({"n": 0}, "n"), ({"stop": [1]}, "stop"), ({"temperature": -1}, "temperature"),
-                                      ({"skip_special_tokens": "no"}, "skip_special_tokens")])
+                                      ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+                                      ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")])
 def test_bad_sampling_params_are_named(kw, field):
     with pytest.raises(SamplingError, match=field):
         SamplingParams(**kw)
