@@ -200,6 +200,8 @@ class LLM:
         if self.codec is None:
             raise ValueError("chat needs the checkpoint's tokenizer.json and chat template")
         convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        if not convs or not all(convs):
+            raise ValueError("no messages given")
         extra = dict(chat_template_kwargs or {})
         if reasoning_effort is not None:
             extra["reasoning_effort"] = reasoning_effort
@@ -248,6 +250,8 @@ class LLM:
     def _run(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
              priority: Sequence[int] | None, chat: bool) -> list[RequestOutput]:
         eng = self.engine
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"{len(priority)} priorities for {len(items)} prompts")
         if self.codec is None and any(sp.stop for sp in params):
             raise ValueError("stop strings need the checkpoint's tokenizer.json (stop_token_ids work without)")
         self._calls += 1

@@ -111,6 +111,10 @@ def test_bad_arguments_are_named(llm, tiny_ckpt):
         llm.generate([3.5])
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate("x", [SamplingParams(), SamplingParams()])
+    with pytest.raises(ValueError, match="1 priorities for 2 prompts"):
+        llm.generate(["x", "y"], priority=[0])
+    with pytest.raises(ValueError, match="no messages given"):
+        llm.chat([])
     with pytest.raises(ValueError, match="fp8_e5m2"):
         LLM(str(tiny_ckpt), kv_cache_dtype="fp8_e5m2")
 
