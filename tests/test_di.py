@@ -555,7 +555,7 @@ def test_readme_recipe_runs_as_written(tiny_ckpt):
     import re
     from pathlib import Path
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    (code,) = re.findall(r"```python\n(.*?)```", readme, re.S)
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "kv_producer" in b]
     prompt = random_prompt(21, 1024, seed=4)
     ns = {"DIR": str(tiny_ckpt), "prompt_ids": prompt}
     exec(compile(code, "README.md", "exec"), ns)

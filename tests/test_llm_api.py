@@ -135,3 +135,18 @@ def test_chat_on_the_demo_model(tmp_path_factory):
                         SamplingParams(temperature=0, max_tokens=128), tools=[ADD])
     for o, (x, y) in ((o1, (37, 45)), (o2, (a, b))):
         assert o.outputs[0].tool_calls == [{"name": "add", "arguments": f'{{"a": {x}, "b": {y}}}'}]
+
+
+def test_readme_example_runs_as_written(tmp_path_factory):
+    """The README's Python API block, executed as it stands on the demo model (its reply to 37 + 45 known)."""
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "import LLM" in b]
+    d = make_checkpoint(tmp_path_factory.mktemp("demo") / "demo", "demo")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code.replace('LLM("DIR")', f'LLM({str(d)!r}, threads=1)'), "README.md", "exec"), {})
+    assert "37 + 45 = 82" in out.getvalue().splitlines()[-1]
