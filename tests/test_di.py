@@ -293,6 +293,34 @@ def test_other_layout_is_refused_at_the_door(tiny_ckpt, consumer):
         other.close()
 
 
+def test_fp8_scales_are_part_of_the_kv_layout(tiny_ckpt, single):
+    """FP8 KV bytes are x / scale: a decode engine whose k_scale / v_scale differ from the prefill's would read
+    every key and value rescaled and decode wrong tokens without an error (it did). Such params are refused at
+    the door and the handshake names the field; with the same scales (not 1) DI is the single node's."""
+    from gigadecode.connector.base import HandshakeError, check_compatible
+    from gigadecode.engine import RequestError
+    scaled = dict(BASE, k_scale=4.0, v_scale=0.25)
+    prod = build_engine(tiny_ckpt, EngineConfig(kv_role="kv_producer", **scaled))
+    plain = build_engine(tiny_ckpt, EngineConfig(kv_role="kv_consumer", **BASE))
+    same = build_engine(tiny_ckpt, EngineConfig(kv_role="kv_consumer", **scaled))
+    try:
+        prompt = random_prompt(30, 1024, seed=81)
+        params = run(prod, prompt, greedy(1), kv={"do_remote_decode": True}).kv_transfer_params_out
+        with pytest.raises(RequestError, match="FP8 scales") as e:
+            plain.add_request(prompt, greedy(), kv_transfer_params=params)
+        assert e.value.param == "kv_transfer_params.kv_layout_id" and not plain.requests
+        with pytest.raises(HandshakeError, match="k_scale: local 1.0, remote 4.0"):
+            check_compatible(plain.connector.agent.layout(), prod.connector.agent.layout())
+        want = run(build_engine(tiny_ckpt, EngineConfig(**scaled)), prompt).output_ids
+        assert want != run(single, prompt).output_ids             # the scales change the numbers here
+        got = run(same, prompt, kv=params)
+        assert got.error is None and got.output_ids == want
+        assert plain.kv_manager.num_free_blocks == same.kv_manager.num_free_blocks == NUM_BLOCKS - 1
+    finally:
+        for eng in (prod, plain, same):
+            eng.connector.close()
+
+
 def test_a_load_given_up_tells_the_producer_to_free(producer, consumer, single):
     """A decode request aborted while its READ is posted frees the prefill's blocks at once: the consumer
     tells the producer it gave the KV up, not only when a READ lands (a read that carries no notification,

@@ -63,7 +63,7 @@ _DEFAULTED = ("mem_type", "device_id", "kv_head_start", "total_kv_heads")
 
 # Fields that must be equal on both sides, in the order they are checked (the first mismatch is named).
 COMPAT_FIELDS = ("model_id", "dtype", "packed", "block_size", "kv_heads", "head_dim", "num_groups",
-                 "num_buffers", "num_regions", "block_len")
+                 "num_buffers", "num_regions", "block_len", "k_scale", "v_scale")
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,8 @@ class KVLayout:
     device_id: int = 0
     kv_head_start: int = 0        # TP: the first (global) kv head this rank holds
     total_kv_heads: int = 0       # TP: the model's kv heads (0 = not given: this rank holds all `kv_heads`)
+    k_scale: float = 1.0          # FP8 KV: the per-tensor scales its bytes are stored with (stored = x / scale);
+    v_scale: float = 1.0          # 1 for other KV dtypes. Bytes read under other scales are other keys / values
 
     @property
     def head_range(self) -> tuple[int, int]:

@@ -210,7 +210,8 @@ class NixlKVAgent:
             region_addrs=tuple(r.data_ptr() for r in regions), mem_type=mem_type, device_id=dev,
             kv_head_start=int(kv_head_start), total_kv_heads=int(
                 total_kv_heads if total_kv_heads is not None
-                else getattr(getattr(kv_cache, "cfg", None), "num_key_value_heads", 0)))
+                else getattr(getattr(kv_cache, "cfg", None), "num_key_value_heads", 0)),
+            k_scale=float(getattr(kv_cache, "k_scale", 1.0)), v_scale=float(getattr(kv_cache, "v_scale", 1.0)))
         return self._layout
 
     def layout(self) -> KVLayout:

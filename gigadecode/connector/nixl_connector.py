@@ -150,7 +150,7 @@ class NixlConnector(KVConnectorBase):
                                  model_id=model_identity(cfg), progress_thread=role != "kv_consumer")
         lay = self.agent.register_kv(kv, kv_head_start=kv_head_start, total_kv_heads=cfg.num_key_value_heads)
         self.layout_id = kv_layout_id(lay.model_id, lay.dtype, lay.packed, lay.block_size, lay.head_dim,
-                                      lay.num_groups, lay.num_buffers, lay.model_kv_heads)
+                                      lay.num_groups, lay.num_buffers, lay.model_kv_heads, lay.k_scale, lay.v_scale)
         self.side = SideChannel(host, side_port, self.handshake_info, self.key) if role != "kv_consumer" else None
         self.leases: dict[str, _Lease] = {}
         self.loads: dict[str, _Load] = {}

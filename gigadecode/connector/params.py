@@ -9,9 +9,9 @@ So they are
 - **signed** by the producer (`sign`: HMAC-SHA256 with the deployment key shared by prefill and decode
   engines, over a canonical encoding of every field) and bound to the prompt (`prompt_digest`: SHA-256 of
   the prompt token ids) and to the KV layout (`kv_layout_id`: model identity, KV dtype, packing, block
-  size, head size, groups, buffers). The consumer checks all three (`verify`) before it reads a byte: a
-  client cannot forge block ids or CRCs, point the decode engine at blocks of another request, or send
-  prompt B with the params of prompt A.
+  size, head size, groups, buffers, FP8 scales). The consumer checks all three (`verify`) before it reads
+  a byte: a client cannot forge block ids or CRCs, point the decode engine at blocks of another request,
+  or send prompt B with the params of prompt A.
 - The side channel that hands out NIXL metadata (memory addresses) answers only a peer that proves the
   same key (`handshake_token` / `check_handshake_token`: a time-stamped HMAC in a request header), and
   signs its answer (`answer_signature`) so a consumer knows it paired with a real producer.
@@ -160,10 +160,11 @@ def prompt_digest(prompt_ids: Sequence[int]) -> str:
 
 
 def kv_layout_id(model_id: str, dtype: str, packed: bool, block_size: int, head_dim: int, num_groups: int,
-                 num_buffers: int, model_kv_heads: int) -> str:
-    """What a producer's and a consumer's KV must agree on whatever their TP sizes (16 hex chars)."""
+                 num_buffers: int, model_kv_heads: int, k_scale: float = 1.0, v_scale: float = 1.0) -> str:
+    """What a producer's and a consumer's KV must agree on whatever their TP sizes (16 hex chars); the FP8
+    scales too: the same bytes under other scales are other keys and values."""
     blob = json.dumps([model_id, dtype, bool(packed), block_size, head_dim, num_groups, num_buffers,
-                       model_kv_heads])
+                       model_kv_heads, float(k_scale), float(v_scale)])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -195,7 +196,8 @@ def verify(params: KVTransferParams, key: bytes, prompt_ids: Sequence[int], layo
     verify_signature(params, key)
     if params.producer is None and params.kv_layout_id != layout_id:   # a vLLM producer's: checked at handshake
         raise KVParamsError(f"kv_transfer_params are for KV layout {params.kv_layout_id}, this engine's is "
-                            f"{layout_id} (another model, KV dtype or block size)", "kv_transfer_params.kv_layout_id")
+                            f"{layout_id} (another model, KV dtype, block size or FP8 scales)",
+                            "kv_transfer_params.kv_layout_id")
     if params.prompt_digest != prompt_digest(prompt_ids):
         raise KVParamsError("kv_transfer_params belong to another prompt (prompt digest mismatch): the KV was "
                             "computed for different tokens", "kv_transfer_params.prompt_digest")
