@@ -372,6 +372,38 @@ def test_a_give_up_notice_that_cannot_be_sent_is_left_to_the_lease(producer, con
     consumer.connector.notify_on_read = True
     assert run(consumer, prompt, kv=producer.prefill(prompt)).output_ids == run(single, prompt).output_ids
 
+@pytest.mark.parametrize("how", ["abort", "preempt"])
+def test_a_load_given_up_during_its_handshake_tells_the_producer_to_free(tiny_ckpt, single, how):
+    """A decode request given up while the handshake with a new prefill engine still runs (nothing posted, so
+    no READ to cancel): once that handshake is done the producer is told to free the blocks, not left holding
+    them to the end of its 30 s lease. Preempted, the request is then computed here, with one node's tokens."""
+    prod = build_engine(tiny_ckpt, EngineConfig(kv_role="kv_producer", **BASE))
+    cons = build_engine(tiny_ckpt, EngineConfig(kv_role="kv_consumer", kv_transfer_timeout_s=5.0, **BASE))
+    try:
+        prompt = random_prompt(26, 1024, seed=83)
+        params = run(prod, prompt, greedy(1), kv={"do_remote_decode": True}).kv_transfer_params_out
+        rid = cons.add_request(prompt, greedy(), kv_transfer_params=params)
+        cons.step()                                     # admitted; the first handshake with prod is running
+        assert not cons.connector.loads[rid].posted and prod.num_leases() == 1
+        if how == "abort":
+            assert cons.abort(rid)
+        else:
+            cons.scheduler.preempt(cons.requests[rid])
+        t0 = time.monotonic()
+        while prod.num_leases() or cons.has_unfinished():
+            cons.step()
+            prod.step()
+            assert time.monotonic() - t0 < 10, "the producer still holds the lease"
+        assert prod.kv_manager.num_free_blocks == cons.kv_manager.num_free_blocks == NUM_BLOCKS - 1
+        if how == "preempt":
+            assert cons.requests[rid].output_ids == run(single, prompt).output_ids
+        assert run(cons, prompt, kv=run(prod, prompt, greedy(1), kv={"do_remote_decode": True}
+                                        ).kv_transfer_params_out).output_ids == run(single, prompt).output_ids
+    finally:
+        prod.connector.close()
+        cons.connector.close()
+
+
 def test_lease_expired_before_read(tiny_ckpt, consumer):
     from gigadecode.engine import RequestError
     short = Producer(tiny_ckpt, **{**BASE, "kv_lease_s": 0.3})

@@ -123,6 +123,8 @@ class _Load:
 class NixlConnector(KVConnectorBase):
     """One engine's NIXL connector (the interface and who calls what: `base.KVConnectorBase`)."""
 
+    NOTIF_FLUSH_S = 2.0       # consumer: how long the agent is progressed after a notification sent without a READ
+
     def __init__(self, role: str, kv, cfg, *, secret: str | None, host: str = "127.0.0.1",
                  advertise_host: str | None = None, side_port: int = 0, lease_s: float = 30.0,
                  timeout_s: float = 10.0, engine_id: str | None = None, kv_head_start: int = 0,
@@ -155,6 +157,8 @@ class NixlConnector(KVConnectorBase):
         self.leases: dict[str, _Lease] = {}
         self.loads: dict[str, _Load] = {}
         self.landed: dict[str, _Load] = {}         # notify_on_read False: landed, producer not told yet
+        self.given_up: dict[str, KVTransferParams] = {}   # loads cancelled before their READs were posted
+        self.flush_until = 0.0                     # consumer: progress the agent until then (notifications out)
         self.used: dict[tuple[str, str], float] = {}   # consumer: (producer engine, its request) -> lease end
         self.handshakes = HandshakeCache(self.key, timeout_s)
         self.stats = {"kv_bytes_transferred": 0, "transfer_failures": 0, "transfer_seconds": 0.0}
@@ -302,8 +306,7 @@ class NixlConnector(KVConnectorBase):
     def _advance(self, load: _Load) -> None:
         """Post the load's READs once every producer rank it needs is paired (handshakes done)."""
         l0, l1 = self.agent.layout().head_range
-        ranks = [r for r in load.params.ranks() if r.kv_crc32_heads is None      # only the ranks with our heads
-                 or r.kv_head_start < l1 and l0 < r.kv_head_start + len(r.kv_crc32_heads)] or load.params.ranks()
+        ranks = self._source_ranks(load.params)
         remotes = [self.handshakes.ready(self.agent, r) for r in ranks]   # starts missing handshakes
         if any(name is None for name in remotes):
             return
@@ -328,6 +331,12 @@ class NixlConnector(KVConnectorBase):
             raise HandshakeError(f"the prefill ranks hold kv heads {sorted(covered)} of the [{l0}, {l1}) this "
                                  f"engine needs")
         load.posted = True
+
+    def _source_ranks(self, params: KVTransferParams) -> list[RemoteRank]:
+        """The producer ranks a load reads from: those holding kv heads of this engine."""
+        l0, l1 = self.agent.layout().head_range
+        return [r for r in params.ranks() if r.kv_crc32_heads is None
+                or r.kv_head_start < l1 and l0 < r.kv_head_start + len(r.kv_crc32_heads)] or params.ranks()
 
     def _fail_load(self, load: _Load, e: BaseException) -> None:
         self._release(load)
@@ -365,6 +374,8 @@ class NixlConnector(KVConnectorBase):
                 self.stats["kv_bytes_transferred"] += self._vllm.landed[rid].nbytes
                 if self.notify_on_read:
                     self._vllm.notify(rid)
+        if self.given_up or self.flush_until > time.monotonic():
+            self._tell_given_up()
         for rid, load in list(self.loads.items()):
             err = self._poll_load(load)
             if err is False:
@@ -436,14 +447,45 @@ class NixlConnector(KVConnectorBase):
 
     def cancel(self, request_id: str) -> None:
         """A consumer gives up its KV (aborted, preempted, failed): stop its reads and tell the producer ranks
-        it read from to free the blocks now, not when the lease runs out (best effort)."""
+        it reads from to free the blocks now (or once paired: `_tell_given_up`), not when the lease runs out
+        (best effort)."""
         if self._vllm is not None:
             self._vllm.cancel(request_id)
         loads = [ld for ld in (self.landed.pop(request_id, None), self.loads.pop(request_id, None)) if ld is not None]
         reads = [r for ld in loads for r in ld.reads]
         for ld in loads:
             self._release(ld)
+            if not ld.posted and ld.error is None:       # its handshake still runs: tell the producer once done
+                self.given_up[request_id] = ld.params
         self._free_at_producers(reads, best_effort=True)
+
+    def _tell_given_up(self) -> None:
+        """Loads cancelled while a handshake they needed ran (no READ, so no notification yet): tell their
+        producer ranks to free once paired. Forgotten when a handshake fails or the lease ends (which frees).
+        A first message to a peer also connects to it: the agent (no progress thread here) is progressed for
+        `NOTIF_FLUSH_S` after one, or it would wait for the next READ."""
+        for rid, params in list(self.given_up.items()):
+            ranks = self._source_ranks(params)
+            try:
+                names = [self.handshakes.ready(self.agent, r) for r in ranks]
+            except HandshakeError:
+                names = []
+            if None in names and time.time() < params.lease_expires:
+                continue
+            del self.given_up[rid]
+            for name, r in zip(names, ranks):
+                if name is None:                       # its lease is over: nothing left to free
+                    continue
+                try:
+                    self.agent.send_notif(name, r.remote_request_id.encode())
+                    self.flush_until = time.monotonic() + self.NOTIF_FLUSH_S
+                except Exception:  # noqa: BLE001 - best effort: the lease frees the blocks when it runs out
+                    pass
+        if self.flush_until > time.monotonic():
+            try:
+                self.agent.progress()
+            except TransferError:
+                self.flush_until = 0.0
 
     def _free_at_producers(self, reads, best_effort: bool = False) -> None:
         """Notify the producer rank of each read (the notification is its remote request id) that it may free
