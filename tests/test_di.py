@@ -372,11 +372,12 @@ def test_a_give_up_notice_that_cannot_be_sent_is_left_to_the_lease(producer, con
     consumer.connector.notify_on_read = True
     assert run(consumer, prompt, kv=producer.prefill(prompt)).output_ids == run(single, prompt).output_ids
 
-@pytest.mark.parametrize("how", ["abort", "preempt"])
-def test_a_load_given_up_during_its_handshake_tells_the_producer_to_free(tiny_ckpt, single, how):
+@pytest.mark.parametrize("how", ["abort-in-handshake", "preempt-in-handshake", "abort-just-posted"])
+def test_a_load_given_up_before_any_read_landed_tells_the_producer_to_free(tiny_ckpt, single, how):
     """A decode request given up while the handshake with a new prefill engine still runs (nothing posted, so
-    no READ to cancel): once that handshake is done the producer is told to free the blocks, not left holding
-    them to the end of its 30 s lease. Preempted, the request is then computed here, with one node's tokens."""
+    no READ to cancel), or right after its first READ to it was posted (the agents not connected yet): the
+    producer is told to free the blocks (once paired), not left holding them to the end of its 30 s lease
+    (the message once waited for a READ to carry it). Preempted, the request is computed here instead."""
     prod = build_engine(tiny_ckpt, EngineConfig(kv_role="kv_producer", **BASE))
     cons = build_engine(tiny_ckpt, EngineConfig(kv_role="kv_consumer", kv_transfer_timeout_s=5.0, **BASE))
     try:
@@ -385,7 +386,11 @@ def test_a_load_given_up_during_its_handshake_tells_the_producer_to_free(tiny_ck
         rid = cons.add_request(prompt, greedy(), kv_transfer_params=params)
         cons.step()                                     # admitted; the first handshake with prod is running
         assert not cons.connector.loads[rid].posted and prod.num_leases() == 1
-        if how == "abort":
+        t0 = time.monotonic()
+        while how.endswith("posted") and not cons.connector.loads[rid].posted:
+            cons.step()                                 # (the producer is not stepped: its READ is not served)
+            assert time.monotonic() - t0 < 5
+        if how.startswith("abort"):
             assert cons.abort(rid)
         else:
             cons.scheduler.preempt(cons.requests[rid])
@@ -393,9 +398,10 @@ def test_a_load_given_up_during_its_handshake_tells_the_producer_to_free(tiny_ck
         while prod.num_leases() or cons.has_unfinished():
             cons.step()
             prod.step()
+            time.sleep(0.01)
             assert time.monotonic() - t0 < 10, "the producer still holds the lease"
         assert prod.kv_manager.num_free_blocks == cons.kv_manager.num_free_blocks == NUM_BLOCKS - 1
-        if how == "preempt":
+        if how.startswith("preempt"):
             assert cons.requests[rid].output_ids == run(single, prompt).output_ids
         assert run(cons, prompt, kv=run(prod, prompt, greedy(1), kv={"do_remote_decode": True}
                                         ).kv_transfer_params_out).output_ids == run(single, prompt).output_ids

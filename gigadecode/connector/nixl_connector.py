@@ -123,7 +123,7 @@ class _Load:
 class NixlConnector(KVConnectorBase):
     """One engine's NIXL connector (the interface and who calls what: `base.KVConnectorBase`)."""
 
-    NOTIF_FLUSH_S = 2.0       # consumer: how long the agent is progressed after a notification sent without a READ
+    NOTIF_FLUSH_S = 2.0       # consumer: how long the agent is progressed after a notification (not a READ's)
 
     def __init__(self, role: str, kv, cfg, *, secret: str | None, host: str = "127.0.0.1",
                  advertise_host: str | None = None, side_port: int = 0, lease_s: float = 30.0,
@@ -462,8 +462,8 @@ class NixlConnector(KVConnectorBase):
     def _tell_given_up(self) -> None:
         """Loads cancelled while a handshake they needed ran (no READ, so no notification yet): tell their
         producer ranks to free once paired. Forgotten when a handshake fails or the lease ends (which frees).
-        A first message to a peer also connects to it: the agent (no progress thread here) is progressed for
-        `NOTIF_FLUSH_S` after one, or it would wait for the next READ."""
+        A message may have to connect to its peer first: the agent (no progress thread here) is progressed for
+        `NOTIF_FLUSH_S` after one is sent, or it would wait for the next READ to that peer."""
         for rid, params in list(self.given_up.items()):
             ranks = self._source_ranks(params)
             try:
@@ -494,6 +494,7 @@ class NixlConnector(KVConnectorBase):
         for r in reads:
             try:
                 self.agent.send_notif(r.remote, r.source.remote_request_id.encode())
+                self.flush_until = time.monotonic() + self.NOTIF_FLUSH_S   # maybe not connected yet
             except Exception:  # noqa: BLE001 - which failures are fatal is the caller's choice
                 if not best_effort:
                     raise
