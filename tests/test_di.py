@@ -107,39 +107,60 @@ def test_di_with_speculative_decoding_equals_single_node(tiny_ckpt, producer, si
 
 
 F, S = "full_attention", "sliding_attention"
-# configs unlike tiny: head dims 12 and 40, 3 and 2 q heads a kv head, hidden sizes that are not multiples of 64,
-# 5 experts top-2 and 3 experts top-3, windows 5 and 4, sliding and full layers mixed; FP8 KV in blocks of 2,
-# model-dtype KV in blocks of 3
+# configs unlike tiny: head dims 2 to 258, 1 to 8 q heads a kv head, hidden sizes that are not multiples of 64 (50:
+# not even of 8, bf16 experts), 1 to 17 experts with top-1 to top-all, vocabularies of 7 to 997, windows of 1 to
+# longer than the context, one to five layers, all sliding, all full or mixed; FP8 KV in blocks of 2 and 64
+# (the whole prompt in one block), model-dtype KV in blocks of 3 and 5, bf16 KV under fp32 compute
 UNUSUAL = {
     "fp8-block2": (dict(layer_types=(S, F, S), num_hidden_layers=3, hidden_size=96, intermediate_size=64,
                         num_attention_heads=9, num_key_value_heads=3, head_dim=12, num_local_experts=5,
-                        num_experts_per_tok=2, sliding_window=5, vocab_size=997), "fp8", 2),
+                        num_experts_per_tok=2, sliding_window=5, vocab_size=997), "mxfp4", "fp8", 2),
     "auto-block3": (dict(layer_types=(F, S), num_hidden_layers=2, hidden_size=160, intermediate_size=96,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=40, num_local_experts=3,
-                         num_experts_per_tok=3, sliding_window=4, vocab_size=613), "auto", 3),
+                         num_experts_per_tok=3, sliding_window=4, vocab_size=613), "mxfp4", "auto", 3),
+    # window 1 over blocks of 4: with N - 1 a multiple of 4 no sliding block is live, and with every layer
+    # sliding nothing at all is sent (no lease)
+    "all-sliding-window1": (dict(layer_types=(S, S, S), num_hidden_layers=3, hidden_size=64, intermediate_size=32,
+                                 num_attention_heads=8, num_key_value_heads=1, head_dim=2, num_local_experts=2,
+                                 num_experts_per_tok=1, sliding_window=1, vocab_size=389), "mxfp4", "bf16", 4),
+    "one-full-layer-block64": (dict(layer_types=(F,), num_hidden_layers=1, hidden_size=32, intermediate_size=32,
+                                    num_attention_heads=2, num_key_value_heads=2, head_dim=258, num_local_experts=1,
+                                    num_experts_per_tok=1, sliding_window=3, vocab_size=7), "mxfp4", "fp8", 64),
+    "window-past-context": (dict(layer_types=(F, S, S, F, S), num_hidden_layers=5, hidden_size=50,
+                                 intermediate_size=18, num_attention_heads=3, num_key_value_heads=3, head_dim=6,
+                                 num_local_experts=17, num_experts_per_tok=17, sliding_window=200, vocab_size=1001),
+                            "bf16", "auto", 5),
 }
+# fp32: |logprob| apart at most this (model-dtype KV: the same numbers; bf16 / FP8 KV can round a value the other
+# way, the producer's prefill of N-1 rows and the single node's of N differing in the last bits)
+LOGPROB_TOL = {"auto": 1e-4, "bf16": 2e-2, "fp8": 2e-2}
 
 
 @pytest.mark.parametrize("name", UNUSUAL)
 def test_di_equals_single_node_on_unusual_configs(tmp_path, name):
-    """fp32: the decode engine's tokens from transferred KV equal a single node's, for prompts across blocks
-    and the window, on layouts tiny does not have (head dim, GQA ratio, block size, layer mix)."""
-    over, kv_dtype, block = UNUSUAL[name]
-    ckpt = make_checkpoint(tmp_path / "c", cfg=preset_config("tiny").with_(**over), seed=5, experts="mxfp4")
+    """fp32: the decode engine's tokens from transferred KV equal a single node's, and their logprobs, for
+    prompts across blocks and the window, on layouts tiny does not have (head dim, GQA ratio, block size, layer
+    mix, window, experts, vocabulary)."""
+    over, experts, kv_dtype, block = UNUSUAL[name]
+    ckpt = make_checkpoint(tmp_path / "c", cfg=preset_config("tiny", experts).with_(**over), seed=5, experts=experts)
     base = dict(kv_dtype=kv_dtype, block_size=block, num_blocks=120, kv_secret=KV_SECRET)
     single = build_engine(ckpt, EngineConfig(**base))
     consumer = build_engine(ckpt, EngineConfig(kv_role="kv_consumer", kv_transfer_timeout_s=10.0, **base))
     producer = Producer(ckpt, **base)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     try:
-        for n in (1, 2, block + 1, 5, 6, 11, 31):
+        for n in (1, 2, block + 1, 5, 6, 9, 11, 31):
             prompt = random_prompt(n, over["vocab_size"], seed=70 + n)
             params = producer.prefill(prompt)
             assert params["num_computed_tokens"] == n - 1
-            got = run(consumer, prompt, kv=params)
+            got, want = run(consumer, prompt, sp, kv=params), run(single, prompt, sp)
             assert got.error is None, got.error
-            assert got.output_ids == run(single, prompt).output_ids, n
+            assert got.output_ids == want.output_ids, n
+            worst = max(abs(a.logprob - b.logprob) for a, b in zip(got.output_logprobs, want.output_logprobs))
+            assert worst < LOGPROB_TOL[kv_dtype], (n, worst)
         assert consumer.stats.kv_bytes_transferred > 0
         assert consumer.kv_manager.num_free_blocks == 119
+        assert producer.wait_free(119) == 119
     finally:
         producer.close()
         consumer.connector.close()
