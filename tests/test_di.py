@@ -629,6 +629,27 @@ def test_wildcard_host_binds_the_side_channel_everywhere(tiny_ckpt):
         eng.connector.close()
 
 
+def test_an_ipv6_host_serves_the_side_channel(tiny_ckpt, single):
+    """`--host ::1`: the prefill's side channel listens on IPv6 (an IPv4 socket cannot bind it: the prefill
+    server died at start with a gaierror traceback) and a decode engine reaches it there (the address bracketed
+    in its URL); a side-channel port already taken is an error naming the address (the CLI's one-line kind)."""
+    prod = build_engine(tiny_ckpt, EngineConfig(kv_role="kv_producer", **BASE), host="::1")
+    cons = build_engine(tiny_ckpt, EngineConfig(kv_role="kv_consumer", kv_transfer_timeout_s=5.0, **BASE))
+    try:
+        assert prod.connector.side.httpd.server_address[0] == "::1"
+        prompt = random_prompt(21, 1024, seed=91)
+        params = run(prod, prompt, greedy(1), kv={"do_remote_decode": True}).kv_transfer_params_out
+        assert params["remote_host"] == "::1"
+        got = run(cons, prompt, kv=params)
+        assert got.error is None and got.output_ids == run(single, prompt).output_ids
+        with pytest.raises(ValueError, match=rf"KV side channel cannot listen on ::1:{prod.connector.side_port}"):
+            build_engine(tiny_ckpt, EngineConfig(kv_role="kv_producer", **BASE), host="::1",
+                         side_port=prod.connector.side_port)
+    finally:
+        prod.connector.close()
+        cons.connector.close()
+
+
 def test_roles_refuse_to_start_without_a_secret(tiny_ckpt):
     from gigadecode.engine import build_engine as build
     for role in ("kv_producer", "kv_consumer"):

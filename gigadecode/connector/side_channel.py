@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import hmac
 import json
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,7 +50,12 @@ class SideChannel:
             def log_message(self, *a: Any) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        class Server(ThreadingHTTPServer):     # IPv6 for a host with a ':' (as the API socket), else IPv4
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self.httpd = Server((host, port), Handler)
+        except OSError as e:                   # taken, not this machine's, does not resolve: say which
+            raise ValueError(f"the KV side channel cannot listen on {host}:{port}: {e.strerror or e}") from None
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True, name="kv-side-channel")
@@ -62,7 +68,7 @@ class SideChannel:
 
 def fetch_handshake(host: str, port: int, key: bytes, timeout_s: float = 5.0) -> dict[str, Any]:
     """The producer's handshake answer (blocking); HandshakeError on any failure or an unsigned answer."""
-    url = f"http://{host}:{port}/kv/handshake"
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/kv/handshake"     # an IPv6 address bracketed
     req = urllib.request.Request(url, headers={AUTH_HEADER: handshake_token(key)})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
