@@ -469,7 +469,9 @@ def build_engine(model_dir, ecfg: EngineConfig, *, host: str = "127.0.0.1", adve
     connector = None
     if ecfg.kv_role != "kv_both":
         from .connector.nixl_connector import NixlConnector
+        from .safetensors_files import weights_fingerprint
         connector = NixlConnector(ecfg.kv_role, runner.kv, runner.cfg, secret=ecfg.kv_secret, host=host,
                                   advertise_host=advertise_host, side_port=side_port, lease_s=ecfg.kv_lease_s,
-                                  timeout_s=ecfg.kv_transfer_timeout_s, vllm_kv_layout=ecfg.vllm_kv_layout)
+                                  timeout_s=ecfg.kv_transfer_timeout_s, vllm_kv_layout=ecfg.vllm_kv_layout,
+                                  model_fingerprint=weights_fingerprint(runner.model_dir))
     return LLMEngine(runner, ecfg, connector)

@@ -1,5 +1,6 @@
 """The safetensors files of a checkpoint: their headers (`read_safetensors_index`, checked against the
-files' sizes) and their tensors' bytes read with plain file reads (`FileTensor`).
+files' sizes), their tensors' bytes read with plain file reads (`FileTensor`), and a digest of the weights'
+values (`weights_fingerprint`, DI's check that two engines run the same model).
 
 Plain reads rather than a memory map: a mapped file's pages count in the process's RSS while the mapping
 is open (a whole ~2 GB shard of a 20b checkpoint on top of the stacks being filled); read into the
@@ -152,3 +153,24 @@ class FileTensor:
             if not k:
                 raise CheckpointError(f"{self.entry.file.name}: file truncated while reading a tensor")
             got += k
+
+
+FINGERPRINT_VALUES = 64     # leading values of each tensor that go into `weights_fingerprint`
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """A short digest (16 hex chars) of a checkpoint's weights, for DI engines to check that they run the same
+    model, not only the same config: the names and leading values of every tensor outside the MoE experts,
+    as bf16. As values, not bytes: the same model written in fp32 or bf16, with MXFP4 or bf16 experts (an
+    exact copy of the same values), has the same fingerprint; another fine-tune of the same config does not."""
+    import hashlib
+    h = hashlib.sha256()
+    index = read_safetensors_index(Path(model_dir))
+    for name in sorted(n for n in index if ".mlp.experts." not in n):
+        e = index[name]
+        n = min(math.prod(e.shape), FINGERPRINT_VALUES)
+        head = torch.empty(n, dtype=e.dtype)
+        with open(e.file, "rb", buffering=0) as fh:
+            FileTensor(fh, TensorEntry(e.file, e.dtype, (n,), e.offset))._read(head)
+        h.update(name.encode() + b"\0" + head.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]

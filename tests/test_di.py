@@ -342,6 +342,36 @@ def test_fp8_scales_are_part_of_the_kv_layout(tiny_ckpt, single):
             eng.connector.close()
 
 
+def test_other_weights_of_the_same_config_are_refused(tiny_ckpt, tmp_path):
+    """Two checkpoints of one config.json but other weights (two fine-tunes; a prefill fleet left on the old
+    one during an upgrade) computed KV the other could not use, and paired without a word: the weights'
+    fingerprint is part of the KV layout, so such params are refused at the door and the handshake names
+    model_id. The same values written otherwise (MXFP4 or bf16 experts) still pair."""
+    from gigadecode.checkpoint import copy_trained
+    from gigadecode.connector.base import HandshakeError, check_compatible
+    from gigadecode.engine import RequestError
+    from gigadecode.safetensors_files import weights_fingerprint
+    other = make_checkpoint(tmp_path / "other", "tiny", seed=1)
+    assert (other / "config.json").read_text() == (tiny_ckpt / "config.json").read_text()
+    assert weights_fingerprint(other) != weights_fingerprint(tiny_ckpt)
+    assert weights_fingerprint(copy_trained(tmp_path / "d4", "demo")) == \
+        weights_fingerprint(copy_trained(tmp_path / "d16", "demo", experts="bf16"))
+    prod = build_engine(tiny_ckpt, EngineConfig(kv_role="kv_producer", **BASE))
+    cons = build_engine(other, EngineConfig(kv_role="kv_consumer", **BASE))
+    try:
+        prompt = random_prompt(30, 1024, seed=82)
+        params = run(prod, prompt, greedy(1), kv={"do_remote_decode": True}).kv_transfer_params_out
+        with pytest.raises(RequestError, match=r"another model \(config or weights\)") as e:
+            cons.add_request(prompt, greedy(), kv_transfer_params=params)
+        assert e.value.param == "kv_transfer_params.kv_layout_id" and not cons.requests
+        with pytest.raises(HandshakeError, match="model_id: local"):
+            check_compatible(cons.connector.agent.layout(), prod.connector.agent.layout())
+        assert run(cons, prompt).error is None                   # it serves its own requests
+    finally:
+        for eng in (prod, cons):
+            eng.connector.close()
+
+
 def test_a_load_given_up_tells_the_producer_to_free(producer, consumer, single):
     """A decode request aborted while its READ is posted frees the prefill's blocks at once: the consumer
     tells the producer it gave the KV up, not only when a READ lands (a read that carries no notification,

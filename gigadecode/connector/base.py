@@ -194,6 +194,8 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
             continue                                   # checked by head_mapping (equal bytes per head)
         if a != b:
             hint = ""
+            if name == "model_id":
+                hint = " (the two engines run other checkpoints: their config.json or their weights differ)"
             if name == "kv_heads":
                 hint = (f" (head_ratio != 1, prefill TP != decode TP, needs a head mapping: kv heads "
                         f"{local.head_range} of {local.model_kv_heads} local, {remote.head_range} of "
@@ -204,10 +206,11 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
                              f"remote {remote.compat_hash()}")
 
 
-def model_identity(cfg: Any) -> str:
-    """A model's identity for the handshake: sha256 (16 hex chars) of its config.json dict (`cfg.to_hf()`)."""
+def model_identity(cfg: Any, weights: str = "") -> str:
+    """A model's identity for the handshake: sha256 (16 hex chars) of its config.json dict (`cfg.to_hf()`) and
+    `weights`, the checkpoint's `safetensors_files.weights_fingerprint` (two fine-tunes of one config differ)."""
     d = cfg.to_hf() if hasattr(cfg, "to_hf") else asdict(cfg)
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return hashlib.sha256((json.dumps(d, sort_keys=True, default=str) + weights).encode()).hexdigest()[:16]
 
 
 def pair_blocks(remote_block_ids: Sequence[Sequence[int]], local_block_ids: Sequence[Sequence[int]]

@@ -129,8 +129,10 @@ class NixlConnector(KVConnectorBase):
                  advertise_host: str | None = None, side_port: int = 0, lease_s: float = 30.0,
                  timeout_s: float = 10.0, engine_id: str | None = None, kv_head_start: int = 0,
                  notify_on_read: bool = True, tokens: TokenShard = TokenShard(), vllm_kv_layout: str = "auto",
-                 consumers: int = 1) -> None:
-        """`secret`: the deployment key shared by prefill and decode engines (required). `host`: where a
+                 consumers: int = 1, model_fingerprint: str = "") -> None:
+        """`secret`: the deployment key shared by prefill and decode engines (required). `model_fingerprint`:
+        the checkpoint's weights fingerprint, part of the KV layout id (a pair running other weights is
+        refused). `host`: where a
         producer's side channel listens (0.0.0.0 = every interface); `advertise_host`: what its answers
         tell decode engines to connect to (default `host`, or this machine's name when `host` is a wildcard).
         `kv_head_start`: the first global kv head this cache holds (a TP rank's shard; 0 = all heads).
@@ -149,7 +151,8 @@ class NixlConnector(KVConnectorBase):
         self.notify_on_read = notify_on_read
         self.host = advertise_host or (host if host not in ("", "0.0.0.0", "::") else socket.gethostname())
         self.agent = NixlKVAgent(self.engine_id, engine_id=self.engine_id, host=self.host,
-                                 model_id=model_identity(cfg), progress_thread=role != "kv_consumer")
+                                 model_id=model_identity(cfg, model_fingerprint),
+                                 progress_thread=role != "kv_consumer")
         lay = self.agent.register_kv(kv, kv_head_start=kv_head_start, total_kv_heads=cfg.num_key_value_heads)
         self.layout_id = kv_layout_id(lay.model_id, lay.dtype, lay.packed, lay.block_size, lay.head_dim,
                                       lay.num_groups, lay.num_buffers, lay.model_kv_heads, lay.k_scale, lay.v_scale)

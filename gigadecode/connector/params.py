@@ -196,7 +196,8 @@ def verify(params: KVTransferParams, key: bytes, prompt_ids: Sequence[int], layo
     verify_signature(params, key)
     if params.producer is None and params.kv_layout_id != layout_id:   # a vLLM producer's: checked at handshake
         raise KVParamsError(f"kv_transfer_params are for KV layout {params.kv_layout_id}, this engine's is "
-                            f"{layout_id} (another model, KV dtype, block size or FP8 scales)",
+                            f"{layout_id} (another model (config or weights), KV dtype, block size or "
+                            f"FP8 scales)",
                             "kv_transfer_params.kv_layout_id")
     if params.prompt_digest != prompt_digest(prompt_ids):
         raise KVParamsError("kv_transfer_params belong to another prompt (prompt digest mismatch): the KV was "

@@ -111,6 +111,7 @@ def build_parallel_engine(model_dir: str | Path, ecfg: EngineConfig, progress: b
     connector = None
     if ecfg.kv_role != "kv_both":
         from ..connector.nixl_connector import NixlConnector
+        from ..safetensors_files import weights_fingerprint
         from ..weights import shard_ranges
         from .connector import TPGroupConnector
         inner = NixlConnector(ecfg.kv_role, runner.kv, cfg, secret=ecfg.kv_secret, host=host,
@@ -118,7 +119,8 @@ def build_parallel_engine(model_dir: str | Path, ecfg: EngineConfig, progress: b
                               else 0, lease_s=ecfg.kv_lease_s, timeout_s=ecfg.kv_transfer_timeout_s,
                               engine_id=f"{ecfg.kv_role}-{uuid.uuid4().hex[:8]}-r{ctx.rank}",
                               kv_head_start=shard_ranges(cfg, ctx.shard)["kv_heads"][0], notify_on_read=False,
-                              tokens=ctx.tokens, vllm_kv_layout=ecfg.vllm_kv_layout, consumers=ctx.tp_size)
+                              tokens=ctx.tokens, vllm_kv_layout=ecfg.vllm_kv_layout, consumers=ctx.tp_size,
+                              model_fingerprint=weights_fingerprint(runner.model_dir))
         connector = TPGroupConnector(inner, ctx)
         ids: list = [None] * ctx.world_size       # a DP group's answers name its own rank: release checks all
         dist.all_gather_object(ids, inner.engine_id, group=ctx.world_group)
