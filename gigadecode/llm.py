@@ -147,7 +147,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = False, speculative_config: Mapping | str | None = None,
                  scheduling_policy: str = "fcfs", decoder: str = "gk-native", threads: int | None = None,
-                 chat_template: str | None = None, warmup: bool = True) -> None:
+                 chat_template: str | None = None, warmup: bool = True, tensor_parallel_size: int = 1) -> None:
         import json
 
         from .chat_template import load_chat_template_arg
@@ -157,6 +157,9 @@ class LLM:
         from .hub import resolve_model
         from .runner import ModelRunner
         from .tokenizer import TextCodec
+        if tensor_parallel_size != 1:
+            raise ValueError("LLM runs one engine in this process (tensor_parallel_size 1); for TP / DP / EP run "
+                             "`gigadecode serve` or `generate` under torchrun with --tp / --dp / --ep")
         self.model = str(resolve_model(model))
         try:
             kv_dtype = None if kv_cache_dtype is None else kv_dtype_arg(kv_cache_dtype)
@@ -183,17 +186,18 @@ class LLM:
 
     # -- generation ----------------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 *, priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Complete each prompt (text, {"prompt": text}, {"prompt_token_ids": ids} or a list of ids; one or a
-        list) with its params (one for all, or one per prompt); -> one RequestOutput a prompt, in order."""
+        list) with its params (one for all, or one per prompt); -> one RequestOutput a prompt, in order.
+        (`use_tqdm`: taken for vLLM's scripts; no progress bar is drawn.)"""
         items = self._prompts(prompts)
         return self._run(items, self._params(sampling_params, len(items)), priority, chat=False)
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              tools: Sequence[Mapping[str, Any]] | None = None, reasoning_effort: str | None = None,
-             add_generation_prompt: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None
-             ) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """Reply to one conversation (a list of OpenAI-style messages) or to each of a list of them, rendered
         by the chat template with `tools` and `reasoning_effort`; each output also has the harmony reply
         parsed (`reasoning_content`, `content`, `tool_calls`)."""

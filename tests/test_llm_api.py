@@ -115,6 +115,8 @@ def test_bad_arguments_are_named(llm, tiny_ckpt):
         llm.generate(["x", "y"], priority=[0])
     with pytest.raises(ValueError, match="no messages given"):
         llm.chat([])
+    with pytest.raises(ValueError, match="under torchrun"):
+        LLM(str(tiny_ckpt), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="fp8_e5m2"):
         LLM(str(tiny_ckpt), kv_cache_dtype="fp8_e5m2")
 
