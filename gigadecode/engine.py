@@ -324,9 +324,6 @@ class LLMEngine:
                 rows.append(lg[-1])
         if ready:
             self._sample(ready, torch.stack(rows), outputs)
-            for req in ready:
-                if req.params.prompt_logprobs is not None and len(req.output_ids) == 1 and req.request_id in outputs:
-                    outputs[req.request_id].prompt_logprobs = list(req.prompt_logprobs)
 
     def _name_computed(self, req: Request) -> None:
         """Prefix caching: the request's blocks whose tokens are all computed here get their names (not KV
@@ -425,8 +422,10 @@ class LLMEngine:
                 req.first_token_time = now
             req.last_token_time = now
             out = outputs.setdefault(req.request_id, RequestOutput(req.request_id, [], False))
-            if len(req.output_ids) == 1:
-                out.num_cached_tokens = req.num_cached_tokens
+            if len(req.output_ids) == 1:   # the first token: from a prefill, or a decode step when the chunks
+                out.num_cached_tokens = req.num_cached_tokens          # left the prompt's last token alone
+                if req.params.prompt_logprobs is not None:
+                    out.prompt_logprobs = list(req.prompt_logprobs)
             out.new_token_ids.append(tok)
             if lp is not None:
                 out.new_logprobs.append(lp)

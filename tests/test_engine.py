@@ -121,6 +121,37 @@ def test_prompt_logprobs_match_transformers_through_chunks_and_preemption(tiny_c
     assert checked > 50
 
 
+def _delivered_prompt_logprobs(eng: LLMEngine, prompt: list[int], params: SamplingParams) -> list:
+    """Run one request alone -> the prompt logprobs its RequestOutputs carried (what a server sends)."""
+    rid = eng.add_request(prompt, params)
+    got = None
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.request_id == rid and out.prompt_logprobs is not None:
+                assert got is None, "prompt logprobs delivered twice"
+                got = out.prompt_logprobs
+    return got
+
+
+@pytest.mark.parametrize("length", [25, 49, 50])
+def test_prompt_logprobs_delivered_when_chunks_leave_the_last_prompt_token_alone(tiny_ckpt, length):
+    """A prompt of k x 24 + 1 tokens at --max-prefill-tokens 24 has its last token computed by a decode step
+    (the scheduler leaves a lone remaining token to the decodes), so its first token is sampled there: that
+    output must carry the prompt logprobs as a prefill's does (they were dropped, so a request's prompt logprobs
+    came or went with how the step budget happened to cut its prompt). Oracle: the same prompt prefilled in one
+    chunk."""
+    kw = dict(dtype="float32", kv_dtype="auto")
+    prompt = random_prompt(length, 1024, seed=900 + length)
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    want = _delivered_prompt_logprobs(make_engine(tiny_ckpt, max_prefill_tokens=64, **kw), prompt, sp)
+    got = _delivered_prompt_logprobs(make_engine(tiny_ckpt, max_prefill_tokens=24, **kw), prompt, sp)
+    assert want is not None and len(want) == length and want[0] is None
+    assert got is not None and len(got) == length and got[0] is None, length
+    assert [g.token_id for g in got[1:]] == prompt[1:]
+    assert torch.allclose(torch.tensor([g.logprob for g in got[1:]]), torch.tensor([w.logprob for w in want[1:]]),
+                          atol=1e-4)
+
+
 def _conversations(vocab: int) -> tuple[list[list[int]], list[int]]:
     """Prompts sharing a 37-token system prompt, and one of them again as a second turn (first turn + its
     reply + a new question: the reply's KV was written by decode steps)."""
