@@ -85,6 +85,8 @@ class _SnapshotCollector:
         for name, doc, key in (
                 ("gigadecode_kv_bytes_transferred", "Bytes of KV moved by the KV connector.", "kv_bytes"),
                 ("gigadecode_kv_transfer_failures", "KV transfers that failed.", "transfer_failures"),
+                ("gigadecode_num_preemptions", "Requests preempted (KV freed, recomputed later) when the KV pool "
+                 "was short.", "preemptions"),
                 ("gigadecode_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
                 ("gigadecode_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again).",
                  "prefix_hits"),
@@ -135,6 +137,7 @@ class EngineMetrics:
         s["kv_per_rank"] = per_rank() if per_rank is not None else {}
         s["kv_bytes"] = engine.stats.kv_bytes_transferred
         s["transfer_failures"] = engine.stats.transfer_failures
+        s["preemptions"] = engine.stats.preemptions
         s["prefix_queries"] = engine.stats.prefix_cache_queries
         s["prefix_hits"] = engine.stats.prefix_cache_hits
         s["spec_drafts"] = engine.stats.spec_drafts
