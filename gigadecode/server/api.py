@@ -55,6 +55,7 @@ from . import admin, chat, completions, responses, tokens
 from .async_engine import AsyncEngine
 from .body import BodyLimit
 from .deps import ServerSettings
+from .disconnect import answer_clients_that_leave
 from .protocol import APIError, error_body, error_response, validation_error
 
 log = logging.getLogger("gigadecode.server")
@@ -101,6 +102,8 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], served_model_name
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
         return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+
+    answer_clients_that_leave(app)                # a client gone before its body was read: not a 500
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:

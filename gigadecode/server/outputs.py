@@ -27,7 +27,7 @@ from ..sampling import SamplingParams, nth_seed
 from ..stop_strings import StopMatcher
 from ..structured import GRAMMAR_FAILED
 from .async_engine import SHUTTING_DOWN, AsyncEngine, RequestStream
-from .disconnect import ClientGone, unless_disconnected
+from .disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from .protocol import MAX_SEQUENCES, APIError, engine_error, error_body
 
 log = logging.getLogger("gigadecode.server")
@@ -433,7 +433,7 @@ async def run_to_end(request: Request, choices: list[Choice]) -> Response | None
     except ClientGone:
         for c in choices:                  # a prefill that finished unseen: its params can never be read
             c.stream.release_lease()
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED)
     _final_error(choices)
     return None
 

@@ -44,7 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .body import BodyError, BodyLimit, load_object
-from .disconnect import ClientGone, unless_disconnected
+from .disconnect import CLIENT_CLOSED, ClientGone, answer_clients_that_leave, unless_disconnected
 
 log = logging.getLogger("gigadecode.proxy")
 
@@ -169,6 +169,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
 
     app = FastAPI(title="gigadecode proxy", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    answer_clients_that_leave(app)              # a client gone before its body was read: not a 500
     app.state.prefills, app.state.decodes = prefills, decodes
 
     async def do_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str]
@@ -255,7 +256,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                                                                            prepare_decode, decode_timeout_s))
             except ClientGone:
                 await _release(http, leased, headers)
-                return Response(status_code=499)
+                return Response(status_code=CLIENT_CLOSED)
             if r.status_code >= 400:           # the decode side refused or failed: it will not read the KV
                 await _release(http, leased, headers)
             return r
@@ -265,7 +266,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             dbody = await unless_disconnected(request, prepare_decode())
         except ClientGone:
             await _release(http, leased, headers)
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_CLOSED)
         if isinstance(dbody, Response):
             return dbody
         tried: list[Upstream] = []
@@ -287,7 +288,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                 up.in_flight -= 1
                 await _release(http, leased, headers)
                 if isinstance(e, ClientGone):
-                    return Response(status_code=499)
+                    return Response(status_code=CLIENT_CLOSED)
                 return _error(502, f"decode server {up.url} failed: {type(e).__name__}: {e}", code="decode_failed")
             except BaseException:
                 up.in_flight -= 1
