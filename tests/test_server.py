@@ -41,7 +41,7 @@ from gigadecode.server.async_engine import AsyncEngine
 from gigadecode.server.proxy import build_proxy_app
 from gigadecode.tokenizer import TextCodec
 
-from .helpers import BF16_NEAR_TIE_NATS, KV_SECRET, assert_greedy_matches, hf_greedy, random_prompt
+from .helpers import KV_SECRET, assert_greedy_matches, hf_greedy, random_prompt
 
 KEY = "sk-test-key"
 ENGINE_FLAGS = ["--num-blocks", "256", "--block-size", "16", "--kv-dtype", "fp8", "--max-num-seqs", "32"]
@@ -282,7 +282,12 @@ def test_chat_equals_engine(client, engine, codec):
     assert len(lps) == 3 and all(len(x.top_logprobs) == 2 and x.logprob <= 0 for x in lps)
 
 
-def test_16_concurrent_streams(server, engine):
+def test_16_concurrent_streams(oracle_server, tiny_ckpt):
+    """16 streams at once, each the tokens of the same request through the engine batched otherwise. In fp32:
+    in bf16 the rounding tips the tiny model's near-tied routers by batch, at any logit gap (README)."""
+    server = oracle_server
+    args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *ORACLE_FLAGS])
+    engine = engine_from_args(args, "both")
     prompts = [random_prompt(3 + 5 * i, 1024, seed=100 + i) for i in range(16)]
     max_toks = [8 + (i % 5) for i in range(16)]
     want = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=2)
@@ -302,9 +307,9 @@ def test_16_concurrent_streams(server, engine):
             return await asyncio.gather(*(one(ac, p, m) for p, m in zip(prompts, max_toks)))
 
     got = asyncio.run(main())
-    # the server batches the streams as they arrive, not as `generate` did: bf16 near-ties may go the other way
+    # the server batches the streams as they arrive, not as `generate` did: fp32 near-ties may go the other way
     for i, ((toks, _), r) in enumerate(zip(got, want)):
-        assert_greedy_matches(toks, r.output_ids, r.output_logprobs, f"stream {i}", near_tie=BF16_NEAR_TIE_NATS)
+        assert_greedy_matches(toks, r.output_ids, r.output_logprobs, f"stream {i}")
     assert all(g[1] == "length" for g in got)
     wait_idle(server)
 
