@@ -114,12 +114,18 @@ class _Sequence:
         self.kept: int | None = None          # the tokens kept when a stop string ended it
         self.pushed = 0
 
-    def push(self, token_ids: list[int]) -> bool:
-        """Decode the new tokens; True when a stop string completed (the tokens after its last are dropped)."""
+    def push(self, token_ids: list[int], stop_token: bool = False) -> bool:
+        """Decode the new tokens; True when a stop string completed (the tokens after its last are dropped).
+        `stop_token`: the last of them is the stop token (EOS or one of `stop_token_ids`) that ended the
+        sequence; as in vLLM it stays in the token ids, but its text is left out unless the params ask for
+        include_stop_str_in_output."""
         if self.decoder is None or self.kept is not None:
             return False
-        for t in token_ids:
+        skip = len(token_ids) - 1 if stop_token and not self.params.include_stop_str_in_output else -1
+        for i, t in enumerate(token_ids):
             self.pushed += 1
+            if i == skip:
+                break
             # a request's first min_tokens tokens may start a stop string but not end one (vLLM's rule)
             self.text.append(self.stops.push(self.decoder.push(t), protected=self.pushed <= self.params.min_tokens))
             if self.stops.hit:
@@ -276,7 +282,8 @@ class LLM:
             while any(not eng.requests[rid].finished for rid in added):
                 for out in eng.step():
                     s = by_id.get(out.request_id)
-                    if s is not None and s.push(out.new_token_ids):
+                    stop_token = out.finished and out.finish_reason == "stop"
+                    if s is not None and s.push(out.new_token_ids, stop_token):
                         eng.abort(s.rid, "stop")
             return [RequestOutput(request_id=f"llm-{self._calls}-{k}", prompt=items[k][0],
                                   prompt_token_ids=list(items[k][1]),
@@ -306,7 +313,8 @@ class LLM:
         ids = r.output_ids if s.kept is None else r.output_ids[:s.kept]
         text = s.finish()
         lps = r.output_logprobs[:len(ids)] if r.params.logprobs is not None else None
-        reason = r.finish_reason
+        # a stop string that the last token allowed (max_tokens) completed still ends it "stop", as in vLLM
+        reason = "stop" if s.kept is not None else r.finish_reason
         stop_reason: int | str | None = s.stops.matched
         if s.kept is None and reason == "stop" and ids and ids[-1] in r.params.stop_token_ids:
             stop_reason = ids[-1]

@@ -76,6 +76,31 @@ def test_stop_strings_cut_the_text_and_the_tokens(llm):
     assert not llm.engine.requests and llm.engine.kv_usage()[0] == 0
 
 
+def test_stops_end_as_in_vllm(llm):
+    """vLLM's text and finish for a stop token and for a stop string completed by the last allowed token: the
+    stop token (here an ordinary one, from stop_token_ids) stays in the token ids but not in the text (unless
+    include_stop_str_in_output); a stop string ends the sequence "stop" even where max_tokens ends it too."""
+    codec = llm.get_tokenizer()
+    sp = dict(temperature=0, ignore_eos=True)
+    (plain,) = llm.generate("hello there", SamplingParams(max_tokens=8, **sp))
+    toks = plain.outputs[0].token_ids
+    k = next(i for i in range(1, len(toks)) if toks[i] not in toks[:i] and codec.decode([toks[i]]))
+    for include in (False, True):
+        (o,) = llm.generate("hello there", SamplingParams(max_tokens=8, stop_token_ids=[toks[k]],
+                                                          include_stop_str_in_output=include, **sp))
+        c = o.outputs[0]
+        assert c.token_ids == toks[:k + 1] and c.finish_reason == "stop" and c.stop_reason == toks[k]
+        assert c.text == codec.decode(toks[:k + include])
+    text = codec.decode(toks[:k + 1])
+    stop = text[-1]                                   # completed by token k, the last max_tokens allows
+    assert stop not in codec.decode(toks[:k])
+    (o,) = llm.generate("hello there", SamplingParams(max_tokens=k + 1, stop=[stop], **sp))
+    c = o.outputs[0]
+    assert c.token_ids == toks[:k + 1] and c.text == text[:-1]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert not llm.engine.requests and llm.engine.kv_usage()[0] == 0
+
+
 def test_a_refused_prompt_queues_nothing(llm):
     (before,) = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=4))
     with pytest.raises(RequestError):
