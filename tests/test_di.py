@@ -372,6 +372,28 @@ def test_other_weights_of_the_same_config_are_refused(tiny_ckpt, tmp_path):
             eng.connector.close()
 
 
+def test_the_same_values_written_otherwise_pair(tmp_path):
+    """One model's values written with MXFP4 experts (quantization_config in its config.json) and with dense
+    bf16 experts (none) are one model: a prefill on the one and a decode on the other pair and decode. The
+    config's storage keys (quantization_config, torch_dtype) are not its identity; the weights' values are."""
+    from gigadecode.checkpoint import copy_trained
+    from gigadecode.connector.base import check_compatible
+    mxfp4, dense = copy_trained(tmp_path / "d4", "demo"), copy_trained(tmp_path / "d16", "demo", experts="bf16")
+    assert (mxfp4 / "config.json").read_text() != (dense / "config.json").read_text()
+    prod = build_engine(mxfp4, EngineConfig(kv_role="kv_producer", **BASE))
+    cons = build_engine(dense, EngineConfig(kv_role="kv_consumer", **BASE))
+    try:
+        check_compatible(cons.connector.agent.layout(), prod.connector.agent.layout())
+        prompt = random_prompt(30, 100, seed=83)
+        params = run(prod, prompt, greedy(1), kv={"do_remote_decode": True}).kv_transfer_params_out
+        r = run(cons, prompt, greedy(4), kv=params)
+        assert r.error is None and len(r.output_ids) == 4
+        assert cons.connector.stats["kv_bytes_transferred"] > 0
+    finally:
+        for eng in (prod, cons):
+            eng.connector.close()
+
+
 def test_a_load_given_up_tells_the_producer_to_free(producer, consumer, single):
     """A decode request aborted while its READ is posted frees the prefill's blocks at once: the consumer
     tells the producer it gave the KV up, not only when a READ lands (a read that carries no notification,

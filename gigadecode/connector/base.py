@@ -206,10 +206,16 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
                              f"remote {remote.compat_hash()}")
 
 
+# config.json keys that say how the weights are stored, not which model they are (the fingerprint has the values)
+STORAGE_KEYS = ("quantization_config", "torch_dtype")
+
+
 def model_identity(cfg: Any, weights: str = "") -> str:
-    """A model's identity for the handshake: sha256 (16 hex chars) of its config.json dict (`cfg.to_hf()`) and
-    `weights`, the checkpoint's `safetensors_files.weights_fingerprint` (two fine-tunes of one config differ)."""
+    """A model's identity for the handshake: sha256 (16 hex chars) of its config.json dict (`cfg.to_hf()`) but
+    its `STORAGE_KEYS`, and `weights`, the checkpoint's `safetensors_files.weights_fingerprint` (two fine-tunes
+    of one config differ; one model's values written with MXFP4 or bf16 experts do not)."""
     d = cfg.to_hf() if hasattr(cfg, "to_hf") else asdict(cfg)
+    d = {k: v for k, v in d.items() if k not in STORAGE_KEYS}
     return hashlib.sha256((json.dumps(d, sort_keys=True, default=str) + weights).encode()).hexdigest()[:16]
 
 
