@@ -1,6 +1,7 @@
 """`POST /v1/chat/completions`: messages through the checkpoint's chat template, the reply through harmony.
 
-The prompt is rendered by the checkpoint's own template (`chat_template.jinja` / `tokenizer_config.json`)
+The prompt is rendered by the checkpoint's own template (`chat_template.jinja` / `tokenizer_config.json`, or
+`--chat-template`'s)
 with what GPT-OSS's template takes: system / developer / user messages, earlier assistant turns (with
 `tool_calls` and `reasoning` or `reasoning_content`, passed to the template as `thinking`; a call's turn that
 has both keeps that and leaves its content, a preamble, out: GPT-OSS's template takes one; several calls go to

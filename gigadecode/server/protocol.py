@@ -224,7 +224,7 @@ UNSUPPORTED_CHAT = {"functions": "the legacy `functions` field is not supported;
                     "audio": "audio output is not supported", "modalities": "only text output is supported",
                     "prediction": "predicted outputs are not supported",
                     "continue_final_message": "continue_final_message is not supported",
-                    "chat_template": "a request's own chat_template is not supported (the checkpoint's is used)",
+                    "chat_template": "a request's own chat_template is not supported (the server's is used)",
                     "chat_template_kwargs": "chat_template_kwargs are not supported (use reasoning_effort)",
                     "documents": "documents are not supported",
                     "echo": "echo is not supported in chat (it is in /v1/completions)",
