@@ -14,6 +14,7 @@ the engine never sees: `n` sequences a prompt (the j-th of a seeded request draw
 server's choices do), `stop` strings (matched across tokens; the sequence ends at the token that completes
 one), `include_stop_str_in_output`, `skip_special_tokens` and `truncate_prompt_tokens`.
 
+A sequence whose max_tokens reach past the context ends at its end (finish_reason "length"), as in vLLM.
 Bad input loses nothing: a prompt the engine refuses (past the context, ids outside the vocabulary) raises
 before any prompt of the call runs, and a sequence that fails in the engine comes back with
 `finish_reason "error"` and its `error`, the others whole.
@@ -272,6 +273,9 @@ class LLM:
             for k, ((_, ids), sp) in enumerate(zip(items, params)):
                 ids = self._truncated(ids, sp.truncate_prompt_tokens)
                 items[k] = (items[k][0], ids)
+                room = eng.max_model_len - len(ids)     # vLLM's offline engine ends a sequence at the context's
+                if 0 < room < sp.max_tokens:            # end ("length"), whatever max_tokens asked for
+                    sp = replace(sp, max_tokens=room, min_tokens=min(sp.min_tokens, room))
                 for j in range(sp.n):
                     pj = sp if j == 0 or sp.seed is None else replace(sp, seed=nth_seed(sp.seed, j))
                     rid = eng.add_request(ids, pj, request_id=f"llm-{self._calls}-{k}-{j}",

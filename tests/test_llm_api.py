@@ -101,6 +101,21 @@ def test_stops_end_as_in_vllm(llm):
     assert not llm.engine.requests and llm.engine.kv_usage()[0] == 0
 
 
+def test_max_tokens_past_the_context_end_there(llm):
+    """As vLLM's offline engine: a sequence whose max_tokens (and min_tokens) reach past the context ends at the
+    context's end with finish_reason "length" (it was a RequestError for the whole call), with the tokens the
+    same request asking for just that many gets."""
+    room = 3
+    ids = [(7 * i) % 1000 + 3 for i in range(llm.engine.max_model_len - room)]
+    (capped,) = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1000, min_tokens=50, ignore_eos=True))
+    (exact,) = llm.generate([ids], SamplingParams(temperature=0, max_tokens=room, ignore_eos=True))
+    c = capped.outputs[0]
+    assert c.token_ids == exact.outputs[0].token_ids and len(c.token_ids) == room and c.finish_reason == "length"
+    with pytest.raises(RequestError, match="context"):                  # no room at all: refused as before
+        llm.generate([ids + [5] * room], SamplingParams(max_tokens=1000))
+    assert not llm.engine.requests and llm.engine.kv_usage()[0] == 0
+
+
 def test_a_refused_prompt_queues_nothing(llm):
     (before,) = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=4))
     with pytest.raises(RequestError):
