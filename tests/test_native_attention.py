@@ -115,6 +115,40 @@ def test_rope_kv_write(form, B, d):
         assert_kv_written(buf, ref_buf, 2 * Bt * kv * d)
 
 
+def test_kv_buffers_without_blocks_or_heads_or_with_odd_dims_are_refused():
+    """KV buffers of block size 0 or no kv heads (an integer division by zero killed the process: SIGFPE), an
+    odd head dim for RoPE (the last dim of q was never written), non-contiguous slot / pos / active (read as if
+    contiguous): each refused by name, by every op that takes them."""
+    q, sinks, table = torch.randn(1, 2, 16), torch.zeros(2), torch.tensor([[1, 2]])
+    pos, act, first = torch.tensor([5]), torch.tensor([True]), torch.tensor([0])
+    qkv, cos, sin = torch.randn(1, 3 * 16), torch.ones(1, 8), torch.zeros(1, 8)
+    for shape in ((4, 1, 0, 16), (4, 0, 4, 16)):
+        K, V = torch.zeros(shape), torch.zeros(shape)
+        with pytest.raises(RuntimeError, match="block size and kv heads must be >= 1"):
+            OPS.paged_decode_attention(q, K, V, table, pos, act, sinks, 0, 0.25, 1.0, 1.0, F32)
+        with pytest.raises(RuntimeError, match="block size and kv heads must be >= 1"):
+            OPS.paged_decode_attention_partial(q, K, V, table, pos, first, act, 0.25, 1.0, 1.0)
+        with pytest.raises(RuntimeError, match="block size and kv heads must be >= 1"):
+            OPS.rope_kv_write(qkv, cos, sin, K, V, torch.tensor([1]), 1, 1.0, 1.0)
+        with pytest.raises(RuntimeError, match="block size and kv heads must be >= 1"):
+            OPS.kv_gather(K, V, torch.tensor([1]), 1.0, 1.0, F32)
+    K, V = torch.zeros(4, 1, 4, 5), torch.zeros(4, 1, 4, 5)
+    with pytest.raises(RuntimeError, match="head dim 5 is odd"):
+        OPS.rope_kv_write(torch.randn(1, 15), torch.ones(1, 2), torch.zeros(1, 2), K, V, torch.tensor([1]), 1, 1.0,
+                          1.0)
+    K, V = torch.zeros(4, 1, 4, 16), torch.zeros(4, 1, 4, 16)
+    with pytest.raises(RuntimeError, match="slot must be int64 \\[Bt\\], contiguous"):
+        OPS.rope_kv_write(torch.randn(2, 48), torch.ones(2, 8), torch.zeros(2, 8), K, V, torch.tensor([1, 9, 2, 9])[::2],
+                          1, 1.0, 1.0)
+    q2, t2 = torch.randn(2, 2, 16), torch.tensor([[1, 2], [3, 0]])
+    for p, a in ((torch.tensor([5, 9, 1, 9])[::2], torch.tensor([True, True])),
+                 (torch.tensor([5, 1]), torch.tensor([True, False, True, False])[::2])):
+        with pytest.raises(RuntimeError, match="must be \\[Bt\\], contiguous"):
+            OPS.paged_decode_attention(q2, K, V, t2, p, a, sinks, 0, 0.25, 1.0, 1.0, F32)
+        with pytest.raises(RuntimeError, match="must be \\[Bt\\], contiguous"):
+            OPS.paged_decode_attention_partial(q2, K, V, t2, p, torch.zeros(2, dtype=torch.long), a, 0.25, 1.0, 1.0)
+
+
 def _fp8_sweep() -> torch.Tensor:
     """fp32 values that exercise fp32 -> e4m3 rounding: every e4m3 value, every midpoint between neighbours
     (ties, incl. the subnormal ones) and their fp32 neighbours, the ±448 clamp, inf, signed zeros."""

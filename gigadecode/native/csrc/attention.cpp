@@ -329,7 +329,8 @@ AttnShape attention_args(const at::Tensor& q, const at::Tensor& k_cache, const a
   TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(0) == Bt && table.is_contiguous(),
               "table must be int64 [Bt, n]");
   TORCH_CHECK(pos.scalar_type() == at::kLong && pos.numel() == Bt && active.scalar_type() == at::kBool &&
-              active.numel() == Bt, "pos (int64) and active (bool) must be [Bt]");
+              active.numel() == Bt && pos.is_contiguous() && active.is_contiguous(),
+              "pos (int64) and active (bool) must be [Bt], contiguous");
   return AttnShape{Bt, nh, kv, nh / kv, d, B, table.size(1), k_cache.dim() == 5};
 }
 

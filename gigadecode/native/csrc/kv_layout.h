@@ -17,6 +17,8 @@ inline std::array<int64_t, 4> kv_dims(const at::Tensor& k, const at::Tensor& v) 
               " V ", v.sizes());
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "KV buffers must be contiguous");
   const int64_t nb = v.size(0), kv = v.size(1), B = v.size(2), d = v.size(3);
+  // slots are split by B and q heads grouped by kv: neither may be 0 (an integer division by zero kills the process)
+  TORCH_CHECK(B > 0 && kv > 0, "KV: block size and kv heads must be >= 1, got V ", v.sizes());
   const bool packed = k.dim() == 5;
   TORCH_CHECK(k.size(0) == nb && k.size(1) == kv && (packed ? (k.size(2) * 2 == B && k.size(3) == d) : (k.size(2) == B && k.size(3) == d)),
               "K ", k.sizes(), " does not match V ", v.sizes());

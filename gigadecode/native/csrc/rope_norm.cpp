@@ -19,7 +19,9 @@ at::Tensor rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at:
               " q heads, ", kv, " kv heads of dim ", d);
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == Bt && cos.size(1) == half && sin.sizes() == cos.sizes(),
               "cos/sin must be [Bt, d/2]");
-  TORCH_CHECK(slot.scalar_type() == at::kLong && slot.numel() == Bt, "slot must be int64 [Bt]");
+  TORCH_CHECK(d % 2 == 0, "rope_kv_write: head dim ", d, " is odd (RoPE rotates halves)");
+  TORCH_CHECK(slot.scalar_type() == at::kLong && slot.numel() == Bt && slot.is_contiguous(),
+              "slot must be int64 [Bt], contiguous");
   const bool packed = k_cache.dim() == 5;
   const Elem ke = elem_of(k_cache), ve = elem_of(v_cache);
   const float* x = rows_as_f32(qkv, 0);
