@@ -345,3 +345,6 @@ def test_moe_mxfp4_errors():
         OPS.moe_mxfp4(torch.zeros(3, 96), idx, gw, *weights, 1.702, 7.0, 0)
     with pytest.raises(RuntimeError, match="idx must be int64"):
         OPS.moe_mxfp4(torch.zeros(3, 64), idx.int(), gw, *weights, 1.702, 7.0, 0)
+    for x in (torch.zeros(3, 64, 1), torch.zeros(64)):   # (3-D was taken as [T, H] and returned 3-D)
+        with pytest.raises(RuntimeError, match=r"x must be \[T, H\]"):
+            OPS.moe_mxfp4(x, idx, gw, *weights, 1.702, 7.0, 0)

@@ -73,6 +73,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
                      const at::Tensor& dn_blocks, const at::Tensor& dn_scales, const at::Tensor& dn_bias,
                      double alpha, double limit, int64_t expert_offset) {
   check_float_like(x, "x");
+  TORCH_CHECK(x.dim() == 2, "moe_mxfp4: x must be [T, H], got ", x.sizes());
   check_mxfp4(gu_blocks, gu_scales, "gate_up");
   check_mxfp4(dn_blocks, dn_scales, "down");
   TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.size(0) == x.size(0) && idx.is_contiguous(),
