@@ -192,6 +192,22 @@ def test_native_prefill_attention_matches_dense(T, S, nkv, rep, d, q_start, k_st
 
 
 @needs_kernel
+@pytest.mark.parametrize("amx", AMX_MODES)
+@pytest.mark.parametrize("d", [64, 24])
+def test_native_prefill_attention_window_longer_than_any_context(d, amx):
+    """A window that reaches before every query's first key excludes nothing, however long: 2^31 - 1, 2^32 + 5
+    and 2^40 give what no window gives (the pair kernel took the window's bound as a 32-bit lane value, so a
+    window of 2^32 + 5 wrapped to 5 and hid most keys)."""
+    q, k, v, q_pos, k_pos, sinks = make_case(8, 64, 1, 2, d, 56, 0, torch.bfloat16, seed=d)
+    with amx_mode(amx):
+        full = native.prefill_attention(q, k, v, q_pos, 0, sinks, d ** -0.5, 0)
+        for window in (2**31 - 1, 2**32 + 5, 2**40):
+            assert torch.equal(native.prefill_attention(q, k, v, q_pos, 0, sinks, d ** -0.5, window), full), window
+    ref = dense_reference(q.float(), k.float(), v.float(), q_pos, k_pos, sinks.float(), d ** -0.5, None)
+    torch.testing.assert_close(full.float(), ref, rtol=2.0 ** -7, atol=4 * 2.0 ** -9 * v.float().abs().max().item())
+
+
+@needs_kernel
 def test_native_prefill_attention_refuses_what_it_cannot_do():
     q, k, v, q_pos, _, sinks = make_case(4, 4, 1, 2, 32, 0, 0)
     with pytest.raises(RuntimeError, match="must be bfloat16"):

@@ -338,6 +338,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(sinks.numel() == nh, "sinks must have one value per q head");
   TORCH_CHECK(window >= 0, "window must be >= 0");
   TORCH_CHECK(S < (int64_t(1) << 31), "prefill_attention: key indices must fit 32 bits");
+  // A window that reaches past the first key for every query excludes nothing: run it as no window. (The pair
+  // kernel's masks take the window's bound as a 32-bit lane value: a window of 2^32 or more, longer than any
+  // context, wrapped around and hid the keys it should show.)
+  if (window > 0 && T > 0 && *std::max_element(q_pos.data_ptr<int64_t>(), q_pos.data_ptr<int64_t>() + T) - window < k_start)
+    window = 0;
 #ifdef GD_BF16DOT
   if (pair_kernel_takes(d)) return prefill_attention_pairs(q, k, v, q_pos, k_start, sinks, scale, window);
 #endif
