@@ -150,15 +150,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------
-KV_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8"}
-
-
 def kv_dtype_arg(text: str) -> str:
     """A --kv-dtype / --kv-cache-dtype value, vLLM's spellings included, as auto / bf16 / fp8."""
-    if text in KV_DTYPES:
-        return KV_DTYPES[text]
-    why = " (the FP8 KV cache stores e4m3)" if text.startswith("fp8") else ""
-    raise argparse.ArgumentTypeError(f"invalid KV dtype {text!r}{why}: choose from auto, bf16, fp8")
+    from .engine_config import kv_dtype_name
+    try:
+        return kv_dtype_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def chat_template_arg(text: str) -> str:

@@ -164,6 +164,17 @@ class EngineConfig:
         return self.torch_dtype
 
 
+KV_DTYPE_NAMES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8"}
+
+
+def kv_dtype_name(text: str) -> str:
+    """A KV dtype as the engine names it (auto / bf16 / fp8), from ours or vLLM's --kv-cache-dtype spellings."""
+    if text in KV_DTYPE_NAMES:
+        return KV_DTYPE_NAMES[text]
+    why = " (the FP8 KV cache stores e4m3)" if str(text).startswith("fp8") else ""
+    raise ValueError(f"invalid KV dtype {text!r}{why}: choose from auto, bf16, fp8")
+
+
 def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig:
     """The `EngineConfig` of a command line (`gigadecode generate` / `serve` flags). `--dtype auto` is the
     checkpoint's `torch_dtype` when it is bfloat16, else float32 (which holds float16 weights exactly)."""

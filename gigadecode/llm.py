@@ -158,9 +158,8 @@ class LLM:
         import json
 
         from .chat_template import load_chat_template_arg
-        from .cli import kv_dtype_arg
         from .engine import LLMEngine
-        from .engine_config import engine_config_from_args
+        from .engine_config import engine_config_from_args, kv_dtype_name
         from .hub import resolve_model
         from .runner import ModelRunner
         from .tokenizer import TextCodec
@@ -169,8 +168,8 @@ class LLM:
                              "`gigadecode serve` or `generate` under torchrun with --tp / --dp / --ep")
         self.model = str(resolve_model(model))
         try:
-            kv_dtype = None if kv_cache_dtype is None else kv_dtype_arg(kv_cache_dtype)
-        except argparse.ArgumentTypeError as e:
+            kv_dtype = None if kv_cache_dtype is None else kv_dtype_name(kv_cache_dtype)
+        except ValueError as e:
             raise ValueError(f"kv_cache_dtype: {e}") from None
         spec = json.dumps(speculative_config) if isinstance(speculative_config, Mapping) else speculative_config
         args = argparse.Namespace(

@@ -1,25 +1,23 @@
 """The start-up warm-up of an engine: what a first prefill chunk and a first decode step pay once (memory
 touched for the first time, oneDNN's kernels for their shapes) is paid before any request, and with adaptive
-speculative decoding what a draft row costs on this machine is measured.
+speculative decoding what a draft row costs on this machine is measured. `engine` is an `engine.LLMEngine`
+(which calls in here from its `warm_up`; this module does not import it back).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .model import SeqChunk
 from .runner import DecodeSeq
 from .speculative import measure_row_cost
 
-if TYPE_CHECKING:
-    from .engine import LLMEngine
-
 log = logging.getLogger("gigadecode.engine")
 
 
-def warm_up(engine: LLMEngine) -> float | None:
+def warm_up(engine: Any) -> float | None:
     """One prefill chunk (`max_prefill_tokens` tokens, fewer where the context or the pool holds less) and,
     unless this engine only prefills (kv_producer), one decode step after it, on KV blocks borrowed from
     the pool and given back. What a first chunk pays once (memory touched for the first time, oneDNN's
@@ -53,7 +51,7 @@ def warm_up(engine: LLMEngine) -> float | None:
     return took
 
 
-def measure_draft_rows(engine: LLMEngine, n: int, tables: list[list[int]]) -> None:
+def measure_draft_rows(engine: Any, n: int, tables: list[list[int]]) -> None:
     """Speculative decoding, adaptive: what a draft row costs here (`speculative.measure_row_cost`), on the
     warm-up's borrowed blocks at position n - k - 1 (their KV is garbage and never named). Distinct tokens:
     rows of one token would route to the same experts, which real drafts do not."""
