@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .sampling import SamplingError, nth_seed
+from .sampling import SamplingError, nth_seed, truncate_prompt
 from .sampling import SamplingParams as EngineSamplingParams
 from .stop_strings import StopMatcher
 
@@ -270,7 +270,7 @@ class LLM:
         try:
             # every prompt is queued, or none is: a refused one (RequestError) takes the others back out
             for k, ((_, ids), sp) in enumerate(zip(items, params)):
-                ids = self._truncated(ids, sp.truncate_prompt_tokens)
+                ids = truncate_prompt(ids, sp.truncate_prompt_tokens, eng.max_model_len)
                 items[k] = (items[k][0], ids)
                 room = eng.max_model_len - len(ids)     # vLLM's offline engine ends a sequence at the context's
                 if 0 < room < sp.max_tokens:            # end ("length"), whatever max_tokens asked for
@@ -298,15 +298,6 @@ class LLM:
             for rid in added:
                 eng.abort(rid)
                 eng.requests.pop(rid, None)
-
-    def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length)."""
-        if keep is None:
-            return ids
-        limit = self.engine.max_model_len
-        if keep > limit:
-            raise ValueError(f"truncate_prompt_tokens ({keep}) is greater than the context length ({limit})")
-        return ids[-(limit if keep == -1 else keep):]
 
     def _prompt_logprobs(self, r) -> list[dict[int, Logprob] | None] | None:
         return None if r.params.prompt_logprobs is None else [self._logprob_dict(lp) for lp in r.prompt_logprobs]

@@ -74,6 +74,20 @@ def nth_seed(seed: int, j: int) -> int:
     return s - 2**64 if s > SEED_MAX else s
 
 
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (vLLM truncates on the left; -1: the
+    context length); None: the prompt as it is. SamplingError for a value vLLM refuses."""
+    if keep is None:
+        return ids
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
+        raise SamplingError("truncate_prompt_tokens", f"must be >= 1, or -1 for the context length (got {keep!r})")
+    n = max_model_len if keep == -1 else keep
+    if n > max_model_len:
+        raise SamplingError("truncate_prompt_tokens", f"{n} is greater than the context length (max_model_len "
+                                                      f"{max_model_len}): select a smaller truncation size")
+    return ids[-n:]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters; vLLM's names, defaults and ranges.

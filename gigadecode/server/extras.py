@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..sampling import SamplingError, truncate_prompt
 from ..token_masks import MAX_BAD_WORDS
 from .protocol import APIError
 
@@ -54,16 +55,8 @@ def token_constraints(raw: Mapping[str, Any], codec: Any) -> dict[str, Any]:
 
 
 def truncate(prompts: list[list[int]], raw: Mapping[str, Any], max_model_len: int) -> list[list[int]]:
-    """`truncate_prompt_tokens`: each prompt's last N tokens (vLLM truncates on the left); unset: as they are."""
-    n = raw.get("truncate_prompt_tokens")
-    if n is None:
-        return prompts
-    if n == 0 or n < -1:
-        raise APIError(400, f"truncate_prompt_tokens must be >= 1, or -1 for the model's context length (got {n})",
-                       param="truncate_prompt_tokens")
-    if n == -1:
-        n = max_model_len
-    if n > max_model_len:
-        raise APIError(400, f"truncate_prompt_tokens value ({n}) is greater than max_model_len ({max_model_len}). "
-                            f"Please, select a smaller truncation size.", param="truncate_prompt_tokens")
-    return [p[-n:] for p in prompts]
+    """`truncate_prompt_tokens`: each prompt's last N tokens (`sampling.truncate_prompt`); unset: as they are."""
+    try:
+        return [truncate_prompt(p, raw.get("truncate_prompt_tokens"), max_model_len) for p in prompts]
+    except SamplingError as e:
+        raise APIError(400, str(e), param=e.param) from None
