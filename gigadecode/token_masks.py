@@ -32,6 +32,10 @@ import torch
 #: Most token id sequences one request's bad words may come to (after both spellings are tokenized).
 MAX_BAD_WORDS = 1024
 
+#: Why a request whose own masks leave no token failed: its client's doing, so the server answers 400.
+MASKS_EXCLUDE_ALL = ("no token is left to sample: allowed_token_ids, bad_words and the structured-output grammar "
+                     "together exclude every token")
+
 
 def _ids(value: Any, what: str) -> tuple[int, ...]:
     """A list of token ids (ints, not bools) >= 0, or ValueError saying what is wrong."""
@@ -135,8 +139,7 @@ def constrain(x: torch.Tensor, raw: torch.Tensor, params: Sequence[Any], output_
         if not bool(torch.isfinite(row).any()):          # min_tokens masked the only tokens left: it gives way
             row = raw[i].float().masked_fill(~keep, -math.inf)
         if not bool(torch.isfinite(row).any()):
-            dead[i] = ("no token is left to sample: allowed_token_ids, bad_words and the structured-output grammar "
-                       "together exclude every token")
+            dead[i] = MASKS_EXCLUDE_ALL
             row = torch.zeros_like(row)
         x[i] = row
     return dead

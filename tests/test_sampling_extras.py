@@ -331,6 +331,24 @@ BAD_BODIES = [({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token
               ({"include_stop_str_in_output": 1}, "include_stop_str_in_output")]
 
 
+def test_masks_that_leave_no_token_mid_way_are_the_requests_400(live):
+    """allowed_token_ids without EOS under a grammar that must end: the request runs to the grammar's end, then
+    nothing is left. The client's own doing: a 400 `no_token_left` (it was a 500), an invalid_request_error event
+    in a stream; the next request is served."""
+    codec, client = live
+    first_half = [codec.encode(c)[0] for c in "abcdefghijklm"]
+    body = {"guided_regex": "[a-z]{3,8}", "allowed_token_ids": first_half}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt="x", max_tokens=12, temperature=0, extra_body=body)
+    assert e.value.body["code"] == "no_token_left" and "exclude every token" in e.value.body["message"]
+    with pytest.raises(openai.APIError) as e:
+        for _ in client.completions.create(model="m", prompt="x", max_tokens=12, temperature=0, stream=True,
+                                           extra_body=body):
+            pass
+    assert e.value.body["type"] == "invalid_request_error" and e.value.body["code"] == "no_token_left"
+    assert len(_complete(client, [5, 6, 7], n=3).token_ids) == 3
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_bad_values_are_a_400_naming_the_field(live, chat):
     codec, client = live

@@ -26,6 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from ..sampling import SamplingParams, nth_seed
 from ..stop_strings import StopMatcher
 from ..structured import GRAMMAR_FAILED
+from ..token_masks import MASKS_EXCLUDE_ALL
 from .async_engine import SHUTTING_DOWN, AsyncEngine, RequestStream
 from .disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
 from .protocol import MAX_SEQUENCES, APIError, engine_error, error_body
@@ -412,6 +413,8 @@ def error_kind(error: str) -> tuple[int, str, str]:
         return 503, "server_error", "server_shutting_down"
     if error.startswith(GRAMMAR_FAILED):                          # the request's own grammar broke down
         return 400, "invalid_request_error", "grammar_failed"
+    if error.endswith(MASKS_EXCLUDE_ALL):                         # its allowed_token_ids / bad_words / grammar
+        return 400, "invalid_request_error", "no_token_left"
     return 500, "server_error", "request_failed"
 
 
