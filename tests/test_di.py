@@ -342,6 +342,33 @@ def test_fp8_scales_are_part_of_the_kv_layout(tiny_ckpt, single):
             eng.connector.close()
 
 
+
+@pytest.mark.parametrize("tensor", ["down_proj", "gate_up_proj", "gate_up_proj_bias"])
+def test_a_fine_tune_of_the_experts_alone_changes_the_fingerprint(tmp_path, tensor):
+    """A fine-tune that changed only the experts (one expert's matrix, or the expert biases) is another model:
+    its fingerprint differs, in the MXFP4 form (the last expert's first group changed) and in the bf16-expert
+    form (a value of the last expert's first column); the two forms of each still agree."""
+    from safetensors.torch import load_file, save_file
+    from gigadecode.checkpoint import copy_trained
+    from gigadecode.safetensors_files import weights_fingerprint
+    base = {form: copy_trained(tmp_path / form, "demo", **({} if form == "mxfp4" else {"experts": "bf16"}))
+            for form in ("mxfp4", "bf16")}
+    prints = {form: weights_fingerprint(d) for form, d in base.items()}
+    assert prints["mxfp4"] == prints["bf16"]
+    layer = f"model.layers.{preset_config('demo').num_hidden_layers - 1}.mlp.experts."
+    for form, d in base.items():
+        f = next(f for f in d.glob("*.safetensors") if any(k.startswith(layer) for k in load_file(f)))
+        t = load_file(f)
+        if tensor.endswith("_bias"):
+            t[layer + tensor][-1, 0] += 1.0
+        elif form == "mxfp4":
+            t[layer + tensor + "_blocks"][-1, 0, 0, 0] ^= 0x11            # two values of the last expert's group
+        else:
+            t[layer + tensor][-1, 0, 0] += 0.5
+        save_file(t, str(f), metadata={"format": "pt"})
+        assert weights_fingerprint(d) != prints[form], (form, tensor)
+
+
 def test_other_weights_of_the_same_config_are_refused(tiny_ckpt, tmp_path):
     """Two checkpoints of one config.json but other weights (two fine-tunes; a prefill fleet left on the old
     one during an upgrade) computed KV the other could not use, and paired without a word: the weights'
