@@ -70,20 +70,23 @@ def _kv_cases():
 @pytest.mark.parametrize("form,B,d", _kv_cases())
 def test_kv_gather(form, B, d):
     """The blocks of a table read back token-major (prefill's keys): bit-equal to the twin for both output
-    dtypes, FP8 buffers holding every byte but NaN (subnormals included) with scales != 1, repeated blocks."""
+    dtypes, FP8 buffers holding every byte (subnormals, and e4m3's NaN codes read as NaN by the vector loads as
+    by the scalar tail) with scales != 1, repeated blocks."""
     g = gen("gather", form, B, d)
     nb, kv = 7, 3
     buf, K, V = make_kv(g, form, nb, kv, B, d)
     if buf.dtype == FP8:
         raw = torch.randint(0, 256, buf.shape, generator=g, dtype=torch.uint8)
-        raw[(raw & 0x7F) == 0x7F] = 0x42                                  # e4m3's NaN codes
+        raw.view(-1)[torch.randperm(raw.numel(), generator=g)[:64]] = torch.tensor([0x7F, 0xFF], dtype=torch.uint8).repeat(32)
         buf.view(torch.uint8).copy_(raw)
     ids = torch.tensor([5, 0, 2, 5, 6])
     for dtype in (F32, BF16):
         k, v = OPS.kv_gather(K, V, ids, KS, VS, dtype)
         rk, rv = twins.kv_gather(K, V, ids, KS, VS, dtype)
         assert k.shape == v.shape == (len(ids) * B, kv, d) and k.dtype == v.dtype == dtype
-        assert torch.equal(bits(k), bits(rk)) and torch.equal(bits(v), bits(rv))
+        for got, want in ((k, rk), (v, rv)):
+            nan = want.isnan()
+            assert torch.equal(got.isnan(), nan) and torch.equal(bits(got)[~nan], bits(want)[~nan])
     k, v = OPS.kv_gather(K, V, ids[:0], KS, VS, BF16)
     assert k.shape == v.shape == (0, kv, d)
     with pytest.raises(RuntimeError, match="outside the buffer"):
@@ -256,6 +259,49 @@ def test_paged_decode_attention(form, B, d):
             k = i * 4 + j
             check_attention(g, form, K, V, table, p, a, kv * rep, window,
                             out_dtype=(F32, BF16)[k % 2], sink_dtype=(F32, BF16)[(k // 2) % 2])
+
+
+@pytest.mark.parametrize("form", ["fp8-packed", "fp8"])
+@pytest.mark.parametrize("B,d", [(4, 18), (16, 64), (2, 96)])
+@pytest.mark.parametrize("half", ["K", "V"])
+def test_paged_decode_attention_fp8_nan_bytes(form, B, d, half):
+    """e4m3's NaN codes (0x7F, 0xFF) in the KV: where attention sees them the output is NaN, as the twin's (the
+    vector loads once read them as ±480 · scale, the scalar tail as NaN); where it does not (past a slot's
+    position, before its window, in a block the table does not name) the output is the twin's numbers."""
+    g = gen("fp8nan", form, B, d, half)
+    pos, active = [3 * B + 1, 5 * B, 2 * B - 1], [True, True, True]
+    nb = 40
+    for window in (0, B + 1):
+        buf, K, V = make_kv(g, form, nb, 2, B, d)
+        ids = (torch.randperm(nb - 1, generator=g) + 1).tolist()                # blocks no two slots share
+        table = torch.tensor([ids[0:6], ids[6:12], ids[12:18]])
+        raw = buf.view(torch.uint8)[0 if half == "K" else 1]                  # [nb, kv, B, d] as stored
+        # slot 0: a NaN at its own visible position (kv head 1 only); slot 1: NaN just past its position and
+        # before its window; slot 2: NaN in the buffer's unnamed blocks only. Dims 0 and d - 1: a vector load's
+        # and (d = 18) the scalar tail's
+        def plant(slot, t, head, byte):
+            blk = int(table[slot, t // B])
+            for j in (0, d - 1):
+                if form == "fp8-packed" and half == "K":                       # [nb, kv, B/2, d, 2] in memory
+                    raw.view(nb, 2, B // 2, d, 2)[blk, head, (t % B) // 2, j, t % 2] = byte
+                else:
+                    raw[blk, head, t % B, j] = byte
+        plant(0, pos[0] - 1, 1, 0x7F)
+        if window:
+            plant(1, pos[1] - window, 0, 0xFF)
+        plant(1, pos[1] + 1, 0, 0x7F)
+        named = set(table.flatten().tolist())
+        for blk in range(nb):
+            if blk not in named:
+                raw[blk, :, :, :] = 0xFF
+        q, sinks = randn(g, 3, 8, d, scale=2.0), randn(g, 8)
+        args = (q, K, V, table, torch.tensor(pos), torch.tensor(active), sinks, window, 1 / math.sqrt(d), KS, VS,
+                F32)
+        out, ref = OPS.paged_decode_attention(*args), twins.paged_decode_attention(*args)
+        nan = ref.isnan()
+        assert nan[0, 4 * d:].any() and not nan[0, :4 * d].any() and not nan[1:].any()   # the plant reached it
+        assert torch.equal(out.isnan(), nan)
+        torch.testing.assert_close(out[~nan], ref[~nan], rtol=1e-5, atol=2e-5 * ref[~nan].abs().max().item())
 
 
 @pytest.mark.parametrize("form", KV_FORMS)

@@ -48,11 +48,16 @@ inline void vload_bf16_pairs(const uint16_t* p, VF& even, VF& odd) {
   odd.v = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xFFFF0000u))));
 }
 // W FP8 e4m3 bytes -> fp32 / 256: the byte's exponent and mantissa bits placed into an fp16 (bias 15 vs 7:
-// a factor 2^-8 for normal and subnormal values alike, which the caller folds into its scale).
+// a factor 2^-8 for normal and subnormal values alike, which the caller folds into its scale). e4m3fn's NaN
+// (S.1111.111) would land on the finite fp16 1.875 (480 / 256): those lanes are set to fp16 NaN, as the
+// scalar fp8_to_f32 and torch read them.
 inline VF vload_fp8_div256(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128((const __m128i*)p);
   // byte << 8, arithmetic >> 1: sign at bit 15, exponent and mantissa at bits 13..7; clear the sign copy at 14
-  __m256i b = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), 8);
+  __m256i b = _mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8);
   __m256i h = _mm256_and_si256(_mm256_srai_epi16(b, 1), _mm256_set1_epi16(short(0xBFFF)));
+  const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_or_si128(raw, _mm_set1_epi8(char(0x80))), _mm_set1_epi8(char(0xFF)));
+  h = _mm256_mask_mov_epi16(h, nan, _mm256_set1_epi16(short(0x7E00)));
   return {_mm512_cvtph_ps(h)};
 }
 inline void vload2_fp8_div256(const uint8_t* p, VF& first, VF& second) {
@@ -112,9 +117,11 @@ inline VF vmax(VF a, VF b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline void vstore_bf16_exact(uint16_t* p, VF a) {
   _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a.v), 16)));
 }
-// e^x for x <= 88 (x = -inf gives ~1e-38; callers never use masked lanes): 2^n · p(f), Cephes' polynomial
+// e^x for x <= 88 (x = -inf gives ~1e-38; callers never use masked lanes): 2^n · p(f), Cephes' polynomial.
+// The clamp keeps NaN: max / min return their second operand when either is NaN, so x goes second (a NaN
+// score must give NaN, as std::exp and torch do, not e^-87)
 inline VF vexp(VF x) {
-  __m512 v = _mm512_min_ps(_mm512_max_ps(x.v, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  __m512 v = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x.v));
   __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
   f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
@@ -161,15 +168,25 @@ inline void vload_bf16_pairs(const uint16_t* p, VF& even, VF& odd) {
   even.v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   odd.v = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xFFFF0000u))));
 }
+// fp16 bits h of FP8 bytes / 256 (below) -> the same, with e4m3fn's NaN (S.1111.111, which lands on the finite
+// fp16 ±1.875 = 480 / 256) made an fp16 NaN by setting the exponent's top bits: S.11111.11 (as torch reads it)
+inline __m128i fp8_half_nan(__m128i h) {
+  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7FFF)), _mm_set1_epi16(0x3F80));
+  return _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7C00)));
+}
+inline __m256i fp8_half_nan(__m256i h) {
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7FFF)), _mm256_set1_epi16(0x3F80));
+  return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7C00)));
+}
 inline VF vload_fp8_div256(const uint8_t* p) {
   __m128i b = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p)), 8);
   __m128i h = _mm_and_si128(_mm_srai_epi16(b, 1), _mm_set1_epi16(short(0xBFFF)));
-  return {_mm256_cvtph_ps(h)};
+  return {_mm256_cvtph_ps(fp8_half_nan(h))};
 }
 // FP8 e4m3 bytes as the high byte of 16-bit words (byte << 8) -> the fp16 bits of their values / 256: the
 // arithmetic shift moves exponent and mantissa under fp16's, keeping the sign; the mask clears the sign copy
 inline __m256i fp8_words_to_half(__m256i b) {
-  return _mm256_and_si256(_mm256_srai_epi16(b, 1), _mm256_set1_epi16(short(0xBFFF)));
+  return fp8_half_nan(_mm256_and_si256(_mm256_srai_epi16(b, 1), _mm256_set1_epi16(short(0xBFFF))));
 }
 // 2W FP8 bytes at once: the integer steps on 16 lanes (8 instructions for 16 values instead of 12)
 inline void vload2_fp8_div256(const uint8_t* p, VF& first, VF& second) {
@@ -230,8 +247,8 @@ inline void vstore_bf16_exact(uint16_t* p, VF a) {
   const __m256i s = _mm256_srli_epi32(_mm256_castps_si256(a.v), 16);
   _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
 }
-inline VF vexp(VF x) {
-  __m256 v = _mm256_min_ps(_mm256_max_ps(x.v, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+inline VF vexp(VF x) {   // as above: x second in the clamp, so NaN stays NaN
+  __m256 v = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x.v));
   __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
   f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
