@@ -16,7 +16,7 @@ from gigadecode.checkpoint import preset_config
 from gigadecode.engine_config import EngineConfig
 from gigadecode.connector.params import KVParamsError, KVTransferParams, parse_kv_params
 from gigadecode.connector.base import (COMPAT_FIELDS, HandshakeError, KVLayout, TransferError,
-                                       TransferTimeout, check_compatible, model_identity, pair_blocks)
+                                       TransferTimeout, check_compatible, model_identity, pair_remote_blocks)
 from gigadecode.connector.nixl_agent import NixlKVAgent, block_descs
 from gigadecode.kv.cache import KVCache
 
@@ -166,7 +166,7 @@ def test_read_noncontiguous_blocks(consumer, producer):
     before = raw_bufs(cache)
     remote = expected_remote()
     # Per group: sliding group reads remote [3, 17] -> local [20, 2]; full group [5, 30, 9] -> [11, 7, 31].
-    pairs = pair_blocks([[3, 17], [5, 30, 9]], [[20, 2], [11, 7, 31]])
+    pairs = [(3, 20), (17, 2), (5, 11), (30, 7), (9, 31)]
     h = agent.read_blocks(producer.name, pairs, notif=b"req-1", timeout_s=20)
     assert h.state == "DONE" and h.released and h.num_descs == len(pairs) * 4
     after = raw_bufs(cache)
@@ -370,12 +370,20 @@ def test_head_mapping_between_tp_sizes():
     assert KVLayout.from_dict(r1.to_dict()) == r1
 
 
-def test_pair_blocks_and_params():
-    assert pair_blocks([[0, 4, 5], [7]], [[0, 9, 10], [3]]) == [(4, 9), (5, 10), (7, 3)]
-    with pytest.raises(TransferError, match="group 1: 2 remote blocks vs 1 local"):
-        pair_blocks([[1], [2, 3]], [[1], [2]])
-    with pytest.raises(TransferError, match="null block"):
-        pair_blocks([[0]], [[5]])
+def test_pair_remote_blocks_and_params():
+    """The producer's live blocks (per group from `remote_first_block`) onto the consumer's at the same logical
+    indices: freed sliding entries (0) on this side are skipped, blocks past the computed tokens need nothing,
+    a block holding computed tokens the prefill did not send (what the N-1 rule prevents) and a count that
+    does not match are errors."""
+    def params(ids, first, n):
+        return KVTransferParams(remote_block_ids=ids, remote_first_block=first, num_computed_tokens=n)
+    # B = 4, 10 computed tokens: logical blocks 0..2 hold them; sliding group: blocks 0 freed here, 1..2 sent
+    pairs, local = pair_remote_blocks(params([[41, 42], [50, 51, 52]], [1, 0], 10), [[0, 7, 8, 9], [3, 4, 5, 6]], 4)
+    assert pairs == [(41, 7), (42, 8), (50, 3), (51, 4), (52, 5)] and local == [[7, 8], [3, 4, 5]]
+    with pytest.raises(TransferError, match="logical block 0 was not sent"):
+        pair_remote_blocks(params([[42]], [1], 10), [[6, 7, 8]], 4)
+    with pytest.raises(TransferError, match="the prefill sent 3 blocks, 2 are live here"):
+        pair_remote_blocks(params([[40, 41, 42]], [0], 8), [[6, 7, 8]], 4)
     p = KVTransferParams(do_remote_prefill=True, remote_engine_id="p0", remote_block_ids=[[1], [2, 3]],
                          num_computed_tokens=7)
     assert parse_kv_params(p.to_dict()) == p

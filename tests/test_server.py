@@ -751,7 +751,7 @@ def test_proxy_prefill_then_decode_with_retry():
 
 
 def test_proxy_least_loaded():
-    from gigadecode.server.proxy import Pool
+    from gigadecode.server.proxy_pool import Pool
     pool = Pool("decode", ["a", "b", "c"])
     a, b, c = pool.servers
     assert [pool.pick().url for _ in range(4)] == ["a", "b", "c", "a"]     # idle: spread by requests sent
@@ -766,7 +766,7 @@ def test_proxy_prefix_affinity():
     prefix cache holds the blocks) while that server is at most AFFINITY_SLACK requests busier than the least
     loaded; past that, or when it is excluded (failed), to the least loaded; prompts shorter than a chunk
     have no keys."""
-    from gigadecode.server.proxy import AFFINITY_SLACK, Pool, prefix_keys
+    from gigadecode.server.proxy_pool import AFFINITY_SLACK, Pool, prefix_keys
     system = {"role": "system", "content": "You are a careful assistant. " * 40}
     turn1 = {"messages": [system, {"role": "user", "content": "first question"}]}
     turn2 = {"messages": turn1["messages"] + [{"role": "assistant", "content": "an answer"},

@@ -42,7 +42,7 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Sequence
+from typing import Any
 
 from .params import KVTransferParams
 
@@ -219,26 +219,31 @@ def model_identity(cfg: Any, weights: str = "") -> str:
     return hashlib.sha256((json.dumps(d, sort_keys=True, default=str) + weights).encode()).hexdigest()[:16]
 
 
-def pair_blocks(remote_block_ids: Sequence[Sequence[int]], local_block_ids: Sequence[Sequence[int]]
-                ) -> list[tuple[int, int]]:
-    """Per-group block lists -> one (remote, local) pair list for `NixlKVAgent.read`.
-
-    Group g's lists must have equal length. A pair where both ids are the null block 0 (a freed sliding
-    entry) is skipped; a null block on one side only is an error (it would read or write nothing useful).
-    """
-    if len(remote_block_ids) != len(local_block_ids):
-        raise TransferError(f"block lists for {len(remote_block_ids)} remote groups vs {len(local_block_ids)} local")
+def pair_remote_blocks(params: KVTransferParams, local_tables: list[list[int]], block_size: int
+                       ) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """Map each group's live remote blocks (`remote_block_ids` from `remote_first_block` on) onto the local
+    blocks at the same logical indices -> (pairs, per-group local ids). Every live local block that holds
+    computed tokens needs a remote block (else the prefill never sent it: the failure the N-1 rule
+    prevents); blocks past the last computed token need no data."""
+    n, B = params.num_computed_tokens or 0, block_size
+    last = (n - 1) // B if n > 0 else -1               # last logical block holding a computed token
     pairs: list[tuple[int, int]] = []
-    for g, (rs, ls) in enumerate(zip(remote_block_ids, local_block_ids)):
-        if len(rs) != len(ls):
-            raise TransferError(f"group {g}: {len(rs)} remote blocks vs {len(ls)} local blocks")
-        for r, lo in zip(rs, ls):
-            if r == 0 and lo == 0:
+    local_ids: list[list[int]] = []
+    for g, (rids, j0, table) in enumerate(zip(params.remote_block_ids or [], params.remote_first_block or [],
+                                               local_tables)):
+        mine: list[int] = []
+        for j, lb in enumerate(table[: last + 1]):
+            if lb == 0:
                 continue
-            if r == 0 or lo == 0:
-                raise TransferError(f"group {g}: null block paired with a real one (remote {r}, local {lo})")
-            pairs.append((int(r), int(lo)))
-    return pairs
+            if not j0 <= j < j0 + len(rids):
+                raise TransferError(f"KV group {g}: logical block {j} was not sent by the prefill "
+                                    f"(it sent blocks {j0}..{j0 + len(rids) - 1})")
+            pairs.append((int(rids[j - j0]), int(lb)))
+            mine.append(int(lb))
+        if len(mine) != len(rids):
+            raise TransferError(f"KV group {g}: the prefill sent {len(rids)} blocks, {len(mine)} are live here")
+        local_ids.append(mine)
+    return pairs, local_ids
 
 
 class KVConnectorBase(ABC):

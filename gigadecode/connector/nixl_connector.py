@@ -50,40 +50,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kv.dcp import TokenShard
-from .base import HandshakeError, KVConnectorBase, TransferError, model_identity
+from .base import HandshakeError, KVConnectorBase, TransferError, model_identity, pair_remote_blocks
 from .dcp_reads import dcp_pairs, partial_head_crcs, stream_length
 from .kv_crc import crc_matches, kv_crc32, kv_crc32_heads
 from .nixl_agent import NixlKVAgent, ReadHandle
 from .params import (KVParamsError, KVTransferParams, RemoteRank, check_secret, kv_layout_id, prompt_digest, sign,
                      verify)
 from .side_channel import HandshakeCache, SideChannel
-
-
-def pair_remote_blocks(params: KVTransferParams, local_tables: list[list[int]], block_size: int
-                       ) -> tuple[list[tuple[int, int]], list[list[int]]]:
-    """Map each group's live remote blocks (`remote_block_ids` from `remote_first_block` on) onto the local
-    blocks at the same logical indices -> (pairs, per-group local ids). Every live local block that holds
-    computed tokens needs a remote block (else the prefill never sent it: the failure the N-1 rule
-    prevents); blocks past the last computed token need no data."""
-    n, B = params.num_computed_tokens or 0, block_size
-    last = (n - 1) // B if n > 0 else -1               # last logical block holding a computed token
-    pairs: list[tuple[int, int]] = []
-    local_ids: list[list[int]] = []
-    for g, (rids, j0, table) in enumerate(zip(params.remote_block_ids or [], params.remote_first_block or [],
-                                               local_tables)):
-        mine: list[int] = []
-        for j, lb in enumerate(table[: last + 1]):
-            if lb == 0:
-                continue
-            if not j0 <= j < j0 + len(rids):
-                raise TransferError(f"KV group {g}: logical block {j} was not sent by the prefill "
-                                    f"(it sent blocks {j0}..{j0 + len(rids) - 1})")
-            pairs.append((int(rids[j - j0]), int(lb)))
-            mine.append(int(lb))
-        if len(mine) != len(rids):
-            raise TransferError(f"KV group {g}: the prefill sent {len(rids)} blocks, {len(mine)} are live here")
-        local_ids.append(mine)
-    return pairs, local_ids
 
 
 @dataclass

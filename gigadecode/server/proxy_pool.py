@@ -1,0 +1,80 @@
+"""Which upstream server takes a proxied request (`gigadecode proxy`, `proxy.py`): the servers of one role
+(`Pool`), the least loaded first, and the prefix affinity of prefill servers (`prefix_keys`): a prompt goes
+where its leading chunks went before, so a prefill server with prefix caching finds them in its own pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Prefix affinity (prefill servers): prompts are keyed by chunks of this many bytes (at most so many chunks);
+# the server holding a prompt's prefix keeps it while at most AFFINITY_SLACK requests busier than the least
+# loaded; the proxy remembers this many keys
+AFFINITY_CHUNK, AFFINITY_MAX_CHUNKS, AFFINITY_SLACK, AFFINITY_ENTRIES = 256, 512, 2, 1 << 17
+
+
+@dataclass
+class Upstream:
+    url: str
+    in_flight: int = 0
+    sent: int = 0
+
+
+class Pool:
+    """The servers of one role; `pick` takes the least loaded one not yet tried, or, given a request's prefix
+    keys (`prefix_keys`), the server that last took the longest of them while it is at most AFFINITY_SLACK
+    requests busier than the least loaded: a prefill server with prefix caching then finds the prompt's
+    earlier blocks (a system prompt, a conversation's earlier turns) in its own pool."""
+
+    def __init__(self, role: str, urls: Sequence[str]) -> None:
+        if not urls:
+            raise ValueError(f"the proxy needs at least one {role} server")
+        self.role = role
+        self.servers = [Upstream(u.rstrip("/")) for u in urls]
+        self.owner: OrderedDict[bytes, Upstream] = OrderedDict()     # prefix key -> the server that last took it
+
+    def pick(self, exclude: Sequence[Upstream] = (), keys: Sequence[bytes] = ()) -> Upstream | None:
+        left = [(s.in_flight, s.sent, i, s) for i, s in enumerate(self.servers) if s not in exclude]
+        if not left:
+            return None
+        s = min(left, key=lambda t: t[:3])[3]
+        for key in reversed(keys):                   # the longest shared prefix first
+            o = self.owner.get(key)
+            if o is not None:
+                if o not in exclude and o.in_flight <= s.in_flight + AFFINITY_SLACK:
+                    s = o
+                break
+        for key in keys:
+            self.owner[key] = s
+            self.owner.move_to_end(key)
+        while len(self.owner) > AFFINITY_ENTRIES:
+            self.owner.popitem(last=False)
+        s.sent += 1
+        return s
+
+
+def prefix_keys(body: dict[str, Any]) -> list[bytes]:
+    """Keys of a request's leading prompt chunks (AFFINITY_CHUNK characters of its tools, instructions, messages,
+    input or prompt, in that order, each message on its own): key k names everything up to chunk k, so two
+    requests whose prompts agree on k chunks share k keys."""
+    parts = []
+    for name in ("tools", "instructions", "messages", "input", "prompt"):
+        v = body.get(name)
+        if v is None:
+            continue
+        if name in ("messages", "input") and isinstance(v, list):
+            parts += [json.dumps(m, sort_keys=True) for m in v]
+        else:
+            parts.append(json.dumps(v, sort_keys=True))
+    text = "\x1e".join(parts).encode()
+    n = min(len(text) // AFFINITY_CHUNK, AFFINITY_MAX_CHUNKS)
+    h, keys = hashlib.blake2b(digest_size=16), []
+    for k in range(n):
+        h.update(text[k * AFFINITY_CHUNK:(k + 1) * AFFINITY_CHUNK])
+        keys.append(h.copy().digest())
+    return keys
