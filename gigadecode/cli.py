@@ -192,6 +192,24 @@ def add(sub, name: str, text: str) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
 
 
+def serve_vllm_epilog() -> str:
+    """What `serve --help` says about the rest of `vllm serve`'s flags (gigadecode/vllm_flags.py)."""
+    import textwrap
+
+    from .vllm_flags import IGNORED, REFUSED, TAKEN_VALUES
+    fill = lambda text: textwrap.fill(text, 78, subsequent_indent="  ", break_on_hyphens=False)  # noqa: E731
+    return "\n".join([
+        "vLLM command lines:",
+        fill("  flag names with underscores (--tensor_parallel_size) are read as dashed ones, and --config FILE "
+             "(vLLM's YAML of flags) as its flags, before the command line's own."),
+        fill("  taken and dropped, since they tune what only a GPU or vLLM's own machinery has and change no "
+             "answer: " + ", ".join(IGNORED) + "."),
+        fill("  taken with what happens here anyway: " + ", ".join(
+            f"{f} {'|'.join(sorted(v))}" for f, (v, _) in TAKEN_VALUES.items()) + " (other values are refused)."),
+        fill("  refused, with the reason: " + ", ".join(REFUSED) + "."),
+    ])
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="gigadecode",
@@ -236,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = add(sub, "serve", "OpenAI-compatible HTTP server (prefill, decode, or both)")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = serve_vllm_epilog()
     p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
                    help="the checkpoint, as `vllm serve MODEL` takes it (or --model)")
     p.add_argument("--model", default=None, help="checkpoint directory or Hugging Face repo id (local cache)")
@@ -249,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /kv/release "
                         "(/health, /metrics and /version stay open; default $GIGADECODE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the model dir's name)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="request bodies larger than this get 413 before they are parsed (default 4 MiB)")
@@ -265,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="harmony tool calls (the only parser)")
     gpt_oss.add_argument("--reasoning-parser", choices=["openai_gptoss"], default=None,
                          help="harmony reasoning (the only parser)")
+    gpt_oss.add_argument("--enable-expert-parallel", action="store_true",
+                         help="vLLM's: experts split over every rank, --ep = --tp x --dp")
     p.add_argument("--shutdown-timeout-s", type=float, default=5.0,
                    help="on SIGTERM / SIGINT, how long requests in flight may run on; the rest then end with "
                         "an error (503, or an error event in a stream; default 5)")
@@ -341,8 +364,20 @@ def set_openmp_env(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    set_openmp_env(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    set_openmp_env(argv)
+    notes: list[str] = []
+    if argv[:1] == ["serve"]:
+        from .vllm_flags import VllmFlagError, translate_serve_argv
+        try:
+            rest, notes = translate_serve_argv(argv[1:])
+        except VllmFlagError as e:
+            print(f"gigadecode serve: error: {e}", file=sys.stderr)
+            return 2
+        argv = ["serve", *rest]
     args = build_parser().parse_args(argv)
+    for note in notes:
+        print(f"gigadecode serve: note: {note}", file=sys.stderr)
     from .config import ConfigError
     from .hub import resolve_model
     from .weights import CheckpointError
@@ -352,6 +387,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gigadecode serve: error: two models given: {tag!r} and --model {args.model!r}", file=sys.stderr)
             return 2
         args.model = args.model or tag
+        if args.__dict__.pop("enable_expert_parallel"):
+            if args.ep not in (1, args.tp * args.dp):
+                print(f"gigadecode serve: error: --enable-expert-parallel splits the experts over all "
+                      f"--tp x --dp = {args.tp * args.dp} ranks, but --ep {args.ep} was given", file=sys.stderr)
+                return 2
+            args.ep = args.tp * args.dp
         if args.model is None:
             print("gigadecode serve: error: a model is required: `gigadecode serve MODEL` or --model MODEL",
                   file=sys.stderr)

@@ -425,3 +425,67 @@ def test_chat_template_flag_renders_chats_with_it(tiny_ckpt, tmp_path, capsys):
         assert r.model_extra["prompt_token_ids"] == want
     finally:
         stop_process_tree(proc)
+
+
+# -- vLLM's serve command lines (gigadecode/vllm_flags.py) -----------------------------------------------
+def serve_args(monkeypatch, argv: list[str]):
+    """`main(["serve", *argv])` up to the server's start -> (exit code, the parsed args or None)."""
+    import gigadecode.cli as cli
+    seen = []
+    monkeypatch.setattr(cli, "cmd_serve", lambda args: seen.append(args) or 0)
+    rc = main(["serve", *argv])
+    return rc, (seen[0] if seen else None)
+
+
+def test_vllms_gpt_oss_recipe_command_lines_start(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    # the recipe's evaluation command line: underscore spelling, a GPU memory share, no prefix caching
+    rc, args = serve_args(monkeypatch, [str(tiny_ckpt), "--tensor_parallel_size", "1", "--max-model-len", "512",
+                                        "--max-num-batched-tokens", "256", "--max-num-seqs", "4",
+                                        "--gpu-memory-utilization", "0.85", "--no-enable-prefix-caching",
+                                        "--async-scheduling"])
+    assert rc == 0 and args is not None
+    assert (args.tp, args.max_model_len, args.max_prefill_tokens, args.max_num_seqs) == (1, 512, 256, 4)
+    assert args.enable_prefix_caching is False
+    err = capsys.readouterr().err
+    assert "--gpu-memory-utilization is taken and changes nothing here" in err and "--async-scheduling" in err
+    # its Hopper config file, with a flag on the command line that wins over the file's
+    cfg = tmp_path / "GPT-OSS_Hopper.yaml"
+    cfg.write_text("no-enable-prefix-caching: true\nmax-cudagraph-capture-size: 2048\n"
+                   "max-num-batched-tokens: 8192\nstream-interval: 20\nmax_num_seqs: 3\n")
+    rc, args = serve_args(monkeypatch, [str(tiny_ckpt), "--config", str(cfg), "--max-num-seqs", "5"])
+    assert rc == 0 and (args.max_prefill_tokens, args.max_num_seqs) == (8192, 5)
+    rc, args = serve_args(monkeypatch, ["--config", str(cfg), "--model", str(tiny_ckpt), "--uvicorn-log-level",
+                                        "warning", "--enable-expert-parallel"])
+    assert rc == 0 and (args.max_num_seqs, args.log_level, args.ep) == (3, "warning", 1)
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--seed", "0"], "give each request its own `seed`"),
+    (["--tokenizer", "x"], "tokenizer.json is always used"),
+    (["--tool-server", "demo"], "built-in tools"),
+    (["--generation-config", "vllm"], "generation_config.json is always read"),
+    (["--quantization", "fp8"], "as the checkpoint stores them"),
+    (["--pipeline_parallel_size", "2"], "pipeline parallelism is not implemented"),
+])
+def test_vllm_flags_that_would_change_answers_are_refused_with_the_reason(tiny_ckpt, monkeypatch, capsys,
+                                                                          flags, reason):
+    rc, args = serve_args(monkeypatch, [str(tiny_ckpt), *flags])
+    assert rc == 2 and args is None
+    err = capsys.readouterr().err
+    assert "gigadecode serve: error: vLLM's" in err and reason in err
+
+
+def test_enable_expert_parallel_is_ep_over_every_rank(tiny_ckpt, monkeypatch, capsys):
+    rc, args = serve_args(monkeypatch, [str(tiny_ckpt), "-tp", "2", "--dp", "2", "--enable-expert-parallel"])
+    assert rc == 0 and args.ep == 4
+    rc, args = serve_args(monkeypatch, [str(tiny_ckpt), "-tp", "2", "--ep", "2", "--enable-expert-parallel", "-dp", "2"])
+    assert rc == 2 and "--ep 2 was given" in capsys.readouterr().err
+
+
+def test_serve_help_lists_the_vllm_flags_it_takes_and_refuses(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = capsys.readouterr().out
+    from gigadecode.vllm_flags import IGNORED, REFUSED
+    flat = " ".join(out.split())
+    assert all(f in flat for f in [*IGNORED, *REFUSED, "--config FILE", "--tensor_parallel_size"])
