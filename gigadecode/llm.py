@@ -246,10 +246,15 @@ class LLM:
             raise ValueError("no prompts given")
         return out
 
-    @staticmethod
-    def _params(sp: Any, n: int) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` / `chat` use when given no SamplingParams, as vLLM's `LLM`: vLLM's defaults with the
+        checkpoint's generation_config.json sampling fields over them (temperature, top_p, top_k, min_p,
+        repetition_penalty, and max_new_tokens as max_tokens; the server takes the same fields but max_new_tokens)."""
+        return SamplingParams(**dict(self.engine.generation_defaults.sampling))
+
+    def _params(self, sp: Any, n: int) -> list[SamplingParams]:
         if sp is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sp, EngineSamplingParams):
             sp = [sp] * n
         if len(sp) != n:

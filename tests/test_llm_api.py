@@ -192,3 +192,23 @@ def test_readme_example_runs_as_written(tmp_path_factory):
     with contextlib.redirect_stdout(out):
         exec(compile(code.replace('LLM("DIR")', f'LLM({str(d)!r}, threads=1)'), "README.md", "exec"), {})
     assert "37 + 45 = 82" in out.getvalue().splitlines()[-1]
+
+
+def test_no_sampling_params_means_the_checkpoints_generation_config(tiny_ckpt, tmp_path):
+    # vLLM's LLM: generate / chat without SamplingParams take generation_config.json's sampling fields (greedy
+    # and 5 tokens here), not bare SamplingParams() (temperature 1, 16 tokens)
+    import json
+    d = tmp_path / "tiny_greedy_5"
+    d.mkdir()
+    for f in tiny_ckpt.iterdir():
+        (d / f.name).symlink_to(f)
+    (d / "generation_config.json").unlink()
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2], "temperature": 0.0,
+                                                          "max_new_tokens": 5}))
+    llm = LLM(str(d), dtype="float32", kv_cache_dtype="auto", num_blocks=32, threads=1, warmup=False)
+    sp = llm.get_default_sampling_params()
+    assert (sp.temperature, sp.max_tokens) == (0.0, 5)
+    greedy = llm.generate(["hello there", "the cat"], SamplingParams(temperature=0, max_tokens=5))
+    plain = llm.generate(["hello there", "the cat"])
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in greedy]
+    assert all(len(o.outputs[0].token_ids) == 5 for o in plain)
