@@ -212,3 +212,12 @@ def test_no_sampling_params_means_the_checkpoints_generation_config(tiny_ckpt, t
     plain = llm.generate(["hello there", "the cat"])
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in greedy]
     assert all(len(o.outputs[0].token_ids) == 5 for o in plain)
+
+
+def test_the_types_vllm_scripts_import_are_there():
+    # `from vllm import LLM, SamplingParams, RequestOutput, CompletionOutput` is how vLLM's scripts annotate
+    import gigadecode
+    from gigadecode import CompletionOutput, Logprob, RequestOutput
+    from gigadecode.llm import CompletionOutput as C, Logprob as L, RequestOutput as R
+    assert (RequestOutput, CompletionOutput, Logprob) == (R, C, L)
+    assert {"RequestOutput", "CompletionOutput", "Logprob"} <= set(gigadecode.__all__)
