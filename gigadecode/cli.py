@@ -18,7 +18,7 @@ DEFAULT_DEMO_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    g.add_argument("--dtype", default="auto", type=dtype_arg, metavar="{auto,bfloat16,float32}",
                    help="compute dtype (default auto: the checkpoint's torch_dtype, bfloat16 for GPT-OSS; float32 "
                         "for float16 or float32 checkpoints)")
     g.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default=None, type=kv_dtype_arg,
@@ -150,6 +150,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------
+def dtype_arg(text: str) -> str:
+    """A --dtype value, vLLM's spellings included (float, bf16), as auto / bfloat16 / float32."""
+    from .engine_config import dtype_name
+    try:
+        return dtype_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def kv_dtype_arg(text: str) -> str:
     """A --kv-dtype / --kv-cache-dtype value, vLLM's spellings included, as auto / bf16 / fp8."""
     from .engine_config import kv_dtype_name

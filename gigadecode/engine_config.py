@@ -165,6 +165,20 @@ class EngineConfig:
 
 
 KV_DTYPE_NAMES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8"}
+# --dtype: ours and vLLM's spellings of the two compute dtypes
+DTYPE_NAMES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+               "bf16": "bfloat16"}
+
+
+def dtype_name(text: str) -> str:
+    """A compute dtype (auto / float32 / bfloat16) from ours or vLLM's --dtype spellings; vLLM's half / float16
+    is refused with what to use instead."""
+    if text in DTYPE_NAMES:
+        return DTYPE_NAMES[text]
+    if text in ("half", "float16", "fp16"):
+        raise ValueError(f"--dtype {text}: float16 compute is not supported (the kernels compute in bfloat16 or "
+                         "float32); use bfloat16, or auto, which runs a float16 checkpoint in float32 (exact)")
+    raise ValueError(f"invalid --dtype {text!r}: choose from auto, bfloat16, float32")
 
 
 def kv_dtype_name(text: str) -> str:
@@ -178,7 +192,7 @@ def kv_dtype_name(text: str) -> str:
 def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig:
     """The `EngineConfig` of a command line (`gigadecode generate` / `serve` flags). `--dtype auto` is the
     checkpoint's `torch_dtype` when it is bfloat16, else float32 (which holds float16 weights exactly)."""
-    dtype = getattr(args, "dtype", "auto") or "auto"
+    dtype = dtype_name(getattr(args, "dtype", "auto") or "auto")
     if dtype == "auto":
         dtype = GptOssConfig.from_hf(args.model).torch_dtype
         dtype = dtype if dtype in DTYPES else "float32"

@@ -362,6 +362,8 @@ def test_serve_reads_a_vllm_command_line(monkeypatch):
     assert (seen[-1].model, seen[-1].tp, seen[-1].kv_dtype) == ("/ckpt", 4, "bf16")
     assert main(["serve", "/ckpt", "--model", "/ckpt"]) == 0 and seen[-1].model == "/ckpt"
     assert len(seen) == 3
+    for given, dtype in (("float", "float32"), ("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("auto", "auto")):
+        assert main(["serve", "/ckpt", "--dtype", given]) == 0 and seen[-1].dtype == dtype
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -369,6 +371,8 @@ def test_serve_reads_a_vllm_command_line(monkeypatch):
     (["serve"], "a model is required"),
     (["serve", "/a", "--tool-call-parser", "hermes"], "argument --tool-call-parser: invalid choice: 'hermes'"),
     (["serve", "/a", "--kv-cache-dtype", "fp8_e5m2"], "invalid KV dtype 'fp8_e5m2' \\(the FP8 KV cache stores e4m3\\)"),
+    (["serve", "/a", "--dtype", "half"], "--dtype half: float16 compute is not supported .* use bfloat16, or auto"),
+    (["serve", "/a", "--dtype", "int8"], "invalid --dtype 'int8': choose from auto, bfloat16, float32"),
     (["serve", "/a", "--chat-template", "/no/such/template.jinja"], "'/no/such/template.jinja': no such file"),
     (["serve", "/a", "--chat-template", "{% if %}"], "this chat template does not compile"),
     (["generate", "--model", "/a", "--chat", "hi", "--chat-template", "{{ x + }}"], "does not compile"),
