@@ -277,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("GIGADECODE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /kv/release "
                         "(/health, /metrics and /version stay open; default $GIGADECODE_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="model id in the API (default: the model dir's name)")
+    p.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                   help="model id in the API (default: the model dir's name); several, as vLLM: requests may name "
+                        "any of them, answers and /health carry the first, /v1/models lists each")
     p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")

@@ -42,8 +42,8 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request) -> JSONResponse:
     aeng, s = deps.engine(request), deps.settings(request)
     return JSONResponse({"object": "list", "data": [{
-        "id": s.served_model_name, "object": "model", "created": s.created, "owned_by": "gigadecode",
-        "root": aeng.model_dir, "parent": None, "max_model_len": aeng.max_model_len}]})
+        "id": name, "object": "model", "created": s.created, "owned_by": "gigadecode",
+        "root": aeng.model_dir, "parent": None, "max_model_len": aeng.max_model_len} for name in s.model_names]})
 
 
 @router.get("/kv/handshake")

@@ -40,7 +40,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -65,13 +65,15 @@ ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20         # --max-request-bytes
 
 
-def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], served_model_name: str,
+def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], served_model_name: str | Sequence[str],
               api_key: str | None = None, role: str = "both", kv_advertise_host: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app. `engine` is an AsyncEngine or a zero-argument factory called at startup; the
     app's lifespan starts its thread and stops it at shutdown. A prefill server's answers tell decode
     engines to reach its KV side channel at `kv_advertise_host` (default: the address each request
-    reached this server on). Bodies over `max_request_bytes` get 413 before they are parsed."""
+    reached this server on). Bodies over `max_request_bytes` get 413 before they are parsed.
+    `served_model_name`: the model's name, or several (vLLM's aliases): requests may name any, answers carry
+    the first."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {sorted(ROLES)} (got {role!r})")
 
@@ -88,7 +90,10 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], served_model_name
     app = FastAPI(title="gigadecode", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.state.engine = engine if hasattr(engine, "submit") else None
-    app.state.settings = ServerSettings(served_model_name, api_key or None, role, kv_advertise_host)
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"served model names must be non-empty strings (got {served_model_name!r})")
+    app.state.settings = ServerSettings(names[0], api_key or None, role, kv_advertise_host, aliases=names[1:])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -174,10 +179,11 @@ def _serve_engine(args: Any, engine: Any, t0: float, sock: socket.socket) -> int
 
     from ..tokenizer import TextCodec
     prometheus_client.disable_created_metrics()
-    name = args.served_model_name or Path(args.model).resolve().name
+    names = args.served_model_name or [Path(args.model).resolve().name]
+    name = names[0]
     aeng = AsyncEngine(engine, codec=TextCodec.from_dir(args.model, getattr(args, "chat_template", None)), model_dir=str(args.model),
                        warm_up=not getattr(args, "no_warmup", False))
-    app = build_app(aeng, name, api_key=args.api_key, role=args.role,
+    app = build_app(aeng, names, api_key=args.api_key, role=args.role,
                     kv_advertise_host=getattr(args, "kv_advertise_host", None),
                     max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
     used, total = engine.kv_usage()

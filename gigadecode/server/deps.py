@@ -24,6 +24,11 @@ class ServerSettings:
     role: str = "both"
     kv_advertise_host: str | None = None      # prefill: what decode engines are told (None: the reached address)
     created: int = field(default_factory=lambda: int(time.time()))
+    aliases: tuple[str, ...] = ()             # more names a request may give (vLLM's --served-model-name A B ...)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.aliases)
 
 
 def settings(request: Request) -> ServerSettings:
@@ -48,9 +53,10 @@ def check_key(request: Request) -> None:
 
 
 def check_model(request: Request, model: str | None) -> None:
-    name = settings(request).served_model_name
-    if model is not None and model != name:
-        raise APIError(404, f"the model `{model}` does not exist (this server serves `{name}`)", param="model",
+    names = settings(request).model_names
+    if model is not None and model not in names:
+        served = ", ".join(f"`{n}`" for n in names)
+        raise APIError(404, f"the model `{model}` does not exist (this server serves {served})", param="model",
                        code="model_not_found")
 
 
