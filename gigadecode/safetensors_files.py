@@ -44,14 +44,35 @@ class TensorEntry:
 def read_safetensors_index(model_dir: Path) -> dict[str, TensorEntry]:
     """Parse every *.safetensors header in the directory (no tensor data is read).
 
-    Fails with a CheckpointError naming the file and tensor for a bad header or a tensor whose bytes lie
-    past the end of its file (a truncated download).
+    Fails with a CheckpointError naming the file and tensor for what the safetensors library (and so
+    transformers) refuses: a header that is not JSON, an entry whose dtype, shape or offsets are not what the
+    format allows, tensors whose bytes overlap or leave bytes of the file unclaimed (a corrupt header), or
+    bytes past the end of the file (a truncated download).
     """
     files = _checkpoint_files(model_dir)
     if not files:
         raise CheckpointError(f"no *.safetensors files in {model_dir}")
     index: dict[str, TensorEntry] = {}
     for f in files:
+        for name, entry in _read_header(f).items():
+            if name in index:
+                raise CheckpointError(f"tensor {name!r} appears in both {index[name].file.name} and {f.name}")
+            index[name] = entry
+    return index
+
+
+MAX_HEADER_BYTES = 100 * 1024**2        # the safetensors library's limit (a real checkpoint's is < 1 MiB)
+
+
+def _is_count(v) -> bool:
+    """A JSON integer >= 0 (the format's usize): not a bool, a float or a string."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _read_header(f: Path) -> dict[str, TensorEntry]:
+    """One safetensors file's header -> its tensors, checked as the safetensors library checks them: the
+    tensors' byte ranges tile the data section exactly (no overlap, no gap, nothing past its end)."""
+    try:
         size = f.stat().st_size
         with open(f, "rb") as fh:
             raw = fh.read(8)
@@ -60,35 +81,63 @@ def read_safetensors_index(model_dir: Path) -> dict[str, TensorEntry]:
             (hlen,) = struct.unpack("<Q", raw)
             if hlen > size - 8:
                 raise CheckpointError(f"{f.name}: truncated file (header of {hlen} bytes, file is {size})")
-            try:
-                header = json.loads(fh.read(hlen))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"{f.name}: corrupt safetensors header ({e})") from None
-        if not isinstance(header, dict):
-            raise CheckpointError(f"{f.name}: corrupt safetensors header (not a JSON object)")
-        data_size = size - 8 - hlen
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                start, end = (int(x) for x in meta["data_offsets"])
-                dtype_name, shape = meta["dtype"], tuple(int(x) for x in meta["shape"])
-            except (TypeError, KeyError, ValueError) as e:
-                raise CheckpointError(f"{f.name}: corrupt safetensors header (entry {name!r}: "
-                                      f"{type(e).__name__} {e})") from None
-            if end > data_size or start > end:
-                raise CheckpointError(f"tensor {name!r} in {f.name}: file truncated (data ends at byte {end} "
-                                      f"of {data_size} present)")
-            dt = ST_DTYPES.get(dtype_name)
-            if dt is None:
-                raise CheckpointError(f"tensor {name!r} in {f.name}: unsupported dtype {dtype_name}")
-            if (end - start) != math.prod(shape) * dt.itemsize:
-                raise CheckpointError(f"tensor {name!r} in {f.name}: {end - start} data bytes for shape {list(shape)} "
-                                      f"of {dtype_name}")
-            if name in index:
-                raise CheckpointError(f"tensor {name!r} appears in both {index[name].file.name} and {f.name}")
-            index[name] = TensorEntry(f, dt, shape, 8 + hlen + start)
-    return index
+            if hlen > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{f.name}: corrupt safetensors header (it claims {hlen} bytes, over the "
+                                      f"format's limit of {MAX_HEADER_BYTES})")
+            text = fh.read(hlen)
+    except OSError as e:                 # a broken symlink (a blob missing from the HF cache), a directory, ...
+        raise CheckpointError(f"{f.name}: cannot read it ({e.strerror or e})") from None
+    try:
+        header = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f.name}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{f.name}: corrupt safetensors header (not a JSON object)")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointError(f"{f.name}: corrupt safetensors header (__metadata__ must be an object of strings)")
+    data_size = size - 8 - hlen
+    out: dict[str, TensorEntry] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, m in header.items():
+        def corrupt(why: str) -> CheckpointError:
+            return CheckpointError(f"{f.name}: corrupt safetensors header (entry {name!r}: {why})")
+        if not isinstance(m, dict) or not {"dtype", "shape", "data_offsets"} <= m.keys():
+            raise corrupt("needs dtype, shape and data_offsets")
+        offsets, shape, dtype_name = m["data_offsets"], m["shape"], m["dtype"]
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+            raise corrupt(f"data_offsets must be two byte offsets >= 0, got {offsets!r}")
+        if not (isinstance(shape, list) and all(map(_is_count, shape))):
+            raise corrupt(f"shape must be a list of sizes >= 0, got {shape!r}")
+        start, end = offsets
+        if end > data_size or start > end:
+            raise CheckpointError(f"tensor {name!r} in {f.name}: file truncated (data ends at byte {end} "
+                                  f"of {data_size} present)")
+        dt = ST_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+        if dt is None:
+            raise CheckpointError(f"tensor {name!r} in {f.name}: unsupported dtype {dtype_name}")
+        if (end - start) != math.prod(shape) * dt.itemsize:
+            raise CheckpointError(f"tensor {name!r} in {f.name}: {end - start} data bytes for shape {list(shape)} "
+                                  f"of {dtype_name}")
+        out[name] = TensorEntry(f, dt, tuple(shape), 8 + hlen + start)
+        spans.append((start, end, name))
+    at, last = 0, None                   # the byte ranges in order must tile [0, data_size)
+    for start, end, name in sorted(spans):
+        if start != at:
+            what = (f"overlaps the bytes of {last!r}" if start < at else
+                    f"leaves bytes {at}..{start} unclaimed")
+            raise CheckpointError(f"tensor {name!r} in {f.name}: corrupt safetensors header (its data_offsets "
+                                  f"[{start}, {end}] {what})")
+        at, last = end, name
+    if at != data_size:
+        raise CheckpointError(f"{f.name}: corrupt safetensors header (its tensors claim {at} of the {data_size} "
+                              f"data bytes in the file)")
+    return out
+
+
+def _no_constant(word: str):
+    """json's hook for NaN / Infinity, which are not JSON (nor allowed in a safetensors header)."""
+    raise ValueError(f"{word} is not a JSON value")
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -115,9 +164,11 @@ def _check_shard_index(model_dir: Path) -> set[str]:
     path = model_dir / "model.safetensors.index.json"
     try:
         shards = {str(f) for f in json.loads(path.read_text())["weight_map"].values()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
         raise CheckpointError(f"{path.name}: not a safetensors index (no weight_map of tensor -> file: "
                               f"{type(e).__name__} {e})") from None
+    if not shards:                      # transformers fails on it too (an IndexError)
+        raise CheckpointError(f"{path.name}: its weight_map names no shard files")
     missing = sorted(f for f in shards if not (model_dir / f).is_file())
     if missing:
         raise CheckpointError(f"{path.name} lists {len(missing)} shard file(s) missing from {model_dir}: "
