@@ -30,7 +30,8 @@ from .mxfp4 import BYTES_PER_GROUP, GROUP
 log = logging.getLogger(__name__)
 
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# float weights as transformers loads them (cast to the compute dtype); F64 too, as it does
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -242,8 +243,8 @@ def validate_checkpoint(cfg: GptOssConfig, index: dict[str, TensorEntry], layout
         if src.quantized and entry.dtype != torch.uint8:
             raise CheckpointError(f"tensor {name!r} has dtype {entry.dtype}, MXFP4 blocks/scales must be uint8")
         if not src.quantized and entry.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(f"tensor {name!r} has dtype {entry.dtype}, expected a float dtype "
-                                  f"(unsupported quantization?)")
+            raise CheckpointError(f"tensor {name!r} has dtype {entry.dtype}, expected float32, float16, bfloat16 "
+                                  f"or float64 (unsupported quantization?)")
     if unexplained:
         raise CheckpointError(f"the checkpoint has {_unexplained_text(cfg, unexplained)}")
     return expected
@@ -342,7 +343,8 @@ def load_weights(model_dir: str | Path, cfg: GptOssConfig | None = None, dtype: 
     returned weights' `cfg` is the one they were loaded for (untied if the files hold an lm_head)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise CheckpointError(f"model directory {model_dir} does not exist")
+        raise CheckpointError(f"model directory {model_dir} " + ("is a file: pass the checkpoint's directory"
+                                                                 if model_dir.exists() else "does not exist"))
     cfg = cfg or GptOssConfig.from_hf(model_dir)
     index = read_safetensors_index(model_dir)
     if cfg.tie_word_embeddings and "lm_head.weight" in index:
@@ -369,7 +371,9 @@ def load_weights(model_dir: str | Path, cfg: GptOssConfig | None = None, dtype: 
                 dst = weights.tensors[src.stack]
                 if src.layer is not None:
                     dst = dst[src.layer]
-                _fill(dst, st.get_slice(name) if sharded else FileTensor(st, index[name]), src, weights.cfg, shard)
+                filled = _fill(dst, st.get_slice(name) if sharded else FileTensor(st, index[name]), src,
+                               weights.cfg, shard)
+                _check_values(filled, name, f, src)
                 if bar is not None:
                     bar.update()
     if bar is not None:
@@ -377,15 +381,38 @@ def load_weights(model_dir: str | Path, cfg: GptOssConfig | None = None, dtype: 
     return weights
 
 
-def _fill(dst: torch.Tensor, sl, src: Source, cfg: GptOssConfig, shard: Shard) -> None:
+def _fill(dst: torch.Tensor, sl, src: Source, cfg: GptOssConfig, shard: Shard) -> torch.Tensor:
     """Copy one checkpoint tensor into its slot: the whole tensor (`FileTensor`) on one rank, this rank's
-    shard of it (a lazy safetensors slice) on one of several."""
+    shard of it (a lazy safetensors slice) on one of several. -> the slot it filled."""
     if shard.tp_size != 1 or shard.ep_size != 1:
-        _fill_shard(dst, sl, src, cfg, shard)
-        return
+        return _fill_shard(dst, sl, src, cfg, shard)
     if src.stack in ("qkv_w", "qkv_b"):
         dst = dst[src.row0: src.row0 + sl.entry.shape[0]]
     sl.read_into(dst)
+    return dst
+
+
+SCALE_STACKS = ("gate_up_scales", "down_scales")
+NAN_E8M0 = 255                  # the MX formats' E8M0 scale byte for NaN (2^128 overflows every float)
+_CHECK_CHUNK = 1 << 20          # elements tested at a time (a bool transient of 1 MiB, not one of the slot)
+
+
+def _check_values(filled: torch.Tensor, name: str, file: Path, src: Source) -> None:
+    """Refuse a tensor whose values no model holds: NaN or +-inf in a float weight, or an MXFP4 scale byte of
+    255 (NaN). transformers loads them and its logits come out NaN for every prompt; here the load fails,
+    naming the tensor, rather than every request. MXFP4 blocks are e2m1 codes: every byte is a number."""
+    if src.quantized and src.stack not in SCALE_STACKS:
+        return
+    flat = filled.reshape(-1)                                   # a view: the filled slots are contiguous
+    parts = [flat[i: i + _CHECK_CHUNK] for i in range(0, flat.numel(), _CHECK_CHUNK)]
+    if src.quantized:
+        bad = sum(int((p == NAN_E8M0).sum()) for p in parts if bool((p == NAN_E8M0).any()))
+    else:
+        bad = sum(p.numel() - int(torch.isfinite(p).sum()) for p in parts if not bool(torch.isfinite(p).all()))
+    if bad:
+        what = (f"{bad} scale byte(s) of {NAN_E8M0}, which MXFP4 reads as NaN" if src.quantized
+                else f"{bad} NaN or infinite value(s)")
+        raise CheckpointError(f"tensor {name!r} in {file.name} holds {what}: a corrupt checkpoint")
 
 
 EXPERT_STACKS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales", "gate_up", "down",
@@ -407,13 +434,13 @@ def shard_ranges(cfg: GptOssConfig, shard: Shard) -> dict[str, tuple[int, int]]:
             "experts": (shard.ep_rank * e_l, (shard.ep_rank + 1) * e_l)}
 
 
-def _fill_shard(dst: torch.Tensor, sl, src: Source, cfg: GptOssConfig, shard: Shard) -> None:
+def _fill_shard(dst: torch.Tensor, sl, src: Source, cfg: GptOssConfig, shard: Shard) -> torch.Tensor:
     """Sharded fill: read only this rank's slice of the checkpoint tensor (safetensors slices by range).
 
     q/k/v rows by head (fused as local q, then local k, then local v), sinks with the q heads, o-proj input
     columns by q head, lm_head rows by vocabulary (an uneven last shard is zero-padded), experts (weights
     and biases) by EP rank; embedding, norms, router and the o-proj bias are replicated (the bias is added
-    once, after the TP all-reduce)."""
+    once, after the TP all-reduce). -> the part of `dst` it filled."""
     rng = shard_ranges(cfg, shard)
     d = cfg.head_dim
     nh_l, kv_l = local_heads(cfg, shard)
@@ -425,7 +452,8 @@ def _fill_shard(dst: torch.Tensor, sl, src: Source, cfg: GptOssConfig, shard: Sh
             (h0, h1) = rng["kv_heads"]
             off = nh_l * d if src.row0 == cfg.num_attention_heads * d else (nh_l + kv_l) * d
         t = sl[h0 * d: h1 * d]
-        dst[off: off + t.shape[0]].copy_(t)
+        dst = dst[off: off + t.shape[0]]
+        dst.copy_(t)
     elif name == "o_w":
         h0, h1 = rng["q_heads"]
         dst.copy_(sl[:, h0 * d: h1 * d])
@@ -440,3 +468,4 @@ def _fill_shard(dst: torch.Tensor, sl, src: Source, cfg: GptOssConfig, shard: Sh
         dst.copy_(sl[slice(*rng["experts"])])
     else:                                                        # replicated
         dst.copy_(sl[:])
+    return dst

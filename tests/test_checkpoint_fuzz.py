@@ -22,7 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from gigadecode.checkpoint import make_checkpoint, preset_config
-from gigadecode.config import GptOssConfig
+from gigadecode.config import ConfigError, GptOssConfig
+from gigadecode.generation_config import GenerationDefaults
 from gigadecode.weights import CheckpointError, Shard, load_weights
 
 ST = "model.safetensors"
@@ -165,6 +166,57 @@ def test_unreadable_safetensors_entry_is_named(base, tmp_path, kind):
         load_weights(d)
 
 
+# -- corrupt values -----------------------------------------------------------------------------------------
+VALUE_CASES = {
+    "NaN in q_proj": ("model.layers.0.self_attn.q_proj.weight", (0, 1), float("nan")),
+    "inf in embed": ("model.embed_tokens.weight", (5, 0), float("inf")),
+    "-inf in the last norm": ("model.norm.weight", (2,), float("-inf")),
+    "NaN in a router bias": ("model.layers.1.mlp.router.bias", (1,), float("nan")),
+    "NaN in an expert bias": ("model.layers.2.mlp.experts.down_proj_bias", (0, 3), float("nan")),
+    "scale byte 255": ("model.layers.1.mlp.experts.down_proj_scales", (0, 0, 0), 255),
+}
+
+
+@pytest.mark.parametrize("case", list(VALUE_CASES))
+def test_non_finite_weights_are_refused_naming_the_tensor(base, tmp_path, case):
+    name, at, value = VALUE_CASES[case]
+    d = copy(base, tmp_path / "m")
+
+    def edit(t):
+        t[name][at] = value
+    edit_tensors(d, edit)
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' in {ST} holds 1 "):
+        load_weights(d)
+
+
+def test_non_finite_bf16_experts_are_refused(tmp_path):
+    d = make_checkpoint(tmp_path / "m", "tiny", seed=3, experts="bf16")
+    name = "model.layers.3.mlp.experts.gate_up_proj"
+
+    def edit(t):
+        t[name][4, 1, 2] = float("nan")
+        t[name][0, 0, 0] = float("inf")
+    edit_tensors(d, edit)
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' in {ST} holds 2 NaN or infinite"):
+        load_weights(d)
+
+
+def test_non_finite_weights_are_refused_on_the_rank_that_holds_them(sharded, tmp_path):
+    """With tp=2 each rank checks the slice it reads: rank 0 holds q head 0's NaN, rank 1 does not; the
+    other ranks' rows of the fused qkv slot (not yet read, uninitialised) are never taken for corrupt."""
+    d = copy(sharded, tmp_path / "m")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    f = d / json.loads((d / INDEX).read_text())["weight_map"][name]
+    t = load_file(f)
+    t[name][0, 0] = float("nan")               # row 0: q head 0, held by rank 0 of 2
+    save_file(t, str(f), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' in {f.name} holds 1 NaN"):
+        load_weights(d, shard=Shard(tp_rank=0, tp_size=2))
+    load_weights(d, shard=Shard(tp_rank=1, tp_size=2))
+    for rank in range(2):
+        load_weights(sharded, shard=Shard(tp_rank=rank, tp_size=2))
+
+
 # -- the index, and odd-but-valid directories transformers loads ------------------------------------------
 def test_index_naming_no_shards(sharded, tmp_path):
     d = copy(sharded, tmp_path / "m")
@@ -188,7 +240,49 @@ def test_misplaced_and_unknown_index_entries_load_the_files_weights(sharded, tmp
         assert torch.equal(got[k], want[k]), k
 
 
-# -- config.json -----------------------------------------------
+def test_float64_tensors_load_as_transformers_loads_them(base, tmp_path):
+    """transformers casts an F64 tensor to the model's dtype; the loader does too (bf16 values: exact)."""
+    d = copy(base, tmp_path / "m")
+
+    def edit(t):
+        for name in ("model.norm.weight", "model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"):
+            t[name] = t[name].double()
+    edit_tensors(d, edit)
+    got, want = stacks(d), stacks(base)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+# -- config.json / generation_config.json / the model path -----------------------------------------------
+@pytest.mark.parametrize("kind", ["directory", "binary"])
+def test_unreadable_config_json_is_named(base, tmp_path, kind):
+    d = copy(base, tmp_path / "m")
+    (d / "config.json").unlink()
+    if kind == "directory":
+        (d / "config.json").mkdir()
+    else:
+        (d / "config.json").write_bytes(b"\xff\xfe{\x00")
+    with pytest.raises(ConfigError, match="config.json"):
+        GptOssConfig.from_hf(d)
+
+
+@pytest.mark.parametrize("kind", ["directory", "binary"])
+def test_unreadable_generation_config_is_named(base, tmp_path, kind):
+    d = copy(base, tmp_path / "m")
+    (d / "generation_config.json").unlink()
+    if kind == "directory":
+        (d / "generation_config.json").mkdir()
+    else:
+        (d / "generation_config.json").write_bytes(b"\xff\xfe{\x00")
+    with pytest.raises(ConfigError, match="generation_config.json"):
+        GenerationDefaults.from_dir(d)
+
+
+def test_a_file_given_as_the_model_directory(base):
+    with pytest.raises(CheckpointError, match="is a file: pass the checkpoint's directory"):
+        load_weights(base / ST, GptOssConfig.from_hf(base))
+
+
 CONFIG_DIMENSIONS = ["hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "num_local_experts", "vocab_size", "num_hidden_layers"]
 

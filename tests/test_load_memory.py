@@ -24,8 +24,9 @@ cfg = GptOssConfig.from_hf(sys.argv[1])
 peak = [0]
 real = W._fill
 def fill(*a, **k):
-    real(*a, **k)
+    filled = real(*a, **k)
     peak[0] = max(peak[0], rss_anon())
+    return filled
 W._fill = fill
 base = rss_anon()
 w = W.load_weights(sys.argv[1], cfg, torch.float32)
