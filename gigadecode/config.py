@@ -269,6 +269,10 @@ class GptOssConfig:
                 raise ConfigError(f"no config.json at {path}") from None
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path} is not valid JSON: {e}") from None
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path} is not valid JSON: not UTF-8 text ({e})") from None
+            except OSError as e:                        # a directory named config.json, no read permission
+                raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
             if not isinstance(source, dict):
                 raise ConfigError(f"{path} must hold a JSON object (got a {type(source).__name__})")
         d = _untag_floats(dict(source))

@@ -29,6 +29,10 @@ class GenerationDefaults:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: not UTF-8 text ({e})") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{path} must hold a JSON object")
         eos = d.get("eos_token_id")
