@@ -125,6 +125,19 @@ def test_nan_activations_fail_their_request_and_leave_no_trace(tiny_ckpt, decode
     assert eng.kv_usage()[0] == 0
 
 
+@pytest.mark.parametrize("decoder", ["reference", "gk-native"])
+def test_a_nan_confined_to_one_head_fails_the_request_in_bf16(tiny_ckpt, decoder):
+    """A NaN in one q weight makes one head's scores NaN: in bf16 the native prefill attention's row maximum
+    dropped it and the row came out 0, so the request returned tokens (the reference decoder all of them).
+    Now it fails at its first token, as in fp32."""
+    eng = build_engine(str(tiny_ckpt), EngineConfig(dtype="bfloat16", kv_dtype="auto" if decoder == "reference"
+                                                    else "fp8", decoder=decoder, num_blocks=12,
+                                                    gk_decode=decoder != "reference", threads=1))
+    eng.runner.weights.tensors["qkv_w"][0][0, 0] = float("nan")
+    r = eng.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert r.finish_reason == "error" and "logits for this request hold NaN" in r.error and not r.output_ids
+
+
 @pytest.mark.parametrize("form", ["list", "dict"])
 def test_named_chat_templates_render_as_transformers_renders_them(tiny_ckpt, tmp_path, form):
     """tokenizer_config.json may hold several named templates (a list of {"name", "template"}, as transformers

@@ -306,3 +306,32 @@ def test_native_prefill_attention_keys_before_the_window_are_not_read(d, amx):
     assert torch.isfinite(ours).all()
     atol = 4 * 2.0 ** -9 * v[49:].float().abs().max().item()
     torch.testing.assert_close(ours.float(), ref, rtol=2.0 ** -7, atol=atol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("amx", AMX_MODES)
+@pytest.mark.parametrize("d", [64, 24])        # the bf16 pair kernel (where built) and the fp32-product kernel
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_native_prefill_attention_keeps_a_nan_it_sees(d, amx, where):
+    """A NaN in a query, or in a key or value a query sees, makes those rows NaN, as the dense reference's
+    softmax does (so the engine fails the request, "logits hold NaN"). The kernels took a row's maximum with
+    vmaxps, which drops a NaN, so a row whose visible scores were all NaN read as "no key weighs" and came out
+    0: a bf16 prefill whose q projection met a NaN weight returned tokens."""
+    T, S, q_start = 6, 40, 34                       # queries 34..39 see keys 0..their own
+    q, k, v, q_pos, k_pos, sinks = make_case(T, S, 2, 2, d, q_start, 0, torch.bfloat16, seed=13)
+    if where == "q":
+        q[:, 3, 0] = float("nan")                   # head 3 (kv head 1) of every query
+    elif where == "k":
+        k[36, 1, 0] = float("nan")                  # a key queries 36.. see, kv head 1
+    else:
+        v[36, 1, 0] = float("nan")
+    for window in (0, 3):                           # window 3: query 34 and 35 do not see key 36; 39 neither
+        with amx_mode(amx):
+            ours = native.prefill_attention(q, k, v, q_pos, 0, sinks, d ** -0.5, window)
+        ref = dense_reference(q.float(), k.float(), v.float(), q_pos, k_pos, sinks.float(), d ** -0.5,
+                              window or None)
+        nan = ref.isnan()
+        assert nan.any() and nan[:, :2].logical_not().all()                # kv head 0's q heads stay clean
+        assert torch.equal(ours.isnan(), nan), (window, ours.isnan().any(-1), nan.any(-1))
+        atol = 4 * 2.0 ** -9 * v.float().nan_to_num().abs().max().item()
+        torch.testing.assert_close(ours.float()[~nan], ref[~nan], rtol=2.0 ** -7, atol=atol)

@@ -75,6 +75,15 @@ bool pair_kernel_takes(int64_t d) { return d % 16 == 0 && d >= 16 && d <= 128; }
 
 // The chunks of `chunk` keys, counted from the window's first key ws, that queries at positions qmin..qmax may
 // see among the window's keys [ws, we): (the first chunk's first key, the last key); none when first > last.
+// whether any of n score vectors holds a NaN: the maximum over them drops a NaN (vmaxps returns its second
+// operand when either is NaN), so a row whose only visible scores are NaN would read as "no key weighs" and
+// give 0 where the twin's softmax gives NaN. Asked only when the maximum is -inf.
+inline bool scores_hold_nan(const __m512* v, int n) {
+  __mmask16 m = 0;
+  for (int i = 0; i < n; ++i) m |= _mm512_cmp_ps_mask(v[i], v[i], _CMP_UNORD_Q);
+  return m != 0;
+}
+
 inline std::pair<int64_t, int64_t> seen_chunks(int64_t ws, int64_t we, int64_t qmin, int64_t qmax, int64_t k_start,
                                                int64_t window, int64_t chunk) {
   const int64_t last = std::min<int64_t>(we - 1, qmax - k_start);
@@ -136,7 +145,7 @@ void amx_window(const FlashRows& st, const uint16_t* qd, const int64_t* qp, cons
           }
           uint16_t* prow = prob + r * KCA;
           const float cmax = _mm512_reduce_max_ps(vmax);
-          if (!any || cmax == -INFINITY) {
+          if (!any || (cmax == -INFINITY && !scores_hold_nan(sv, KCA / 16))) {
             std::fill(prow, prow + KCA, uint16_t(0));
             continue;
           }
@@ -287,7 +296,7 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
               }
               uint32_t* prow = pb + row * (KC / 2);
               const float cmax = _mm512_reduce_max_ps(_mm512_max_ps(sr[0], sr[1]));
-              if (!(vis[0] | vis[1]) || cmax == -INFINITY) {
+              if (!(vis[0] | vis[1]) || (cmax == -INFINITY && !scores_hold_nan(sr, 2))) {
                 std::fill(prow, prow + KC / 2, 0u);
                 continue;
               }

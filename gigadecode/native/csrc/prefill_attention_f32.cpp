@@ -181,7 +181,10 @@ at::Tensor prefill_attention_f32(const at::Tensor& q, const at::Tensor& k, const
               VF m = vload(prow);
               for (int64_t i = W; i < n; i += W) m = vmax(m, vload(prow + i));
               const float cmax = vmaxall(m);
-              if (cmax == -INFINITY) {                                 // only -inf scores (infinite inputs)
+              // only -inf scores (infinite inputs): no key weighs. A NaN score is not one of them, though the
+              // max dropped it (vmax returns its second operand when either is NaN): it runs on to a NaN row,
+              // as the twin's softmax gives
+              if (cmax == -INFINITY && std::none_of(prow + (lo - cs), prow + (hi - cs), [](float x) { return x != x; })) {
                 std::fill(prow, prow + n, 0.f);
                 continue;
               }
