@@ -16,6 +16,7 @@ safetensors tensors (`_fill_shard`, `shard_ranges`): no rank ever holds the full
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -400,19 +401,27 @@ _CHECK_CHUNK = 1 << 20          # elements tested at a time (a bool transient of
 def _check_values(filled: torch.Tensor, name: str, file: Path, src: Source) -> None:
     """Refuse a tensor whose values no model holds: NaN or +-inf in a float weight, or an MXFP4 scale byte of
     255 (NaN). transformers loads them and its logits come out NaN for every prompt; here the load fails,
-    naming the tensor, rather than every request. MXFP4 blocks are e2m1 codes: every byte is a number."""
-    if src.quantized and src.stack not in SCALE_STACKS:
+    naming the tensor, rather than every request. MXFP4 blocks are e2m1 codes: every byte is a number. One
+    vectorized reduction over the slot (aminmax propagates NaN and +-inf; ~7 GB/s of bf16 here, where
+    isfinite().all() ran at 0.08), counting the bad values only when there are some."""
+    if (src.quantized and src.stack not in SCALE_STACKS) or filled.numel() == 0:
         return
+    if src.quantized:
+        if int(filled.amax()) != NAN_E8M0:
+            return
+    else:
+        lo, hi = torch.aminmax(filled)
+        if math.isfinite(float(lo)) and math.isfinite(float(hi)):
+            return
     flat = filled.reshape(-1)                                   # a view: the filled slots are contiguous
     parts = [flat[i: i + _CHECK_CHUNK] for i in range(0, flat.numel(), _CHECK_CHUNK)]
     if src.quantized:
-        bad = sum(int((p == NAN_E8M0).sum()) for p in parts if bool((p == NAN_E8M0).any()))
+        bad = sum(int((p == NAN_E8M0).sum()) for p in parts)
     else:
-        bad = sum(p.numel() - int(torch.isfinite(p).sum()) for p in parts if not bool(torch.isfinite(p).all()))
-    if bad:
-        what = (f"{bad} scale byte(s) of {NAN_E8M0}, which MXFP4 reads as NaN" if src.quantized
-                else f"{bad} NaN or infinite value(s)")
-        raise CheckpointError(f"tensor {name!r} in {file.name} holds {what}: a corrupt checkpoint")
+        bad = sum(p.numel() - int(torch.isfinite(p).sum()) for p in parts)
+    what = (f"{bad} scale byte(s) of {NAN_E8M0}, which MXFP4 reads as NaN" if src.quantized
+            else f"{bad} NaN or infinite value(s)")
+    raise CheckpointError(f"tensor {name!r} in {file.name} holds {what}: a corrupt checkpoint")
 
 
 EXPERT_STACKS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales", "gate_up", "down",
