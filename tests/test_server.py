@@ -412,6 +412,32 @@ def test_models_health_metrics(server, client):
     assert m["gigadecode_inter_token_latency_seconds_count"] > 0
 
 
+def test_metrics_under_vllms_names(server, client):
+    """A vLLM dashboard's queries find their series: every family in vllm_metrics.VLLM_NAMES under its vLLM
+    name with vLLM's labels (`model_name`, `engine`; `finished_reason`), equal to ours in the same scrape, and
+    `vllm:kv_cache_usage_perc` = blocks used / total. The whole text parses as Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from gigadecode.server.vllm_metrics import VLLM_NAMES
+    client.completions.create(model="tiny_mxfp4", prompt="hi", max_tokens=3, temperature=0)
+    wait_idle(server)
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(server + "/metrics").text)}
+    labels = {"model_name": "tiny_mxfp4", "engine": "0"}
+    for ours, theirs in VLLM_NAMES.items():
+        assert theirs in fams, theirs
+        mine = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in fams[ours].samples}
+        got = {(s.name.replace(theirs, ours, 1),
+                tuple(sorted({("finish_reason" if k == "finished_reason" else k): v for k, v in s.labels.items()
+                              if k not in labels}.items()))): s.value
+               for s in fams[theirs].samples}
+        assert all(s.labels.items() >= labels.items() for s in fams[theirs].samples), theirs
+        assert got == mine and fams[theirs].type == fams[ours].type, theirs
+    assert fams["vllm:request_success"].samples                       # labelled by finished_reason
+    assert all("finished_reason" in s.labels for s in fams["vllm:request_success"].samples)
+    (usage,) = fams["vllm:kv_cache_usage_perc"].samples
+    used, total = (fams[n].samples[0].value for n in ("gigadecode_kv_blocks_used", "gigadecode_kv_blocks_total"))
+    assert usage.labels == labels and usage.value == used / total
+
+
 # --------------------------------------------------------------------------------------------------
 # In-process app (build_app over an AsyncEngine): engine failures, DI hooks, token-id-only models
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The server's info routes: `/health`, `/metrics` (Prometheus), `/v1/models`, `/kv/handshake` (a DI
+"""The server's info routes: `/health`, `/metrics` (Prometheus: our names, then vLLM's, `vllm_metrics.py`),
+`/v1/models`, `/kv/handshake` (a DI
 producer's layout and NIXL agent metadata, for peers that prove the deployment's KV secret only), and
 `/kv/release` (a DI producer ends the lease of params it answered that will never be read)."""
 
@@ -16,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..connector.params import AUTH_HEADER, check_handshake_token
 from . import deps
 from .protocol import APIError, error_body
+from .vllm_metrics import vllm_metrics_text
 
 router = APIRouter()
 
@@ -35,7 +37,9 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(deps.engine(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    registry = deps.engine(request).metrics.registry
+    text = generate_latest(registry) + vllm_metrics_text(registry, deps.settings(request).served_model_name)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/models", dependencies=[Depends(deps.check_key)])
