@@ -398,6 +398,7 @@ def test_models_health_metrics(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny_mxfp4"]
     assert httpx.get(server + "/health").json()["status"] == "ok"
+    assert httpx.get(server + "/ping").json()["status"] == httpx.post(server + "/ping").json()["status"] == "ok"
     assert httpx.get(server + "/kv/handshake").status_code == 404        # no connector on --role both
     # a finished request of its own: labelled counters and histograms have no series before one (the test
     # passed only after the tests above it had made requests)

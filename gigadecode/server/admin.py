@@ -1,4 +1,4 @@
-"""The server's info routes: `/health`, `/metrics` (Prometheus: our names, then vLLM's, `vllm_metrics.py`),
+"""The server's info routes: `/health` (and vLLM's `/ping`), `/metrics` (Prometheus: our names, then vLLM's, `vllm_metrics.py`),
 `/v1/models`, `/kv/handshake` (a DI
 producer's layout and NIXL agent metadata, for peers that prove the deployment's KV secret only), and
 `/kv/release` (a DI producer ends the lease of params it answered that will never be read)."""
@@ -23,6 +23,8 @@ router = APIRouter()
 
 
 @router.get("/health")
+@router.get("/ping")                           # vLLM's (SageMaker's) name for the same check, GET or POST
+@router.post("/ping")
 async def health(request: Request) -> JSONResponse:
     aeng = request.app.state.engine
     if aeng is None or not aeng.is_running:
