@@ -349,6 +349,11 @@ class TextCodec:
     def token_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
+    def token_str(self, token_id: int) -> str | None:
+        """The vocabulary's string for an id (byte-level BPE's `Ġ` spellings; transformers'
+        convert_ids_to_tokens), None for an id the tokenizer does not have."""
+        return self.tokenizer.id_to_token(token_id)
+
     def _special(self, key: str) -> int | None:
         name = self.config.get(key)
         if isinstance(name, dict):

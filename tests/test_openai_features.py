@@ -214,6 +214,13 @@ def test_tokenize_detokenize_and_version_routes(live, tiny_ckpt):
     with httpx.Client(base_url=url, timeout=30) as hc:
         r = hc.post("/tokenize", json={"prompt": "hello there"}).json()
         assert r["tokens"] == codec.encode("hello there") and r["count"] == len(r["tokens"]) and r["max_model_len"] > 0
+        assert "token_strs" not in r
+        # vLLM's return_token_strs: the vocabulary's strings, which transformers' tokenizer gives for the ids
+        from transformers import PreTrainedTokenizerFast
+        hf = PreTrainedTokenizerFast(tokenizer_file=str(tiny_ckpt / "tokenizer.json"))
+        r = hc.post("/tokenize", json={"prompt": "hello there", "return_token_strs": True}).json()
+        assert r["token_strs"] == hf.convert_ids_to_tokens(r["tokens"]) and len(r["token_strs"]) == r["count"]
+        assert hc.post("/tokenize", json={"prompt": "x", "return_token_strs": "yes"}).status_code == 400
         chat = client.chat.completions.create(model="m", messages=msgs, max_tokens=1, tools=tools,
                                               reasoning_effort="high", extra_body={"return_token_ids": True})
         r = hc.post("/tokenize", json={"messages": msgs, "tools": tools, "reasoning_effort": "high"}).json()

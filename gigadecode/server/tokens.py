@@ -1,5 +1,6 @@
 """vLLM's token routes: `/tokenize` (a completions prompt, or chat messages through the checkpoint's chat
-template, as `/v1/chat/completions` would render them) -> {"tokens", "count", "max_model_len"},
+template, as `/v1/chat/completions` would render them) -> {"tokens", "count", "max_model_len"} (and
+"token_strs", the vocabulary's strings, with vLLM's `return_token_strs`),
 `/detokenize` (token ids -> {"prompt": text}), and `/version`. The DI router asks `/tokenize` for the ids a
 vLLM prefill server gets."""
 
@@ -42,7 +43,15 @@ async def tokenize(request: Request) -> JSONResponse:
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
             raise APIError(400, "prompt must be a string or a list of token ids (or send messages)", param="prompt")
         ids = (await asyncio.to_thread(completion_prompts, prompt, aeng.codec))[0]
-    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": aeng.max_model_len})
+    out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": aeng.max_model_len}
+    strs = raw.get("return_token_strs", False)
+    if not isinstance(strs, bool):
+        raise APIError(400, "return_token_strs must be true or false", param="return_token_strs")
+    if strs:                                      # vLLM's: the vocabulary's string of each token
+        if aeng.codec is None:
+            raise APIError(400, "this model has no tokenizer", param="return_token_strs")
+        out["token_strs"] = [aeng.codec.token_str(t) for t in ids]
+    return JSONResponse(out)
 
 
 @router.post("/detokenize", dependencies=[Depends(deps.check_key)])
