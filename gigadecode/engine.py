@@ -63,6 +63,7 @@ class LLMEngine:
                                    on_preempt=self.transfers.cancel if self.transfers is not None else None,
                                    proposer=proposer)
         self._stats = EngineStats()
+        self.last_step_failure: str | None = None   # the error of the last phase `_guarded` isolated
         self.max_model_len = self.scheduler.max_model_len = self._context_limit()
 
     def warm_up(self) -> float | None:
@@ -270,9 +271,10 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - isolate the failure to the requests of this phase
             log.exception("engine step phase failed for %d request(s)", len(reqs))
             self._stats.step_failures += 1
+            self.last_step_failure = f"engine step failed: {type(e).__name__}: {e}"
             for req in reqs:
                 if not req.finished:
-                    self.fail(req, f"engine step failed: {type(e).__name__}: {e}", outputs)
+                    self.fail(req, self.last_step_failure, outputs)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams | None = None
                  ) -> list[Request]:

@@ -253,3 +253,80 @@ def test_parallel_engine_refuses_without_a_world(tiny_ckpt):
     finally:
         if env_ws is not None:
             os.environ["WORLD_SIZE"] = env_ws
+
+
+# --------------------------------------------------------------------------------------------------
+# a rank whose step raises: the world stops with the error, it never hangs
+# --------------------------------------------------------------------------------------------------
+def faulty_rank_session(rank: int, model_dir: str, bad_rank: int) -> dict | None:
+    """TP 2 × EP 2: `bad_rank`'s second decode call raises (its TP peer is then inside that decode's
+    collectives). Rank 0 runs three requests to the end, tries one more and prints what it saw (its peer may
+    fail the world before run_world could hand the result back)."""
+    from gigadecode.parallel.engine import DistributedEngine, build_parallel_engine, run_worker
+    replica, ctx = build_parallel_engine(model_dir, EngineConfig(tp=2, ep=2, **ENGINE))
+    if rank == bad_rank:
+        decode, calls = replica.runner.decode, []
+
+        def failing_decode(*args, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected fault")
+            return decode(*args, **kw)
+        replica.runner.decode = failing_decode
+    if ctx.rank != 0:
+        run_worker(replica, ctx)
+        return None
+    with DistributedEngine(replica, ctx) as eng:
+        for i, n in enumerate((4, 9, 2)):
+            eng.add_request(list(range(5, 5 + n)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                            request_id=f"r{i}")
+        while eng.has_unfinished():
+            eng.step()
+        seen = {rid: (r.finish_reason, r.error) for rid, r in eng.requests.items()}
+        try:
+            eng.add_request([5, 6], SamplingParams(max_tokens=2))
+            later = None
+        except RuntimeError as e:
+            later = str(e)
+    print("RESULT", {"requests": seen, "later": later}, flush=True)
+    return None
+
+
+_FAULTY_WORLD = """
+import sys
+from gigadecode.parallel.spawn import run_world
+from tests.test_parallel_engine import faulty_rank_session
+try:
+    run_world(2, faulty_rank_session, sys.argv[1], int(sys.argv[2]))
+except RuntimeError as e:
+    print("RAISED", e, flush=True)
+"""
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_rank_whose_step_raises_stops_the_world_with_the_error(tiny_ckpt, bad_rank):
+    """The failing rank's TP peer waits inside a collective it will never join (gloo gives up after 30
+    minutes): the rank leaves the world (`RankFailure`), which ends its peers' collectives, and rank 0 fails
+    every unfinished request with the error and refuses new ones, instead of every rank hanging."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from .helpers import stop_process_tree
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", _FAULTY_WORLD, str(tiny_ckpt), str(bad_rank)], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        stop_process_tree(proc, timeout=5)
+        pytest.fail("the world hung after a rank's step raised")
+    if bad_rank == 1:                         # the worker leaves with the error; rank 0's collective fails
+        assert "RankFailure: rank 1: engine step failed: RuntimeError: injected fault" in out, out[-3000:]
+    else:                                     # rank 0 itself: every request finished with the error
+        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT")), None)
+        assert line is not None, out[-3000:]
+        res = eval(line[len("RESULT "):])     # noqa: S307 - the dict this test's job returned
+        assert {reason for reason, _ in res["requests"].values()} == {"error"}
+        assert all("injected fault" in err for _, err in res["requests"].values())
+        assert "this parallel engine stopped" in res["later"] and "injected fault" in res["later"]

@@ -16,8 +16,11 @@ World rank 0's `DistributedEngine` is what `generate` and the server drive: it h
 2. steps rank 0's own replica, while every other rank does the same in `run_worker`;
 3. gathers from the first TP rank of each DP group that group's `RequestOutput`s and a small status, and
    applies them to its mirror `Request`s (which is what `requests` holds on rank 0).
-A replica whose step raises fails its requests with the error (its TP ranks raise alike) and the engine
-keeps serving. Disaggregated roles work the same way: each rank has a NIXL connector over its kv heads and
+A rank whose step raises (a phase `LLMEngine` isolated, or the step itself) cannot go on in lockstep: its
+peers may be waiting inside a collective it will never join, and gloo frees them only when its process
+ends. So the rank raises `RankFailure` out of its step: a worker's process exits with it (its peers'
+collectives then fail, and they stop alike; torchrun ends the rest), and rank 0's `DistributedEngine`
+finishes every unfinished request with that error and stops (every later step raises `RankFailure`). Disaggregated roles work the same way: each rank has a NIXL connector over its kv heads and
 a TP group's connectors agree on every transfer event (`parallel.connector.TPGroupConnector`), so a prefill
 engine of one TP size feeds a decode engine of another (each decode rank reads its heads' slice of the
 blocks of whichever prefill ranks hold them). Three world collectives per step (broadcast, the EP agreement, gather), a few hundred bytes.
@@ -28,6 +31,7 @@ This is SGLang's arrangement (a scheduler on every rank, requests broadcast from
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -46,6 +50,12 @@ from ..runner import ModelRunner
 from ..sampling import SamplingParams
 from ..distributed.context import ParallelContext, init_distributed, make_parallel_context
 from ..distributed.mesh import LayoutError
+
+log = logging.getLogger(__name__)
+
+class RankFailure(RuntimeError):
+    """A rank's engine step raised (or a collective with a rank that did failed): the world cannot go on in
+    lockstep, so this rank leaves it."""
 
 
 @dataclass
@@ -155,8 +165,12 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
     t0 = time.perf_counter()
     try:
         outputs += engine.step()
-    except Exception as e:  # noqa: BLE001 - fail this group's requests, keep serving
-        outputs += _fail_running(engine, f"engine step failed: {type(e).__name__}: {e}")
+    except Exception as e:
+        raise RankFailure(f"rank {ctx.rank}: engine step failed: {type(e).__name__}: {e}") from e
+    if engine.stats.step_failures > s0["step_failures"]:
+        # A phase raised here: a peer may be inside that phase's collectives, waiting for this rank forever
+        # (whether every rank raised alike cannot be known without a collective). Leave the world.
+        raise RankFailure(f"rank {ctx.rank}: {engine.last_step_failure}")
     if trace is not None:
         trace.append(StepTrace(time.perf_counter() - t0, ctx.stats.snapshot(),
                                engine.stats.prefill_tokens - s0["prefill_tokens"],
@@ -175,14 +189,6 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
     return GroupReport(ctx.dp_rank, outputs, [r.request_id for r in engine.running],
                        [r.request_id for r in engine.waiting], used, total, engine.stats.as_dict(), transfer_params,
                        engine.connector.leased_ids() if engine.connector is not None else [])
-
-
-def _fail_running(engine: LLMEngine, msg: str) -> list[RequestOutput]:
-    victims = list(engine.running) or list(engine.waiting)
-    for req in victims:
-        engine.abort(req.request_id)
-        req.error = msg
-    return [RequestOutput(r.request_id, [], True, "error", error=msg) for r in victims]
 
 
 def _exchange(ctx: ParallelContext, inbox: StepInbox | None) -> StepInbox:
@@ -227,11 +233,14 @@ class DistributedEngine:
         self._rank_bytes: dict[int, int] = {}   # world rank (not a group's first) -> KV bytes its connector moved
         self._seed = random.SystemRandom()
         self._stopped = False
+        self._failure: str | None = None        # why the world stopped (a rank failed); no collective after it
 
     # -- LLMEngine's interface ---------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, kv_transfer_params: KVTransferParams | dict | None = None,
                     priority: int = 0) -> str:
+        if self._failure is not None:
+            raise RankFailure(f"this parallel engine stopped: {self._failure}")
         params = params or SamplingParams()
         if request_id is None:
             request_id, self._ids = f"req-{self._ids}", self._ids + 1
@@ -290,13 +299,18 @@ class DistributedEngine:
         return time.perf_counter() - t0
 
     def step(self) -> list[RequestOutput]:
+        if self._failure is not None:
+            raise RankFailure(f"this parallel engine stopped: {self._failure}")
         if self._stopped:
             raise RuntimeError("this parallel engine was shut down")
         inbox, self._inbox = self._inbox, StepInbox()
-        _exchange(self.ctx, inbox)
-        mine = _replica_step(self.replica, self.ctx, inbox, self.trace)
-        gathered: list[GroupReport | None] = [None] * self.ctx.world_size
-        dist.gather_object(mine, gathered, dst=0, group=self.ctx.world_group)
+        try:
+            _exchange(self.ctx, inbox)
+            mine = _replica_step(self.replica, self.ctx, inbox, self.trace)
+            gathered: list[GroupReport | None] = [None] * self.ctx.world_size
+            dist.gather_object(mine, gathered, dst=0, group=self.ctx.world_group)
+        except Exception as e:  # noqa: BLE001 - this rank's step, or a collective with a rank that left
+            return self._stop_after_failure(e)
         outputs = []
         now = time.monotonic()
         for r, rep in enumerate(gathered):
@@ -312,6 +326,23 @@ class DistributedEngine:
                     self.requests[out.request_id].kv_transfer_params_out = rep.transfer_params[out.request_id]
                 if self._apply(out, now):
                     outputs.append(out)
+        return outputs
+
+    def _stop_after_failure(self, e: Exception) -> list[RequestOutput]:
+        """A rank failed: finish every unfinished request with the error, and make no collective again (a
+        peer may be gone, or waiting in one that will never complete). -> the requests' final outputs."""
+        log.error("parallel engine stopped: %s: %s", type(e).__name__, e, exc_info=e)
+        self._failure = str(e) if isinstance(e, RankFailure) else f"a rank failed: {type(e).__name__}: {e}"
+        self._stopped = True
+        msg = f"parallel engine stopped: {self._failure}"
+        outputs = []
+        for rid in list(self._group):
+            req = self.requests.get(rid)
+            self._group.pop(rid)
+            if req is None or req.finished:
+                continue
+            req.status, req.error = Status.finished_with("error"), msg
+            outputs.append(RequestOutput(rid, [], True, "error", error=msg))
         return outputs
 
     def _apply(self, out: RequestOutput, now: float) -> bool:
