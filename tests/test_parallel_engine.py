@@ -258,6 +258,47 @@ def test_parallel_engine_refuses_without_a_world(tiny_ckpt):
 # --------------------------------------------------------------------------------------------------
 # a rank whose step raises: the world stops with the error, it never hangs
 # --------------------------------------------------------------------------------------------------
+def faulty_dp_session(rank: int, model_dir: str) -> dict | None:
+    """DP 2 (no TP / EP / DCP peer): rank 1's second decode call raises. Its requests fail with the error,
+    rank 0's group decodes on, and the engine takes requests after it."""
+    from gigadecode.parallel.engine import DistributedEngine, build_parallel_engine, run_worker
+    replica, ctx = build_parallel_engine(model_dir, EngineConfig(dp=2, **ENGINE))
+    if rank == 1:
+        decode, calls = replica.runner.decode, []
+
+        def failing_decode(*args, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected fault")
+            return decode(*args, **kw)
+        replica.runner.decode = failing_decode
+    if ctx.rank != 0:
+        run_worker(replica, ctx)
+        return None
+    p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with DistributedEngine(replica, ctx) as eng:
+        for i, n in enumerate((4, 9, 2, 7)):
+            eng.add_request(list(range(5, 5 + n)), p, request_id=f"r{i}")
+        while eng.has_unfinished():
+            eng.step()
+        seen = {rid: (r.finish_reason, r.error, len(r.output_ids)) for rid, r in eng.requests.items()}
+        eng.add_request([5, 6, 7], p, request_id="later")
+        while eng.has_unfinished():
+            eng.step()
+        later = (eng.requests["later"].finish_reason, len(eng.requests["later"].output_ids))
+    return {"requests": seen, "later": later}
+
+
+def test_a_pure_dp_replica_whose_step_raises_fails_its_requests_and_serves_on(tiny_ckpt):
+    from gigadecode.parallel.spawn import run_world
+    res = run_world(2, faulty_dp_session, str(tiny_ckpt))[0]
+    reasons = [r for r, _, _ in res["requests"].values()]
+    assert reasons.count("error") >= 1 and reasons.count("length") >= 1, res
+    assert all("injected fault" in err for r, err, _ in res["requests"].values() if r == "error")
+    assert all(n == 6 for r, _, n in res["requests"].values() if r == "length")
+    assert res["later"][0] == "length" and res["later"][1] == 6
+
+
 def faulty_rank_session(rank: int, model_dir: str, bad_rank: int) -> dict | None:
     """TP 2 × EP 2: `bad_rank`'s second decode call raises (its TP peer is then inside that decode's
     collectives). Rank 0 runs three requests to the end, tries one more and prints what it saw (its peer may

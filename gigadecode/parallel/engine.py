@@ -16,9 +16,10 @@ World rank 0's `DistributedEngine` is what `generate` and the server drive: it h
 2. steps rank 0's own replica, while every other rank does the same in `run_worker`;
 3. gathers from the first TP rank of each DP group that group's `RequestOutput`s and a small status, and
    applies them to its mirror `Request`s (which is what `requests` holds on rank 0).
-A rank whose step raises (a phase `LLMEngine` isolated, or the step itself) cannot go on in lockstep: its
-peers may be waiting inside a collective it will never join, and gloo frees them only when its process
-ends. So the rank raises `RankFailure` out of its step: a worker's process exits with it (its peers'
+A rank whose step raises (a phase `LLMEngine` isolated, or the step itself) with TP, EP or DCP peers cannot
+go on in lockstep: its peers may be waiting inside a collective it will never join, and gloo frees them only
+when its process ends. (A pure DP replica has no such peer: it fails its requests and serves on.) So the rank
+raises `RankFailure` out of its step: a worker's process exits with it (its peers'
 collectives then fail, and they stop alike; torchrun ends the rest), and rank 0's `DistributedEngine`
 finishes every unfinished request with that error and stops (every later step raises `RankFailure`). Disaggregated roles work the same way: each rank has a NIXL connector over its kv heads and
 a TP group's connectors agree on every transfer event (`parallel.connector.TPGroupConnector`), so a prefill
@@ -163,11 +164,16 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
     s0 = engine.stats.as_dict()
     ctx.stats.reset()
     t0 = time.perf_counter()
+    # peers inside this step's collectives (TP, EP, DCP): a rank that raised cannot rejoin them. A replica
+    # without any (pure DP) reaches the step's gather whatever happened: it fails its requests and serves on
+    lockstep = ctx.tp_size > 1 or ctx.ep_size > 1 or ctx.dcp_size > 1
     try:
         outputs += engine.step()
     except Exception as e:
-        raise RankFailure(f"rank {ctx.rank}: engine step failed: {type(e).__name__}: {e}") from e
-    if engine.stats.step_failures > s0["step_failures"]:
+        if lockstep:
+            raise RankFailure(f"rank {ctx.rank}: engine step failed: {type(e).__name__}: {e}") from e
+        outputs += _fail_running(engine, f"engine step failed: {type(e).__name__}: {e}")
+    if lockstep and engine.stats.step_failures > s0["step_failures"]:
         # A phase raised here: a peer may be inside that phase's collectives, waiting for this rank forever
         # (whether every rank raised alike cannot be known without a collective). Leave the world.
         raise RankFailure(f"rank {ctx.rank}: {engine.last_step_failure}")
@@ -189,6 +195,14 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
     return GroupReport(ctx.dp_rank, outputs, [r.request_id for r in engine.running],
                        [r.request_id for r in engine.waiting], used, total, engine.stats.as_dict(), transfer_params,
                        engine.connector.leased_ids() if engine.connector is not None else [])
+
+
+def _fail_running(engine: LLMEngine, msg: str) -> list[RequestOutput]:
+    victims = list(engine.running) or list(engine.waiting)
+    for req in victims:
+        engine.abort(req.request_id)
+        req.error = msg
+    return [RequestOutput(r.request_id, [], True, "error", error=msg) for r in victims]
 
 
 def _exchange(ctx: ParallelContext, inbox: StepInbox | None) -> StepInbox:
