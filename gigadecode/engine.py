@@ -108,9 +108,11 @@ class LLMEngine:
 
     # -- public API ------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    kv_transfer_params: KVTransferParams | dict | None = None, priority: int = 0) -> str:
+                    kv_transfer_params: KVTransferParams | dict | None = None, priority: int = 0,
+                    now: float | None = None) -> str:
         """Queue a request; RequestError / SamplingError (nothing queued) if the engine refuses it. DI: the
-        `kv_transfer_params` (parsed here when a dict) say where its KV comes from or goes to; `priority`: Request's."""
+        `kv_transfer_params` (parsed here when a dict) say where its KV comes from or goes to; `priority`: Request's;
+        `now`: the wall clock a remote prefill's lease is judged at (a parallel engine's ranks pass rank 0's)."""
         params = params or SamplingParams()
         rid = request_id or f"req-{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
@@ -124,7 +126,7 @@ class LLMEngine:
             req.guide = self.guides.make(params.guided)
         if kv_transfer_params:
             self._refuse_prompt_logprobs_in_di(params)
-            self._admit_di(req, self._parse_kv(kv_transfer_params))
+            self._admit_di(req, self._parse_kv(kv_transfer_params), now=now)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -168,13 +170,14 @@ class LLMEngine:
             raise RequestError("prompt_logprobs (or echo with logprobs) needs the prompt computed where the "
                                "request is answered: not with kv_transfer_params", param="prompt_logprobs")
 
-    def _admit_di(self, req: Request, params: KVTransferParams, lease_margin_s: float = 0.0) -> None:
+    def _admit_di(self, req: Request, params: KVTransferParams, lease_margin_s: float = 0.0,
+                  now: float | None = None) -> None:
         if self.transfers is None:
             if params.is_remote:
                 raise RequestError("kv_transfer_params given, but this engine has no KV connector (--role both)",
                                    param="kv_transfer_params", code="invalid_kv_transfer_params")
             return
-        self.transfers.admit(req, params, lease_margin_s)
+        self.transfers.admit(req, params, lease_margin_s, now)
 
     @staticmethod
     def _parse_kv(raw: KVTransferParams | dict) -> KVTransferParams:

@@ -28,8 +28,10 @@ class KVTransfers:
         self.engine, self.connector = engine, connector
 
     # -- at the door ---------------------------------------------------------------------------------
-    def admit(self, req: Request, params: KVTransferParams, lease_margin_s: float = 0.0) -> None:
-        """Set the request's DI fields from its params; RequestError when this engine cannot serve them."""
+    def admit(self, req: Request, params: KVTransferParams, lease_margin_s: float = 0.0,
+              now: float | None = None) -> None:
+        """Set the request's DI fields from its params; RequestError when this engine cannot serve them. `now`:
+        the wall clock a lease is judged at (`validate_remote`)."""
         conn, eng = self.connector, self.engine
         if params.do_remote_decode and params.do_remote_prefill:
             raise RequestError("kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other",
@@ -51,7 +53,7 @@ class KVTransfers:
                 return
             try:
                 req.remote_tokens = conn.validate_remote(params, req.prompt_ids, len(eng.runner.kv.config.groups),
-                                                         lease_margin_s)
+                                                         lease_margin_s, now)
             except KVParamsError as e:
                 if eng.ecfg.kv_failure_policy != "recompute":
                     raise RequestError(str(e), param=e.param, code="invalid_kv_transfer_params") from None

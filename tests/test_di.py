@@ -524,6 +524,22 @@ def test_lease_expired_before_read(tiny_ckpt, consumer):
         short.close()
 
 
+def test_a_lease_is_judged_at_the_clock_given(producer, consumer):
+    """`now` (what a parallel engine's ranks pass: rank 0's clock as it sent the step, so a TP group's ranks
+    cannot split on a lease running out between their clocks) is the time a lease is judged at, through
+    `add_request` to the connector: the same live params are refused at a clock past their lease."""
+    from gigadecode.connector.params import parse_kv_params
+    from gigadecode.engine import RequestError
+    prompt = random_prompt(25, 1024, seed=6)
+    params = producer.prefill(prompt)
+    expires = parse_kv_params(params).lease_expires
+    with pytest.raises(RequestError, match="lease"):
+        consumer.add_request(prompt, greedy(), kv_transfer_params=params, now=expires + 1.0)
+    assert consumer.kv_manager.num_free_blocks == NUM_BLOCKS - 1 and not consumer.requests
+    assert consumer.connector.validate_remote(parse_kv_params(params), prompt, 2, now=expires - 1.0) == len(prompt) - 1
+    assert producer.call("expire", parse_kv_params(params).remote_request_id) == NUM_BLOCKS - 1   # never read
+
+
 def test_handshake_needs_the_key(producer):
     import urllib.error
     import urllib.request

@@ -371,3 +371,25 @@ def test_a_rank_whose_step_raises_stops_the_world_with_the_error(tiny_ckpt, bad_
         assert {reason for reason, _ in res["requests"].values()} == {"error"}
         assert all("injected fault" in err for _, err in res["requests"].values())
         assert "this parallel engine stopped" in res["later"] and "injected fault" in res["later"]
+
+
+def test_every_rank_judges_a_steps_adds_at_rank_0s_clock():
+    """The ranks of a TP group must admit a step's requests alike (diverged batches abort the world): the
+    DI lease of each add is judged at the clock rank 0 sent with the step, not at each rank's own."""
+    from types import SimpleNamespace
+    from gigadecode.parallel.engine import StepInbox, _replica_step
+
+    class Seen(Exception):
+        pass
+
+    seen = []
+
+    class Replica:
+        def add_request(self, *args, **kw):
+            seen.append(kw.get("now"))
+            raise Seen
+
+    inbox = StepInbox(adds=[(0, "r0", [5, 6, 7], SamplingParams(), None, 0)], now=1234.5)
+    with pytest.raises(Seen):
+        _replica_step(Replica(), SimpleNamespace(dp_rank=0), inbox, None)
+    assert seen == [1234.5]

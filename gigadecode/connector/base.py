@@ -284,8 +284,10 @@ class KVConnectorBase(ABC):
     # -- consumer ------------------------------------------------------------------------------------
     @abstractmethod
     def validate_remote(self, params: KVTransferParams, prompt_ids: list[int], num_groups: int,
-                        lease_margin_s: float = 0.0) -> int:
-        """Consumer: check a request's params (`params.KVParamsError` names what is wrong) -> remote tokens (N-1)."""
+                        lease_margin_s: float = 0.0, now: float | None = None) -> int:
+        """Consumer: check a request's params (`params.KVParamsError` names what is wrong) -> remote tokens (N-1).
+        `now`: the wall clock the lease is judged at (default: this process's; the ranks of a parallel engine
+        pass rank 0's, so that they all decide alike)."""
 
     @abstractmethod
     def start_load(self, request_id: str, params: KVTransferParams, local_tables: list[list[int]]) -> None:

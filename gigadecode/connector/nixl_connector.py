@@ -185,13 +185,13 @@ class NixlConnector(KVConnectorBase):
 
     # -- consumer ------------------------------------------------------------------------------------
     def validate_remote(self, params: KVTransferParams, prompt_ids: list[int], num_groups: int,
-                        lease_margin_s: float = 0.0) -> int:
+                        lease_margin_s: float = 0.0, now: float | None = None) -> int:
         """Check a consumer request's params (KVParamsError names the field): signed with our key, for this
         prompt and KV layout, not used before, lease not over (`lease_margin_s` early), well formed.
         -> the number of prompt tokens whose KV arrives (N-1)."""
         verify(params, self.key, prompt_ids, self.layout_id)
         if params.producer == "vllm":
-            return self._validate_vllm(params, prompt_ids, num_groups, lease_margin_s)
+            return self._validate_vllm(params, prompt_ids, num_groups, lease_margin_s, now)
         rank_keys = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id")
         need = ("remote_block_ids", "remote_first_block", "num_computed_tokens", "lease_expires",
                 *(() if params.remote_ranks else (*rank_keys, "kv_crc32")))
@@ -206,7 +206,7 @@ class NixlConnector(KVConnectorBase):
         if len(params.remote_block_ids) != num_groups or len(params.remote_first_block) != num_groups:
             raise KVParamsError(f"kv_transfer_params has block ids for {len(params.remote_block_ids)} KV groups, "
                                 f"this engine has {num_groups}", "kv_transfer_params.remote_block_ids")
-        now = time.time()
+        now = time.time() if now is None else now
         if now + lease_margin_s > params.lease_expires:
             raise KVParamsError(f"the prefill lease of {params.remote_request_id or 'these params'} is over "
                                 f"(expired {now - params.lease_expires:.1f} s ago, or too close to expiry): its "
@@ -218,7 +218,7 @@ class NixlConnector(KVConnectorBase):
         return n
 
     def _validate_vllm(self, params: KVTransferParams, prompt_ids: list[int], num_groups: int,
-                       lease_margin_s: float) -> int:
+                       lease_margin_s: float, now: float | None) -> int:
         """`validate_remote` for the router-signed answer of a vLLM producer."""
         if not self.tokens.trivial:
             raise KVParamsError("a decode engine with --dcp reads from gigadecode prefill engines only",
@@ -234,7 +234,7 @@ class NixlConnector(KVConnectorBase):
         if len(params.remote_block_ids) != num_groups:
             raise KVParamsError(f"the vLLM prefill answered block ids for {len(params.remote_block_ids)} KV groups, "
                                 f"this engine has {num_groups}", "kv_transfer_params.remote_block_ids")
-        now = time.time()
+        now = time.time() if now is None else now
         if now + lease_margin_s > params.lease_expires:
             raise KVParamsError("the vLLM prefill's lease of these params is over (or too close to it)",
                                 "kv_transfer_params.lease_expires")

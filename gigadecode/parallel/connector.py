@@ -68,8 +68,8 @@ class TPGroupConnector(KVConnectorBase):
         return self.inner.prefill_target(num_prompt_tokens)
 
     def validate_remote(self, params: KVTransferParams, prompt_ids: list[int], num_groups: int,
-                        lease_margin_s: float = 0.0) -> int:
-        return self.inner.validate_remote(params, prompt_ids, num_groups, lease_margin_s)
+                        lease_margin_s: float = 0.0, now: float | None = None) -> int:
+        return self.inner.validate_remote(params, prompt_ids, num_groups, lease_margin_s, now)
 
     # -- producer ------------------------------------------------------------------------------------
     def request_finished(self, request_id: str, block_tables: list[list[int]], num_computed: int,

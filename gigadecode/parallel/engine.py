@@ -68,6 +68,9 @@ class StepInbox:
     releases: list[str] = field(default_factory=list)     # DI producer: leases to end now, on every rank
     warm_up: bool = False                                 # every replica runs `LLMEngine.warm_up` first
     stop: bool = False
+    # rank 0's wall clock as it sends the step: every rank judges the adds' DI leases at it, so the ranks of a
+    # TP group cannot split on a lease that runs out between their clocks (diverged batches abort the world)
+    now: float | None = None
 
 
 @dataclass
@@ -150,7 +153,8 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
         if g != ctx.dp_rank:
             continue
         try:
-            engine.add_request(prompt, params, request_id=rid, kv_transfer_params=kv_params, priority=priority)
+            engine.add_request(prompt, params, request_id=rid, kv_transfer_params=kv_params, priority=priority,
+                               now=inbox.now)
         except ValueError as e:              # rank 0 checked it; only a replica out of step gets here
             outputs.append(RequestOutput(rid, [], True, "error", error=str(e)))
     for g, rid, reason in inbox.aborts:
@@ -318,6 +322,7 @@ class DistributedEngine:
         if self._stopped:
             raise RuntimeError("this parallel engine was shut down")
         inbox, self._inbox = self._inbox, StepInbox()
+        inbox.now = time.time()
         try:
             _exchange(self.ctx, inbox)
             mine = _replica_step(self.replica, self.ctx, inbox, self.trace)
