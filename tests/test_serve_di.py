@@ -68,7 +68,7 @@ def di(tiny_ckpt):
 @pytest.fixture(scope="module")
 def single(tiny_ckpt):
     args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *FLAGS])
-    assert args.served_model_name == MODEL
+    assert args.served_model_name == [MODEL]
     return engine_from_args(args, "both")
 
 

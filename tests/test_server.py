@@ -615,6 +615,37 @@ class FakeEngine:
         return False
 
 
+def test_an_engine_that_stops_for_good_ends_the_server():
+    """A parallel engine whose rank failed serves no more (`failure`): the engine loop ends, `on_dead` (serve:
+    shut the HTTP server down, exit with the reason) hears why once, /health answers 503 engine_dead with it
+    and a new request 503, instead of a healthy-looking server failing every request."""
+
+    class Dying(FakeEngine):
+        failure = None
+
+        def step(self):
+            outs = super().step()
+            if outs:                                     # the world stopped during this step
+                self.failure = "rank 1: engine step failed: RuntimeError: injected"
+            return outs
+
+    heard = []
+    aeng = AsyncEngine(Dying())
+    aeng.on_dead = heard.append
+    with ServerThread(build_app(aeng, "fake")) as srv, httpx.Client(base_url=srv.url, timeout=30) as hc:
+        assert hc.get("/health").status_code == 200
+        assert hc.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}).status_code == 200
+        t0 = time.monotonic()
+        while aeng.is_running and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+        assert heard == ["rank 1: engine step failed: RuntimeError: injected"] and not aeng.is_running
+        r = hc.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert "injected" in r.json()["error"]["message"]
+        r = hc.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+        assert r.status_code == 503 and "the engine stopped" in r.json()["error"]["message"]
+
+
 def test_di_hooks_handshake_and_idle_steps():
     fake = FakeEngine()
     app = build_app(AsyncEngine(fake), "fake", role="prefill")

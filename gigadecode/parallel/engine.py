@@ -347,6 +347,11 @@ class DistributedEngine:
                     outputs.append(out)
         return outputs
 
+    @property
+    def failure(self) -> str | None:
+        """Why this engine stopped (a rank failed), or None while it serves: the server reads it."""
+        return self._failure
+
     def _stop_after_failure(self, e: Exception) -> list[RequestOutput]:
         """A rank failed: finish every unfinished request with the error, and make no collective again (a
         peer may be gone, or waiting in one that will never complete). -> the requests' final outputs."""

@@ -27,6 +27,9 @@ router = APIRouter()
 @router.post("/ping")
 async def health(request: Request) -> JSONResponse:
     aeng = request.app.state.engine
+    if aeng is not None and aeng.dead is not None:
+        return JSONResponse(error_body(f"the engine stopped: {aeng.dead}", "server_error", code="engine_dead"),
+                            status_code=503)
     if aeng is None or not aeng.is_running:
         return JSONResponse(error_body("the engine is not running", "server_error", code="engine_unavailable"),
                             status_code=503)

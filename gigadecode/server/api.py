@@ -11,7 +11,7 @@ Routes
                               content, tool_calls
   GET  /v1/models             the served model (id = --served-model-name, default the model dir's name)
   GET  /health                200 while the engine thread runs, else 503
-  GET  /metrics               Prometheus text (see async_engine.EngineMetrics)
+  GET  /metrics               Prometheus text (see engine_metrics.EngineMetrics, vllm_metrics)
   GET  /kv/handshake          the KV connector's handshake (DI; needs the KV secret), 404 without a connector
   POST /kv/release            a prefill ends the lease of params it answered (the router: never to be read)
 
@@ -195,12 +195,17 @@ def _serve_engine(args: Any, engine: Any, t0: float, sock: socket.socket) -> int
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=grace + 2.0)
     server = DrainingServer(config, aeng, grace)
+    # an engine that can serve no more (a parallel rank failed) shuts the server down: the process exits with
+    # the reason, and its end frees the other ranks (a health check would only see 503 while it lingered)
+    aeng.on_dead = lambda why: setattr(server, "should_exit", True)
     try:
         server.run(sockets=[sock])
     finally:
         aeng.stop(timeout=None)          # the engine thread has left its last step before anything else runs
     if not server.started:
         raise SystemExit(f"gigadecode serve: the server on {args.host}:{args.port} did not start (see the log above)")
+    if aeng.dead is not None:
+        raise SystemExit(f"gigadecode serve: the engine stopped: {aeng.dead}")
     return 0
 
 

@@ -18,7 +18,9 @@ Each request has its own `asyncio.Queue` of `RequestOutput`s. The last one (`fin
 `error` (a finished request's `Request.error`) and, as an extra attribute, `kv_transfer_params`
 (`Request.kv_transfer_params_out`, the DI producer's answer), or None.
 
-This module also owns the server's Prometheus metrics (`EngineMetrics`, one registry per engine).
+Its Prometheus metrics are `engine_metrics.EngineMetrics` (one registry per engine), refreshed after each
+step. An engine that says it can serve no more (`failure`: a parallel engine whose rank failed) ends the
+loop: `dead` holds why, `on_dead` hears it (`serve` shuts down and exits with it), `/health` answers 503.
 """
 
 from __future__ import annotations
@@ -32,12 +34,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
 from ..engine import RequestOutput
 from ..openmp import release_thread_pool
 from ..sampling import SamplingParams
+from .engine_metrics import EngineMetrics
 
 log = logging.getLogger("gigadecode.server")
 
@@ -46,105 +46,9 @@ SHUTTING_DOWN = "the server is shutting down"      # the error of requests still
 IDLE_WAIT_S = 0.01       # longest wait for new work while idle
 IDLE_STEP_S = 0.05       # an idle engine still steps this often (connector lease expiry)
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-               0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-
 
 class EngineDeadError(RuntimeError):
     """The engine thread is not running (stopped, or never started)."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Metrics
-# --------------------------------------------------------------------------------------------------
-class _SnapshotCollector:
-    """Gauges and engine-owned counters, read from a snapshot the engine thread refreshes each step."""
-
-    def __init__(self, snap: dict[str, float]) -> None:
-        self.snap = snap
-
-    def collect(self):
-        s = dict(self.snap)
-        for name, doc, key in (
-                ("gigadecode_requests_running", "Requests in the engine's running set.", "running"),
-                ("gigadecode_requests_waiting", "Requests waiting to be scheduled.", "waiting"),
-                ("gigadecode_kv_blocks_used", "KV cache blocks in use (null block excluded).", "kv_blocks_used"),
-                ("gigadecode_kv_blocks_total", "Usable KV cache blocks (null block excluded).", "kv_blocks_total"),
-                ("gigadecode_kv_leases", "Prefill: requests whose KV is held for a decode server's read.", "kv_leases")):
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], s.get(key, 0))
-            yield g
-        for name, doc, i in (("gigadecode_kv_rank_blocks_used", "KV cache blocks in use on each rank's own pool.", 0),
-                             ("gigadecode_kv_rank_blocks_total", "Usable KV cache blocks of each rank's own pool.", 1)):
-            g = GaugeMetricFamily(name, doc, labels=["rank"])
-            for rank, kv in sorted(s.get("kv_per_rank", {}).items()):
-                g.add_metric([str(rank)], kv[i])
-            yield g
-        for name, doc, key in (
-                ("gigadecode_kv_bytes_transferred", "Bytes of KV moved by the KV connector.", "kv_bytes"),
-                ("gigadecode_kv_transfer_failures", "KV transfers that failed.", "transfer_failures"),
-                ("gigadecode_num_preemptions", "Requests preempted (KV freed, recomputed later) when the KV pool "
-                 "was short.", "preemptions"),
-                ("gigadecode_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
-                ("gigadecode_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again).",
-                 "prefix_hits"),
-                ("gigadecode_spec_decode_num_drafts",
-                 "Speculative decoding: request-steps that verified drafts (mean accepted length: 1 + accepted / this).",
-                 "spec_drafts"),
-                ("gigadecode_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
-                 "spec_draft_tokens"),
-                ("gigadecode_spec_decode_num_accepted_tokens",
-                 "Speculative decoding: draft tokens accepted (tokens that took no decode step of their own).",
-                 "spec_accepted")):
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], s.get(key, 0))
-            yield c
-
-
-class EngineMetrics:
-    """Prometheus metrics of one engine (own registry: several apps may live in one process)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram("gigadecode_time_to_first_token_seconds",
-                              "Time from request arrival to its first generated token.",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("gigadecode_inter_token_latency_seconds",
-                             "Time between two consecutive generated tokens of a request.",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("gigadecode_e2e_request_latency_seconds",
-                             "Time from request arrival to its end.", buckets=TTFT_BUCKETS, registry=r)
-        self.requests = Counter("gigadecode_requests", "Finished requests by finish reason.",
-                                ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("gigadecode_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
-        self.generation_tokens = Counter("gigadecode_generation_tokens", "Generated tokens.", registry=r)
-        self.step_failures = Counter("gigadecode_engine_step_failures",
-                                     "Engine step phases that raised (each failed only its own requests).",
-                                     registry=r)
-        self.snapshot: dict[str, float] = {}
-        r.register(_SnapshotCollector(self.snapshot))
-
-    def refresh(self, engine: Any) -> None:
-        """Engine thread: read the gauges and the engine's counters."""
-        s = self.snapshot
-        s["running"] = len(engine.running)
-        s["waiting"] = len(engine.waiting)
-        s["kv_blocks_used"], s["kv_blocks_total"] = engine.kv_usage()
-        per_rank = getattr(engine, "kv_usage_per_rank", None)
-        s["kv_per_rank"] = per_rank() if per_rank is not None else {}
-        s["kv_bytes"] = engine.stats.kv_bytes_transferred
-        s["transfer_failures"] = engine.stats.transfer_failures
-        s["preemptions"] = engine.stats.preemptions
-        s["prefix_queries"] = engine.stats.prefix_cache_queries
-        s["prefix_hits"] = engine.stats.prefix_cache_hits
-        s["spec_drafts"] = engine.stats.spec_drafts
-        s["spec_draft_tokens"] = engine.stats.spec_draft_tokens
-        s["spec_accepted"] = engine.stats.spec_accepted_tokens
-        leases = getattr(engine, "num_leases", None)
-        s["kv_leases"] = leases() if leases is not None else 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,6 +133,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._step_failures_seen = 0
+        # why the engine can serve no more (a parallel engine whose rank failed: its `failure`), and who to
+        # tell once (`serve` shuts its HTTP server down and exits with the reason)
+        self.dead: str | None = None
+        self.on_dead: Callable[[str], None] | None = None
         self.metrics.refresh(engine)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -260,7 +168,8 @@ class AsyncEngine:
         """Add a request; returns its stream once the engine accepted it. `engine.add_request`'s
         errors (SamplingError, RequestError, ValueError) are raised here."""
         if not self.is_running:
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError("the engine is not running" if self.dead is None else
+                                  f"the engine stopped: {self.dead}")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         accepted: asyncio.Future = loop.create_future()
@@ -320,7 +229,8 @@ class AsyncEngine:
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run fn(engine) on the engine thread; returns its result (or raises its exception)."""
         if not self.is_running:
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError("the engine is not running" if self.dead is None else
+                                  f"the engine stopped: {self.dead}")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
 
@@ -396,7 +306,9 @@ class AsyncEngine:
             log.exception("engine.step() failed")
             self._fail_after_step_error(f"engine step failed: {type(e).__name__}: {e}")
             self.metrics.refresh(eng)
+            self._check_alive()
             return
+        self._check_alive()
         failures = eng.stats.step_failures      # phases the engine isolated (their requests failed)
         if failures > self._step_failures_seen:
             self.metrics.step_failures.inc(failures - self._step_failures_seen)
@@ -414,6 +326,20 @@ class AsyncEngine:
                 self._deliver_final(rid, RequestOutput(rid, [], True, reason,
                                                        error=getattr(req, "error", None)))
         self.metrics.refresh(eng)
+
+    def _check_alive(self) -> None:
+        """An engine that says it can serve no more (`failure`, a parallel engine whose rank failed) ends the
+        loop: what is still open fails with the shutdown error, and `on_dead` hears why."""
+        why = getattr(self.engine, "failure", None)
+        if why is None or self.dead is not None:
+            return
+        self.dead, self._stopping = why, True
+        log.error("the engine stopped and serves no more: %s", why)
+        if self.on_dead is not None:
+            try:
+                self.on_dead(why)
+            except Exception:  # noqa: BLE001
+                log.exception("on_dead failed")
 
     def _fail_after_step_error(self, msg: str) -> None:
         eng = self.engine
