@@ -304,6 +304,38 @@ def test_paged_decode_attention_fp8_nan_bytes(form, B, d, half):
         torch.testing.assert_close(out[~nan], ref[~nan], rtol=1e-5, atol=2e-5 * ref[~nan].abs().max().item())
 
 
+@pytest.mark.parametrize("form", ["fp8-packed", "bf16", "fp32"])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_decode_attention_keeps_a_nan_query_or_sink(form, threads):
+    """A NaN in one q head makes that head's every score NaN: the partial op (a DCP rank's share) gives NaN for
+    it, out and lse, as its twin; a NaN sink makes its head NaN in the full op. Both once came out 0 (lse
+    -inf): the running maxima drop a NaN, so the head read as "nothing visible" (partial) or M = NaN failed the
+    M > -inf test (sink), and a DCP request whose q met a NaN weight returned tokens. The other heads and
+    slots keep the twin's numbers. 4 threads: a long slot's range split, the merge across splits."""
+    g = gen("nanq", form, threads)
+    B, d, nb, kvh, nh = 16, 64, 40, 2, 8
+    buf, K, V = make_kv(g, form, nb, kvh, B, d)
+    ids = (torch.randperm(nb - 1, generator=g) + 1).tolist()
+    table = torch.tensor([ids[0:18], ids[18:36]])
+    pos, first, active = torch.tensor([17 * B + 3, 2 * B]), torch.tensor([B + 1, 0]), torch.tensor([True, True])
+    q, sinks = randn(g, 2, nh, d, scale=2.0), randn(g, nh)
+    q[0, 5, :] = float("nan")                       # slot 0, q head 5 (kv head 1): all its scores NaN
+    with num_threads(threads):
+        args = (q, K, V, table, pos, first, active, 1 / math.sqrt(d), KS, VS)
+        (out, lse), (ref, rlse) = OPS.paged_decode_attention_partial(*args), twins.paged_decode_attention_partial(*args)
+        nan_sinks = sinks.clone()
+        nan_sinks[2] = float("nan")
+        q_clean = q.nan_to_num()
+        full_args = (q_clean, K, V, table, pos, active, nan_sinks, 0, 1 / math.sqrt(d), KS, VS, F32)
+        full, rfull = OPS.paged_decode_attention(*full_args), twins.paged_decode_attention(*full_args)
+    assert ref[0, 5].isnan().all() and rlse[0, 5].isnan() and ref.isnan().sum() == d and rlse.isnan().sum() == 1
+    assert rfull.view(2, nh, d)[:, 2].isnan().all() and rfull.isnan().sum() == 2 * d
+    for got, want in ((out, ref), (lse, rlse), (full, rfull)):
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        torch.testing.assert_close(got[~nan], want[~nan], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("form", KV_FORMS)
 @pytest.mark.parametrize("threads", [1, 4])
 def test_paged_decode_attention_split_long_context(form, threads):

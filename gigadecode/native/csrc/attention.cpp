@@ -232,6 +232,13 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
   }
 }
 
+// Whether any of n partial sums (stride floats apart) is NaN
+inline bool any_nan_sum(const float* l, int64_t n, int64_t stride) {
+  for (int64_t i = 0; i < n; ++i)
+    if (l[i * stride] != l[i * stride]) return true;
+  return false;
+}
+
 // Slot b attends to frame positions [lo[b], pos[b]] (lo >= 0; pos < lo: nothing) when active[b]. out
 // [Bt, nh·d] (fp32 or bf16); sinks: one per q head, or null for none; lse [Bt, nh] (or null): the merged
 // log-sum-exp of the scaled scores (with the sink's term when there is one), -inf where nothing is visible.
@@ -294,6 +301,11 @@ void attention_impl(const AttnShape& s, const float* q, const KT* K, const VT* V
             const float inv = vmul / L;
             for (int64_t j = 0; j < s.d; ++j) row[j] *= inv;
             ls = M + std::log(L);
+          } else if (M != M || any_nan_sum(part + i * S * stride + r * (s.d + 2) + s.d + 1, S, stride)) {
+            // a NaN sink, or visible scores that were all NaN (the maxima drop a NaN, so such a range reads
+            // m = -inf as if it saw nothing; its sum is NaN): NaN, as the twin, not "nothing visible"
+            std::fill(row, row + s.d, NAN);
+            ls = NAN;
           }
         }
         store_row(row, out, (b * s.nh + qh) * s.d, s.d);
