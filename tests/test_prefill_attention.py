@@ -335,3 +335,21 @@ def test_native_prefill_attention_keeps_a_nan_it_sees(d, amx, where):
         assert torch.equal(ours.isnan(), nan), (window, ours.isnan().any(-1), nan.any(-1))
         atol = 4 * 2.0 ** -9 * v.float().nan_to_num().abs().max().item()
         torch.testing.assert_close(ours.float()[~nan], ref[~nan], rtol=2.0 ** -7, atol=atol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("amx", AMX_MODES)
+@pytest.mark.parametrize("d", [64, 24])        # the bf16 pair kernel (where built) and the fp32-product kernel
+def test_native_prefill_attention_infinite_sink_is_nan_as_the_twin(d, amx):
+    """A sink of +inf: the dense softmax subtracts its maximum (inf - inf) and gives NaN, as the native decode
+    attention does; the prefill kernels applied the sink as sigmoid(lse - sink) = 0 and returned rows of 0.
+    A -inf sink weighs nothing (the rows are the keys' softmax alone) on both."""
+    q, k, v, q_pos, k_pos, sinks = make_case(6, 40, 2, 2, d, 34, 0, torch.bfloat16, seed=17)
+    sinks[1], sinks[2] = float("inf"), float("-inf")
+    with amx_mode(amx):
+        ours = native.prefill_attention(q, k, v, q_pos, 0, sinks, d ** -0.5, 0)
+    ref = native.twins.prefill_attention(q, k, v, q_pos, 0, sinks, d ** -0.5, 0).float()
+    nan = ref.isnan()
+    assert nan[:, 1].all() and nan.sum() == nan[:, 1].numel()
+    assert torch.equal(ours.isnan(), nan)
+    torch.testing.assert_close(ours.float()[~nan], ref[~nan], rtol=2.0 ** -7, atol=4 * 2.0 ** -9)

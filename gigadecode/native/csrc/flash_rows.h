@@ -59,7 +59,8 @@ struct FlashRows {
           if (l <= 0.f) continue;
           const int64_t hq = q_head(w, r);
           const float lse = mx[w * Rmax + r] + std::log(l);
-          const float f = 1.f / l / (1.f + std::exp(sinks[hq] - lse));      // sigmoid(lse - sink) / l
+          // sigmoid(lse - sink) / l; a sink of +inf gives NaN, as the dense softmax (inf - inf), not 0
+          const float f = sinks[hq] == INFINITY ? NAN : 1.f / l / (1.f + std::exp(sinks[hq] - lse));
           const float* a = acc + (w * Rmax + r) * ld;
           uint16_t* dst = o + (token(w, r) * nh + hq) * d;
           for (int64_t j = 0; j < d; ++j) dst[j] = f32_to_bf16(a[j] * f);   // round to nearest even
