@@ -221,6 +221,23 @@ def test_swiglu_against_twin(dtype, T, I):
         assert_rounded(out, ref32, 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_swiglu_huge_negative_gate_as_the_twin(dtype):
+    """A gate of -inf or far below 0 (-1e30, -3e38) in every lane of a vector and in the scalar tail: g ·
+    sigmoid(alpha · g) is -0 for a finite g and NaN for -inf (-inf · 0), as the twin's. The bf16 path's
+    vectorized exp clamped e^-alpha·g at e^88.3, so a gate of -3e38 gave a finite -1.35 · (up + 1) and -inf
+    gave ±inf."""
+    I = 37                                             # vectors of 8 / 16 and a tail
+    gate_up = randn(gen(61, str(dtype)), 4, 2 * I, scale=3.0, dtype=dtype)
+    for row, value in enumerate((float("-inf"), -3e38, -1e30, -60.0)):
+        gate_up[row, 0::2] = value
+    out, ref = OPS.swiglu(gate_up, 1.702, 7.0), twins.swiglu(gate_up, 1.702, 7.0)
+    nan = ref.isnan()
+    assert nan[0].all() and not nan[1:].any()
+    assert torch.equal(out.isnan(), nan)
+    torch.testing.assert_close(out[1:].float(), ref[1:].float(), rtol=0, atol=1e-30)
+
+
 def test_swiglu_refuses_odd_columns():
     with pytest.raises(RuntimeError, match=r"\[T, 2I\]"):
         OPS.swiglu(torch.zeros(2, 5), 1.702, 7.0)

@@ -129,7 +129,7 @@ inline void swiglu_inplace(float* act, const float* up, int64_t n, float alpha, 
   int64_t i = 0;
   for (; fast && i + W <= n; i += W) {
     const VF g = vload(act + i);
-    const VF sig = vdiv(one, vadd(one, vexp(vmul(na, g))));
+    const VF sig = vdiv(one, vadd(one, vexp_or_inf(vmul(na, g))));
     vstore(act + i, vmul(vadd(vload(up + i), one), vmul(g, sig)));
   }
   for (; i < n; ++i) act[i] = (up[i] + 1.f) * (act[i] / (1.f + std::exp(-alpha * act[i])));

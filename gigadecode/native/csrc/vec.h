@@ -135,6 +135,12 @@ inline VF vexp(VF x) {
   __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return {_mm512_mul_ps(p, _mm512_castsi512_ps(e))};
 }
+// e^x where x past vexp's upper clamp gives +inf (vexp gives e^88.3 there): a sigmoid's 1 / (1 + e^-x) must
+// reach 0, so that g · sigmoid(alpha · g) of a huge negative g is -0 (NaN for -inf), as torch and std::exp give
+inline VF vexp_or_inf(VF x) {
+  const __mmask16 big = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(88.3f), _CMP_GT_OQ);
+  return {_mm512_mask_mov_ps(vexp(x).v, big, _mm512_set1_ps(INFINITY))};
+}
 #else
 #define GD_ISA "avx2"
 constexpr int W = 8;
@@ -261,6 +267,10 @@ inline VF vexp(VF x) {   // as above: x second in the clamp, so NaN stays NaN
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return {_mm256_mul_ps(p, _mm256_castsi256_ps(e))};
+}
+inline VF vexp_or_inf(VF x) {   // as above
+  const __m256 big = _mm256_cmp_ps(x.v, _mm256_set1_ps(88.3f), _CMP_GT_OQ);
+  return {_mm256_blendv_ps(vexp(x).v, _mm256_set1_ps(INFINITY), big)};
 }
 #endif
 
