@@ -336,6 +336,36 @@ def test_decode_attention_keeps_a_nan_query_or_sink(form, threads):
         torch.testing.assert_close(got[~nan], want[~nan], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["fp8-packed", "bf16", "fp32"])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_decode_attention_scores_all_minus_inf_weigh_nothing(form, threads):
+    """A q head of -inf against keys all positive in that dim: every score -inf, so no key weighs: the full op's
+    head is 0 (the sink takes it all) and the partial op's 0 with lse -inf, as their twins. The online softmax
+    took e^(-inf - -inf) = NaN, so the head came out NaN and its request failed where the oracle returns
+    tokens. Other heads and slots keep the twin's numbers."""
+    g = gen("minf", form, threads)
+    B, d, nb, kvh, nh = 16, 64, 40, 2, 8
+    buf, K, V = make_kv(g, form, nb, kvh, B, d)
+    k3 = K[..., 3, :] if form == "fp8-packed" else K[..., 3]         # K's dim 3 (packed: [nb, kv, B/2, d, 2])
+    k3.copy_((k3.float().abs() + 0.25).to(k3.dtype))                 # > 0 everywhere
+    ids = (torch.randperm(nb - 1, generator=g) + 1).tolist()
+    table = torch.tensor([ids[0:18], ids[18:36]])
+    pos, first, active = torch.tensor([17 * B + 3, 2 * B]), torch.tensor([B + 1, 0]), torch.tensor([True, True])
+    q, sinks = randn(g, 2, nh, d, scale=2.0), randn(g, nh)
+    q[0, 5, 3] = float("-inf")                      # slot 0, q head 5: every score -inf
+    with num_threads(threads):
+        args = (q, K, V, table, pos, active, sinks, 0, 1 / math.sqrt(d), KS, VS, F32)
+        full, rfull = OPS.paged_decode_attention(*args), twins.paged_decode_attention(*args)
+        args = (q, K, V, table, pos, first, active, 1 / math.sqrt(d), KS, VS)
+        (out, lse), (ref, rlse) = OPS.paged_decode_attention_partial(*args), twins.paged_decode_attention_partial(*args)
+    assert torch.isfinite(rfull).all() and (rfull.view(2, nh, d)[0, 5] == 0).all()
+    assert torch.isfinite(ref).all() and (ref[0, 5] == 0).all() and rlse[0, 5] == float("-inf")
+    for got, want in ((full, rfull), (out, ref), (lse, rlse)):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got == float("-inf"), want == float("-inf"))
+        fin = torch.isfinite(want)
+        torch.testing.assert_close(got[fin], want[fin], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("form", KV_FORMS)
 @pytest.mark.parametrize("threads", [1, 4])
 def test_paged_decode_attention_split_long_context(form, threads):

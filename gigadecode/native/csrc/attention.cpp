@@ -124,6 +124,12 @@ inline void softmax_update(float* sc, int64_t ld, int64_t n, int64_t rep, int64_
     for (; t + W <= n; t += W) mx = vmax(mx, vload(sr + t));
     float m_new = std::max(m_old, vmaxall(mx));
     for (; t < n; ++t) m_new = std::max(m_new, sr[t]);
+    if (m_new == -INFINITY && std::none_of(sr, sr + n, [](float x) { return x != x; })) {
+      // every score so far -inf (an infinite q or k): no key weighs, as in the twin's softmax (the sink, or
+      // nothing, takes it all), not e^(-inf - -inf) = NaN. A NaN score (the maxima drop it) goes on to NaN.
+      std::fill(sr, sr + n, 0.f);
+      continue;
+    }
     const float corr = std::exp(m_old - m_new);     // 0 on the first span (m_old = -inf)
     const VF nm = vset1(-m_new);
     VF ls = vzero();                                // the span's sum of e^(s - m), vector lanes first
