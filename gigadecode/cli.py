@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(/health, /metrics and /version stay open; default $GIGADECODE_API_KEY)")
     p.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="model id in the API (default: the model dir's name); several, as vLLM: requests may name "
-                        "any of them, answers and /health carry the first, /v1/models lists each")
+                        "any of them and are answered under it (else the first, as /health), /v1/models lists each")
     p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")

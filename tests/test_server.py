@@ -558,7 +558,8 @@ def test_token_id_only_model(tiny_ckpt, engine):
 
 def test_several_served_model_names(tiny_ckpt, engine):
     """`--served-model-name a b c` (vLLM's aliases): a request may name any of them and is answered under the
-    first; /v1/models lists each; another name is a 404 that lists them."""
+    name it gave (the first when it gives none), as vLLM answers; /v1/models lists each; another name is a 404
+    that lists them."""
     args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), *ENGINE_FLAGS,
                                       "--served-model-name", "gpt-oss", "openai/gpt-oss-20b", "g"])
     assert args.served_model_name == ["gpt-oss", "openai/gpt-oss-20b", "g"]
@@ -567,7 +568,13 @@ def test_several_served_model_names(tiny_ckpt, engine):
         assert [m["id"] for m in hc.get("/v1/models").json()["data"]] == ["gpt-oss", "openai/gpt-oss-20b", "g"]
         for name in ("gpt-oss", "openai/gpt-oss-20b", "g"):
             r = hc.post("/v1/completions", json={"model": name, "prompt": [9, 10], "max_tokens": 2})
-            assert r.status_code == 200 and r.json()["model"] == "gpt-oss"
+            assert r.status_code == 200 and r.json()["model"] == name
+        r = hc.post("/v1/completions", json={"prompt": [9, 10], "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "gpt-oss"
+        with hc.stream("POST", "/v1/completions", json={"model": "g", "prompt": [9, 10], "max_tokens": 2,
+                                                         "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert chunks and all(c["model"] == "g" for c in chunks)
         r = hc.post("/v1/completions", json={"model": "gpt-oss-120b", "prompt": [9, 10], "max_tokens": 2})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert "`gpt-oss`, `openai/gpt-oss-20b`, `g`" in r.json()["error"]["message"]

@@ -72,8 +72,8 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], served_model_name
     app's lifespan starts its thread and stops it at shutdown. A prefill server's answers tell decode
     engines to reach its KV side channel at `kv_advertise_host` (default: the address each request
     reached this server on). Bodies over `max_request_bytes` get 413 before they are parsed.
-    `served_model_name`: the model's name, or several (vLLM's aliases): requests may name any, answers carry
-    the first."""
+    `served_model_name`: the model's name, or several (vLLM's aliases): requests may name any, and
+    are answered under the name they gave (the first when they give none)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {sorted(ROLES)} (got {role!r})")
 

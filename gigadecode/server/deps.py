@@ -63,10 +63,17 @@ def check_model(request: Request, model: str | None) -> None:
 async def open_generation(request: Request, body: type[BaseModel], chat: bool
                           ) -> tuple[dict[str, Any], Any, AsyncEngine, str]:
     """A generation route's prologue: the body read and checked (strict JSON, parsed into `body`, unsupported
-    fields refused, the model name this server's) -> (raw dict, parsed body, engine, served model name)."""
+    fields refused, the model name this server's) -> (raw dict, parsed body, engine, the model name to answer
+    under: `answer_model`)."""
     raw, req = await read_body(request, body, chat=chat)
     check_model(request, req.model)
-    return raw, req, engine(request), settings(request).served_model_name
+    return raw, req, engine(request), answer_model(request, req.model)
+
+
+def answer_model(request: Request, model: str | None) -> str:
+    """The model name an answer carries, as vLLM's: the one the request gave (any of the served names,
+    `check_model` passed it), else the first served name."""
+    return model or settings(request).served_model_name
 
 
 def advertised(request: Request, kv: KVTransferParams | None) -> KVTransferParams | None:

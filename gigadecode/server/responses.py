@@ -206,7 +206,7 @@ async def responses(request: Request) -> Response:
     req = parse(ResponsesBody, raw)
     deps.check_model(request, req.model)
     _refuse(req)
-    aeng, name = deps.engine(request), deps.settings(request).served_model_name
+    aeng, name = deps.engine(request), deps.answer_model(request, req.model)
     codec = aeng.codec
     if codec is None:
         raise APIError(400, "this model has no tokenizer, so it cannot take messages; use /v1/completions "
