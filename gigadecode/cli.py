@@ -52,7 +52,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp", "--data-parallel-size", "-dp", dest="dp", type=int, default=1,
                    help="data-parallel size (under torchrun)")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size (under torchrun)")
-    g.add_argument("--dcp", type=int, default=1,
+    g.add_argument("--dcp", "--decode-context-parallel-size", "-dcp", dest="dcp", type=int, default=1,
                    help="decode context parallel: ranks of a TP group that share kv heads and split every "
                         "sequence's tokens (divides --tp; tp/dcp must divide the kv heads)")
     g.add_argument("--dcp-interleave", type=int, default=None,
@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="harmony tool calls (the only parser)")
     gpt_oss.add_argument("--reasoning-parser", choices=["openai_gptoss"], default=None,
                          help="harmony reasoning (the only parser)")
-    gpt_oss.add_argument("--enable-expert-parallel", action="store_true",
+    gpt_oss.add_argument("--enable-expert-parallel", "-ep", action="store_true",
                          help="vLLM's: experts split over every rank, --ep = --tp x --dp")
     p.add_argument("--shutdown-timeout-s", type=float, default=5.0,
                    help="on SIGTERM / SIGINT, how long requests in flight may run on; the rest then end with "

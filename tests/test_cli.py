@@ -485,6 +485,11 @@ def test_vllm_flags_that_would_change_answers_are_refused_with_the_reason(tiny_c
 def test_enable_expert_parallel_is_ep_over_every_rank(tiny_ckpt, monkeypatch, capsys):
     rc, args = serve_args(monkeypatch, [str(tiny_ckpt), "-tp", "2", "--dp", "2", "--enable-expert-parallel"])
     assert rc == 0 and args.ep == 4
+    # vLLM's short spellings: -ep, and -dcp / --decode-context-parallel-size for --dcp
+    rc, args = serve_args(monkeypatch, [str(tiny_ckpt), "-tp", "4", "-ep", "-dcp", "2"])
+    assert rc == 0 and (args.ep, args.dcp) == (4, 2)
+    rc, args = serve_args(monkeypatch, [str(tiny_ckpt), "-tp", "2", "--decode_context_parallel_size", "2"])
+    assert rc == 0 and args.dcp == 2
     rc, args = serve_args(monkeypatch, [str(tiny_ckpt), "-tp", "2", "--ep", "2", "--enable-expert-parallel", "-dp", "2"])
     assert rc == 2 and "--ep 2 was given" in capsys.readouterr().err
 
