@@ -376,9 +376,8 @@ def set_openmp_env(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    set_openmp_env(argv)
     notes: list[str] = []
-    if argv[:1] == ["serve"]:
+    if argv[:1] == ["serve"]:              # vLLM's spellings and --config first (no torch imported by them)
         from .vllm_flags import VllmFlagError, translate_serve_argv
         try:
             rest, notes = translate_serve_argv(argv[1:])
@@ -386,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gigadecode serve: error: {e}", file=sys.stderr)
             return 2
         argv = ["serve", *rest]
+    set_openmp_env(argv)                   # from the translated line: a --config file's `role: decode` counts
     args = build_parser().parse_args(argv)
     for note in notes:
         print(f"gigadecode serve: note: {note}", file=sys.stderr)

@@ -244,7 +244,7 @@ def test_a_failed_request_makes_generate_exit_1_and_says_why(tiny_ckpt, tmp_path
     assert "request 1 failed: " in err and "request 2 failed: " in err and "injected decode failure" in err
 
 
-def test_di_servers_get_a_short_openmp_spin(monkeypatch):
+def test_di_servers_get_a_short_openmp_spin(monkeypatch, tmp_path):
     # set before torch loads libgomp (which reads GOMP_SPINCOUNT once): importing the CLI must not load torch,
     # and the role is read from the raw arguments
     from gigadecode.cli import DI_SPIN_COUNT, set_openmp_env
@@ -259,6 +259,15 @@ def test_di_servers_get_a_short_openmp_spin(monkeypatch):
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
         set_openmp_env(argv)
         assert os.environ.get("GOMP_SPINCOUNT") == want, argv
+    # the role of a vLLM --config file (or an underscore spelling) counts too: main reads the translated line
+    import gigadecode.cli as cli
+    monkeypatch.setattr(cli, "cmd_serve", lambda args: 0)
+    cfg = tmp_path / "decode.yaml"
+    cfg.write_text("role: decode\n")
+    for argv in (["serve", str(tmp_path), "--config", str(cfg)], ["serve", str(tmp_path), "--role=decode"]):
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+        assert cli.main(argv) == 0
+        assert os.environ.get("GOMP_SPINCOUNT") == str(DI_SPIN_COUNT), argv
     monkeypatch.setenv("GOMP_SPINCOUNT", "77")                   # the user's choice stands
     set_openmp_env(["serve", "--model", "m", "--role", "decode"])
     assert os.environ["GOMP_SPINCOUNT"] == "77"
