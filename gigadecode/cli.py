@@ -277,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("GIGADECODE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /kv/release "
                         "(/health, /metrics and /version stay open; default $GIGADECODE_API_KEY)")
+    p.add_argument("--seed", dest="engine_seed", type=int, default=None,
+                   help="vLLM's: sampled requests without a `seed` draw theirs from this, in arrival order, so a "
+                        "run is reproducible (default: fresh randomness)")
     p.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                    help="model id in the API (default: the model dir's name); several, as vLLM: requests may name "
                         "any of them and are answered under it (else the first, as /health), /v1/models lists each")

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
+from dataclasses import replace
 
 import torch
 
@@ -64,6 +66,9 @@ class LLMEngine:
                                    proposer=proposer)
         self._stats = EngineStats()
         self.last_step_failure: str | None = None   # the error of the last phase `_guarded` isolated
+        # --seed: each sampled request without a seed draws one from this, in arrival order (a run is
+        # reproducible whatever the batches it shares; without --seed it draws from torch's generator)
+        self._seeds = random.Random(self.ecfg.seed) if self.ecfg.seed is not None else None
         self.max_model_len = self.scheduler.max_model_len = self._context_limit()
 
     def warm_up(self) -> float | None:
@@ -121,6 +126,8 @@ class LLMEngine:
             raise RequestError(f"request id {rid!r} is already in use")
         self.scheduler.check_priority(priority)
         self.check_request(prompt_ids, params)
+        if self._seeds is not None and params.seed is None and not params.is_greedy:   # as the parallel engine
+            params = replace(params, seed=self._seeds.randrange(2**63))
         req = Request(rid, list(prompt_ids), params, generator=make_generator(params.seed), priority=priority)
         if params.guided is not None:
             req.guide = self.guides.make(params.guided)

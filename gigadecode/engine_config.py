@@ -73,6 +73,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False  # full KV blocks found again by their tokens (kv/prefix_cache.py)
     speculative: SpeculativeConfig | None = None   # n-gram drafts verified in the decode step (speculative.py)
     scheduling_policy: str = "fcfs"    # fcfs | priority (requests' `priority`: admission order, preemption victims)
+    seed: int | None = None            # vLLM's --seed: requests without one draw theirs from it, in arrival order
 
     def __post_init__(self) -> None:
         from numbers import Integral, Real
@@ -140,6 +141,9 @@ class EngineConfig:
             raise ConfigError(f"kv_role must be kv_producer|kv_consumer|kv_both (got {self.kv_role!r})")
         if self.vllm_kv_layout not in ("auto", "vec", "amx"):
             raise ConfigError(f"--vllm-kv-layout must be auto|vec|amx (got {self.vllm_kv_layout!r})")
+        if self.seed is not None and (not isinstance(self.seed, Integral) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            raise ConfigError(f"--seed must be an integer in [0, 2^63) (got {self.seed!r})")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"--scheduling-policy must be fcfs|priority (got {self.scheduling_policy!r})")
         if self.kv_failure_policy not in ("fail", "recompute"):
@@ -212,4 +216,5 @@ def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig
                         enable_prefix_caching=bool(getattr(args, "enable_prefix_caching", False)),
                         speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
                         scheduling_policy=getattr(args, "scheduling_policy", None) or "fcfs",
+                        seed=getattr(args, "engine_seed", None),
                         kv_secret=getattr(args, "kv_secret", None) or None)

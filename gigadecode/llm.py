@@ -147,14 +147,17 @@ class LLM:
     """A GPT-OSS checkpoint ready to generate from Python. Engine options take vLLM's names where vLLM has
     one (`kv_cache_dtype`, `max_num_batched_tokens`, `enable_prefix_caching`, `speculative_config`, ...);
     the rest are the command line's (`decoder`, `threads`, `num_blocks`, `kv_budget_gib`); every default is
-    `gigadecode generate`'s. `chat_template`: a file or a Jinja template instead of the checkpoint's."""
+    `gigadecode generate`'s. `chat_template`: a file or a Jinja template instead of the checkpoint's. `seed`:
+    as `serve --seed` (sampled requests without one draw theirs from it; vLLM's LLM defaults to 0, this to
+    fresh randomness)."""
 
     def __init__(self, model: str, *, dtype: str = "auto", kv_cache_dtype: str | None = None,
                  block_size: int = 16, num_blocks: int | None = None, kv_budget_gib: float | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  enable_prefix_caching: bool = False, speculative_config: Mapping | str | None = None,
                  scheduling_policy: str = "fcfs", decoder: str = "gk-native", threads: int | None = None,
-                 chat_template: str | None = None, warmup: bool = True, tensor_parallel_size: int = 1) -> None:
+                 chat_template: str | None = None, warmup: bool = True, tensor_parallel_size: int = 1,
+                 seed: int | None = None) -> None:
         import json
 
         from .chat_template import load_chat_template_arg
@@ -177,7 +180,7 @@ class LLM:
             kv_budget_gib=kv_budget_gib, decoder=decoder, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_prefill_tokens=max_num_batched_tokens, threads=threads, tp=1, dp=1, ep=1,
             enable_prefix_caching=enable_prefix_caching, speculative_config=spec,
-            scheduling_policy=scheduling_policy)
+            scheduling_policy=scheduling_policy, engine_seed=seed)
         self.engine_config = engine_config_from_args(args)
         source = None if chat_template is None else load_chat_template_arg(chat_template)
         self.codec = TextCodec.from_dir(self.model, source)

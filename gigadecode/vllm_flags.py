@@ -46,8 +46,6 @@ IGNORED: dict[str, tuple[bool, str]] = {
 
 # flag -> why it is refused: each changes what a request gets back, and this server does not do it
 REFUSED: dict[str, str] = {
-    "--seed": "requests without a `seed` draw fresh randomness here; give each request its own `seed` "
-              "(reproducible whatever it is batched with)",
     "--tokenizer": "the checkpoint's own tokenizer.json is always used",
     "--tool-server": "built-in tools (browser, python, MCP) are not served; function tools are",
     "--kv-transfer-config": "disaggregated serving is --role prefill | decode | both (kv_producer / "

@@ -475,8 +475,18 @@ def test_vllms_gpt_oss_recipe_command_lines_start(tiny_ckpt, tmp_path, monkeypat
     assert rc == 0 and (args.max_num_seqs, args.log_level, args.ep) == (3, "warning", 1)
 
 
+def test_serve_seed_is_the_engines(tiny_ckpt, monkeypatch):
+    """vLLM's `serve --seed N` seeds the engine (its unseeded sampled requests), not one request: `generate
+    --seed` stays the requests' own seed."""
+    from gigadecode.engine_config import engine_config_from_args
+    rc, args = serve_args(monkeypatch, [str(tiny_ckpt), "--seed", "5"])
+    assert rc == 0 and engine_config_from_args(args).seed == 5
+    g = build_parser().parse_args(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,2", "--seed", "7"])
+    assert g.seed == 7 and engine_config_from_args(g).seed is None
+
+
 @pytest.mark.parametrize("flags, reason", [
-    (["--seed", "0"], "give each request its own `seed`"),
+    (["--max-logprobs", "50"], "is not configurable"),
     (["--tokenizer", "x"], "tokenizer.json is always used"),
     (["--tool-server", "demo"], "built-in tools"),
     (["--generation-config", "vllm"], "generation_config.json is always read"),

@@ -325,6 +325,32 @@ def test_seeded_sampling_is_per_request(tiny_ckpt, prompts):
     assert solo != run_alone(tiny_ckpt, prompts[5], SamplingParams(**{**sp.__dict__, "seed": 99}))
 
 
+def test_engine_seed_makes_unseeded_runs_reproducible(tiny_ckpt, prompts):
+    """--seed (vLLM's): sampled requests without a seed draw theirs from it in arrival order, so the same
+    requests give the same tokens run after run, batched together or one at a time, and another --seed other
+    tokens; a request's own seed and greedy requests are untouched (they draw nothing from it)."""
+    sp = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+          SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+          SamplingParams(temperature=0.9, top_k=40, max_tokens=12, ignore_eos=True),
+          SamplingParams(temperature=1.0, seed=77, max_tokens=12, ignore_eos=True)]
+    ps = [prompts[0], prompts[9], prompts[5], prompts[12]]
+
+    def together(seed):
+        return [r.output_ids for r in make_engine(tiny_ckpt, seed=seed).generate(ps, sp)]
+
+    def one_by_one(seed):
+        eng = make_engine(tiny_ckpt, seed=seed)
+        return [eng.generate([p], q)[0].output_ids for p, q in zip(ps, sp)]
+
+    a = together(3)
+    assert a == together(3) == one_by_one(3)
+    b = together(4)
+    assert b[0] != a[0] and b[2] != a[2] and b[1] == a[1] and b[3] == a[3]
+    assert a[3] == run_alone(tiny_ckpt, ps[3], sp[3])                    # its own seed, as without --seed
+    with pytest.raises(ConfigError, match="--seed must be an integer"):
+        make_engine(tiny_ckpt, seed=-1)
+
+
 def test_invalid_requests_are_refused_and_others_served(tiny_ckpt, prompts, alone):
     eng = make_engine(tiny_ckpt)
     good = eng.add_request(prompts[3], greedy(MAX_TOKENS[3]))

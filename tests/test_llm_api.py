@@ -42,6 +42,18 @@ def test_generate_is_transformers_greedy_with_its_logprobs(llm, hf_model):
     assert not llm.engine.requests and llm.engine.kv_usage()[0] == 0
 
 
+def test_an_llm_seed_makes_unseeded_runs_reproducible(tiny_ckpt):
+    """LLM(seed=N), vLLM's: two LLMs of one seed sample the same tokens for unseeded params, another seed not."""
+    sp = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+
+    def run(seed):
+        llm = LLM(str(tiny_ckpt), dtype="float32", kv_cache_dtype="auto", num_blocks=64, threads=1, warmup=False,
+                  seed=seed)
+        return [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [8, 9]], sp)]
+
+    assert run(11) == run(11) != run(12)
+
+
 def test_n_sequences_draw_with_seed_plus_j(llm):
     """The j-th of n seeded sequences is the engine's own request with seed + j, as the server's choices."""
     ids = llm.get_tokenizer().encode("hello there")

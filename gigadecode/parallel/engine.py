@@ -249,7 +249,8 @@ class DistributedEngine:
         self._reports: dict[int, GroupReport] = {}
         self._rank_kv: dict[int, tuple[int, int]] = {}   # world rank -> (blocks used, usable) after the last step
         self._rank_bytes: dict[int, int] = {}   # world rank (not a group's first) -> KV bytes its connector moved
-        self._seed = random.SystemRandom()
+        # unseeded requests get a seed here, so every TP rank draws alike (from --seed, or fresh randomness)
+        self._seed = random.Random(replica.ecfg.seed) if replica.ecfg.seed is not None else random.SystemRandom()
         self._stopped = False
         self._failure: str | None = None        # why the world stopped (a rank failed); no collective after it
 
