@@ -411,12 +411,17 @@ def _check_values(filled: torch.Tensor, name: str, file: Path, src: Source) -> N
             return
     else:
         lo, hi = torch.aminmax(filled)
-        if math.isfinite(float(lo)) and math.isfinite(float(hi)):
+        # an attention sink of -inf is "no sink" (e^-inf = 0 in the softmax's denominator): transformers runs
+        # it, and so does every path here; NaN and +inf are refused there as anywhere
+        lo_ok = math.isfinite(float(lo)) or (src.stack == "sinks" and float(lo) == -math.inf)
+        if lo_ok and math.isfinite(float(hi)) or (src.stack == "sinks" and lo_ok and float(hi) == -math.inf):
             return
     flat = filled.reshape(-1)                                   # a view: the filled slots are contiguous
     parts = [flat[i: i + _CHECK_CHUNK] for i in range(0, flat.numel(), _CHECK_CHUNK)]
     if src.quantized:
         bad = sum(int((p == NAN_E8M0).sum()) for p in parts)
+    elif src.stack == "sinks":
+        bad = sum(int((p.isnan() | (p == math.inf)).sum()) for p in parts)
     else:
         bad = sum(p.numel() - int(torch.isfinite(p).sum()) for p in parts)
     what = (f"{bad} scale byte(s) of {NAN_E8M0}, which MXFP4 reads as NaN" if src.quantized

@@ -189,6 +189,37 @@ def test_non_finite_weights_are_refused_naming_the_tensor(base, tmp_path, case):
         load_weights(d)
 
 
+def test_a_sink_of_minus_inf_is_no_sink_as_in_transformers(tmp_path):
+    """A sink of -inf (that head has no sink: e^-inf = 0) runs in transformers, so it loads here and gives
+    transformers' tokens and logprobs, on the GK program and the per-layer model; NaN or +inf in a sink is
+    still refused."""
+    from gigadecode.engine import build_engine
+    from gigadecode.engine_config import EngineConfig
+    from gigadecode.sampling import SamplingParams
+    from .helpers import hf_logits, load_hf
+    d = make_checkpoint(tmp_path / "m", "tiny", seed=3)
+    name = "model.layers.0.self_attn.sinks"
+
+    def edit(t):
+        t[name][0] = float("-inf")
+        t["model.layers.1.self_attn.sinks"][:] = float("-inf")
+    edit_tensors(d, edit)
+    hf = load_hf(str(d), torch.float32)
+    prompt = [5, 9, 13, 200, 7, 31]
+    for decoder in ("gk-native", "reference"):
+        eng = build_engine(str(d), EngineConfig(dtype="float32", kv_dtype="auto", decoder=decoder,
+                                                gk_decode=decoder != "reference", num_blocks=32, threads=1))
+        r = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0))[0]
+        ref = hf_logits(hf, prompt + r.output_ids).log_softmax(-1)[len(prompt) - 1:]
+        assert r.output_ids == [int(ref[j].argmax()) for j in range(6)], decoder
+        assert max(abs(lp.logprob - float(ref[j, t])) for j, (lp, t) in enumerate(zip(r.output_logprobs,
+                                                                                     r.output_ids))) < 1e-4
+    for bad in (float("nan"), float("inf")):
+        edit_tensors(d, lambda t: t[name].__setitem__(1, bad))
+        with pytest.raises(CheckpointError, match=f"tensor '{name}' in {ST} holds 1 NaN or infinite"):
+            load_weights(d)
+
+
 def test_non_finite_bf16_experts_are_refused(tmp_path):
     d = make_checkpoint(tmp_path / "m", "tiny", seed=3, experts="bf16")
     name = "model.layers.3.mlp.experts.gate_up_proj"
