@@ -120,8 +120,9 @@ inline void vstore_bf16_exact(uint16_t* p, VF a) {
 // e^x for x <= 88 (x = -inf gives ~1e-38; callers never use masked lanes): 2^n · p(f), Cephes' polynomial.
 // The clamp keeps NaN: max / min return their second operand when either is NaN, so x goes second (a NaN
 // score must give NaN, as std::exp and torch do, not e^-87)
-inline VF vexp(VF x) {
-  __m512 v = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x.v));
+// (`hi`: the upper clamp; 88.3 keeps 2^n finite, past 88.73 n reaches 128 and 2^n's bits are +inf)
+inline VF vexp_upto(VF x, float hi) {
+  __m512 v = _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(-87.3f), x.v));
   __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
   f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
@@ -135,12 +136,11 @@ inline VF vexp(VF x) {
   __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return {_mm512_mul_ps(p, _mm512_castsi512_ps(e))};
 }
-// e^x where x past vexp's upper clamp gives +inf (vexp gives e^88.3 there): a sigmoid's 1 / (1 + e^-x) must
-// reach 0, so that g · sigmoid(alpha · g) of a huge negative g is -0 (NaN for -inf), as torch and std::exp give
-inline VF vexp_or_inf(VF x) {
-  const __mmask16 big = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(88.3f), _CMP_GT_OQ);
-  return {_mm512_mask_mov_ps(vexp(x).v, big, _mm512_set1_ps(INFINITY))};
-}
+inline VF vexp(VF x) { return vexp_upto(x, 88.3f); }
+// e^x where x past ~88.4 gives +inf (vexp gives e^88.3 there), through the exponent bits at n = 128, at no
+// extra instruction: a sigmoid's 1 / (1 + e^-x) must reach 0, so that g · sigmoid(alpha · g) of a huge
+// negative g is -0 (NaN for -inf), as torch and std::exp give
+inline VF vexp_or_inf(VF x) { return vexp_upto(x, 89.f); }
 #else
 #define GD_ISA "avx2"
 constexpr int W = 8;
@@ -253,8 +253,8 @@ inline void vstore_bf16_exact(uint16_t* p, VF a) {
   const __m256i s = _mm256_srli_epi32(_mm256_castps_si256(a.v), 16);
   _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
 }
-inline VF vexp(VF x) {   // as above: x second in the clamp, so NaN stays NaN
-  __m256 v = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x.v));
+inline VF vexp_upto(VF x, float hi) {   // as above: x second in the clamp, so NaN stays NaN
+  __m256 v = _mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(-87.3f), x.v));
   __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
   f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
@@ -268,10 +268,8 @@ inline VF vexp(VF x) {   // as above: x second in the clamp, so NaN stays NaN
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return {_mm256_mul_ps(p, _mm256_castsi256_ps(e))};
 }
-inline VF vexp_or_inf(VF x) {   // as above
-  const __m256 big = _mm256_cmp_ps(x.v, _mm256_set1_ps(88.3f), _CMP_GT_OQ);
-  return {_mm256_blendv_ps(vexp(x).v, _mm256_set1_ps(INFINITY), big)};
-}
+inline VF vexp(VF x) { return vexp_upto(x, 88.3f); }
+inline VF vexp_or_inf(VF x) { return vexp_upto(x, 89.f); }   // as above
 #endif
 
 // ---- scalar conversions (exact, round-to-nearest-even like torch's casts) ---------------------------
