@@ -126,14 +126,17 @@ class LLMEngine:
             raise RequestError(f"request id {rid!r} is already in use")
         self.scheduler.check_priority(priority)
         self.check_request(prompt_ids, params)
-        if self._seeds is not None and params.seed is None and not params.is_greedy:   # as the parallel engine
-            params = replace(params, seed=self._seeds.randrange(2**63))
-        req = Request(rid, list(prompt_ids), params, generator=make_generator(params.seed), priority=priority)
+        req = Request(rid, list(prompt_ids), params, priority=priority)
         if params.guided is not None:
             req.guide = self.guides.make(params.guided)
         if kv_transfer_params:
             self._refuse_prompt_logprobs_in_di(params)
             self._admit_di(req, self._parse_kv(kv_transfer_params), now=now)
+        # the seed is drawn once nothing can refuse the request (a refused one draws none: the later requests'
+        # seeds do not depend on it), as the parallel engine draws after its checks
+        if self._seeds is not None and params.seed is None and not params.is_greedy:
+            req.params = replace(params, seed=self._seeds.randrange(2**63))
+        req.generator = make_generator(req.params.seed)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid

@@ -351,6 +351,20 @@ def test_engine_seed_makes_unseeded_runs_reproducible(tiny_ckpt, prompts):
         make_engine(tiny_ckpt, seed=-1)
 
 
+def test_a_refused_request_draws_no_seed_from_the_engines(tiny_ckpt, prompts):
+    """--seed: a request the engine refuses (here kv_transfer_params with prompt_logprobs, refused after the
+    sampling checks) was never queued, so it draws no seed: the unseeded requests after it sample what they
+    sample without it. It drew one before its refusal, and every later request's tokens shifted."""
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    bad = SamplingParams(temperature=1.0, max_tokens=4, prompt_logprobs=0)
+    eng = make_engine(tiny_ckpt, seed=3)
+    with pytest.raises(RequestError, match="prompt_logprobs"):
+        eng.add_request(prompts[1], bad, kv_transfer_params={"do_remote_prefill": True})
+    assert not eng.requests
+    got = [r.output_ids for r in eng.generate([prompts[0], prompts[5]], sp)]
+    assert got == [r.output_ids for r in make_engine(tiny_ckpt, seed=3).generate([prompts[0], prompts[5]], sp)]
+
+
 def test_invalid_requests_are_refused_and_others_served(tiny_ckpt, prompts, alone):
     eng = make_engine(tiny_ckpt)
     good = eng.add_request(prompts[3], greedy(MAX_TOKENS[3]))
