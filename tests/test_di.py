@@ -804,3 +804,21 @@ def test_leases_end_in_the_same_block_order_in_every_process():
                                         check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout)
               for seed in ("1", "2", "3")]
     assert orders[0] == orders[1] == orders[2]
+
+
+def test_di_decode_under_an_engine_seed_equals_single_node(tiny_ckpt, producer):
+    """--seed on the decode server: an unseeded sampled request draws its seed there, as a single node of that
+    --seed does in the same arrival order; the prefill server (no --seed here) samples nothing the answer keeps
+    (it computes N-1 tokens), so the two servers need not agree on seeds. A request's own seed: as a single node."""
+    sp = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True),
+          SamplingParams(temperature=0.9, seed=41, max_tokens=10, ignore_eos=True)]
+    single = build_engine(tiny_ckpt, EngineConfig(seed=7, **BASE))
+    consumer = build_engine(tiny_ckpt, EngineConfig(kv_role="kv_consumer", kv_transfer_timeout_s=3.0, seed=7, **BASE))
+    try:
+        for n, params in ((9, sp[0]), (17, sp[1]), (23, sp[0])):
+            prompt = random_prompt(n, 1024, seed=990 + n)
+            want = run(single, prompt, params).output_ids
+            got = run(consumer, prompt, params, kv=producer.prefill(prompt))
+            assert got.error is None and got.output_ids == want, n
+    finally:
+        consumer.connector.close()
