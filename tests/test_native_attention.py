@@ -358,9 +358,16 @@ def test_decode_attention_scores_all_minus_inf_weigh_nothing(form, threads):
         full, rfull = OPS.paged_decode_attention(*args), twins.paged_decode_attention(*args)
         args = (q, K, V, table, pos, first, active, 1 / math.sqrt(d), KS, VS)
         (out, lse), (ref, rlse) = OPS.paged_decode_attention_partial(*args), twins.paged_decode_attention_partial(*args)
+        # with that head's sink -inf as well (a checkpoint may say "no sink"), nothing at all weighs: the twin's
+        # softmax gives NaN (-inf - -inf), and so must the kernel, not 0
+        no_sink = sinks.clone()
+        no_sink[5] = float("-inf")
+        args = (q, K, V, table, pos, active, no_sink, 0, 1 / math.sqrt(d), KS, VS, F32)
+        full2, rfull2 = OPS.paged_decode_attention(*args), twins.paged_decode_attention(*args)
+    assert rfull2.view(2, nh, d)[0, 5].isnan().all() and rfull2.isnan().sum() == d
     assert torch.isfinite(rfull).all() and (rfull.view(2, nh, d)[0, 5] == 0).all()
     assert torch.isfinite(ref).all() and (ref[0, 5] == 0).all() and rlse[0, 5] == float("-inf")
-    for got, want in ((full, rfull), (out, ref), (lse, rlse)):
+    for got, want in ((full, rfull), (out, ref), (lse, rlse), (full2, rfull2)):
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got == float("-inf"), want == float("-inf"))
         fin = torch.isfinite(want)
         torch.testing.assert_close(got[fin], want[fin], rtol=1e-4, atol=1e-5)

@@ -353,3 +353,15 @@ def test_native_prefill_attention_infinite_sink_is_nan_as_the_twin(d, amx):
     assert nan[:, 1].all() and nan.sum() == nan[:, 1].numel()
     assert torch.equal(ours.isnan(), nan)
     torch.testing.assert_close(ours.float()[~nan], ref[~nan], rtol=2.0 ** -7, atol=4 * 2.0 ** -9)
+    # rows no key weighs (q head 2's and 3's dim 0 -inf against keys all > 0 there: every score -inf): with
+    # the -inf sink of head 2 nothing weighs at all, NaN as the twin (-inf - -inf); head 3's finite sink takes
+    # it all, 0. The kernels skipped such rows: 0 for both
+    k[:, 1, 0] = k[:, 1, 0].float().abs().to(k.dtype) + 0.25
+    q[:, 2:4, 0] = float("-inf")
+    with amx_mode(amx):
+        ours = native.prefill_attention(q, k, v, q_pos, 0, sinks, d ** -0.5, 0)
+    ref = native.twins.prefill_attention(q, k, v, q_pos, 0, sinks, d ** -0.5, 0).float()
+    nan = ref.isnan()
+    assert nan[:, 2].all() and not nan[:, 3].any() and (ref[:, 3] == 0).all()
+    assert torch.equal(ours.isnan(), nan)
+    torch.testing.assert_close(ours.float()[~nan], ref[~nan], rtol=2.0 ** -7, atol=4 * 2.0 ** -9)

@@ -307,9 +307,10 @@ void attention_impl(const AttnShape& s, const float* q, const KT* K, const VT* V
             const float inv = vmul / L;
             for (int64_t j = 0; j < s.d; ++j) row[j] *= inv;
             ls = M + std::log(L);
-          } else if (M != M || any_nan_sum(part + i * S * stride + r * (s.d + 2) + s.d + 1, S, stride)) {
-            // a NaN sink, or visible scores that were all NaN (the maxima drop a NaN, so such a range reads
-            // m = -inf as if it saw nothing; its sum is NaN): NaN, as the twin, not "nothing visible"
+          } else if (sinks || M != M || any_nan_sum(part + i * S * stride + r * (s.d + 2) + s.d + 1, S, stride)) {
+            // a NaN sink, a sink of -inf with no score above it (the twin's softmax: -inf - -inf), or visible
+            // scores that were all NaN (the maxima drop a NaN, so such a range reads m = -inf as if it saw
+            // nothing; its sum is NaN): NaN, as the twin, not "nothing visible" (the partial op's, no sink)
             std::fill(row, row + s.d, NAN);
             ls = NAN;
           }

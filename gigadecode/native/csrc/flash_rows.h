@@ -48,7 +48,8 @@ struct FlashRows {
   int64_t token(int64_t w, int64_t r) const { return tile_start(w) + r / rep; }
   int64_t q_head(int64_t w, int64_t r) const { return head(w) * rep + r % rep; }
 
-  // out [T, nh, d] bf16 (zeros): each row normalized, times sigmoid(lse - sink); rows that saw no key stay 0
+  // out [T, nh, d] bf16 (zeros): each row normalized, times sigmoid(lse - sink); rows no key weighs stay 0
+  // (the sink takes it all), NaN where the sink is not finite (the dense softmax's sink - sink = NaN)
   void store(at::Tensor& out, const FloatView& sinks) const {
     const int64_t d = out.size(2);
     uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -56,8 +57,14 @@ struct FlashRows {
       for (int64_t w = w0; w < w1; ++w)
         for (int64_t r = 0; r < rows(w); ++r) {
           const float l = sum[w * Rmax + r];
-          if (l <= 0.f) continue;
           const int64_t hq = q_head(w, r);
+          if (l <= 0.f) {
+            if (!std::isfinite(sinks[hq])) {
+              uint16_t* dst = o + (token(w, r) * nh + hq) * d;
+              std::fill(dst, dst + d, f32_to_bf16(NAN));
+            }
+            continue;
+          }
           const float lse = mx[w * Rmax + r] + std::log(l);
           // sigmoid(lse - sink) / l; a sink of +inf gives NaN, as the dense softmax (inf - inf), not 0
           const float f = sinks[hq] == INFINITY ? NAN : 1.f / l / (1.f + std::exp(sinks[hq] - lse));
