@@ -258,20 +258,25 @@ def test_parallel_engine_refuses_without_a_world(tiny_ckpt):
 # --------------------------------------------------------------------------------------------------
 # a rank whose step raises: the world stops with the error, it never hangs
 # --------------------------------------------------------------------------------------------------
+def fail_second_decode(replica) -> None:
+    """The replica's second decode call raises "injected fault" (the others decode)."""
+    decode, calls = replica.runner.decode, []
+
+    def failing_decode(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected fault")
+        return decode(*args, **kw)
+    replica.runner.decode = failing_decode
+
+
 def faulty_dp_session(rank: int, model_dir: str) -> dict | None:
     """DP 2 (no TP / EP / DCP peer): rank 1's second decode call raises. Its requests fail with the error,
     rank 0's group decodes on, and the engine takes requests after it."""
     from gigadecode.parallel.engine import DistributedEngine, build_parallel_engine, run_worker
     replica, ctx = build_parallel_engine(model_dir, EngineConfig(dp=2, **ENGINE))
     if rank == 1:
-        decode, calls = replica.runner.decode, []
-
-        def failing_decode(*args, **kw):
-            calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("injected fault")
-            return decode(*args, **kw)
-        replica.runner.decode = failing_decode
+        fail_second_decode(replica)
     if ctx.rank != 0:
         run_worker(replica, ctx)
         return None
@@ -306,14 +311,7 @@ def faulty_rank_session(rank: int, model_dir: str, bad_rank: int) -> dict | None
     from gigadecode.parallel.engine import DistributedEngine, build_parallel_engine, run_worker
     replica, ctx = build_parallel_engine(model_dir, EngineConfig(tp=2, ep=2, **ENGINE))
     if rank == bad_rank:
-        decode, calls = replica.runner.decode, []
-
-        def failing_decode(*args, **kw):
-            calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("injected fault")
-            return decode(*args, **kw)
-        replica.runner.decode = failing_decode
+        fail_second_decode(replica)
     if ctx.rank != 0:
         run_worker(replica, ctx)
         return None
