@@ -286,27 +286,18 @@ def test_float64_tensors_load_as_transformers_loads_them(base, tmp_path):
 
 # -- config.json / generation_config.json / the model path -----------------------------------------------
 @pytest.mark.parametrize("kind", ["directory", "binary"])
-def test_unreadable_config_json_is_named(base, tmp_path, kind):
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_unreadable_config_files_are_named(base, tmp_path, kind, name):
+    """config.json / generation_config.json as a directory, or not UTF-8: a ConfigError naming the file (it was
+    an IsADirectoryError traceback, or a bare "'utf-8' codec can't decode")."""
     d = copy(base, tmp_path / "m")
-    (d / "config.json").unlink()
+    (d / name).unlink()
     if kind == "directory":
-        (d / "config.json").mkdir()
+        (d / name).mkdir()
     else:
-        (d / "config.json").write_bytes(b"\xff\xfe{\x00")
-    with pytest.raises(ConfigError, match="config.json"):
-        GptOssConfig.from_hf(d)
-
-
-@pytest.mark.parametrize("kind", ["directory", "binary"])
-def test_unreadable_generation_config_is_named(base, tmp_path, kind):
-    d = copy(base, tmp_path / "m")
-    (d / "generation_config.json").unlink()
-    if kind == "directory":
-        (d / "generation_config.json").mkdir()
-    else:
-        (d / "generation_config.json").write_bytes(b"\xff\xfe{\x00")
-    with pytest.raises(ConfigError, match="generation_config.json"):
-        GenerationDefaults.from_dir(d)
+        (d / name).write_bytes(b"\xff\xfe{\x00")
+    with pytest.raises(ConfigError, match=name):
+        GptOssConfig.from_hf(d) if name == "config.json" else GenerationDefaults.from_dir(d)
 
 
 def test_a_file_given_as_the_model_directory(base):
