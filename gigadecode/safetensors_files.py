@@ -210,6 +210,11 @@ FINGERPRINT_VALUES = 64     # leading values of each tensor that go into `weight
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")   # the experts' matrices: MXFP4 (`*_blocks` + `*_scales`) or dense
 
 
+def _probed_experts(num_experts: int) -> list[int]:
+    """The experts whose values go into `weights_fingerprint`: the first, the middle and the last."""
+    return sorted({0, num_experts // 2, num_experts - 1})
+
+
 def _read_values(fh, e: TensorEntry, start: int, count: int, stride: int = 1) -> torch.Tensor:
     """`count` elements of tensor `e`, flat indices start, start + stride, ... (one contiguous read when
     stride is 1, else one read per element)."""
@@ -234,14 +239,14 @@ def _expert_probe(index: dict[str, TensorEntry], prefix: str, fhs: dict[Path, ob
         blocks, scales, dense = (index.get(prefix + w + t) for t in ("_blocks", "_scales", ""))
         if blocks is not None and scales is not None:
             E, out_dim, groups = scales.shape[0], scales.shape[1], scales.shape[2]
-            for x in sorted({0, E // 2, E - 1}):
+            for x in _probed_experts(E):
                 b = _read_values(fhs[blocks.file], blocks, x * out_dim * groups * 16, 16)
                 s = _read_values(fhs[scales.file], scales, x * out_dim * groups, 1)
                 got += decode_mxfp4(b.view(1, 16), s.view(1), torch.float32).to(torch.bfloat16).view(
                     torch.int16).numpy().tobytes()
         elif dense is not None and len(dense.shape) == 3:
             E, in_dim, out_dim = dense.shape
-            for x in sorted({0, E // 2, E - 1}):
+            for x in _probed_experts(E):
                 col = _read_values(fhs[dense.file], dense, x * in_dim * out_dim, min(in_dim, 32), out_dim)
                 got += col.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
     return got
@@ -250,8 +255,8 @@ def _expert_probe(index: dict[str, TensorEntry], prefix: str, fhs: dict[Path, ob
 def weights_fingerprint(model_dir: Path) -> str:
     """A short digest (16 hex chars) of a checkpoint's weights, for DI engines to check that they run the same
     model, not only the same config: the names and leading values of every tensor but the experts' matrices
-    (of the expert biases, those of experts 0, E/2 and E-1), and a probe of each layer's expert matrices (`_expert_probe`: three experts'
-    first MXFP4 group), as bf16. As values, not bytes: the same model written in fp32 or bf16, with MXFP4 or
+    (of the expert biases, those of experts 0, E/2 and E-1), and a probe of each layer's expert matrices
+    (`_expert_probe`: three experts' first MXFP4 group), as bf16. As values, not bytes: the same model written in fp32 or bf16, with MXFP4 or
     bf16 experts (an exact copy of the same values), has the same fingerprint; another fine-tune of the same
     config, experts-only included, does not."""
     import hashlib
@@ -267,11 +272,13 @@ def weights_fingerprint(model_dir: Path) -> str:
         fhs = {f: files.enter_context(open(f, "rb", buffering=0)) for f in sorted({e.file for e in index.values()})}
         for name in sorted(n for n in index if not expert_matrix(n)):
             e = index[name]
-            # the leading values; of an expert tensor ([E, ...]: the biases), those of experts 0, E/2 and E-1
-            per = math.prod(e.shape[1:]) if ".mlp.experts." in name and len(e.shape) >= 2 else math.prod(e.shape)
-            starts = sorted({0, e.shape[0] // 2, e.shape[0] - 1}) if per != math.prod(e.shape) else [0]
-            for x in starts:
-                head = _read_values(fhs[e.file], e, x * per, min(per, FINGERPRINT_VALUES))
+            if ".mlp.experts." in name and len(e.shape) >= 2:   # an expert bias [E, ...]: the probed experts'
+                per = math.prod(e.shape[1:])
+                starts = [x * per for x in _probed_experts(e.shape[0])] if per else [0]
+            else:                                                # the tensor's leading values
+                per, starts = math.prod(e.shape), [0]
+            for start in starts:
+                head = _read_values(fhs[e.file], e, start, min(per, FINGERPRINT_VALUES))
                 h.update(name.encode() + b"\0" + head.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
         layers = sorted({n.split(".mlp.experts.")[0] for n in index if expert_matrix(n)})
         for layer in layers:

@@ -413,8 +413,9 @@ def _check_values(filled: torch.Tensor, name: str, file: Path, src: Source) -> N
         lo, hi = torch.aminmax(filled)
         # an attention sink of -inf is "no sink" (e^-inf = 0 in the softmax's denominator): transformers runs
         # it, and so does every path here; NaN and +inf are refused there as anywhere
-        lo_ok = math.isfinite(float(lo)) or (src.stack == "sinks" and float(lo) == -math.inf)
-        if lo_ok and math.isfinite(float(hi)) or (src.stack == "sinks" and lo_ok and float(hi) == -math.inf):
+        def ok(v: float) -> bool:
+            return math.isfinite(v) or (src.stack == "sinks" and v == -math.inf)
+        if ok(float(lo)) and ok(float(hi)):
             return
     flat = filled.reshape(-1)                                   # a view: the filled slots are contiguous
     parts = [flat[i: i + _CHECK_CHUNK] for i in range(0, flat.numel(), _CHECK_CHUNK)]

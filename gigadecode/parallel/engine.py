@@ -54,6 +54,7 @@ from ..distributed.mesh import LayoutError
 
 log = logging.getLogger(__name__)
 
+
 class RankFailure(RuntimeError):
     """A rank's engine step raised (or a collective with a rank that did failed): the world cannot go on in
     lockstep, so this rank leaves it."""

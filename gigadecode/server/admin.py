@@ -1,7 +1,7 @@
-"""The server's info routes: `/health` (and vLLM's `/ping`), `/metrics` (Prometheus: our names, then vLLM's, `vllm_metrics.py`),
-`/v1/models`, `/kv/handshake` (a DI
-producer's layout and NIXL agent metadata, for peers that prove the deployment's KV secret only), and
-`/kv/release` (a DI producer ends the lease of params it answered that will never be read)."""
+"""The server's info routes: `/health` (and vLLM's `/ping`), `/metrics` (Prometheus: our names, then vLLM's,
+`vllm_metrics.py`), `/v1/models`, `/kv/handshake` (a DI producer's layout and NIXL agent metadata, for peers
+that prove the deployment's KV secret only), and `/kv/release` (a DI producer ends the lease of params it
+answered that will never be read)."""
 
 from __future__ import annotations
 
