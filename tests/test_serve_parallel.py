@@ -1,7 +1,8 @@
 """`torchrun --nproc-per-node 4 -m gigadecode serve --tp 2 --dp 2 --ep 4`: the OpenAI server in front of the
 parallel engine, driven with the official `openai` client. Greedy and seeded outputs (completions and
 chat, streamed and not, concurrent) equal the single-rank engine's; a cancelled stream and a bad request
-leave the server serving and no KV block in use; SIGTERM stops every rank.
+leave the server serving and no KV block in use; SIGTERM stops every rank; a SIGKILLed rank ends every open
+stream with the error within seconds and the server exits.
 
 Disaggregated serving across TP sizes (prefill tp=1 -> decode tp=2 and the reverse, prefill tp 1 / 2 ->
 decode tp 4 with decode context parallel 2, and a prefill of two DP groups, behind the proxy):
@@ -16,7 +17,10 @@ stacks keep FP8 KV (the decode default) and are checked against the single rank 
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import threading
 import time
 
 import openai
@@ -153,6 +157,80 @@ def test_parallel_server_stops_every_rank_on_sigterm(server):
     out = proc.stdout.read()
     # every rank left cleanly (torchrun's own agent still reports the signal it got, with a traceback)
     assert "[rank" not in out and "engine.step() failed" not in out, out[-3000:]
+
+
+def _rank_pid(proc, rank: int) -> int:
+    """The pid of torchrun's worker of world rank `rank` (its environment says which)."""
+    for pid in descendants(proc.pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode() and b"LOCAL_RANK" in env and "gigadecode" in _cmdline(pid):
+            return pid
+    raise AssertionError(f"no rank {rank} under torchrun {proc.pid}")
+
+
+def _stream_ids(url: str, prompt: list[int], seen: dict) -> None:
+    """A greedy completion streamed with httpx: seen gets "ids" (as they come), "error" and "done"."""
+    import httpx
+    seen.update(ids=[], error=None, done=False)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400,     # two fit the 255 blocks of 4 tokens
+            "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        seen["status"] = r.status_code
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                seen["done"] = True
+            elif line.startswith("data: "):
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    seen["error"] = event["error"]["message"]
+                for choice in event.get("choices", []):
+                    seen["ids"] += choice.get("token_ids") or []
+
+
+def test_parallel_server_whose_rank_is_killed_fails_its_streams_and_exits(tiny_ckpt, single):
+    """`torchrun … serve --tp 2 --ep 2` whose rank 1 is SIGKILLed while two streams decode: each stream ends
+    within seconds with the error (not gloo's 30-minute timeout), its tokens a prefix of the single rank's
+    answer (none computed after the failure), and torchrun exits non-zero with no rank left on the port."""
+    import httpx
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_gigadecode(["serve", "--model", str(tiny_ckpt), "--role", "both", "--port", str(port), "--tp", "2",
+                             "--ep", "2", *FLAGS], ranks=2)
+    try:
+        wait_health(url, proc, timeout=180)
+        tree = descendants(proc.pid)
+        prompts = [random_prompt(n, 1024, seed=700 + n) for n in (3, 11)]
+        seen = [{} for _ in prompts]
+        streams = [threading.Thread(target=_stream_ids, args=(url, p, s), daemon=True) for p, s in zip(prompts, seen)]
+        for t in streams:
+            t.start()
+        t0 = time.monotonic()
+        while not all(s.get("ids") for s in seen):                  # both decode
+            assert time.monotonic() - t0 < 60 and all(t.is_alive() for t in streams), seen
+            time.sleep(0.02)
+        os.kill(_rank_pid(proc, 1), signal.SIGKILL)
+        for t in streams:
+            t.join(20)
+        assert not any(t.is_alive() for t in streams), "a stream hung after its rank died"
+        for prompt, s in zip(prompts, seen):
+            assert s["error"] is not None and "parallel engine stopped" in s["error"], s["error"]
+            assert s["done"] and len(s["ids"]) < 400
+            assert s["ids"] == _want(single, prompt, temperature=0.0, max_tokens=len(s["ids"]), ignore_eos=True)
+        rc = proc.wait(30)
+        assert rc != 0
+        out = proc.stdout.read()
+        assert "gigadecode serve: the engine stopped" in out, out[-3000:]
+        left = [p for p in tree if _alive(p)]
+        assert not left, [(p, _cmdline(p)) for p in left]
+        with pytest.raises(httpx.ConnectError):                     # nothing answers on the port any more
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        stop_process_tree(proc)
 
 
 # --------------------------------------------------------------------------------------------------
