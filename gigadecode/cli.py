@@ -379,6 +379,8 @@ def set_openmp_env(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from .torchrun_rank import stop_with_launcher
+    stop_with_launcher()                   # a rank of torchrun's stops when torchrun dies (a no-op elsewhere)
     notes: list[str] = []
     if argv[:1] == ["serve"]:              # vLLM's spellings and --config first (no torch imported by them)
         from .vllm_flags import VllmFlagError, translate_serve_argv

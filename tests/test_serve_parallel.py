@@ -233,6 +233,47 @@ def test_parallel_server_whose_rank_is_killed_fails_its_streams_and_exits(tiny_c
         stop_process_tree(proc)
 
 
+def test_parallel_server_whose_torchrun_is_killed_stops_every_rank(tiny_ckpt):
+    """SIGKILL of torchrun itself (nothing left to forward a signal, and each rank is in a session of its own):
+    every rank stops as on SIGTERM, rank 0 ending the open stream with "the server is shutting down", and
+    nothing is left serving or holding the port (before, both ranks served on)."""
+    import httpx
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_gigadecode(["serve", "--model", str(tiny_ckpt), "--role", "both", "--port", str(port), "--tp", "2",
+                             "--ep", "2", "--shutdown-timeout-s", "0.5", *FLAGS], ranks=2)
+    ranks: list[int] = []                   # torchrun's children (once it is dead, no longer its descendants)
+    try:
+        wait_health(url, proc, timeout=180)
+        ranks += [_rank_pid(proc, r) for r in (0, 1)]
+        seen: dict = {}
+        stream = threading.Thread(target=_stream_ids, args=(url, random_prompt(5, 1024, seed=3), seen), daemon=True)
+        stream.start()
+        t0 = time.monotonic()
+        while not seen.get("ids"):
+            assert time.monotonic() - t0 < 60 and stream.is_alive(), seen
+            time.sleep(0.02)
+        proc.kill()
+        proc.wait(10)
+        stream.join(20)
+        assert not stream.is_alive(), "the stream hung after torchrun died"
+        assert seen["done"] and (seen["error"] is None or "shutting down" in seen["error"]), seen["error"]
+        t0 = time.monotonic()
+        while any(_alive(p) for p in ranks) and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        left = [p for p in ranks if _alive(p)]
+        assert not left, [(p, _cmdline(p)) for p in left]
+        with pytest.raises(httpx.ConnectError):                     # nothing answers on the port any more
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        for pid in descendants(proc.pid) + [p for p in ranks if _alive(p)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        stop_process_tree(proc)
+
+
 # --------------------------------------------------------------------------------------------------
 # disaggregated serving across TP sizes (head_ratio != 1) behind the proxy
 # --------------------------------------------------------------------------------------------------
