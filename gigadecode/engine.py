@@ -66,6 +66,10 @@ class LLMEngine:
                                    proposer=proposer)
         self._stats = EngineStats()
         self.last_step_failure: str | None = None   # the error of the last phase `_guarded` isolated
+        # a parallel engine's replica with TP, EP or DCP peers inside its model calls: a phase that raises ends
+        # the step there and then (the error is raised), for the next phase's collectives would pair with the
+        # ones a peer still waits in (mismatched collectives hang, or hand one call's data to another)
+        self.lockstep = False
         # --seed: each sampled request without a seed draws one from this, in arrival order (a run is
         # reproducible whatever the batches it shares; without --seed it draws from torch's generator)
         self._seeds = random.Random(self.ecfg.seed) if self.ecfg.seed is not None else None
@@ -278,13 +282,16 @@ class LLMEngine:
             self._guarded(lambda o: self._run_decode(plan.decodes, o, decode_rows), plan.decodes, outputs)
 
     def _guarded(self, phase, reqs: list[Request], outputs: dict[str, RequestOutput]) -> None:
-        """Run `phase(outputs)`; if it raises, fail `reqs` (what it was working for) with the error."""
+        """Run `phase(outputs)`; if it raises, fail `reqs` (what it was working for) with the error. A `lockstep`
+        replica raises it instead: it makes no collective after a phase of its own failed."""
         try:
             phase(outputs)
         except Exception as e:  # noqa: BLE001 - isolate the failure to the requests of this phase
-            log.exception("engine step phase failed for %d request(s)", len(reqs))
             self._stats.step_failures += 1
             self.last_step_failure = f"engine step failed: {type(e).__name__}: {e}"
+            if self.lockstep:
+                raise
+            log.exception("engine step phase failed for %d request(s)", len(reqs))
             for req in reqs:
                 if not req.finished:
                     self.fail(req, self.last_step_failure, outputs)

@@ -25,8 +25,8 @@ def warm_up(engine: Any) -> float | None:
     no request, no counted tokens, every block free again. Call it on the thread that will step the
     engine: its OpenMP workers, its malloc arena and the kernels' per-thread scratch are that thread's.
     (A parallel engine's replicas warm up together: `DistributedEngine.warm_up`.) A failure is logged and
-    costs the first request's speed, nothing more. -> seconds, or None when it failed or the pool cannot
-    hold even a 1-token chunk."""
+    costs the first request's speed, nothing more (a `lockstep` replica's raises: see `LLMEngine.lockstep`).
+    -> seconds, or None when it failed or the pool cannot hold even a 1-token chunk."""
     n = min(engine.ecfg.max_prefill_tokens, engine.max_model_len - 1)
     while n > 1 and not engine.fits_pool(n + 1):
         n //= 2
@@ -41,6 +41,8 @@ def warm_up(engine: Any) -> float | None:
             engine.runner.decode([DecodeSeq(0, n, tables)], pad_to=1)
             measure_draft_rows(engine, n, tables)
     except Exception:  # noqa: BLE001 - the requests still run (and fail on their own if the engine is broken)
+        if engine.lockstep:              # a peer may wait in the warm-up's collectives: no step may follow
+            raise
         log.exception("warm-up failed; going on without it")
         return None
     finally:

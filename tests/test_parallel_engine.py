@@ -304,30 +304,68 @@ def test_a_pure_dp_replica_whose_step_raises_fails_its_requests_and_serves_on(ti
     assert res["later"][0] == "length" and res["later"][1] == 6
 
 
-def faulty_rank_session(rank: int, model_dir: str, bad_rank: int) -> dict | None:
-    """TP 2 × EP 2: `bad_rank`'s second decode call raises (its TP peer is then inside that decode's
-    collectives). Rank 0 runs three requests to the end, tries one more and prints what it saw (its peer may
-    fail the world before run_world could hand the result back)."""
+def fail_prefill(replica, nth: int, after_fault: list[int]) -> None:
+    """The replica's `nth` prefill call raises "injected fault" (the warm-up's is the first, where a session warms
+    up); from then on `after_fault[0]` counts the collectives this rank starts."""
+    prefill, calls = replica.runner.prefill, []
+
+    def failing_prefill(*args, **kw):
+        calls.append(1)
+        if len(calls) == nth:
+            after_fault.append(0)
+            raise RuntimeError("injected fault")
+        return prefill(*args, **kw)
+    replica.runner.prefill = failing_prefill
+    stats, record = replica.runner.parallel.stats, replica.runner.parallel.stats.record
+
+    def counting(*args, **kw):
+        if after_fault:
+            after_fault[0] += 1
+        return record(*args, **kw)
+    stats.record = counting
+
+
+def faulty_rank_session(rank: int, model_dir: str, bad_rank: int, phase: str = "decode") -> dict | None:
+    """TP 2 × EP 2: `bad_rank`'s second decode call raises (its TP peer is then inside that phase's collectives),
+    or with `phase` "prefill" its second prefill call, or with "warm-up" the warm-up's prefill. Rank 0 (warming
+    the world up first for "warm-up") runs three requests to the end (a fourth unless "decode": its long prompt
+    is prefilled in chunks while the others decode, so the second prefill call shares its step with a decode),
+    tries one more and prints what it saw (its peer may fail the world before run_world could hand the result
+    back). The bad rank prints how many collectives it started after its fault."""
     from gigadecode.parallel.engine import DistributedEngine, build_parallel_engine, run_worker
     replica, ctx = build_parallel_engine(model_dir, EngineConfig(tp=2, ep=2, **ENGINE))
-    if rank == bad_rank:
+    after_fault: list[int] = []
+    if rank == bad_rank and phase == "decode":
         fail_second_decode(replica)
-    if ctx.rank != 0:
-        run_worker(replica, ctx)
-        return None
-    with DistributedEngine(replica, ctx) as eng:
-        for i, n in enumerate((4, 9, 2)):
-            eng.add_request(list(range(5, 5 + n)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-                            request_id=f"r{i}")
-        while eng.has_unfinished():
-            eng.step()
-        seen = {rid: (r.finish_reason, r.error) for rid, r in eng.requests.items()}
-        try:
-            eng.add_request([5, 6], SamplingParams(max_tokens=2))
-            later = None
-        except RuntimeError as e:
-            later = str(e)
-    print("RESULT", {"requests": seen, "later": later}, flush=True)
+    elif rank == bad_rank:
+        fail_prefill(replica, 1 if phase == "warm-up" else 2, after_fault)
+    try:
+        if ctx.rank != 0:
+            run_worker(replica, ctx)
+            return None
+        lengths = (4, 9, 2) if phase == "decode" else (4, 9, 2, 40)
+        stopped = None
+        with DistributedEngine(replica, ctx) as eng:
+            try:
+                if phase == "warm-up":
+                    eng.warm_up()
+                for i, n in enumerate(lengths):
+                    eng.add_request(list(range(5, 5 + n)), SamplingParams(temperature=0.0, max_tokens=6,
+                                                                          ignore_eos=True), request_id=f"r{i}")
+                while eng.has_unfinished():
+                    eng.step()
+            except RuntimeError as e:        # the world stopped before the requests were in
+                stopped = str(e)
+            seen = {rid: (r.finish_reason, r.error) for rid, r in eng.requests.items()}
+            try:
+                eng.add_request([5, 6], SamplingParams(max_tokens=2))
+                later = None
+            except RuntimeError as e:
+                later = str(e)
+        print("RESULT", {"requests": seen, "later": later, "stopped": stopped}, flush=True)
+    finally:
+        if after_fault:
+            print(f"COLLECTIVES AFTER THE FAULT: {after_fault[0]}", flush=True)
     return None
 
 
@@ -336,10 +374,33 @@ import sys
 from gigadecode.parallel.spawn import run_world
 from tests.test_parallel_engine import faulty_rank_session
 try:
-    run_world(2, faulty_rank_session, sys.argv[1], int(sys.argv[2]))
+    run_world(2, faulty_rank_session, sys.argv[1], int(sys.argv[2]), sys.argv[3])
 except RuntimeError as e:
     print("RAISED", e, flush=True)
 """
+
+
+def _faulty_world(model_dir, bad_rank: int, phase: str, timeout: float = 120) -> str:
+    """Run `faulty_rank_session` on a world of 2 in a subprocess -> what it printed (fails on a hang)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from .helpers import stop_process_tree
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", _FAULTY_WORLD, str(model_dir), str(bad_rank), phase], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        stop_process_tree(proc, timeout=5)
+        pytest.fail(f"the world hung after rank {bad_rank}'s {phase} raised")
+
+
+def _rank_0_result(out: str) -> dict:
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT")), None)
+    assert line is not None, out[-3000:]
+    return eval(line[len("RESULT "):])     # noqa: S307 - the dict this test's job printed
 
 
 @pytest.mark.parametrize("bad_rank", [0, 1])
@@ -347,28 +408,33 @@ def test_a_rank_whose_step_raises_stops_the_world_with_the_error(tiny_ckpt, bad_
     """The failing rank's TP peer waits inside a collective it will never join (gloo gives up after 30
     minutes): the rank leaves the world (`RankFailure`), which ends its peers' collectives, and rank 0 fails
     every unfinished request with the error and refuses new ones, instead of every rank hanging."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    from .helpers import stop_process_tree
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-c", _FAULTY_WORLD, str(tiny_ckpt), str(bad_rank)], cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(root)})
-    try:
-        out, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        stop_process_tree(proc, timeout=5)
-        pytest.fail("the world hung after a rank's step raised")
+    out = _faulty_world(tiny_ckpt, bad_rank, "decode")
     if bad_rank == 1:                         # the worker leaves with the error; rank 0's collective fails
         assert "RankFailure: rank 1: engine step failed: RuntimeError: injected fault" in out, out[-3000:]
     else:                                     # rank 0 itself: every request finished with the error
-        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT")), None)
-        assert line is not None, out[-3000:]
-        res = eval(line[len("RESULT "):])     # noqa: S307 - the dict this test's job returned
+        res = _rank_0_result(out)
         assert {reason for reason, _ in res["requests"].values()} == {"error"}
         assert all("injected fault" in err for _, err in res["requests"].values())
         assert "this parallel engine stopped" in res["later"] and "injected fault" in res["later"]
+        # rank 1, whose collective with the rank that left failed, says so in an operator's words
+        assert "peer rank 0 of the world was lost: rank 1's TP " in out, out[-3000:]
+
+
+@pytest.mark.parametrize("bad_rank, phase", [(0, "prefill"), (1, "prefill"), (1, "warm-up")])
+def test_a_rank_whose_prefill_raises_makes_no_collective_after_it(tiny_ckpt, bad_rank, phase):
+    """A lockstep rank's prefill raises in a step that also decodes (or in the warm-up): the rank stops at that
+    phase. Going on to the decode phase (or the step after the warm-up) would start its collectives against
+    the peer's pending prefill ones (gloo aborts the process on the size mismatch, or hands one call's data to
+    the other, whose tokens a client would get); instead it starts none, leaves the world, and the world stops
+    promptly with the error."""
+    out = _faulty_world(tiny_ckpt, bad_rank, phase, timeout=60)
+    assert "COLLECTIVES AFTER THE FAULT: 0" in out, out[-3000:]
+    if bad_rank == 1:
+        assert "RankFailure: rank 1: engine step failed: RuntimeError: injected fault" in out, out[-3000:]
+    else:
+        res = _rank_0_result(out)
+        assert {reason for reason, _ in res["requests"].values()} == {"error"}, res
+        assert all("injected fault" in err for _, err in res["requests"].values())
 
 
 def test_every_rank_judges_a_steps_adds_at_rank_0s_clock():

@@ -219,6 +219,9 @@ def test_parallel_server_whose_rank_is_killed_fails_its_streams_and_exits(tiny_c
         assert not any(t.is_alive() for t in streams), "a stream hung after its rank died"
         for prompt, s in zip(prompts, seen):
             assert s["error"] is not None and "parallel engine stopped" in s["error"], s["error"]
+            # what happened, in an operator's words (not "rank 0: engine step failed"), gloo's error kept
+            assert "parallel engine stopped: peer rank 1 of the world was lost: rank 0's " in s["error"], s["error"]
+            assert "gloo" in s["error"], s["error"]
             assert s["done"] and len(s["ids"]) < 400
             assert s["ids"] == _want(single, prompt, temperature=0.0, max_tokens=len(s["ids"]), ignore_eos=True)
         rc = proc.wait(30)

@@ -34,8 +34,9 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,29 @@ _INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective with peer ranks raised (gloo's error inside): said in an operator's terms, which peer if the
+    group tells it (`collective_failure`)."""
+
+
+# what gloo (and the sockets under it) says when a peer's process ended or it stopped answering
+_PEER_LOST = ("connection reset", "connection closed", "broken pipe", "connection refused", "timed out", "timeout")
+
+
+def collective_failure(rank: int, group: tuple[int, ...] | range, what: str, e: BaseException) -> CollectiveFailed:
+    """`e`, raised by rank `rank`'s collective `what` (e.g. "TP all_reduce") over the ranks `group`, as the
+    failure an operator reads: "peer rank 1 of the world was lost: rank 0's TP all_reduce with it failed:
+    RuntimeError: [gloo …] Connection reset by peer". A group of two names the peer; a larger one its ranks
+    (gloo's error names an address, not a rank)."""
+    peers = [r for r in group if r != rank]
+    who = (f"peer rank {peers[0]}" if len(peers) == 1 else
+           f"a peer rank (one of ranks {', '.join(map(str, peers))})" if peers else "a peer rank")
+    cause = f"{type(e).__name__}: {e}"
+    if any(sign in str(e).lower() for sign in _PEER_LOST):
+        return CollectiveFailed(f"{who} of the world was lost: rank {rank}'s {what} with it failed: {cause}")
+    return CollectiveFailed(f"rank {rank}'s {what} with {who} failed: {cause}")
 
 
 @dataclass
@@ -169,24 +193,46 @@ class ParallelContext:
         return self.vocab_stop - self.vocab_start
 
     # -- counted collectives -------------------------------------------------------------------------
+    def mesh_ranks(self, mesh: str) -> tuple[int, ...]:
+        """The world ranks of this rank's group of `mesh` ("tp", "ep", "dcp"; anything else: the world)."""
+        lay = self.layout
+        groups = {"tp": lay.tp_groups, "ep": lay.ep_groups, "dcp": lay.dcp_groups}.get(mesh)
+        if groups is None:
+            return tuple(range(self.world_size))
+        return next(g for g in groups if self.rank in g)
+
+    @contextmanager
+    def failing_as(self, mesh: str, op: str) -> Iterator[None]:
+        """Around one collective over this rank's `mesh` group: an error it raises (a peer's process ended, or
+        it stopped answering) comes out as `CollectiveFailed`, naming the peer where the group tells it."""
+        try:
+            yield
+        except CollectiveFailed:
+            raise
+        except RuntimeError as e:            # gloo's errors (DistBackendError is one)
+            raise collective_failure(self.rank, self.mesh_ranks(mesh), f"{mesh.upper()} {op}", e) from e
+
     def all_reduce_tp(self, x: torch.Tensor) -> torch.Tensor:
         """In place: x = sum over the TP group (no-op for tp == 1)."""
         if self.tp_size > 1:
             self.stats.record("tp", "all_reduce", self.tp_size, x.numel() * x.element_size())
-            dist.all_reduce(x, group=self.tp_group)
+            with self.failing_as("tp", "all_reduce"):
+                dist.all_reduce(x, group=self.tp_group)
         return x
 
     def all_reduce_ep(self, x: torch.Tensor) -> torch.Tensor:
         if self.ep_size > 1:
             self.stats.record("ep", "all_reduce", self.ep_size, x.numel() * x.element_size())
-            dist.all_reduce(x, group=self.ep_group)
+            with self.failing_as("ep", "all_reduce"):
+                dist.all_reduce(x, group=self.ep_group)
         return x
 
     def _all_gather(self, x: torch.Tensor, group, p: int, mesh: str) -> torch.Tensor:
         x = x.contiguous().reshape(1, -1) if x.dim() == 0 else x.contiguous()
         out = x.new_empty((p * x.shape[0], *x.shape[1:]))              # the concatenation form (gloo)
         self.stats.record(mesh, "all_gather", p, x.numel() * x.element_size())
-        _all_gather_single(out, x, group=group)
+        with self.failing_as(mesh, "all_gather"):
+            _all_gather_single(out, x, group=group)
         return out.view(p, *x.shape)
 
     def all_gather_tp(self, x: torch.Tensor) -> torch.Tensor:
@@ -238,7 +284,9 @@ class ParallelContext:
         """x [p, …] -> [...]: this rank's slot of the sum over the group."""
         out = x.new_empty(x.shape[1:])
         self.stats.record(mesh, "reduce_scatter", p, x.numel() * x.element_size())
-        _reduce_scatter_single(out, x.reshape(-1, *x.shape[2:]).contiguous(), group=group)
+        x = x.reshape(-1, *x.shape[2:]).contiguous()
+        with self.failing_as(mesh, "reduce_scatter"):
+            _reduce_scatter_single(out, x, group=group)
         return out
 
     def reduce_scatter_ep(self, x: torch.Tensor) -> torch.Tensor:
@@ -254,13 +302,15 @@ class ParallelContext:
             return list(values)
         t = torch.tensor(values, dtype=torch.long)
         self.stats.record("sched", "all_reduce", self.ep_size, t.numel() * t.element_size())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ep_group)
+        with self.failing_as("ep", "step agreement"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ep_group)
         return t.tolist()
 
     def all_reduce_world(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.world_size > 1:
             self.stats.record("world", "all_reduce", self.world_size, x.numel() * x.element_size())
-            dist.all_reduce(x, op=op, group=self.world_group)
+            with self.failing_as("world", "all_reduce"):
+                dist.all_reduce(x, op=op, group=self.world_group)
         return x
 
     # -- the model's parallel pieces -----------------------------------------------------------------

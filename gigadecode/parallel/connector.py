@@ -80,7 +80,8 @@ class TPGroupConnector(KVConnectorBase):
         rank = mine.ranks()[0].model_dump()
         ranks: list[Any] = [None] * self.ctx.tp_size
         if self.ctx.tp_size > 1:
-            dist.all_gather_object(ranks, rank, group=self.ctx.tp_group)
+            with self.ctx.failing_as("tp", "all_gather_object"):
+                dist.all_gather_object(ranks, rank, group=self.ctx.tp_group)
         else:
             ranks = [rank]
         return mine.model_copy(update={"remote_ranks": [RemoteRank(**r) for r in ranks]})
@@ -127,7 +128,8 @@ class TPGroupConnector(KVConnectorBase):
                              dtype=torch.long).reshape(-1, 2)
         if self.ctx.tp_size > 1:
             self.ctx.stats.record("sched", "all_reduce", self.ctx.tp_size, flags.numel() * flags.element_size())
-            dist.all_reduce(flags, group=self.ctx.tp_group)
+            with self.ctx.failing_as("tp", "transfer agreement"):
+                dist.all_reduce(flags, group=self.ctx.tp_group)
         tp = self.ctx.tp_size
         g_done: set[str] = set()
         g_failed: dict[str, str] = {}
@@ -136,7 +138,8 @@ class TPGroupConnector(KVConnectorBase):
         if tp > 1 and int(flags[:n, 1].sum()):            # a failure somewhere: every rank learns its text
             mine = {rid: self._local[rid] for rid in self._loading if self._local.get(rid)}
             everyone: list = [None] * tp
-            dist.all_gather_object(everyone, mine, group=self.ctx.tp_group)
+            with self.ctx.failing_as("tp", "all_gather_object"):
+                dist.all_gather_object(everyone, mine, group=self.ctx.tp_group)
             for r, part in enumerate(everyone):
                 for rid, err in part.items():
                     errors.setdefault(rid, f"{err} (tensor-parallel rank {r})")
@@ -171,7 +174,8 @@ class TPGroupConnector(KVConnectorBase):
             return {}
         mine = {rid: self.inner.dcp_partial_crcs(rid) for rid in rids}
         everyone: list = [None] * self.ctx.tp_size
-        dist.all_gather_object(everyone, mine, group=self.ctx.tp_group)
+        with self.ctx.failing_as("tp", "all_gather_object"):
+            dist.all_gather_object(everyone, mine, group=self.ctx.tp_group)
         errors: dict[str, str] = {}
         for rid in rids:
             parts: dict[int, list[int]] = {}

@@ -16,12 +16,16 @@ World rank 0's `DistributedEngine` is what `generate` and the server drive: it h
 2. steps rank 0's own replica, while every other rank does the same in `run_worker`;
 3. gathers from the first TP rank of each DP group that group's `RequestOutput`s and a small status, and
    applies them to its mirror `Request`s (which is what `requests` holds on rank 0).
-A rank whose step raises (a phase `LLMEngine` isolated, or the step itself) with TP, EP or DCP peers cannot
-go on in lockstep: its peers may be waiting inside a collective it will never join, and gloo frees them only
-when its process ends. (A pure DP replica has no such peer: it fails its requests and serves on.) So the rank
-raises `RankFailure` out of its step: a worker's process exits with it (its peers'
-collectives then fail, and they stop alike; torchrun ends the rest), and rank 0's `DistributedEngine`
-finishes every unfinished request with that error and stops (every later step raises `RankFailure`). Disaggregated roles work the same way: each rank has a NIXL connector over its kv heads and
+A rank whose step raises with TP, EP or DCP peers cannot go on in lockstep: its peers may be waiting inside a
+collective it will never join, and gloo frees them only when its process ends. Nor may it start another
+collective after its failed phase (`LLMEngine.lockstep`: the step stops there, raising), for that one would
+pair with a peer's pending call of another phase (gloo aborts the process on the size mismatch, or hands one
+call's data to the other). (A pure DP replica has no such peer: it fails its requests and serves on.) So the
+rank raises `RankFailure` out of its step: a worker's process exits with it (its peers' collectives then fail,
+and they stop alike; torchrun ends the rest), and rank 0's `DistributedEngine` finishes every unfinished
+request with that error and stops (every later step raises `RankFailure`). A collective that fails because a
+peer is gone says so (`distributed.context.CollectiveFailed`: "peer rank 1 of the world was lost: …", gloo's
+error kept), rather than blaming the rank that saw it. Disaggregated roles work the same way: each rank has a NIXL connector over its kv heads and
 a TP group's connectors agree on every transfer event (`parallel.connector.TPGroupConnector`), so a prefill
 engine of one TP size feeds a decode engine of another (each decode rank reads its heads' slice of the
 blocks of whichever prefill ranks hold them). Three world collectives per step (broadcast, the EP agreement, gather), a few hundred bytes.
@@ -49,7 +53,7 @@ from ..engine import LLMEngine, Request, RequestError, RequestOutput, Status
 from ..request import EngineStats
 from ..runner import ModelRunner
 from ..sampling import SamplingParams
-from ..distributed.context import ParallelContext, init_distributed, make_parallel_context
+from ..distributed.context import CollectiveFailed, ParallelContext, init_distributed, make_parallel_context
 from ..distributed.mesh import LayoutError
 
 log = logging.getLogger(__name__)
@@ -140,7 +144,9 @@ def build_parallel_engine(model_dir: str | Path, ecfg: EngineConfig, progress: b
         ids: list = [None] * ctx.world_size       # a DP group's answers name its own rank: release checks all
         dist.all_gather_object(ids, inner.engine_id, group=ctx.world_group)
         connector.server_engine_ids = frozenset(ids)
-    return LLMEngine(runner, ecfg, connector), ctx
+    engine = LLMEngine(runner, ecfg, connector)
+    engine.lockstep = has_lockstep_peers(ctx)
+    return engine, ctx
 
 
 # --------------------------------------------------------------------------------------------------
@@ -164,24 +170,23 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
             engine.requests.pop(rid, None)
     for rid in inbox.releases:               # every rank of the group holding the lease ends it in this step
         engine.release_lease(rid)
+    # peers inside this step's collectives (TP, EP, DCP): a rank that raised cannot rejoin them (a lockstep
+    # replica raises at its first failed phase, before any later collective). A replica without any (pure DP)
+    # reaches the step's gather whatever happened: it fails its requests and serves on
     if inbox.warm_up:                        # every rank at once: the forward's collectives line up
-        engine.warm_up()
+        try:
+            engine.warm_up()                 # only a lockstep replica's raises (a failed one is logged)
+        except Exception as e:
+            raise RankFailure(_rank_failure_text(ctx, e)) from e
     s0 = engine.stats.as_dict()
     ctx.stats.reset()
     t0 = time.perf_counter()
-    # peers inside this step's collectives (TP, EP, DCP): a rank that raised cannot rejoin them. A replica
-    # without any (pure DP) reaches the step's gather whatever happened: it fails its requests and serves on
-    lockstep = ctx.tp_size > 1 or ctx.ep_size > 1 or ctx.dcp_size > 1
     try:
         outputs += engine.step()
     except Exception as e:
-        if lockstep:
-            raise RankFailure(f"rank {ctx.rank}: engine step failed: {type(e).__name__}: {e}") from e
+        if has_lockstep_peers(ctx):
+            raise RankFailure(_rank_failure_text(ctx, e)) from e
         outputs += _fail_running(engine, f"engine step failed: {type(e).__name__}: {e}")
-    if lockstep and engine.stats.step_failures > s0["step_failures"]:
-        # A phase raised here: a peer may be inside that phase's collectives, waiting for this rank forever
-        # (whether every rank raised alike cannot be known without a collective). Leave the world.
-        raise RankFailure(f"rank {ctx.rank}: {engine.last_step_failure}")
     if trace is not None:
         trace.append(StepTrace(time.perf_counter() - t0, ctx.stats.snapshot(),
                                engine.stats.prefill_tokens - s0["prefill_tokens"],
@@ -202,6 +207,20 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
                        engine.connector.leased_ids() if engine.connector is not None else [])
 
 
+def has_lockstep_peers(ctx: ParallelContext) -> bool:
+    """Whether this rank's model calls hold collectives with peers (TP, EP or DCP): then it cannot go on after
+    a failure of its own (`LLMEngine.lockstep`). A pure DP replica has none."""
+    return ctx.tp_size > 1 or ctx.ep_size > 1 or ctx.dcp_size > 1
+
+
+def _rank_failure_text(ctx: ParallelContext, e: Exception) -> str:
+    """Why this rank leaves the world: a collective with a peer failed (`CollectiveFailed`: a peer it lost,
+    which one where the group tells it), or its own step's error."""
+    if isinstance(e, CollectiveFailed):
+        return str(e)
+    return f"rank {ctx.rank}: engine step failed: {type(e).__name__}: {e}"
+
+
 def _fail_running(engine: LLMEngine, msg: str) -> list[RequestOutput]:
     victims = list(engine.running) or list(engine.waiting)
     for req in victims:
@@ -212,7 +231,8 @@ def _fail_running(engine: LLMEngine, msg: str) -> list[RequestOutput]:
 
 def _exchange(ctx: ParallelContext, inbox: StepInbox | None) -> StepInbox:
     box = [inbox]
-    dist.broadcast_object_list(box, src=0, group=ctx.world_group)
+    with ctx.failing_as("world", "step broadcast"):
+        dist.broadcast_object_list(box, src=0, group=ctx.world_group)
     return box[0]
 
 
@@ -224,7 +244,8 @@ def run_worker(engine: LLMEngine, ctx: ParallelContext, trace: list[StepTrace] |
             dist.barrier(group=ctx.world_group)      # nobody tears the group down while a message is in flight
             return
         report = _replica_step(engine, ctx, inbox, trace)
-        dist.gather_object(report, None, dst=0, group=ctx.world_group)
+        with ctx.failing_as("world", "step gather"):
+            dist.gather_object(report, None, dst=0, group=ctx.world_group)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -329,7 +350,8 @@ class DistributedEngine:
             _exchange(self.ctx, inbox)
             mine = _replica_step(self.replica, self.ctx, inbox, self.trace)
             gathered: list[GroupReport | None] = [None] * self.ctx.world_size
-            dist.gather_object(mine, gathered, dst=0, group=self.ctx.world_group)
+            with self.ctx.failing_as("world", "step gather"):
+                dist.gather_object(mine, gathered, dst=0, group=self.ctx.world_group)
         except Exception as e:  # noqa: BLE001 - this rank's step, or a collective with a rank that left
             return self._stop_after_failure(e)
         outputs = []
@@ -358,7 +380,8 @@ class DistributedEngine:
         """A rank failed: finish every unfinished request with the error, and make no collective again (a
         peer may be gone, or waiting in one that will never complete). -> the requests' final outputs."""
         log.error("parallel engine stopped: %s: %s", type(e).__name__, e, exc_info=e)
-        self._failure = str(e) if isinstance(e, RankFailure) else f"a rank failed: {type(e).__name__}: {e}"
+        self._failure = str(e) if isinstance(e, (RankFailure, CollectiveFailed)) else \
+            f"a rank failed: {type(e).__name__}: {e}"
         self._stopped = True
         msg = f"parallel engine stopped: {self._failure}"
         outputs = []
