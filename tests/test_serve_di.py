@@ -514,3 +514,94 @@ def test_proxy_carries_vllms_sampling_extras(di, single, tiny_ckpt):
     r = httpx.post(di["proxy"] + "/v1/completions", json={**base, "allowed_token_ids": [5000]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
     wait_idle(di["prefill"], timeout=3)
+
+
+class Switchable:
+    """A TCP front for a real server that can be wedged: while `wedged`, it takes connections and never answers
+    (a stopped or hung process: the kernel accepts for it); otherwise it relays bytes both ways. `posts` counts
+    the POSTs that reached it, relayed or swallowed."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+        import threading
+        self.target = target.rsplit(":", 1)
+        self.wedged, self.posts, self.conns = True, 0, []
+        self.srv = socket.socket()
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen(64)
+        self.url = f"http://127.0.0.1:{self.srv.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            if self.wedged:
+                threading.Thread(target=self._pump, args=(c, None), daemon=True).start()
+                continue
+            up = socket.create_connection((self.target[0].removeprefix("http://"), int(self.target[1])))
+            self.conns.append(up)
+            threading.Thread(target=self._pump, args=(c, up), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, c), daemon=True).start()
+
+    def _pump(self, src, dst) -> None:
+        while True:
+            try:
+                data = src.recv(1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            if data.startswith(b"POST "):
+                self.posts += 1
+            if dst is not None:
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self.srv.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_proxy_routes_around_a_wedged_server_and_back_when_it_answers_again(di):
+    """A prefill and a decode server that take connections and never answer: the first request pays each one's
+    time-out (the prefill is retried on the healthy one, the decode answers 504) and puts both out of rotation;
+    the requests after it go straight to the healthy pair, none to the wedged ones (each once got every request,
+    or every other, each paying the time-out again). When the decode server answers /health again, the proxy's
+    probe puts it back and it takes requests again."""
+    import httpx
+    prefill, decode = Switchable(di["prefill"]), Switchable(di["decode"])
+    port = free_port()
+    proxy = start_gigadecode(["proxy", "--prefill", prefill.url, di["prefill"], "--decode", decode.url, di["decode"],
+                              "--port", str(port), "--prefill-timeout-s", "1", "--decode-timeout-s", "1"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_port(port, proxy)
+        body = {"model": MODEL, "prompt": random_prompt(20, 1024, seed=14), "max_tokens": 4, "temperature": 0.0}
+        first = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert first.status_code == 504 and first.json()["error"]["code"] == "decode_timeout", first.text
+        assert (prefill.posts, decode.posts) == (1, 1)
+        for stream in (False, True, False, True):
+            r = httpx.post(url + "/v1/completions", json={**body, "stream": stream}, timeout=60)
+            assert r.status_code == 200, r.text
+        assert (prefill.posts, decode.posts) == (1, 1)            # none reached the wedged servers again
+        decode.wedged = False                                     # it answers again: the probe puts it back
+        t0 = time.monotonic()
+        while decode.posts == 1:
+            assert time.monotonic() - t0 < 20, "the decode server never came back into rotation"
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            time.sleep(0.2)
+        assert wait_idle(di["prefill"], timeout=5)["gigadecode_kv_leases"] == 0
+    finally:
+        stop_process_tree(proxy)
+        prefill.close()
+        decode.close()

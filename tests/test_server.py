@@ -830,6 +830,8 @@ def test_proxy_prefill_then_decode_with_retry():
             assert hc.get("/v1/models").json()["data"][0]["id"] == "dec"
             h = hc.get("/health")
             assert h.status_code == 200 and h.json()["prefill"][dead]["healthy"] is False
+            assert h.json()["prefill"][dead]["in_rotation"] is False and h.json()["prefill"][p.url]["in_rotation"]
+            assert "unreachable" in h.json()["prefill"][dead]["out_of_rotation_because"]
 
         # every prefill failing: 502 in OpenAI's shape
         proxy = build_proxy_app([b.url, dead], [d.url])
@@ -847,6 +849,13 @@ def test_proxy_least_loaded():
     assert pool.pick() is b
     assert pool.pick(exclude=[b]) is c
     assert pool.pick(exclude=[a, b, c]) is None
+    pool.mark_down(b, "unreachable")                  # out of rotation: the others first, however loaded
+    assert pool.pick() is c and pool.pick(exclude=[c]) is a
+    pool.mark_down(a, "unreachable")
+    pool.mark_down(c, "timed out")
+    assert pool.pick() is b                           # every one out: all are tried as before
+    pool.mark_up(a)
+    assert pool.pick() is a and a.down is None and b.down == "unreachable"
 
 
 def test_proxy_prefix_affinity():

@@ -20,9 +20,12 @@ blocks exactly the N-1 a decode engine needs), turns vLLM's answer into the deco
 (`connector.vllm_producer.from_vllm_answer`), binds them to the whole prompt and signs them with the
 deployment's KV secret (the decode servers accept no unsigned params), and sends the full prompt's ids to
 a decode server.
-Each role's server is the least loaded one (in-flight requests, then fewest sent, then list order).
+Each role's server is the least loaded one (in-flight requests, then fewest sent, then list order) of those
+in rotation: a server that could not be reached, timed out, or dropped a request mid-way is left out
+(`Pool.mark_down`) until its /health answers 200 again (probed every `PROBE_S`), so new requests go around
+a dead or wedged server and come back to it once it has returned.
 A client that disconnects closes the upstream request (which aborts it there). GET /health reports the
-upstreams' health; GET /v1/models is the first healthy decode server's. Authorization headers are
+upstreams' health (and whether each is in rotation); GET /v1/models is the first healthy decode server's. Authorization headers are
 forwarded to the upstreams.
 """
 
@@ -53,6 +56,8 @@ RELEASE_TIMEOUT_S = 5.0          # a lease release (best effort: the lease runs 
 # timeout (5 s), so the proxy never sends a request on a connection the server is closing at that moment
 # (httpx's default expiry is also 5 s: that race surfaced as a rare ReadError, "prefill server unreachable")
 KEEPALIVE_EXPIRY_S = 2.0
+PROBE_S = 1.0                    # how often the /health of a server out of rotation is asked
+PROBE_TIMEOUT_S = 2.0
 
 def _error(status: int, message: str, type: str = "server_error", code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type, "param": None, "code": code}},
@@ -92,9 +97,11 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S))
+        probe = asyncio.get_running_loop().create_task(_probe_down_servers(app.state.client, (prefills, decodes)))
         try:
             yield
         finally:
+            probe.cancel()
             if own:
                 await app.state.client.aclose()
 
@@ -129,13 +136,16 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             except httpx.TimeoutException:
                 last = f"prefill server {up.url} did not answer within {prefill_timeout_s} s"
                 log.warning(last)
+                prefills.mark_down(up, last)
                 continue
             except httpx.TransportError as e:
                 last = f"prefill server {up.url} unreachable: {type(e).__name__}: {e}"
                 log.warning(last)
+                prefills.mark_down(up, last)
                 continue
             finally:
                 up.in_flight -= 1
+            prefills.mark_up(up)
             if r.status_code >= 500:
                 last = f"prefill server {up.url} answered {r.status_code}: {r.text[:500]}"
                 log.warning(last)
@@ -210,23 +220,27 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             except TimeoutError:                 # it took the request and said nothing: a 504, KV released
                 up.in_flight -= 1
                 await _release(http, leased, headers)
-                return _decode_timeout(up, decode_timeout_s)
+                return _decode_timeout(decodes, up, decode_timeout_s)
             except httpx.ConnectError as e:      # nothing reached it: another decode server may take it
                 up.in_flight -= 1
                 log.warning("decode server %s unreachable: %s", up.url, e)
+                decodes.mark_down(up, f"unreachable: {type(e).__name__}: {e}")
                 continue
             except (httpx.TransportError, ClientGone) as e:   # it failed, or the client left, before the headers
                 up.in_flight -= 1
                 await _release(http, leased, headers)
                 if isinstance(e, ClientGone):
                     return Response(status_code=CLIENT_CLOSED)
+                decodes.mark_down(up, f"failed: {type(e).__name__}: {e}")
                 return _error(502, f"decode server {up.url} failed: {type(e).__name__}: {e}", code="decode_failed")
             except BaseException:
                 up.in_flight -= 1
                 raise
+            decodes.mark_up(up)
             if r.status_code >= 400:
                 await _release(http, leased, headers)
-            relay = _relay(r, up, lambda: _release(http, leased, headers), path == "/v1/responses")
+            relay = _relay(r, up, lambda: _release(http, leased, headers), path == "/v1/responses",
+                           lambda why: decodes.mark_down(up, why))
             return StreamingResponse(relay, status_code=r.status_code,
                                      media_type=r.headers.get("content-type", "text/event-stream"),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -319,9 +333,17 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         status = dict(zip((s.url for s in servers), ok))
         p_ok = any(status[s.url] for s in prefills.servers)
         d_ok = any(status[s.url] for s in decodes.servers)
+        for pool in (prefills, decodes):
+            for s in pool.servers:
+                if status[s.url]:
+                    pool.mark_up(s)
+
+        def state(s: Upstream) -> dict[str, Any]:
+            return {"healthy": status[s.url], "in_flight": s.in_flight, "in_rotation": s.down is None,
+                    **({"out_of_rotation_because": s.down} if s.down is not None else {})}
         body = {"status": "ok" if p_ok and d_ok else "unhealthy",
-                "prefill": {s.url: {"healthy": status[s.url], "in_flight": s.in_flight} for s in prefills.servers},
-                "decode": {s.url: {"healthy": status[s.url], "in_flight": s.in_flight} for s in decodes.servers}}
+                "prefill": {s.url: state(s) for s in prefills.servers},
+                "decode": {s.url: state(s) for s in decodes.servers}}
         return JSONResponse(body, status_code=200 if p_ok and d_ok else 503)
 
     return app
@@ -331,8 +353,9 @@ def _within(aw: Awaitable, timeout_s: float | None) -> Awaitable:
     return aw if timeout_s is None else asyncio.wait_for(aw, timeout_s)
 
 
-def _decode_timeout(up: Upstream, timeout_s: float | None) -> JSONResponse:
+def _decode_timeout(decodes: Pool, up: Upstream, timeout_s: float | None) -> JSONResponse:
     log.warning("decode server %s did not answer within %s s", up.url, timeout_s)
+    decodes.mark_down(up, f"did not start an answer within {timeout_s} s")
     return _error(504, f"decode server {up.url} did not start its answer within {timeout_s} s",
                   code="decode_timeout")
 
@@ -351,14 +374,17 @@ async def _prefill_and_decode(http: httpx.AsyncClient, decodes: Pool, path: str,
         try:
             r = await _within(http.post(up.url + path, json=dbody, headers=headers), timeout_s)
         except TimeoutError:
-            return _decode_timeout(up, timeout_s)
+            return _decode_timeout(decodes, up, timeout_s)
         except httpx.ConnectError as e:
             log.warning("decode server %s unreachable: %s", up.url, e)
+            decodes.mark_down(up, f"unreachable: {type(e).__name__}: {e}")
             continue
         except httpx.TransportError as e:
+            decodes.mark_down(up, f"failed: {type(e).__name__}: {e}")
             return _error(502, f"decode server {up.url} failed: {type(e).__name__}: {e}", code="decode_failed")
         finally:
             up.in_flight -= 1
+        decodes.mark_up(up)
         return Response(r.content, status_code=r.status_code,
                         media_type=r.headers.get("content-type", "application/json"))
     return _error(502, "no decode server could be reached", code="decode_failed")
@@ -383,12 +409,13 @@ _SEQ = re.compile(rb'"sequence_number":\s*(\d+)')   # a /v1/responses event's nu
 
 
 async def _relay(r: httpx.Response, up: Upstream, release: Callable[[], Awaitable[None]],
-                 responses: bool = False) -> AsyncIterator[bytes]:
+                 responses: bool = False, failed: Callable[[str], None] = lambda why: None) -> AsyncIterator[bytes]:
     """The decode server's stream, whole SSE events as they come; closing it (client gone) closes the upstream
     request. A stream that does not run to its end (the client left, the decode server failed) releases the
     prefill's lease: the decode side may never have read it (a release after the read is a no-op). A failure
     mid-stream drops the event it cut in half and ends as a single server ends a failed stream: an error chunk
-    and [DONE], or on /v1/responses an `error` event numbered after the last one relayed."""
+    and [DONE], or on /v1/responses an `error` event numbered after the last one relayed, and `failed(why)`
+    is told (the server leaves the rotation)."""
     ended, tail, seq = False, b"", -1
     try:
         async for chunk in r.aiter_raw():
@@ -404,6 +431,7 @@ async def _relay(r: httpx.Response, up: Upstream, release: Callable[[], Awaitabl
         ended = True
     except httpx.TransportError as e:
         msg = f"decode server {up.url} failed mid-stream: {type(e).__name__}: {e}"
+        failed(msg)
         if responses:
             ev = {"type": "error", "code": "decode_failed", "message": msg, "param": None, "sequence_number": seq + 1}
             yield f"event: error\ndata: {json.dumps(ev)}\n\n".encode()
@@ -417,6 +445,20 @@ async def _relay(r: httpx.Response, up: Upstream, release: Callable[[], Awaitabl
             _background.add(task)
             task.add_done_callback(_background.discard)
         await r.aclose()
+
+
+async def _probe_down_servers(http: httpx.AsyncClient, pools: Sequence[Pool]) -> None:
+    """Every PROBE_S, ask each server out of rotation for its /health; a 200 puts it back."""
+    async def probe(pool: Pool, up: Upstream) -> None:
+        try:
+            ok = (await http.get(up.url + "/health", timeout=PROBE_TIMEOUT_S)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            pool.mark_up(up)
+    while True:
+        await asyncio.sleep(PROBE_S)
+        await asyncio.gather(*(probe(pool, up) for pool in pools for up in pool.servers if up.down is not None))
 
 
 def run_proxy(args: Any) -> int:

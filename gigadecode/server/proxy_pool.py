@@ -1,16 +1,24 @@
 """Which upstream server takes a proxied request (`gigadecode proxy`, `proxy.py`): the servers of one role
 (`Pool`), the least loaded first, and the prefix affinity of prefill servers (`prefix_keys`): a prompt goes
 where its leading chunks went before, so a prefill server with prefix caching finds them in its own pool.
+
+A server the proxy could not reach, or that timed out or dropped a request, is out of rotation
+(`mark_down`): the others take the new requests until its /health answers 200 again (`mark_up`, from the
+proxy's probe), so a dead or wedged server costs the request that found it so, not one request in every
+few after it. When every server of a role is out, they are all tried as before.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("gigadecode.proxy")
 
 # Prefix affinity (prefill servers): prompts are keyed by chunks of this many bytes (at most so many chunks);
 # the server holding a prompt's prefix keeps it while at most AFFINITY_SLACK requests busier than the least
@@ -23,6 +31,7 @@ class Upstream:
     url: str
     in_flight: int = 0
     sent: int = 0
+    down: str | None = None              # why it is out of rotation (None: in rotation)
 
 
 class Pool:
@@ -39,14 +48,17 @@ class Pool:
         self.owner: OrderedDict[bytes, Upstream] = OrderedDict()     # prefix key -> the server that last took it
 
     def pick(self, exclude: Sequence[Upstream] = (), keys: Sequence[bytes] = ()) -> Upstream | None:
+        """The server for a request (None: every one is in `exclude`): those in rotation first, the servers out
+        of it only when no other is left."""
         left = [(s.in_flight, s.sent, i, s) for i, s in enumerate(self.servers) if s not in exclude]
+        left = [t for t in left if t[3].down is None] or left
         if not left:
             return None
         s = min(left, key=lambda t: t[:3])[3]
         for key in reversed(keys):                   # the longest shared prefix first
             o = self.owner.get(key)
             if o is not None:
-                if o not in exclude and o.in_flight <= s.in_flight + AFFINITY_SLACK:
+                if any(o is t[3] for t in left) and o.in_flight <= s.in_flight + AFFINITY_SLACK:
                     s = o
                 break
         for key in keys:
@@ -56,6 +68,18 @@ class Pool:
             self.owner.popitem(last=False)
         s.sent += 1
         return s
+
+    def mark_down(self, up: Upstream, why: str) -> None:
+        """Take `up` out of rotation (it could not be reached, timed out or dropped a request)."""
+        if up.down is None:
+            log.warning("%s server %s is out of rotation until its /health answers 200: %s", self.role, up.url, why)
+        up.down = why
+
+    def mark_up(self, up: Upstream) -> None:
+        """Put `up` back into rotation (its /health answered 200, or it served a request)."""
+        if up.down is not None:
+            log.warning("%s server %s is back in rotation", self.role, up.url)
+        up.down = None
 
 
 def prefix_keys(body: dict[str, Any]) -> list[bytes]:
