@@ -516,16 +516,17 @@ def test_proxy_carries_vllms_sampling_extras(di, single, tiny_ckpt):
     wait_idle(di["prefill"], timeout=3)
 
 
-class Switchable:
-    """A TCP front for a real server that can be wedged: while `wedged`, it takes connections and never answers
-    (a stopped or hung process: the kernel accepts for it); otherwise it relays bytes both ways. `posts` counts
-    the POSTs that reached it, relayed or swallowed."""
+class Front:
+    """A TCP front for a real server, in one of three modes: "wedged" takes connections and never answers (a
+    stopped or hung process: the kernel accepts for it), "relay" relays bytes both ways, "hold" relays the
+    requests but swallows the answers to the generation routes (an answer the server sent that never reached
+    the proxy). `posts` counts the requests to the generation routes that reached it."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, mode: str = "wedged") -> None:
         import socket
         import threading
-        self.target = target.rsplit(":", 1)
-        self.wedged, self.posts, self.conns = True, 0, []
+        self.target = target.removeprefix("http://").rsplit(":", 1)
+        self.mode, self.posts, self.conns = mode, 0, []
         self.srv = socket.socket()
         self.srv.bind(("127.0.0.1", 0))
         self.srv.listen(64)
@@ -541,15 +542,16 @@ class Switchable:
             except OSError:
                 return
             self.conns.append(c)
-            if self.wedged:
-                threading.Thread(target=self._pump, args=(c, None), daemon=True).start()
+            if self.mode == "wedged":
+                threading.Thread(target=self._pump, args=(c, None, []), daemon=True).start()
                 continue
-            up = socket.create_connection((self.target[0].removeprefix("http://"), int(self.target[1])))
+            up = socket.create_connection((self.target[0], int(self.target[1])))
             self.conns.append(up)
-            threading.Thread(target=self._pump, args=(c, up), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, c), daemon=True).start()
+            generation = []                        # set once the connection carried a generation request
+            threading.Thread(target=self._pump, args=(c, up, generation), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, c, generation, True), daemon=True).start()
 
-    def _pump(self, src, dst) -> None:
+    def _pump(self, src, dst, generation: list, answers: bool = False) -> None:
         while True:
             try:
                 data = src.recv(1 << 16)
@@ -557,13 +559,15 @@ class Switchable:
                 return
             if not data:
                 return
-            if data.startswith(b"POST "):
+            if data.startswith(b"POST /v1/"):
                 self.posts += 1
-            if dst is not None:
-                try:
-                    dst.sendall(data)
-                except OSError:
-                    return
+                generation.append(True)
+            if dst is None or (answers and generation and self.mode == "hold"):
+                continue
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
 
     def close(self) -> None:
         self.srv.close()
@@ -578,7 +582,7 @@ def test_proxy_routes_around_a_wedged_server_and_back_when_it_answers_again(di):
     or every other, each paying the time-out again). When the decode server answers /health again, the proxy's
     probe puts it back and it takes requests again."""
     import httpx
-    prefill, decode = Switchable(di["prefill"]), Switchable(di["decode"])
+    prefill, decode = Front(di["prefill"]), Front(di["decode"])
     port = free_port()
     proxy = start_gigadecode(["proxy", "--prefill", prefill.url, di["prefill"], "--decode", decode.url, di["decode"],
                               "--port", str(port), "--prefill-timeout-s", "1", "--decode-timeout-s", "1"])
@@ -593,7 +597,7 @@ def test_proxy_routes_around_a_wedged_server_and_back_when_it_answers_again(di):
             r = httpx.post(url + "/v1/completions", json={**body, "stream": stream}, timeout=60)
             assert r.status_code == 200, r.text
         assert (prefill.posts, decode.posts) == (1, 1)            # none reached the wedged servers again
-        decode.wedged = False                                     # it answers again: the probe puts it back
+        decode.mode = "relay"                                     # it answers again: the probe puts it back
         t0 = time.monotonic()
         while decode.posts == 1:
             assert time.monotonic() - t0 < 20, "the decode server never came back into rotation"
@@ -605,3 +609,66 @@ def test_proxy_routes_around_a_wedged_server_and_back_when_it_answers_again(di):
         stop_process_tree(proxy)
         prefill.close()
         decode.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_leaves_while_the_prefill_answer_is_on_its_way_holds_no_lease(di, stream):
+    """The prefill server has answered (its KV leased for the decode server) but the answer has not reached the
+    proxy when the client leaves: the proxy cannot release params it never got, so it ends the prefill it named
+    (`/kv/release` with that name), and the lease (10 s here) is over at once. It was held to its end: the
+    server, which saw its client still there when it answered, could not know."""
+    import socket
+
+    import httpx
+    front = Front(di["prefill"], mode="hold")
+    port = free_port()
+    proxy = start_gigadecode(["proxy", "--prefill", front.url, "--decode", di["decode"], "--port", str(port)])
+    try:
+        _wait_port(port, proxy)
+        body = json.dumps({"model": MODEL, "prompt": random_prompt(40, 1024, seed=15), "max_tokens": 4,
+                           "stream": stream}).encode()
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        t0 = time.monotonic()
+        while metrics(di["prefill"])["gigadecode_kv_leases"] == 0:     # answered; the answer is held back
+            assert time.monotonic() - t0 < 30
+            time.sleep(0.05)
+        client.close()                                                 # the client leaves
+        assert wait_idle(di["prefill"], timeout=3)["gigadecode_kv_leases"] == 0
+    finally:
+        stop_process_tree(proxy)
+        front.close()
+
+
+def test_a_prefill_named_by_the_proxy_is_ended_by_that_name(di):
+    """`/kv/release {"handoff": name}` ends the prefill the proxy sent under that name (x-gigadecode-handoff):
+    its lease once it answered, and only that one; a name that is not 32 hex digits is a 400, in the header or
+    the release."""
+    import uuid
+
+    import httpx
+    body = {"model": MODEL, "prompt": random_prompt(30, 1024, seed=16), "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    r = httpx.post(di["prefill"] + "/v1/completions", json=body, headers={"x-gigadecode-handoff": "x" * 32}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-gigadecode-handoff", r.text
+    names = [uuid.uuid4().hex for _ in range(2)]
+    for name, path in zip(names, ("/v1/completions", "/v1/chat/completions")):
+        extra = {"messages": [{"role": "user", "content": "hi"}], "prompt": None} if "chat" in path else {}
+        r = httpx.post(di["prefill"] + path, json={**body, **extra}, headers={"x-gigadecode-handoff": name}, timeout=60)
+        assert r.status_code == 200 and r.json()["kv_transfer_params"]["remote_request_id"].endswith(name), r.text
+    assert metrics(di["prefill"])["gigadecode_kv_leases"] == 2
+    release = di["prefill"] + "/kv/release"
+    assert httpx.post(release, json={"handoff": names[1]}, timeout=30).json() == {"released": True}
+    t0 = time.monotonic()
+    while metrics(di["prefill"])["gigadecode_kv_leases"] != 1:                # freed at the next step
+        assert time.monotonic() - t0 < 3
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert metrics(di["prefill"])["gigadecode_kv_leases"] == 1                 # that one only
+    assert httpx.post(release, json={"handoff": names[1]}, timeout=30).json() == {"released": False}
+    assert httpx.post(release, json={"handoff": uuid.uuid4().hex}, timeout=30).json() == {"released": False}
+    r = httpx.post(release, json={"handoff": "../" + names[0]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "handoff"
+    assert httpx.post(release, json={"handoff": names[0]}, timeout=30).json() == {"released": True}
+    assert wait_idle(di["prefill"], timeout=3)["gigadecode_kv_leases"] == 0

@@ -83,7 +83,9 @@ def _jsonable(info: Any) -> Any:
 async def kv_release(request: Request) -> JSONResponse:
     """A prefill server: {"kv_transfer_params": params it answered} -> {"released": bool}. The router calls it
     when the decode side will never read them (it refused the request, or the client left), so the leased
-    blocks are freed at once instead of when the lease runs out. Only signed params naming this engine."""
+    blocks are freed at once instead of when the lease runs out. Only signed params naming this engine.
+    {"handoff": name}: the router's client left while the prefill it named so (`deps.HANDOFF_HEADER`) ran; the
+    router never got its answer, so the request ends here: aborted if it runs, its lease ended if it answered."""
     from ..request import RequestError
     from .body import BodyError, load_object
     aeng = deps.engine(request)
@@ -91,6 +93,15 @@ async def kv_release(request: Request) -> JSONResponse:
         raw = load_object(await request.body())
     except BodyError as e:
         raise APIError(400, str(e), code="invalid_json") from None
+    if "handoff" in raw:
+        if not deps.valid_handoff(raw["handoff"]):
+            raise APIError(400, "handoff: expected the 32 hex digits the router named its prefill with",
+                           param="handoff")
+        rids = deps.handoff_ids(raw["handoff"])
+        for rid in rids:                  # a running request first: it then never leases (the engine's order)
+            aeng.abort(rid)
+        released = await aeng.call(lambda e: any([e.release_lease(rid) for rid in rids]))
+        return JSONResponse({"released": bool(released)})
     params = raw.get("kv_transfer_params")
     if not isinstance(params, dict):
         raise APIError(400, "kv_transfer_params: expected the object a prefill answered", param="kv_transfer_params")

@@ -170,7 +170,8 @@ async def chat_completions(request: Request) -> Response:
     with errors_named("max_tokens", max_param), errors_named("guided", guided_field):
         rid, choices = await start(aeng, [prompt], params, "chatcmpl", req.n or 1, kv, "messages", renderer,
                                    stop_strings(req), include_stop=bool(req.include_stop_str_in_output),
-                                   priority=request_priority(raw))
+                                   priority=request_priority(raw),
+                                   request_id=deps.handoff_request_id(request, "chatcmpl", kv))
     head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
             "created": int(time.time()), "model": name}
     reasoning = req.include_reasoning is not False

@@ -85,7 +85,8 @@ async def completions(request: Request) -> Response:
         rid, choices = await start(aeng, prompts, params, "cmpl", req.n or 1, kv, "prompt",
                                    lambda: TextRenderer(codec, skip_special), stop_strings(req), max_tokens_of=rest,
                                    include_stop=bool(req.include_stop_str_in_output),
-                                   priority=request_priority(raw))
+                                   priority=request_priority(raw),
+                                   request_id=deps.handoff_request_id(request, "cmpl", kv))
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name}
     # (text, token offsets) per prompt
     echoes = [_rendered(codec, ids, skip_special) for ids in prompts] if echo else []

@@ -326,12 +326,14 @@ def sse(obj: Any) -> str:
 async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingParams, prefix: str, n: int,
                 kv: Any, prompt_param: str, make_renderer: Callable[[], Any],
                 stops: Sequence[str], max_tokens_of: Callable[[list[int]], int] | None = None,
-                include_stop: bool = False, priority: int = 0) -> tuple[str, list[Choice]]:
+                include_stop: bool = False, priority: int = 0, request_id: str | None = None
+                ) -> tuple[str, list[Choice]]:
     """Submit `n` sequences per prompt (choice index = prompt index · n + j). A seeded request's j-th
     sequence draws with seed + j (`sampling.nth_seed`). DI params go with the first sequence of the (single) prompt only: a
     prefill's KV is read once; the other sequences prefill here. `max_tokens_of(prompt)`, when given, sets each
     prompt's max_tokens (the rest of the context, for a request that leaves it open); `include_stop`: vLLM's
-    include_stop_str_in_output; `priority`: every sequence's (the request's `priority` field)."""
+    include_stop_str_in_output; `priority`: every sequence's (the request's `priority` field); `request_id`: the
+    id to run under (a DI prefill the proxy named: `deps.handoff_request_id`), else a fresh one."""
     if len(prompts) * n > MAX_SEQUENCES:
         raise APIError(400, f"a request may ask for at most {MAX_SEQUENCES} sequences (prompts × n; got "
                             f"{len(prompts)} × {n})", param=prompt_param)
@@ -339,7 +341,7 @@ async def start(aeng: AsyncEngine, prompts: list[list[int]], params: SamplingPar
         raise APIError(400, "kv_transfer_params needs exactly one prompt", param="kv_transfer_params")
     if kv is not None and kv.do_remote_decode and n != 1:
         raise APIError(400, "a prefill request (do_remote_decode) takes n=1", param="n")
-    base = f"{prefix}-{uuid.uuid4().hex}"
+    base = request_id or f"{prefix}-{uuid.uuid4().hex}"
     choices: list[Choice] = []
     try:
         for pi, ids in enumerate(prompts):

@@ -12,7 +12,10 @@ For each POST /v1/completions, /v1/chat/completions or /v1/responses:
    server, and stream (whole SSE events) or return its answer as it is;
 3. if the decode side will never read those params (it refused the request, none was reachable, or the
    client left before it had them), POST them to the prefill server's `/kv/release`, which frees the
-   leased blocks at once instead of when the lease runs out.
+   leased blocks at once instead of when the lease runs out. Each prefill is sent under a fresh name
+   (`deps.HANDOFF_HEADER`): when the client leaves, or the prefill times out, before its answer came, the
+   proxy cannot know whether the server answered (leasing the KV) just then, so it asks `/kv/release` to end
+   the request of that name, running or leased.
 Behind stock vLLM prefill servers (`--prefill-vllm`, /v1/completions): the proxy has the prompt's token ids
 (given, or from the decode server's `/tokenize`), sends the vLLM prefill `prompt[:-1]` with `max_tokens=1`
 and `kv_transfer_params={"do_remote_decode": true}` (vLLM keeps every token it computes: one fewer makes its
@@ -22,7 +25,7 @@ deployment's KV secret (the decode servers accept no unsigned params), and sends
 a decode server.
 Each role's server is the least loaded one (in-flight requests, then fewest sent, then list order) of those
 in rotation: a server that could not be reached, timed out, or dropped a request mid-way is left out
-(`Pool.mark_down`) until its /health answers 200 again (probed every `PROBE_S`), so new requests go around
+(`Pool.mark_down`) until its /health answers 200 again (`proxy_pool.probe_down_servers`), so new requests go around
 a dead or wedged server and come back to it once it has returned.
 A client that disconnects closes the upstream request (which aborts it there). GET /health reports the
 upstreams' health (and whether each is in rotation); GET /v1/models is the first healthy decode server's. Authorization headers are
@@ -35,6 +38,7 @@ import asyncio
 import json
 import logging
 import re
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -44,8 +48,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .body import BodyError, BodyLimit, load_object
+from .deps import HANDOFF_HEADER
 from .disconnect import CLIENT_CLOSED, ClientGone, answer_clients_that_leave, unless_disconnected
-from .proxy_pool import Pool, Upstream, prefix_keys
+from .proxy_pool import Pool, Upstream, prefix_keys, probe_down_servers
 
 log = logging.getLogger("gigadecode.proxy")
 
@@ -56,8 +61,6 @@ RELEASE_TIMEOUT_S = 5.0          # a lease release (best effort: the lease runs 
 # timeout (5 s), so the proxy never sends a request on a connection the server is closing at that moment
 # (httpx's default expiry is also 5 s: that race surfaced as a rare ReadError, "prefill server unreachable")
 KEEPALIVE_EXPIRY_S = 2.0
-PROBE_S = 1.0                    # how often the /health of a server out of rotation is asked
-PROBE_TIMEOUT_S = 2.0
 
 def _error(status: int, message: str, type: str = "server_error", code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type, "param": None, "code": code}},
@@ -97,7 +100,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S))
-        probe = asyncio.get_running_loop().create_task(_probe_down_servers(app.state.client, (prefills, decodes)))
+        probe = asyncio.get_running_loop().create_task(probe_down_servers(app.state.client, (prefills, decodes)))
         try:
             yield
         finally:
@@ -110,8 +113,8 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
     answer_clients_that_leave(app)              # a client gone before its body was read: not a 500
     app.state.prefills, app.state.decodes = prefills, decodes
 
-    async def do_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str]
-                         ) -> httpx.Response | JSONResponse:
+    async def do_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
+                         leased: dict[str, Any]) -> httpx.Response | JSONResponse:
         pbody = {**body, "max_tokens": 1, "n": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         if "max_completion_tokens" in body or path.endswith("/chat/completions"):
             pbody["max_completion_tokens"] = 1
@@ -120,31 +123,44 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         pbody.pop("stream_options", None)
         if isinstance(body.get("min_tokens"), int):        # the decode server applies it; the prefill makes 1
             pbody["min_tokens"] = min(body["min_tokens"], 1)
-        return await post_prefill(http, path, pbody, headers)
+        return await post_prefill(http, path, pbody, headers, leased)
 
-    async def post_prefill(http: httpx.AsyncClient, path: str, pbody: dict[str, Any], headers: dict[str, str]
-                           ) -> httpx.Response | JSONResponse:
+    async def post_prefill(http: httpx.AsyncClient, path: str, pbody: dict[str, Any], headers: dict[str, str],
+                           leased: dict[str, Any] | None = None) -> httpx.Response | JSONResponse:
+        """`leased` (gigadecode prefill servers): holds each attempt's name and release URL while it runs, for
+        `_release` should the client leave meanwhile."""
         tried: list[Upstream] = []
         last = "no prefill server"
         keys = prefix_keys(pbody)                  # the prefill server that holds the prompt's prefix, if any
         while (up := prefills.pick(tried, keys)) is not None:
             tried.append(up)
             up.in_flight += 1
+            attempt = headers
+            if leased is not None:
+                leased.update(handoff=uuid.uuid4().hex, url=up.url + "/kv/release")
+                attempt = {**headers, HANDOFF_HEADER: leased["handoff"]}
             try:
-                r = await http.post(up.url + path, json=pbody, headers=headers, timeout=httpx.Timeout(
+                r = await http.post(up.url + path, json=pbody, headers=attempt, timeout=httpx.Timeout(
                     prefill_timeout_s, connect=CONNECT_TIMEOUT_S))
             except httpx.TimeoutException:
                 last = f"prefill server {up.url} did not answer within {prefill_timeout_s} s"
                 log.warning(last)
                 prefills.mark_down(up, last)
+                if leased is not None:          # it may answer late: end that request (this attempt's name)
+                    _in_background(_release(http, dict(leased), headers))
+                    leased.clear()
                 continue
             except httpx.TransportError as e:
                 last = f"prefill server {up.url} unreachable: {type(e).__name__}: {e}"
                 log.warning(last)
                 prefills.mark_down(up, last)
+                if leased is not None:
+                    leased.clear()
                 continue
             finally:
                 up.in_flight -= 1
+            if leased is not None:
+                leased.clear()                  # answered: what it leased (if anything) is in its answer
             prefills.mark_up(up)
             if r.status_code >= 500:
                 last = f"prefill server {up.url} answered {r.status_code}: {r.text[:500]}"
@@ -166,12 +182,13 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         http: httpx.AsyncClient = app.state.client
         headers = _headers(request)
 
-        leased: dict[str, Any] = {}        # the prefill's params and its release URL, until the decode has them
+        # the prefill's params and its release URL until the decode has them (while it runs: its name, `handoff`)
+        leased: dict[str, Any] = {}
 
         async def prepare_decode() -> httpx.Response | Response:
             if vllm:
                 return await vllm_prefill(http, path, body, headers)
-            pr = await do_prefill(http, path, body, headers)
+            pr = await do_prefill(http, path, body, headers, leased)
             if not isinstance(pr, httpx.Response):
                 return pr
             if pr.status_code >= 400:       # the client's mistake: answer it as the prefill did
@@ -392,12 +409,16 @@ async def _prefill_and_decode(http: httpx.AsyncClient, decodes: Pool, path: str,
 
 async def _release(http: httpx.AsyncClient, leased: dict[str, Any], headers: dict[str, str]) -> None:
     """Tell the prefill server that its params will never be read (it frees the blocks now, not when the
-    lease runs out); best effort: a failure leaves the lease to run out."""
-    kv, url = leased.pop("kv", None), leased.pop("url", None)
-    if kv is None or url is None:
+    lease runs out), or, before they came, that the prefill named `handoff` will never be asked for (it ends
+    that request, running or leased); best effort: a failure leaves the lease to run out."""
+    if leased is None:
         return
+    kv, handoff, url = leased.pop("kv", None), leased.pop("handoff", None), leased.pop("url", None)
+    if (kv is None and handoff is None) or url is None:
+        return
+    body = {"kv_transfer_params": kv} if kv is not None else {"handoff": handoff}
     try:
-        r = await http.post(url, json={"kv_transfer_params": kv}, headers=headers, timeout=RELEASE_TIMEOUT_S)
+        r = await http.post(url, json=body, headers=headers, timeout=RELEASE_TIMEOUT_S)
         if r.status_code != 200:
             log.warning("prefill server %s refused to release a lease: %s %s", url, r.status_code, r.text[:200])
     except httpx.HTTPError as e:
@@ -441,24 +462,15 @@ async def _relay(r: httpx.Response, up: Upstream, release: Callable[[], Awaitabl
     finally:
         up.in_flight -= 1
         if not ended:                  # a task: this generator may be closing under a cancellation
-            task = asyncio.get_running_loop().create_task(release())
-            _background.add(task)
-            task.add_done_callback(_background.discard)
+            _in_background(release())
         await r.aclose()
 
 
-async def _probe_down_servers(http: httpx.AsyncClient, pools: Sequence[Pool]) -> None:
-    """Every PROBE_S, ask each server out of rotation for its /health; a 200 puts it back."""
-    async def probe(pool: Pool, up: Upstream) -> None:
-        try:
-            ok = (await http.get(up.url + "/health", timeout=PROBE_TIMEOUT_S)).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if ok:
-            pool.mark_up(up)
-    while True:
-        await asyncio.sleep(PROBE_S)
-        await asyncio.gather(*(probe(pool, up) for pool in pools for up in pool.servers if up.down is not None))
+def _in_background(coro: Awaitable[None]) -> None:
+    """Run `coro` (a release) as a task of its own, kept alive until it is done."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
 
 
 def run_proxy(args: Any) -> int:

@@ -10,6 +10,7 @@ few after it. When every server of a role is out, they are all tried as before.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -18,12 +19,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 log = logging.getLogger("gigadecode.proxy")
 
 # Prefix affinity (prefill servers): prompts are keyed by chunks of this many bytes (at most so many chunks);
 # the server holding a prompt's prefix keeps it while at most AFFINITY_SLACK requests busier than the least
 # loaded; the proxy remembers this many keys
 AFFINITY_CHUNK, AFFINITY_MAX_CHUNKS, AFFINITY_SLACK, AFFINITY_ENTRIES = 256, 512, 2, 1 << 17
+PROBE_S, PROBE_TIMEOUT_S = 1.0, 2.0     # how often, and how long, a server out of rotation is asked for /health
 
 
 @dataclass
@@ -80,6 +84,20 @@ class Pool:
         if up.down is not None:
             log.warning("%s server %s is back in rotation", self.role, up.url)
         up.down = None
+
+
+async def probe_down_servers(http: httpx.AsyncClient, pools: Sequence[Pool]) -> None:
+    """Every PROBE_S, ask each server out of rotation for its /health; a 200 puts it back."""
+    async def probe(pool: Pool, up: Upstream) -> None:
+        try:
+            ok = (await http.get(up.url + "/health", timeout=PROBE_TIMEOUT_S)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            pool.mark_up(up)
+    while True:
+        await asyncio.sleep(PROBE_S)
+        await asyncio.gather(*(probe(pool, up) for pool in pools for up in pool.servers if up.down is not None))
 
 
 def prefix_keys(body: dict[str, Any]) -> list[bytes]:

@@ -231,11 +231,12 @@ async def responses(request: Request) -> Response:
     final_only = structured is not None       # the message is the structured answer alone (no preamble)
     with errors_named("max_tokens", "max_output_tokens"), errors_named("guided", "text.format"):
         params = sampling_params(raw, max_tokens, None, deps.sampling_defaults(aeng), None, guided)
-        _, choices = await start(aeng, [prompt], params, "resp", 1, deps.advertised(request, req.kv_transfer_params),
-                                 "input",
+        kv = deps.advertised(request, req.kv_transfer_params)
+        _, choices = await start(aeng, [prompt], params, "resp", 1, kv, "input",
                                  lambda: (ItemRenderer(codec, tokens, final_only) if tokens is not None
                                           else TextRenderer(codec)),
-                                 [], priority=request_priority(raw))
+                                 [], priority=request_priority(raw),
+                                 request_id=deps.handoff_request_id(request, "resp", kv))
     c = choices[0]
     head = {"id": new_id("resp"), "object": "response", "created_at": int(time.time()), "model": name,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
