@@ -580,7 +580,8 @@ def test_proxy_routes_around_a_wedged_server_and_back_when_it_answers_again(di):
     time-out (the prefill is retried on the healthy one, the decode answers 504) and puts both out of rotation;
     the requests after it go straight to the healthy pair, none to the wedged ones (each once got every request,
     or every other, each paying the time-out again). When the decode server answers /health again, the proxy's
-    probe puts it back and it takes requests again."""
+    probe puts it back and it takes requests again. /v1/models is asked of a decode server in rotation (it waited
+    on the wedged first one for ever)."""
     import httpx
     prefill, decode = Front(di["prefill"]), Front(di["decode"])
     port = free_port()
@@ -597,6 +598,8 @@ def test_proxy_routes_around_a_wedged_server_and_back_when_it_answers_again(di):
             r = httpx.post(url + "/v1/completions", json={**body, "stream": stream}, timeout=60)
             assert r.status_code == 200, r.text
         assert (prefill.posts, decode.posts) == (1, 1)            # none reached the wedged servers again
+        models = httpx.get(url + "/v1/models", timeout=30)       # asked of one in rotation (it hung on the first)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
         decode.mode = "relay"                                     # it answers again: the probe puts it back
         t0 = time.monotonic()
         while decode.posts == 1:

@@ -61,6 +61,7 @@ RELEASE_TIMEOUT_S = 5.0          # a lease release (best effort: the lease runs 
 # timeout (5 s), so the proxy never sends a request on a connection the server is closing at that moment
 # (httpx's default expiry is also 5 s: that race surfaced as a rare ReadError, "prefill server unreachable")
 KEEPALIVE_EXPIRY_S = 2.0
+INFO_TIMEOUT_S = 5.0             # how long a server may take to answer /health or /v1/models
 
 def _error(status: int, message: str, type: str = "server_error", code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type, "param": None, "code": code}},
@@ -326,11 +327,12 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
     async def models(request: Request) -> Response:
         http: httpx.AsyncClient = app.state.client
         last = "no decode server"
-        for up in decodes.servers:
+        for up in sorted(decodes.servers, key=lambda s: s.down is not None):     # those in rotation first
             try:
-                r = await http.get(up.url + "/v1/models", headers=_headers(request))
-            except httpx.TransportError as e:
+                r = await http.get(up.url + "/v1/models", headers=_headers(request), timeout=INFO_TIMEOUT_S)
+            except httpx.TransportError as e:     # a wedged one too: the next answers (it hung the route)
                 last = f"{up.url}: {type(e).__name__}: {e}"
+                decodes.mark_down(up, f"/v1/models: {last}")
                 continue
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type", "application/json"))
@@ -342,7 +344,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
 
         async def check(up: Upstream) -> bool:
             try:
-                return (await http.get(up.url + "/health", timeout=5.0)).status_code == 200
+                return (await http.get(up.url + "/health", timeout=INFO_TIMEOUT_S)).status_code == 200
             except httpx.HTTPError:
                 return False
         servers = prefills.servers + decodes.servers
