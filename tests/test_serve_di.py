@@ -517,10 +517,11 @@ def test_proxy_carries_vllms_sampling_extras(di, single, tiny_ckpt):
 
 
 class Front:
-    """A TCP front for a real server, in one of three modes: "wedged" takes connections and never answers (a
+    """A TCP front for a real server, in one of four modes: "wedged" takes connections and never answers (a
     stopped or hung process: the kernel accepts for it), "relay" relays bytes both ways, "hold" relays the
     requests but swallows the answers to the generation routes (an answer the server sent that never reached
-    the proxy). `posts` counts the requests to the generation routes that reached it."""
+    the proxy), "cut" drops the connection instead of relaying such an answer. `posts` counts the requests to
+    the generation routes that reached it."""
 
     def __init__(self, target: str, mode: str = "wedged") -> None:
         import socket
@@ -564,15 +565,28 @@ class Front:
                 generation.append(True)
             if dst is None or (answers and generation and self.mode == "hold"):
                 continue
+            if answers and generation and self.mode == "cut":
+                self._drop(src, dst)
+                return
             try:
                 dst.sendall(data)
             except OSError:
                 return
 
+    @staticmethod
+    def _drop(*socks) -> None:
+        """Close at once (a shutdown first: a close alone waits for the other thread's recv on the socket)."""
+        import socket
+        for c in socks:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+
     def close(self) -> None:
         self.srv.close()
-        for c in self.conns:
-            c.close()
+        self._drop(*self.conns)
 
 
 def test_proxy_routes_around_a_wedged_server_and_back_when_it_answers_again(di):
@@ -675,3 +689,23 @@ def test_a_prefill_named_by_the_proxy_is_ended_by_that_name(di):
     assert r.status_code == 400 and r.json()["error"]["param"] == "handoff"
     assert httpx.post(release, json={"handoff": names[0]}, timeout=30).json() == {"released": True}
     assert wait_idle(di["prefill"], timeout=3)["gigadecode_kv_leases"] == 0
+
+
+def test_a_prefill_answer_cut_off_on_its_way_holds_no_lease(di):
+    """The prefill server answered (leasing the KV) but the connection broke before the answer reached the
+    proxy: the client gets a 502 naming the prefill, and the proxy ends the prefill it named, so the lease
+    (10 s here) is over at once."""
+    import httpx
+    front = Front(di["prefill"], mode="cut")
+    port = free_port()
+    proxy = start_gigadecode(["proxy", "--prefill", front.url, "--decode", di["decode"], "--port", str(port)])
+    try:
+        _wait_port(port, proxy)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": random_prompt(40, 1024, seed=17), "max_tokens": 4})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "prefill_failed", r.text
+        assert front.posts == 1
+        assert wait_idle(di["prefill"], timeout=3)["gigadecode_kv_leases"] == 0
+    finally:
+        stop_process_tree(proxy)
+        front.close()

@@ -155,7 +155,9 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                 last = f"prefill server {up.url} unreachable: {type(e).__name__}: {e}"
                 log.warning(last)
                 prefills.mark_down(up, last)
-                if leased is not None:
+                if leased is not None:          # it may have answered before the connection broke
+                    if not isinstance(e, httpx.ConnectError):
+                        _in_background(_release(http, dict(leased), headers))
                     leased.clear()
                 continue
             finally:
