@@ -832,6 +832,12 @@ def test_proxy_prefill_then_decode_with_retry():
             assert h.status_code == 200 and h.json()["prefill"][dead]["healthy"] is False
             assert h.json()["prefill"][dead]["in_rotation"] is False and h.json()["prefill"][p.url]["in_rotation"]
             assert "unreachable" in h.json()["prefill"][dead]["out_of_rotation_because"]
+            m = metrics(px.url)                       # the same, for Prometheus
+            assert m[f'gigadecode_proxy_upstream_in_rotation{{role="prefill",url="{dead}"}}'] == 0
+            assert m[f'gigadecode_proxy_upstream_failures_total{{role="prefill",url="{dead}"}}'] >= 1
+            assert m[f'gigadecode_proxy_upstream_in_rotation{{role="decode",url="{d.url}"}}'] == 1
+            assert m[f'gigadecode_proxy_upstream_requests_total{{role="decode",url="{d.url}"}}'] == len(dec["bodies"])
+            assert m[f'gigadecode_proxy_upstream_in_flight{{role="decode",url="{d.url}"}}'] == 0
 
         # every prefill failing: 502 in OpenAI's shape
         proxy = build_proxy_app([b.url, dead], [d.url])

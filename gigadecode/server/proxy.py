@@ -25,10 +25,12 @@ deployment's KV secret (the decode servers accept no unsigned params), and sends
 a decode server.
 Each role's server is the least loaded one (in-flight requests, then fewest sent, then list order) of those
 in rotation: a server that could not be reached, timed out, or dropped a request mid-way is left out
-(`Pool.mark_down`) until its /health answers 200 again (`proxy_pool.probe_down_servers`), so new requests go around
-a dead or wedged server and come back to it once it has returned.
+(`Pool.mark_down`) until its /health answers 200 again (`proxy_pool.probe_down_servers`), so new requests go
+around a dead or wedged server and come back to it once it has returned.
 A client that disconnects closes the upstream request (which aborts it there). GET /health reports the
-upstreams' health (and whether each is in rotation); GET /v1/models is the first healthy decode server's. Authorization headers are
+upstreams' health (and whether each is in rotation), GET /metrics each one's load, rotation and failures
+(Prometheus); GET /v1/models is the answer of the first decode server (in rotation first) that gives one
+within `INFO_TIMEOUT_S`. Authorization headers are
 forwarded to the upstreams.
 """
 
@@ -50,7 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .body import BodyError, BodyLimit, load_object
 from .deps import HANDOFF_HEADER
 from .disconnect import CLIENT_CLOSED, ClientGone, answer_clients_that_leave, unless_disconnected
-from .proxy_pool import Pool, Upstream, prefix_keys, probe_down_servers
+from .proxy_pool import Pool, Upstream, metrics_text, prefix_keys, probe_down_servers
 
 log = logging.getLogger("gigadecode.proxy")
 
@@ -339,6 +341,10 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type", "application/json"))
         return _error(502, f"no decode server answered: {last}")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(metrics_text((prefills, decodes)), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/health")
     async def health() -> JSONResponse:

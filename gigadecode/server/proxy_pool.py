@@ -36,6 +36,7 @@ class Upstream:
     in_flight: int = 0
     sent: int = 0
     down: str | None = None              # why it is out of rotation (None: in rotation)
+    failures: int = 0                    # times it left the rotation, or failed while out of it
 
 
 class Pool:
@@ -78,6 +79,7 @@ class Pool:
         if up.down is None:
             log.warning("%s server %s is out of rotation until its /health answers 200: %s", self.role, up.url, why)
         up.down = why
+        up.failures += 1
 
     def mark_up(self, up: Upstream) -> None:
         """Put `up` back into rotation (its /health answered 200, or it served a request)."""
@@ -98,6 +100,28 @@ async def probe_down_servers(http: httpx.AsyncClient, pools: Sequence[Pool]) -> 
     while True:
         await asyncio.sleep(PROBE_S)
         await asyncio.gather(*(probe(pool, up) for pool in pools for up in pool.servers if up.down is not None))
+
+
+METRICS = (("gigadecode_proxy_upstream_in_flight", "gauge", "Requests the proxy has in flight on the server.",
+            lambda s: s.in_flight),
+           ("gigadecode_proxy_upstream_in_rotation", "gauge", "1 while the server takes new requests, 0 while it is out "
+            "of rotation (unreachable, timed out or failed; back once its /health answers 200).",
+            lambda s: int(s.down is None)),
+           ("gigadecode_proxy_upstream_requests_total", "counter", "Requests the proxy sent the server.",
+            lambda s: s.sent),
+           ("gigadecode_proxy_upstream_failures_total", "counter", "Times the server could not be reached, timed out or "
+            "failed a request.", lambda s: s.failures))
+
+
+def metrics_text(pools: Sequence[Pool]) -> str:
+    """The proxy's /metrics (Prometheus text): each server's load, rotation and failures, labelled by role and
+    URL."""
+    lines = []
+    for name, kind, help_, value in METRICS:
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        for pool in pools:
+            lines += [f'{name}{{role="{pool.role}",url="{s.url}"}} {value(s)}' for s in pool.servers]
+    return "\n".join(lines) + "\n"
 
 
 def prefix_keys(body: dict[str, Any]) -> list[bytes]:
