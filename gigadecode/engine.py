@@ -126,7 +126,7 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
             raise RequestError(f"request id must be a non-empty string (got {rid!r})")
-        if rid in self.requests:
+        if rid in self.requests or self.scheduler.kv_manager.has_request(rid):   # (a finished prefill's leased KV)
             raise RequestError(f"request id {rid!r} is already in use")
         self.scheduler.check_priority(priority)
         self.check_request(prompt_ids, params)

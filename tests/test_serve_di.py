@@ -660,8 +660,8 @@ def test_a_client_that_leaves_while_the_prefill_answer_is_on_its_way_holds_no_le
 
 def test_a_prefill_named_by_the_proxy_is_ended_by_that_name(di):
     """`/kv/release {"handoff": name}` ends the prefill the proxy sent under that name (x-gigadecode-handoff):
-    its lease once it answered, and only that one; a name that is not 32 hex digits is a 400, in the header or
-    the release."""
+    its lease once it answered, and only that one; a name that is not 32 hex digits, or whose request still holds
+    its KV, is a 400."""
     import uuid
 
     import httpx
@@ -675,6 +675,9 @@ def test_a_prefill_named_by_the_proxy_is_ended_by_that_name(di):
         r = httpx.post(di["prefill"] + path, json={**body, **extra}, headers={"x-gigadecode-handoff": name}, timeout=60)
         assert r.status_code == 200 and r.json()["kv_transfer_params"]["remote_request_id"].endswith(name), r.text
     assert metrics(di["prefill"])["gigadecode_kv_leases"] == 2
+    # a name whose request still holds its KV (leased) is not taken again: the two would share their blocks' names
+    r = httpx.post(di["prefill"] + "/v1/completions", json=body, headers={"x-gigadecode-handoff": names[0]}, timeout=60)
+    assert r.status_code == 400 and "already in use" in r.json()["error"]["message"], r.text
     release = di["prefill"] + "/kv/release"
     assert httpx.post(release, json={"handoff": names[1]}, timeout=30).json() == {"released": True}
     t0 = time.monotonic()
