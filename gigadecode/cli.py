@@ -57,6 +57,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "sequence's tokens (divides --tp; tp/dcp must divide the kv heads)")
     g.add_argument("--dcp-interleave", type=int, default=None,
                    help="DCP: tokens per round-robin chunk (default: --block-size; a multiple of it)")
+    g.add_argument("--distributed-timeout-s", type=float, default=300.0, metavar="S",
+                   help="parallel engines: once the world has started, the longest one rank waits for a peer in a "
+                        "collective (default 300): a rank that hangs then stops the world within it, the open "
+                        "requests failing with 'peer rank N did not answer within T s'. With --dp, keep it above "
+                        "the longest step (a prefill chunk of --max-prefill-tokens): DP groups no EP group spans "
+                        "wait for each other's whole step. Start-up (loading, the warm-up) waits up to 30 minutes")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="keep full KV blocks named by their tokens, so a prompt that starts like an earlier one "
                         "(a system prompt, the turns of a conversation) takes their KV instead of computing it "

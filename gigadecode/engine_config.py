@@ -65,6 +65,7 @@ class EngineConfig:
     ep: int = 1
     dcp: int = 1                       # decode context parallel: ranks of a TP group sharing kv heads, split tokens
     dcp_interleave: int | None = None  # DCP: tokens per round-robin chunk (None = block_size; a multiple of it)
+    distributed_timeout_s: float = 300.0  # parallel: a collective's longest wait for a peer once serving (hung rank)
     kv_lease_s: float = 30.0            # DI producer: how long leased blocks wait for the consumer's read
     kv_transfer_timeout_s: float = 10.0  # DI consumer: handshake + read time limit
     kv_failure_policy: str = "fail"     # DI consumer: fail | recompute (prefill locally) on a failed transfer
@@ -135,6 +136,10 @@ class EngineConfig:
         if self.dcp > 1 and self.kv_role == "kv_producer":
             raise ConfigError("--dcp is for decode engines: a prefill engine keeps every token (its decode "
                               "engines read their DCP share of it)")
+        if (not isinstance(self.distributed_timeout_s, Real) or isinstance(self.distributed_timeout_s, bool)
+                or not (math.isfinite(self.distributed_timeout_s) and self.distributed_timeout_s >= 1)):
+            raise ConfigError(f"--distributed-timeout-s must be a finite number of seconds >= 1 (got "
+                              f"{self.distributed_timeout_s!r}): a wait that short would fail a healthy world")
         positive("--kv-lease-s", self.kv_lease_s)
         positive("--kv-transfer-timeout-s", self.kv_transfer_timeout_s)
         if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
@@ -209,6 +214,7 @@ def engine_config_from_args(args: Any, kv_role: str = "kv_both") -> EngineConfig
                         max_prefill_tokens=args.max_prefill_tokens,
                         tp=args.tp, dp=args.dp, ep=args.ep, dcp=getattr(args, "dcp", 1),
                         dcp_interleave=getattr(args, "dcp_interleave", None),
+                        distributed_timeout_s=getattr(args, "distributed_timeout_s", 300.0),
                         kv_lease_s=getattr(args, "kv_lease_s", 30.0),
                         kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout_s", 10.0),
                         kv_failure_policy=getattr(args, "kv_failure_policy", "fail"),

@@ -109,6 +109,20 @@ def test_bad_threads_are_refused(tiny_ckpt, flag):
                                                  *flag]))
 
 
+@pytest.mark.parametrize("cmd", ["generate", "serve"])
+def test_distributed_timeout_flag(tiny_ckpt, cmd):
+    """--distributed-timeout-s (serve and generate) reaches the engine config (default 300 s); a wait under a
+    second, or one that is not a finite number, is refused."""
+    args = ["--prompt-ids", "1"] if cmd == "generate" else []
+    parse = build_parser().parse_args
+    assert engine_config(parse([cmd, "--model", str(tiny_ckpt), *args])).distributed_timeout_s == 300.0
+    assert engine_config(parse([cmd, "--model", str(tiny_ckpt), *args, "--distributed-timeout-s", "2.5"])
+                         ).distributed_timeout_s == 2.5
+    for bad in ("0", "0.5", "-3", "nan", "inf"):
+        with pytest.raises(ConfigError, match="--distributed-timeout-s"):
+            engine_config(parse([cmd, "--model", str(tiny_ckpt), *args, "--distributed-timeout-s", bad]))
+
+
 def test_without_native_kernels_the_twins_give_the_same_tokens(tiny_ckpt):
     """No kernels (no compiler, or GIGADECODE_NATIVE=0): one warning line, then the torch twins, same tokens."""
     ids = "3,1,4,1,5,9,2,6"

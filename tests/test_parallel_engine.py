@@ -457,3 +457,56 @@ def test_every_rank_judges_a_steps_adds_at_rank_0s_clock():
     with pytest.raises(Seen):
         _replica_step(Replica(), SimpleNamespace(dp_rank=0), inbox, None)
     assert seen == [1234.5]
+
+
+# --------------------------------------------------------------------------------------------------
+# a rank that hangs: its peers' collectives give up after --distributed-timeout-s, not gloo's 30 minutes
+# --------------------------------------------------------------------------------------------------
+def hung_peer_job(rank: int) -> tuple[float, str | None]:
+    """A TP 2 × EP 2 world on the tiny config. Start-up: rank 1 joins a TP all_reduce 1.5 s late, which is
+    waited for. Then every rank arms a 1 s timeout; rank 1 hangs (sleeps) while rank 0 waits in a TP
+    all_reduce, and rank 0 hangs while rank 1 waits for the step broadcast (as a worker of an idle server
+    would, were rank 0 stuck). -> (this rank's start-up wait, (seconds, error) of its wait on the hung peer)."""
+    import time
+
+    import torch
+
+    from gigadecode.checkpoint import preset_config
+    from gigadecode.distributed.context import CollectiveFailed, make_parallel_context
+    from gigadecode.parallel.engine import _exchange
+
+    def timed(call) -> tuple[float, str | None]:
+        t0 = time.monotonic()
+        try:
+            call()
+        except CollectiveFailed as e:
+            return time.monotonic() - t0, str(e)
+        return time.monotonic() - t0, None
+
+    ctx = make_parallel_context(preset_config("tiny"), 2, 1, 2)
+    if rank == 1:
+        time.sleep(1.5)
+    startup = timed(lambda: ctx.all_reduce_tp(torch.ones(4)))
+    assert startup[1] is None, startup
+    ctx.arm_timeout(1.0)
+    if rank == 0:
+        hung = timed(lambda: ctx.all_reduce_tp(torch.ones(4)))    # rank 1 is asleep
+        time.sleep(4.0)                                           # ... and now rank 0 hangs
+    else:
+        time.sleep(2.5)
+        hung = timed(lambda: _exchange(ctx, None))                # rank 0 is asleep
+    return startup[0], hung
+
+
+def test_a_hung_peer_fails_the_collective_after_the_armed_timeout():
+    """gloo honours `ParallelContext.arm_timeout` on the TP group and on the world's step broadcast (a pickled
+    broadcast_object_list); the failure names the silent peer and the timeout, in an operator's words. Before
+    arming (start-up: ranks load their shards at their own pace) a late peer is waited for."""
+    from gigadecode.parallel.spawn import run_world
+    (up0, (took0, err0)), (_, (took1, err1)) = run_world(2, hung_peer_job)
+    assert up0 >= 1.0, up0                                       # rank 0 waited for the late rank 1, unharmed
+    for took, err, peer, rank, what in ((took0, err0, 1, 0, "TP all_reduce"),
+                                         (took1, err1, 0, 1, "WORLD step broadcast")):
+        assert err is not None and 1.0 <= took < 2.5, (took, err)
+        assert err.startswith(f"peer rank {peer} did not answer within 1 s (hung?"), err
+        assert f"rank {rank}'s {what} with it timed out: RuntimeError: " in err and "Timed out" in err, err

@@ -36,11 +36,13 @@ import os
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..config import GptOssConfig
 from ..gemm import linear
@@ -59,20 +61,32 @@ class CollectiveFailed(RuntimeError):
     group tells it (`collective_failure`)."""
 
 
-# what gloo (and the sockets under it) says when a peer's process ended or it stopped answering
-_PEER_LOST = ("connection reset", "connection closed", "broken pipe", "connection refused", "timed out", "timeout")
+# what gloo (and the sockets under it) says when a peer's process ended ...
+_PEER_LOST = ("connection reset", "connection closed", "broken pipe", "connection refused")
+# ... and when a peer is there but did not join the collective within the group's timeout (a hung rank)
+_PEER_SILENT = ("timed out", "timeout")
+
+# gloo's own wait, until `arm_timeout`: long enough for every rank to load its shard and warm up
+STARTUP_TIMEOUT = dist.default_pg_timeout
 
 
-def collective_failure(rank: int, group: tuple[int, ...] | range, what: str, e: BaseException) -> CollectiveFailed:
+def collective_failure(rank: int, group: tuple[int, ...] | range, what: str, e: BaseException,
+                       timeout_s: float | None = None) -> CollectiveFailed:
     """`e`, raised by rank `rank`'s collective `what` (e.g. "TP all_reduce") over the ranks `group`, as the
     failure an operator reads: "peer rank 1 of the world was lost: rank 0's TP all_reduce with it failed:
-    RuntimeError: [gloo …] Connection reset by peer". A group of two names the peer; a larger one its ranks
-    (gloo's error names an address, not a rank)."""
+    RuntimeError: [gloo …] Connection reset by peer", or, for a collective that waited out the group's
+    `timeout_s`, "peer rank 1 did not answer within 60 s (hung?): …". A group of two names the peer; a
+    larger one its ranks (gloo's error names an address, not a rank)."""
     peers = [r for r in group if r != rank]
     who = (f"peer rank {peers[0]}" if len(peers) == 1 else
            f"a peer rank (one of ranks {', '.join(map(str, peers))})" if peers else "a peer rank")
     cause = f"{type(e).__name__}: {e}"
-    if any(sign in str(e).lower() for sign in _PEER_LOST):
+    text = str(e).lower()
+    if any(sign in text for sign in _PEER_SILENT):
+        within = f"within {timeout_s:g} s" if timeout_s is not None else "in time"
+        return CollectiveFailed(f"{who} did not answer {within} (hung? see --distributed-timeout-s): rank {rank}'s "
+                                f"{what} with it timed out: {cause}")
+    if any(sign in text for sign in _PEER_LOST):
         return CollectiveFailed(f"{who} of the world was lost: rank {rank}'s {what} with it failed: {cause}")
     return CollectiveFailed(f"rank {rank}'s {what} with {who} failed: {cause}")
 
@@ -118,6 +132,8 @@ class ParallelContext:
     stats: CollectiveStats = field(default_factory=CollectiveStats)
     dcp_group: object | None = None         # (None when dcp == 1)
     dcp_interleave: int = 1                 # DCP: tokens per round-robin chunk
+    # how long one collective waits for its peers before it fails (gloo's wait on every group of this rank)
+    timeout_s: float = STARTUP_TIMEOUT.total_seconds()
 
     # -- layout ------------------------------------------------------------------------------------
     @property
@@ -210,7 +226,20 @@ class ParallelContext:
         except CollectiveFailed:
             raise
         except RuntimeError as e:            # gloo's errors (DistBackendError is one)
-            raise collective_failure(self.rank, self.mesh_ranks(mesh), f"{mesh.upper()} {op}", e) from e
+            raise collective_failure(self.rank, self.mesh_ranks(mesh), f"{mesh.upper()} {op}", e,
+                                     self.timeout_s) from e
+
+    def arm_timeout(self, seconds: float) -> None:
+        """From now on a collective of this rank (on the world and on its TP, EP and DCP groups) fails after
+        waiting `seconds` for a peer, instead of the start-up timeout (`STARTUP_TIMEOUT`): a rank that hangs
+        then stops the world within that time. Local to this rank; every rank arms its own."""
+        groups = {id(g): g for g in (self.world_group, self.tp_group, self.ep_group, self.dcp_group)
+                  if g is not None}
+        wait = timedelta(seconds=seconds)
+        _set_pg_timeout(wait, None)           # the default group (the world when world_group is None)
+        for g in groups.values():
+            _set_pg_timeout(wait, g)
+        self.timeout_s = seconds
 
     def all_reduce_tp(self, x: torch.Tensor) -> torch.Tensor:
         """In place: x = sum over the TP group (no-op for tp == 1)."""
@@ -394,10 +423,12 @@ class ParallelContext:
 # --------------------------------------------------------------------------------------------------
 def init_distributed(backend: str | None = None) -> tuple[int, int]:
     """init_process_group from torchrun's env vars (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) unless it
-    is already initialized -> (rank, world size). Backend: gloo on CPU (default), nccl with CUDA."""
+    is already initialized -> (rank, world size). Backend: gloo on CPU (default), nccl with CUDA. Its
+    timeout is the start-up one (ranks join as their imports finish, then load shards of their own for
+    minutes); the engine arms the short one once the world has stepped (`ParallelContext.arm_timeout`)."""
     if not dist.is_initialized():
         backend = backend or os.environ.get("GIGADECODE_DIST_BACKEND") or "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=STARTUP_TIMEOUT)
     return dist.get_rank(), dist.get_world_size()
 
 

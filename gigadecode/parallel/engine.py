@@ -25,10 +25,16 @@ rank raises `RankFailure` out of its step: a worker's process exits with it (its
 and they stop alike; torchrun ends the rest), and rank 0's `DistributedEngine` finishes every unfinished
 request with that error and stops (every later step raises `RankFailure`). A collective that fails because a
 peer is gone says so (`distributed.context.CollectiveFailed`: "peer rank 1 of the world was lost: …", gloo's
-error kept), rather than blaming the rank that saw it. Disaggregated roles work the same way: each rank has a NIXL connector over its kv heads and
-a TP group's connectors agree on every transfer event (`parallel.connector.TPGroupConnector`), so a prefill
-engine of one TP size feeds a decode engine of another (each decode rank reads its heads' slice of the
-blocks of whichever prefill ranks hold them). Three world collectives per step (broadcast, the EP agreement, gather), a few hundred bytes.
+error kept), rather than blaming the rank that saw it. A rank that hangs fails nothing by itself (its sockets
+stay open): once the world has stepped, every collective waits at most `--distributed-timeout-s` for a peer
+(`_arm_after_first_step`), then fails as above ("peer rank 1 did not answer within 300 s (hung? …)"); an idle
+server's steps are the heartbeat that keeps a healthy world inside it.
+
+Disaggregated roles work the same way: each rank has a NIXL connector over its kv heads and a TP group's
+connectors agree on every transfer event (`parallel.connector.TPGroupConnector`), so a prefill engine of one
+TP size feeds a decode engine of another (each decode rank reads its heads' slice of the blocks of whichever
+prefill ranks hold them). Three world collectives per step (broadcast, the EP agreement, gather), a few
+hundred bytes.
 
 This is SGLang's arrangement (a scheduler on every rank, requests broadcast from rank 0) rather than vLLM's
 (one scheduler shipping each step's batch to workers): nothing per step is serialized but new requests.
@@ -236,6 +242,17 @@ def _exchange(ctx: ParallelContext, inbox: StepInbox | None) -> StepInbox:
     return box[0]
 
 
+def _arm_after_first_step(engine: LLMEngine, ctx: ParallelContext) -> None:
+    """Once the world has stepped together, a collective waits at most `--distributed-timeout-s` for a peer.
+    Before, the start-up timeout holds: the ranks load their shards (and rank 0 its tokenizer, `generate` its
+    requests) at their own pace, and the first step is the warm-up. Serving, no wait is that long: lockstep
+    ranks meet in every layer's collectives (a wait is one layer's imbalance, not a step's), DP groups that no
+    EP group spans wait in the step gather for the slowest group's step (one prefill chunk at most), and an
+    idle server still steps every `server.async_engine.IDLE_STEP_S` (its heartbeat)."""
+    if ctx.timeout_s != engine.ecfg.distributed_timeout_s:
+        ctx.arm_timeout(engine.ecfg.distributed_timeout_s)
+
+
 def run_worker(engine: LLMEngine, ctx: ParallelContext, trace: list[StepTrace] | None = None) -> None:
     """Every rank but 0: step this replica as rank 0 says until it says stop."""
     while True:
@@ -246,6 +263,7 @@ def run_worker(engine: LLMEngine, ctx: ParallelContext, trace: list[StepTrace] |
         report = _replica_step(engine, ctx, inbox, trace)
         with ctx.failing_as("world", "step gather"):
             dist.gather_object(report, None, dst=0, group=ctx.world_group)
+        _arm_after_first_step(engine, ctx)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -354,6 +372,7 @@ class DistributedEngine:
                 dist.gather_object(mine, gathered, dst=0, group=self.ctx.world_group)
         except Exception as e:  # noqa: BLE001 - this rank's step, or a collective with a rank that left
             return self._stop_after_failure(e)
+        _arm_after_first_step(self.replica, self.ctx)
         outputs = []
         now = time.monotonic()
         for r, rep in enumerate(gathered):
