@@ -172,11 +172,11 @@ def _rank_pid(proc, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under torchrun {proc.pid}")
 
 
-def _stream_ids(url: str, prompt: list[int], seen: dict) -> None:
+def _stream_ids(url: str, prompt: list[int], seen: dict, max_tokens: int = 400) -> None:
     """A greedy completion streamed with httpx: seen gets "ids" (as they come), "error" and "done"."""
     import httpx
     seen.update(ids=[], error=None, done=False)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400,     # two fit the 255 blocks of 4 tokens
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,  # two of 400 fit the 255 blocks of 4
             "temperature": 0.0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
@@ -232,6 +232,96 @@ def test_parallel_server_whose_rank_is_killed_fails_its_streams_and_exits(tiny_c
         assert not left, [(p, _cmdline(p)) for p in left]
         with pytest.raises(httpx.ConnectError):                     # nothing answers on the port any more
             httpx.get(url + "/health", timeout=2)
+    finally:
+        stop_process_tree(proc)
+
+
+def _resume_and_kill(pids: list[int]) -> None:
+    """Cleanup after a test that stopped a rank: wake it (a stopped process holds its SIGTERM) and kill it."""
+    for pid in pids:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def test_parallel_server_whose_rank_hangs_fails_its_streams_and_exits(tiny_ckpt, single):
+    """`torchrun … serve --tp 2 --ep 2 --distributed-timeout-s 3` whose rank 1 is SIGSTOPped while a stream
+    decodes (a hung rank: alive, its sockets open, answering nothing): rank 0's collective gives up after 3 s
+    instead of gloo's 30 minutes, the stream ends with "peer rank 1 did not answer within 3 s (hung?", its
+    tokens a prefix of the single rank's, and rank 0 exits with the reason, leaving the port. torchrun then
+    SIGTERMs the stopped rank and would SIGKILL it after its own 30 s grace; here it is SIGCONTed instead, finds
+    rank 0 gone, leaves, and torchrun exits non-zero with nothing left."""
+    import httpx
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_gigadecode(["serve", "--model", str(tiny_ckpt), "--role", "both", "--port", str(port), "--tp", "2",
+                             "--ep", "2", "--threads", "1", "--distributed-timeout-s", "3", *FLAGS], ranks=2)
+    ranks: list[int] = []
+    try:
+        wait_health(url, proc, timeout=180)
+        tree = descendants(proc.pid)
+        ranks += [_rank_pid(proc, r) for r in (0, 1)]
+        prompt = random_prompt(7, 1024, seed=77)
+        seen: dict = {}
+        stream = threading.Thread(target=_stream_ids, args=(url, prompt, seen), daemon=True)
+        stream.start()
+        t0 = time.monotonic()
+        while not seen.get("ids"):
+            assert time.monotonic() - t0 < 60 and stream.is_alive(), seen
+            time.sleep(0.02)
+        os.kill(ranks[1], signal.SIGSTOP)
+        t_stop = time.monotonic()
+        stream.join(20)
+        took = time.monotonic() - t_stop
+        assert not stream.is_alive(), "the stream hung with its rank"
+        assert 3 <= took < 10, f"the stream ended {took:.1f} s after the rank stopped"
+        assert seen["error"] is not None and seen["done"], seen
+        assert "parallel engine stopped: peer rank 1 did not answer within 3 s (hung?" in seen["error"], seen["error"]
+        assert "gloo" in seen["error"], seen["error"]
+        assert 0 < len(seen["ids"]) < 400
+        assert seen["ids"] == _want(single, prompt, temperature=0.0, max_tokens=len(seen["ids"]), ignore_eos=True)
+        while _alive(ranks[0]) and time.monotonic() - t_stop < 20:       # rank 0 shuts down and exits
+            time.sleep(0.1)
+        assert not _alive(ranks[0]), "rank 0 kept running after its peer hung"
+        with pytest.raises(httpx.ConnectError):                     # nothing answers on the port any more
+            httpx.get(url + "/health", timeout=2)
+        assert proc.poll() is None, "torchrun left before its stopped rank"   # it waits on the stopped rank ...
+        os.kill(ranks[1], signal.SIGCONT)                                       # ... which, woken, leaves
+        rc = proc.wait(20)
+        assert rc != 0
+        out = proc.stdout.read()
+        assert "gigadecode serve: the engine stopped: " in out and "did not answer within 3 s" in out, out[-3000:]
+        left = [p for p in tree if _alive(p)]
+        assert not left, [(p, _cmdline(p)) for p in left]
+    finally:
+        _resume_and_kill([p for p in ranks if _alive(p)])
+        stop_process_tree(proc)
+
+
+def test_parallel_server_idle_for_several_timeouts_stays_healthy(tiny_ckpt, single):
+    """A short `--distributed-timeout-s` (2 s) does not fail an idle world: rank 0 steps the engine even with no
+    work (every `IDLE_STEP_S`), so no rank waits in a collective for long. After 4 timeouts of idling (health
+    checked throughout) the server answers a request with the single rank's tokens."""
+    import httpx
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_gigadecode(["serve", "--model", str(tiny_ckpt), "--role", "both", "--port", str(port), "--tp", "2",
+                             "--ep", "2", "--threads", "1", "--distributed-timeout-s", "2", *FLAGS], ranks=2)
+    try:
+        wait_health(url, proc, timeout=180)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 8:
+            r = httpx.get(url + "/health", timeout=2)
+            assert r.status_code == 200, (round(time.monotonic() - t0, 1), r.text)
+            time.sleep(0.5)
+        prompt = random_prompt(9, 1024, seed=99)
+        seen: dict = {}
+        _stream_ids(url, prompt, seen, max_tokens=16)
+        assert seen["error"] is None and seen["done"], seen
+        assert seen["ids"] == _want(single, prompt, temperature=0.0, max_tokens=16, ignore_eos=True)
+        assert proc.poll() is None
     finally:
         stop_process_tree(proc)
 
