@@ -44,7 +44,9 @@ log = logging.getLogger("gigadecode.server")
 SHUTTING_DOWN = "the server is shutting down"      # the error of requests still open when the engine stops
 
 IDLE_WAIT_S = 0.01       # longest wait for new work while idle
-IDLE_STEP_S = 0.05       # an idle engine still steps this often (connector lease expiry)
+IDLE_STEP_S = 0.05       # an idle engine still steps this often (connector lease expiry; for a parallel engine
+                         # the heartbeat: its workers wait in the step broadcast, which fails after
+                         # --distributed-timeout-s, at least 1 s)
 
 
 class EngineDeadError(RuntimeError):
