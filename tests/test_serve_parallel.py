@@ -2,7 +2,8 @@
 parallel engine, driven with the official `openai` client. Greedy and seeded outputs (completions and
 chat, streamed and not, concurrent) equal the single-rank engine's; a cancelled stream and a bad request
 leave the server serving and no KV block in use; SIGTERM stops every rank; a SIGKILLed rank ends every open
-stream with the error within seconds and the server exits.
+stream with the error within seconds and the server exits; so does a SIGSTOPped (hung) rank, within
+--distributed-timeout-s, while an idle server with a short one stays healthy.
 
 Disaggregated serving across TP sizes (prefill tp=1 -> decode tp=2 and the reverse, prefill tp 1 / 2 ->
 decode tp 4 with decode context parallel 2, and a prefill of two DP groups, behind the proxy):
