@@ -277,7 +277,7 @@ def test_parallel_server_whose_rank_hangs_fails_its_streams_and_exits(tiny_ckpt,
         stream.join(20)
         took = time.monotonic() - t_stop
         assert not stream.is_alive(), "the stream hung with its rank"
-        assert 3 <= took < 10, f"the stream ended {took:.1f} s after the rank stopped"
+        assert 2.5 <= took < 10, f"the stream ended {took:.1f} s after the rank stopped"  # 3 s from a wait
         assert seen["error"] is not None and seen["done"], seen
         assert "parallel engine stopped: peer rank 1 did not answer within 3 s (hung?" in seen["error"], seen["error"]
         assert "gloo" in seen["error"], seen["error"]
