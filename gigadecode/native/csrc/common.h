@@ -11,15 +11,30 @@
 
 #include "vec.h"
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
+
 namespace gd {
 
 // n floats of `b`, grown when short, starting on a 64-byte line: a vector load from a row that starts
 // mid-line splits across two lines every other time (malloc gives 16-byte alignment; a 32-byte AVX2 tile
 // reading its inputs from such a buffer ran at half speed on a Zen 3)
 inline float* aligned_part(std::vector<float>& b, size_t n) {
+#if defined(__SANITIZE_ADDRESS__)
+  // AddressSanitizer builds (tools/sanitize_check.py): only the n floats asked for are addressable, so an
+  // access past them (or a slot reused while an earlier, longer request of it is still read) is reported
+  // instead of landing in the slack or in stale contents
+  ASAN_UNPOISON_MEMORY_REGION(b.data(), b.capacity() * sizeof(float));
+#endif
   if (b.size() < n + 16) b.resize(n + 16);
   const uintptr_t p = reinterpret_cast<uintptr_t>(b.data());
-  return b.data() + ((64 - (p & 63)) & 63) / sizeof(float);
+  float* part = b.data() + ((64 - (p & 63)) & 63) / sizeof(float);
+#if defined(__SANITIZE_ADDRESS__)
+  ASAN_POISON_MEMORY_REGION(b.data(), (part - b.data()) * sizeof(float));
+  ASAN_POISON_MEMORY_REGION(part + n, (b.data() + b.capacity() - (part + n)) * sizeof(float));
+#endif
+  return part;
 }
 // Reused scratch: `slot` separates the buffers one op needs at the same time. Each thread has its own.
 inline float* scratch(int slot, size_t n) {

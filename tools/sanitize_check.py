@@ -1,0 +1,142 @@
+"""Run the native kernels' tests with the kernels built under AddressSanitizer and UndefinedBehaviorSanitizer.
+
+    python tools/sanitize_check.py                              # this CPU's ISA and avx2: the kernel tests
+    python tools/sanitize_check.py avx2 -- -x -q tests/test_engine.py     # one ISA, other pytest arguments
+
+The twin tests compare each kernel's results with a torch twin, so a read past a buffer's end that happens to
+return harmless values, a tail loop touching one vector too many, a misaligned scalar load, a signed overflow or
+a shift past the width go unseen. This check compiles the kernels with `-fsanitize=address,undefined` (and
+float-cast-overflow; at -O1, with frame pointers and debug lines) and runs pytest in a python with the
+sanitizers' runtimes preloaded (python and torch stay uninstrumented: only the kernels' own memory accesses are
+checked, against the bounds of each tensor's allocation, not of a view into a larger one, and of the part of a
+reused scratch buffer the kernel asked for: `aligned_part` in csrc/common.h poisons the rest in such builds).
+The first report stops the process; every report (also from the servers a test starts) is collected from
+`<cache>/reports/` and printed, and the check fails.
+
+Each build lives in its own cache root under `~/.cache/gigadecode/sanitize/` (under `GIGADECODE_CACHE` when
+set), keyed by the sanitizer flags, never in the one the package loads; the tests run with
+`GIGADECODE_NATIVE_ISA=<isa>` pointing at it. Only ISAs this CPU runs natively are built (the emulated AVX-512
+paths of tools/isa_check.py compile to different code). A build takes ~15 minutes on 2 cores, the kernel
+tests about twice their usual time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gigadecode.native import build  # noqa: E402
+from isa_check import KERNEL_TESTS, host_isa  # noqa: E402
+
+SANITIZE_FLAGS = ["-fsanitize=address,undefined,float-cast-overflow", "-fno-omit-frame-pointer", "-g", "-O1"]
+BASE = build.CACHE_DIR.parent / "sanitize"
+# detect_leaks=0: python and torch keep their allocations to exit; verify_asan_link_order=0: the runtime is
+# preloaded, not linked into python; detect_odr_violation=0: torch's libraries are not instrumented;
+# new_delete_type_mismatch=0: torch frees some of its C++ objects through a base-class pointer of another size
+ASAN_OPTIONS = ("detect_leaks=0:verify_asan_link_order=0:detect_odr_violation=0:new_delete_type_mismatch=0:"
+                "halt_on_error=1:abort_on_error=0:symbolize=1:detect_stack_use_after_return=0")
+UBSAN_OPTIONS = "print_stacktrace=1:halt_on_error=1"
+
+
+def runtimes() -> list[str]:
+    """The sanitizer runtimes of the compiler that builds the kernels (to preload into python)."""
+    cxx = os.environ.get("CXX", "c++") if shutil.which(os.environ.get("CXX", "c++")) else "g++"
+    libs = []
+    for name in ("libasan.so", "libubsan.so"):
+        path = subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        if not os.path.isabs(path) or not os.path.exists(path):
+            sys.exit(f"sanitize_check: {cxx} has no {name} (install the compiler's sanitizer runtimes)")
+        libs.append(os.path.realpath(path))
+    return libs
+
+
+def cache_root(isa: str) -> Path:
+    return BASE / f"{isa}-{hashlib.sha256(' '.join(SANITIZE_FLAGS).encode()).hexdigest()[:12]}"
+
+
+def build_sanitized(isa: str, cache: Path) -> None:
+    """Compile the kernels for `isa` with the sanitizers into the slot `gigadecode.native` loads for `isa` (run
+    in a process of its own with the runtimes preloaded: loading the library registers the op namespace)."""
+    from torch.utils import cpp_extension
+
+    out = cache / "native" / f"{isa}-{build.build_key(isa)}"   # the key of the sources, as load() computes it
+    out.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=f"gigadecode_native_{isa.replace('-', '_')}", sources=[str(build.SRC / s) for s in build.SOURCES],
+                       build_directory=str(out), is_python_module=False,
+                       extra_cflags=["-fopenmp", "-std=c++17", *build.ISA_FLAGS[isa], *SANITIZE_FLAGS],
+                       extra_ldflags=["-fopenmp", *SANITIZE_FLAGS[:1]])
+
+
+def collect_reports(reports: Path) -> list[str]:
+    found = []
+    for f in sorted(reports.glob("*")):
+        text = f.read_text(errors="replace").strip()
+        if text:
+            found.append(f"--- {f.name}\n{text}")
+    return found
+
+
+def check(isa: str, pytest_args: list[str]) -> int:
+    cache = cache_root(isa)
+    reports = cache / "reports"
+    shutil.rmtree(reports, ignore_errors=True)
+    reports.mkdir(parents=True)
+    env = {**os.environ, "GIGADECODE_CACHE": str(cache), "GIGADECODE_NATIVE_ISA": isa, "GIGADECODE_NATIVE": "1",
+           "GIGADECODE_BF16_GEMM": "0" if isa == "avx2" else "1", "LD_PRELOAD": " ".join(runtimes()),
+           "ASAN_OPTIONS": f"{ASAN_OPTIONS}:log_path={reports / 'asan'}",
+           "UBSAN_OPTIONS": f"{UBSAN_OPTIONS}:log_path={reports / 'ubsan'}",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    print(f"== {isa}: sanitized ({' '.join(SANITIZE_FLAGS)}) in {cache}", flush=True)
+    slot = cache / "native" / f"{isa}-{build.build_key(isa)}"       # as load() finds it
+    if not any(slot.glob("*.so")):
+        subprocess.run([sys.executable, __file__, "--build", isa], env=env, check=True)
+    libs = list(slot.glob("*.so"))
+    if len(libs) != 1 or b"__asan_init" not in libs[0].read_bytes() or b"__ubsan_handle" not in libs[0].read_bytes():
+        sys.exit(f"sanitize_check: {slot} holds no instrumented library (were the sources edited during the build?)")
+    loaded = subprocess.run([sys.executable, "-m", "gigadecode.native"], env=env, capture_output=True, text=True)
+    if loaded.returncode != 0 or not (f"native ({isa})" in loaded.stdout or f"native ({isa}, " in loaded.stdout):
+        sys.exit(f"sanitize_check: {isa}: expected its sanitized native kernels, got: "
+                 f"{(loaded.stdout + loaded.stderr).strip()[-2000:]}")
+    rc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *pytest_args], env=env,
+                        cwd=ROOT).returncode
+    if found := collect_reports(reports):
+        print(f"sanitize_check: {isa}: {len(found)} sanitizer report(s):\n" + "\n".join(found), flush=True)
+        return rc or 1
+    return rc
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    pytest_args = argv[argv.index("--") + 1:] if "--" in argv else ["-q", *KERNEL_TESTS]
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(usage="%(prog)s [ISA ...] [-- PYTEST ARGS]", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("isas", nargs="*", metavar="ISA", help="this CPU's ISA and/or those below it "
+                   f"(of {', '.join(build.ISA_FLAGS)}; default: this CPU's and avx2)")
+    p.add_argument("--build", metavar="ISA", choices=tuple(build.ISA_FLAGS), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.build:
+        build_sanitized(args.build, Path(os.environ["GIGADECODE_CACHE"]))
+        return
+    host = host_isa()
+    if host is None:
+        sys.exit("sanitize_check: this CPU has no AVX2")
+    order = ("avx2", "avx512", "avx512-bf16")
+    runnable = order[:order.index(host) + 1]
+    if unknown := [isa for isa in args.isas if isa not in runnable]:
+        p.error(f"ISA {unknown[0]!r} does not run natively here (choose from {', '.join(runnable)})")
+    failed = [isa for isa in (args.isas or dict.fromkeys([host, "avx2"])) if check(isa, pytest_args) != 0]
+    print(f"sanitize_check: {'failed: ' + ', '.join(failed) if failed else 'all passed'}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
