@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gigadecode import native
-from gigadecode.kv.cache import FP8
+from gigadecode.kv.cache import FP8, token_major_to_packed
 from gigadecode.native import twins
 
 from native_cases import (BF16, F32, KV_FORMS, OPS, assert_rounded, bits, gen, kv_views, make_kv, num_threads,
@@ -418,6 +418,53 @@ def test_paged_decode_attention_sliding_window_null_blocks():
         table[b, : max(0, p - window + 1) // B] = 0
     assert (table[0] == 0).any()
     check_attention(g, "fp8-packed", K, V, table, pos, [True] * 3, 8, window)
+
+
+@pytest.mark.parametrize("form", KV_FORMS)
+@pytest.mark.parametrize("B,d", [(1, 48), (2, 2), (3, 72), (8, 80), (16, 130), (64, 48)])
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_decode_attention_reads_only_visible_kv(form, B, d, window):
+    """K and V each in an allocation of their own, the buffer's last block holding a slot's last visible
+    position, and NaN in every KV element no slot sees (past a position, before a window, in the blocks no table
+    names): the output is the twin's and finite, so no element outside [lo, pos] enters a sum (where a
+    sanitizer build runs the test, tools/sanitize_check.py, a read past either buffer's end is reported too).
+    Head dims with vector tails or none at all, contexts of exactly whole blocks and one past, a padded slot."""
+    if form == "fp8-packed" and B % 2:
+        B += 1
+    g = gen("visible", form, B, d, window)
+    kv, rep = 2, 3
+    pos = [3 * B - 1, 3 * B, 0, B + 6, 4]                   # 3 whole blocks, one past, one key, padded slot
+    active = [True, True, True, True, False]
+    blocks = [p // B + 1 for p in pos]
+    nb = sum(blocks) + 3
+    ids = (torch.randperm(nb - 2, generator=g) + 1).tolist()   # 1 .. nb - 2 in random order; nb - 1 below
+    table = torch.zeros(len(pos), max(blocks) + 1, dtype=torch.long)
+    used = 0
+    for b, (n, a) in enumerate(zip(blocks, active)):
+        if a:
+            row = ids[used:used + n]
+            used += n
+            if b == 0:
+                row[-1] = nb - 1                              # the last visible block is the buffer's last
+            table[b, :n] = torch.tensor(row)
+    seen = torch.zeros(nb, B, dtype=torch.bool)
+    for b, (p, a) in enumerate(zip(pos, active)):
+        lo = max(0, p - window + 1) if window else 0
+        for t in range(lo, p + 1) if a else ():
+            seen[table[b, t // B], t % B] = True
+    k32, v32 = torch.randn(2, nb, kv, B, d, generator=g)        # token-major [nb, kv, B, d]
+    for x in (k32, v32):
+        x.permute(0, 2, 1, 3)[~seen] = float("nan")             # FP8: e4m3's NaN code
+    dtype = {"fp8-packed": FP8, "fp8": FP8, "bf16": BF16, "fp32": F32}[form]
+    K = (token_major_to_packed(k32) if form == "fp8-packed" else k32.clone()).to(dtype)
+    V = v32.clone().to(dtype)
+    q, sinks = randn(g, len(pos), kv * rep, d, scale=2.0), randn(g, kv * rep)
+    args = (q, K, V, table, torch.tensor(pos), torch.tensor(active), sinks, window, 1 / math.sqrt(d), KS, VS, F32)
+    with num_threads(2):
+        out = OPS.paged_decode_attention(*args)
+    ref = twins.paged_decode_attention(*args)
+    assert ref.isfinite().all()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5 * max(1.0, ref.abs().max().item()))
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.float64])
