@@ -208,6 +208,29 @@ def test_native_prefill_attention_window_longer_than_any_context(d, amx):
 
 
 @needs_kernel
+@pytest.mark.parametrize("amx", AMX_MODES)
+@pytest.mark.parametrize("d", [64, 24])
+def test_native_prefill_attention_queries_far_from_the_first_key(d, amx):
+    """Queries 2^31 or more positions from k_start, in a chunk with nearer ones: the dense reference's rows
+    (the pair kernel cast the distance to a 32-bit lane bound, so a query 2^32 - 1 positions before the first
+    key saw it, and one 2^31 past the keys' window saw them all)."""
+    q, k, v, _, _, sinks = make_case(6, 40, 1, 2, d, 0, 0, torch.bfloat16, seed=d)
+    far = 2**32
+    for k_start, q_pos, window in ((far, [1, 2, far + 3, far + 7, far + 39, far + 50], 0),
+                                   (0, [0, 5, 17, 39, 2**31 + 10, 2**33], 8),
+                                   (5, [2**31 + 4, 2**31 + 5, 20, 30, 39, 3], 2**31)):
+        q_pos = torch.tensor(q_pos)
+        k_pos = torch.arange(k_start, k_start + 40)
+        with amx_mode(amx):
+            ours = native.prefill_attention(q, k, v, q_pos, k_start, sinks, d ** -0.5, window)
+        ref = dense_reference(q.float(), k.float(), v.float(), q_pos, k_pos, sinks.float(), d ** -0.5, window or None)
+        blind = ~((k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window if window else True)).any(1)
+        assert blind.any() and not blind.all()
+        assert torch.equal(ours[blind].float(), torch.zeros_like(ref[blind]))
+        torch.testing.assert_close(ours.float(), ref, rtol=2.0 ** -7, atol=4 * 2.0 ** -9 * v.float().abs().max().item())
+
+
+@needs_kernel
 def test_native_prefill_attention_refuses_what_it_cannot_do():
     q, k, v, q_pos, _, sinks = make_case(4, 4, 1, 2, 32, 0, 0)
     with pytest.raises(RuntimeError, match="must be bfloat16"):

@@ -84,6 +84,16 @@ inline bool scores_hold_nan(const __m512* v, int n) {
   return m != 0;
 }
 
+// A row's visible keys (indices from the first key) as the 32-bit lane bounds its masks compare against: key idx
+// is visible iff idx < end and, with a window, idx > after. Clamped to [-1, S], where they mean the same, so a
+// query 2^31 or more positions from k_start cannot wrap around (the key indices fit 32 bits: S < 2^31); cast
+// unclamped, a query before k_start by 2^32 - 1 saw the first key
+inline std::pair<int, int> lane_bounds(int64_t pos, int64_t k_start, int64_t window, int64_t S) {
+  const int64_t end = std::clamp<int64_t>(pos - k_start + 1, 0, S);
+  const int64_t after = window ? std::clamp<int64_t>(pos - window - k_start, -1, S) : -1;
+  return {int(end), int(after)};
+}
+
 inline std::pair<int64_t, int64_t> seen_chunks(int64_t ws, int64_t we, int64_t qmin, int64_t qmax, int64_t k_start,
                                                int64_t window, int64_t chunk) {
   const int64_t last = std::min<int64_t>(we - 1, qmax - k_start);
@@ -127,8 +137,7 @@ void amx_window(const FlashRows& st, const uint16_t* qd, const int64_t* qp, cons
         at::native::cpublas::brgemm(R, KCA, d, d, Sw, KCA, false, reinterpret_cast<const at::BFloat16*>(qrows),
                                     reinterpret_cast<const at::BFloat16*>(kth + lc), scores, true);
         for (int64_t r = 0; r < R; ++r) {                            // online softmax, as the pair kernel's
-          const int64_t pos = rpos[r];
-          const int limit = int(std::min<int64_t>(we, pos - k_start + 1));
+          const auto [limit, after] = lane_bounds(rpos[r], k_start, window, we);
           __m512 sv[KCA / 16];
           __mmask16 vis[KCA / 16];
           __mmask16 any = 0;
@@ -136,7 +145,7 @@ void amx_window(const FlashRows& st, const uint16_t* qd, const int64_t* qp, cons
           for (int v = 0; v < KCA / 16; ++v) {
             const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(int(c0 + 16 * v)), lane);
             __mmask16 m = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(limit));
-            if (window) m &= _mm512_cmpgt_epi32_mask(idx, _mm512_set1_epi32(int(pos - window - k_start)));
+            if (window) m &= _mm512_cmpgt_epi32_mask(idx, _mm512_set1_epi32(after));
             vis[v] = m;
             any |= m;
             sv[v] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m,
@@ -282,15 +291,15 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
             // online softmax per row; invisible keys (future, outside the window, padding) get probability 0
             const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
             for (int r = 0; r < RG; ++r) {
-              const int64_t row = g + r, pos = rpos[row];
+              const int64_t row = g + r;
+              const auto [limit, after] = lane_bounds(rpos[row], k_start, window, we);
               __mmask16 vis[2];
               __m512 sr[2];
               for (int hlf = 0; hlf < 2; ++hlf) {
                 const int64_t base = c0 + 16 * hlf;                  // key index of lane 0
                 const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(int(base)), lane);
-                __mmask16 m = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(int(std::min<int64_t>(we, pos - k_start + 1))));
-                if (window)
-                  m &= _mm512_cmpgt_epi32_mask(idx, _mm512_set1_epi32(int(pos - window - k_start)));
+                __mmask16 m = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(limit));
+                if (window) m &= _mm512_cmpgt_epi32_mask(idx, _mm512_set1_epi32(after));
                 vis[hlf] = m;
                 sr[hlf] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, _mm512_mul_ps(_mm512_load_ps(sbuf[r] + 16 * hlf), _mm512_set1_ps(sc)));
               }
