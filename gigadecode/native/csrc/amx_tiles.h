@@ -41,8 +41,7 @@ constexpr int64_t AMX_STRIP = 64;      // rows a work item (its M): 4 x 2 tiles 
 inline void put_vnni(const uint16_t* row, int64_t K, int64_t j, int64_t n, uint16_t* dst) {
   const int64_t b = j / AMX_BLOCK, jj = j % AMX_BLOCK, nb = std::min(AMX_BLOCK, n - b * AMX_BLOCK);
   uint32_t* d = reinterpret_cast<uint32_t*>(dst + b * AMX_BLOCK * K) + jj;
-  const uint32_t* s = reinterpret_cast<const uint32_t*>(row);
-  for (int64_t k = 0; k < K / 2; ++k) d[k * nb] = s[k];
+  for (int64_t k = 0; k < K / 2; ++k) d[k * nb] = bf16_pair_bits(row + 2 * k);   // `row` may be 2-byte aligned
 }
 
 // a [rows, K] bf16 (row-major) times n inputs in `put_vnni`'s layout -> out[i * ldo + r] = row r · input i,

@@ -18,6 +18,15 @@
 
 namespace gd {
 
+// Two consecutive bf16 values as one 32-bit word (the first in the low half), read through memcpy (one load):
+// a bf16 tensor is only 2-byte aligned (a contiguous view may start at an odd element), and a uint32_t
+// pointer into it is a misaligned access
+inline uint32_t bf16_pair_bits(const uint16_t* p) {
+  uint32_t u;
+  std::memcpy(&u, p, 4);
+  return u;
+}
+
 inline __m512 dot_bf16(__m512 acc, __m512i w, const uint16_t* x) {
   return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_loadu_si512(x));
 }

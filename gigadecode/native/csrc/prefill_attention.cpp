@@ -221,8 +221,8 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
             for (int64_t p = 0; p < half; ++p) kt[(h * half + p) * Sw + col] = 0;
             continue;
           }
-          const uint32_t* row = reinterpret_cast<const uint32_t*>(kp + (s * nkv + h) * d);
-          for (int64_t p = 0; p < half; ++p) kt[(h * half + p) * Sw + col] = row[p];
+          const uint16_t* row = kp + (s * nkv + h) * d;
+          for (int64_t p = 0; p < half; ++p) kt[(h * half + p) * Sw + col] = bf16_pair_bits(row + 2 * p);
         }
         uint32_t* dst = vpairs + (h * (Sw / 2) + j) * d;
         const int64_t s0 = ws + 2 * j;
@@ -268,16 +268,16 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
             __m512 s[RG][2];
 #pragma GCC unroll 16
             for (int r = 0; r < RG; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
-            const uint32_t* qrow[RG];
+            const uint16_t* qrow[RG];
             for (int r = 0; r < RG; ++r) {
               const int64_t row = std::min<int64_t>(g + r, R - 1), t = st.token(w, row), hq = st.q_head(w, row);
-              qrow[r] = reinterpret_cast<const uint32_t*>(qd + (t * nh + hq) * d);
+              qrow[r] = qd + (t * nh + hq) * d;
             }
             for (int64_t p = 0; p < half; ++p) {
               const __m512i k0 = _mm512_loadu_si512(kth + p * Sw + lc), k1 = _mm512_loadu_si512(kth + p * Sw + lc + 16);
 #pragma GCC unroll 16
               for (int r = 0; r < RG; ++r) {
-                const __m512i qb = _mm512_set1_epi32(int(qrow[r][p]));
+                const __m512i qb = _mm512_set1_epi32(int(bf16_pair_bits(qrow[r] + 2 * p)));
                 s[r][0] = _mm512_dpbf16_ps(s[r][0], (__m512bh)k0, (__m512bh)qb);
                 s[r][1] = _mm512_dpbf16_ps(s[r][1], (__m512bh)k1, (__m512bh)qb);
               }
