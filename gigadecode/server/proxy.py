@@ -25,11 +25,11 @@ deployment's KV secret (the decode servers accept no unsigned params), and sends
 a decode server.
 Each role's server is the least loaded one (in-flight requests, then fewest sent, then list order) of those
 in rotation: a server that could not be reached, timed out, or dropped a request mid-way is left out
-(`Pool.mark_down`) until its /health answers 200 again (`proxy_pool.probe_down_servers`), so new requests go
+(`Pool.mark_down`) until its /health answers 200 again (`proxy_health.probe_down_servers`), so new requests go
 around a dead or wedged server and come back to it once it has returned.
 A client that disconnects closes the upstream request (which aborts it there). GET /health reports the
 upstreams' health (and whether each is in rotation), GET /metrics each one's load, rotation and failures
-(Prometheus); GET /v1/models is the answer of the first decode server (in rotation first) that gives one
+(Prometheus), both from `proxy_health`; GET /v1/models is the answer of the first decode server (in rotation first) that gives one
 within `INFO_TIMEOUT_S`. Authorization headers are
 forwarded to the upstreams.
 """
@@ -52,7 +52,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .body import BodyError, BodyLimit, load_object
 from .deps import HANDOFF_HEADER
 from .disconnect import CLIENT_CLOSED, ClientGone, answer_clients_that_leave, unless_disconnected
-from .proxy_pool import Pool, Upstream, metrics_text, prefix_keys, probe_down_servers
+from .proxy_health import health_report, metrics_text, probe_down_servers
+from .proxy_pool import Pool, Upstream, prefix_keys
 
 log = logging.getLogger("gigadecode.proxy")
 
@@ -63,7 +64,7 @@ RELEASE_TIMEOUT_S = 5.0          # a lease release (best effort: the lease runs 
 # timeout (5 s), so the proxy never sends a request on a connection the server is closing at that moment
 # (httpx's default expiry is also 5 s: that race surfaced as a rare ReadError, "prefill server unreachable")
 KEEPALIVE_EXPIRY_S = 2.0
-INFO_TIMEOUT_S = 5.0             # how long a server may take to answer /health or /v1/models
+INFO_TIMEOUT_S = 5.0             # how long a decode server may take to answer /v1/models
 
 def _error(status: int, message: str, type: str = "server_error", code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type, "param": None, "code": code}},
@@ -348,30 +349,8 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        http: httpx.AsyncClient = app.state.client
-
-        async def check(up: Upstream) -> bool:
-            try:
-                return (await http.get(up.url + "/health", timeout=INFO_TIMEOUT_S)).status_code == 200
-            except httpx.HTTPError:
-                return False
-        servers = prefills.servers + decodes.servers
-        ok = await asyncio.gather(*(check(s) for s in servers))
-        status = dict(zip((s.url for s in servers), ok))
-        p_ok = any(status[s.url] for s in prefills.servers)
-        d_ok = any(status[s.url] for s in decodes.servers)
-        for pool in (prefills, decodes):
-            for s in pool.servers:
-                if status[s.url]:
-                    pool.mark_up(s)
-
-        def state(s: Upstream) -> dict[str, Any]:
-            return {"healthy": status[s.url], "in_flight": s.in_flight, "in_rotation": s.down is None,
-                    **({"out_of_rotation_because": s.down} if s.down is not None else {})}
-        body = {"status": "ok" if p_ok and d_ok else "unhealthy",
-                "prefill": {s.url: state(s) for s in prefills.servers},
-                "decode": {s.url: state(s) for s in decodes.servers}}
-        return JSONResponse(body, status_code=200 if p_ok and d_ok else 503)
+        status, body = await health_report(app.state.client, prefills, decodes)
+        return JSONResponse(body, status_code=status)
 
     return app
 

@@ -10,7 +10,6 @@ few after it. When every server of a role is out, they are all tried as before.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -19,15 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 log = logging.getLogger("gigadecode.proxy")
 
 # Prefix affinity (prefill servers): prompts are keyed by chunks of this many bytes (at most so many chunks);
 # the server holding a prompt's prefix keeps it while at most AFFINITY_SLACK requests busier than the least
 # loaded; the proxy remembers this many keys
 AFFINITY_CHUNK, AFFINITY_MAX_CHUNKS, AFFINITY_SLACK, AFFINITY_ENTRIES = 256, 512, 2, 1 << 17
-PROBE_S, PROBE_TIMEOUT_S = 1.0, 2.0     # how often, and how long, a server out of rotation is asked for /health
 
 
 @dataclass
@@ -86,42 +82,6 @@ class Pool:
         if up.down is not None:
             log.warning("%s server %s is back in rotation", self.role, up.url)
         up.down = None
-
-
-async def probe_down_servers(http: httpx.AsyncClient, pools: Sequence[Pool]) -> None:
-    """Every PROBE_S, ask each server out of rotation for its /health; a 200 puts it back."""
-    async def probe(pool: Pool, up: Upstream) -> None:
-        try:
-            ok = (await http.get(up.url + "/health", timeout=PROBE_TIMEOUT_S)).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if ok:
-            pool.mark_up(up)
-    while True:
-        await asyncio.sleep(PROBE_S)
-        await asyncio.gather(*(probe(pool, up) for pool in pools for up in pool.servers if up.down is not None))
-
-
-METRICS = (("gigadecode_proxy_upstream_in_flight", "gauge", "Requests the proxy has in flight on the server.",
-            lambda s: s.in_flight),
-           ("gigadecode_proxy_upstream_in_rotation", "gauge", "1 while the server takes new requests, 0 while it is out "
-            "of rotation (unreachable, timed out or failed; back once its /health answers 200).",
-            lambda s: int(s.down is None)),
-           ("gigadecode_proxy_upstream_requests_total", "counter", "Requests the proxy sent the server.",
-            lambda s: s.sent),
-           ("gigadecode_proxy_upstream_failures_total", "counter", "Times the server could not be reached, timed out or "
-            "failed a request.", lambda s: s.failures))
-
-
-def metrics_text(pools: Sequence[Pool]) -> str:
-    """The proxy's /metrics (Prometheus text): each server's load, rotation and failures, labelled by role and
-    URL."""
-    lines = []
-    for name, kind, help_, value in METRICS:
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
-        for pool in pools:
-            lines += [f'{name}{{role="{pool.role}",url="{s.url}"}} {value(s)}' for s in pool.servers]
-    return "\n".join(lines) + "\n"
 
 
 def prefix_keys(body: dict[str, Any]) -> list[bytes]:
