@@ -77,5 +77,11 @@ def metrics_text(pools: Sequence[Pool]) -> str:
     for name, kind, help_, value in METRICS:
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
         for pool in pools:
-            lines += [f'{name}{{role="{pool.role}",url="{s.url}"}} {value(s)}' for s in pool.servers]
+            lines += [f'{name}{{role="{_label(pool.role)}",url="{_label(s.url)}"}} {value(s)}' for s in pool.servers]
     return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value, escaped as the text format wants: a backslash, a double quote and a newline as
+    \\\\, \\" and \\n (a URL given on the command line may hold any of them)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
