@@ -1,12 +1,181 @@
-"""The DI proxy's /metrics (`server/proxy_health.py`): valid Prometheus text whatever the URLs hold (read back
-with prometheus_client's own parser)."""
+"""The DI proxy's rotation, its own /health and /metrics (`server/proxy_health.py`), against in-process
+upstreams: /health answers at once from what the background probe knows (a wedged upstream never holds it),
+the probe finds a server that failed or died while idle without a request paying for it, a request that
+times out takes its server out too, a role with no server in rotation makes the proxy's /health a 503 naming
+it, and /metrics is valid Prometheus text whatever the URLs hold (read back with prometheus_client's own
+parser)."""
 
 from __future__ import annotations
 
+import socket
+import time
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from gigadecode.server import proxy_health
+from gigadecode.server.proxy import build_proxy_app
 from gigadecode.server.proxy_pool import Pool
+
+from .test_server import ServerThread, fake_upstream, free_port
+
+
+def switchable_upstream() -> tuple[FastAPI, dict]:
+    """A server whose /health answers 200 while state["healthy"], else 503; state["health_gets"] counts them."""
+    app, state = FastAPI(), {"healthy": True, "health_gets": 0}
+
+    @app.get("/health")
+    async def health():
+        state["health_gets"] += 1
+        if state["healthy"]:
+            return {"status": "ok"}
+        return JSONResponse({"error": {"message": "the engine stopped"}}, status_code=503)
+    return app, state
+
+
+@pytest.fixture
+def fast_probe(monkeypatch):
+    """Probe every 0.1 s, each for at most 0.5 s: the tests see the probe's verdicts within a second."""
+    monkeypatch.setattr(proxy_health, "PROBE_S", 0.1)
+    monkeypatch.setattr(proxy_health, "PROBE_TIMEOUT_S", 0.5)
+
+
+def get_health(url: str) -> httpx.Response:
+    """The proxy's /health, which must answer within a Kubernetes probe's default 1 s timeout."""
+    return httpx.get(url + "/health", timeout=1.0)
+
+
+def wait_health(url: str, until, timeout_s: float = 5.0) -> httpx.Response:
+    t0 = time.monotonic()
+    while not until(r := get_health(url)):
+        assert time.monotonic() - t0 < timeout_s, r.text
+        time.sleep(0.05)
+    return r
+
+
+def test_health_answers_at_once_with_a_wedged_upstream(fast_probe):
+    """A decode server that takes connections and never answers (stopped, wedged) leaves the rotation by the
+    probe alone, and the proxy's /health never waits on it: 200, a prefill and a decode server being in
+    rotation. /metrics says the same, the URL with a double quote in its label read back as it is."""
+    wedged = socket.socket()
+    wedged.bind(("127.0.0.1", 0))
+    wedged.listen(16)                                     # the kernel accepts; nothing ever answers
+    wedged_url = f"http://127.0.0.1:{wedged.getsockname()[1]}"
+    quoted = f'http://127.0.0.1:{free_port()}/a"b'          # nothing listens there
+    p_app, _ = switchable_upstream()
+    d_app, _ = switchable_upstream()
+    try:
+        with ServerThread(p_app) as p, ServerThread(d_app) as d, \
+                ServerThread(build_proxy_app([p.url], [wedged_url, d.url, quoted])) as px:
+            r = wait_health(px.url, lambda r: not r.json()["decode"][wedged_url]["in_rotation"]
+                            and not r.json()["decode"][quoted]["in_rotation"])
+            assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+            state = r.json()["decode"][wedged_url]
+            assert state["healthy"] is False and "/health" in state["out_of_rotation_because"]
+            assert r.json()["decode"][d.url]["in_rotation"] and r.json()["decode"][d.url]["healthy"]
+            assert r.json()["prefill"][p.url]["in_rotation"]
+            families = {f.name: f for f in text_string_to_metric_families(httpx.get(px.url + "/metrics").text)}
+            in_rotation = {(s.labels["role"], s.labels["url"]): s.value
+                           for s in families["gigadecode_proxy_upstream_in_rotation"].samples}
+            assert in_rotation == {("prefill", p.url): 1, ("decode", wedged_url): 0, ("decode", d.url): 1,
+                                   ("decode", quoted): 0}
+    finally:
+        wedged.close()
+
+
+def test_health_is_503_naming_the_role_with_no_server_in_rotation(fast_probe):
+    """A decode server whose /health turns 503, then a prefill server that dies, while no request comes: the
+    probe takes each out of rotation, and the proxy's /health is a 503 naming the role that has none left,
+    with each server's state as before; a server whose /health answers 200 again is back."""
+    p_app, _ = switchable_upstream()
+    d_app, d_state = switchable_upstream()
+    with ServerThread(d_app) as d:
+        p = ServerThread(p_app).__enter__()
+        try:
+            with ServerThread(build_proxy_app([p.url], [d.url])) as px:
+                wait_health(px.url, lambda r: r.status_code == 200)
+                d_state["healthy"] = False
+                r = wait_health(px.url, lambda r: r.status_code == 503)
+                body = r.json()
+                assert body["status"] == "unhealthy" and body["reason"] == "no decode server in rotation", body
+                assert body["decode"][d.url]["in_rotation"] is False and body["decode"][d.url]["healthy"] is False
+                assert "503" in body["decode"][d.url]["out_of_rotation_because"]
+                assert body["prefill"][p.url]["in_rotation"] is True
+
+                d_state["healthy"] = True
+                r = wait_health(px.url, lambda r: r.status_code == 200)
+                assert r.json()["status"] == "ok" and r.json()["decode"][d.url]["in_rotation"], r.text
+
+                p.__exit__(None, None, None)                       # the prefill server dies while idle
+                r = wait_health(px.url, lambda r: r.status_code == 503)
+                assert r.json()["reason"] == "no prefill server in rotation", r.text
+                assert r.json()["prefill"][p.url]["in_rotation"] is False
+        finally:
+            p.__exit__(None, None, None)
+
+
+def test_a_request_that_times_out_takes_its_server_out_of_rotation(monkeypatch):
+    """A decode server that takes connections and never answers, before the probe has a verdict on it (its
+    /health may take a minute here): the first request it gets pays the decode time-out (a 504) and takes it out
+    of rotation; the requests after it go to the other one, none to it."""
+    monkeypatch.setattr(proxy_health, "PROBE_TIMEOUT_S", 60.0)
+    wedged = socket.socket()
+    wedged.bind(("127.0.0.1", 0))
+    wedged.listen(16)
+    wedged_url = f"http://127.0.0.1:{wedged.getsockname()[1]}"
+    p_app, _ = fake_upstream("pre", "prefill")
+    d_app, dec = fake_upstream("dec", "decode")
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 5}
+    try:
+        with ServerThread(p_app) as p, ServerThread(d_app) as d, \
+                ServerThread(build_proxy_app([p.url], [wedged_url, d.url], decode_timeout_s=0.5)) as px:
+            r = httpx.post(px.url + "/v1/completions", json=body, timeout=20)     # the first in list order
+            assert r.status_code == 504 and r.json()["error"]["code"] == "decode_timeout", r.text
+            for stream in (False, True, False):       # in rotation, it would take every other one (list order)
+                r = httpx.post(px.url + "/v1/completions", json={**body, "stream": stream}, timeout=20)
+                assert r.status_code == 200, r.text
+            assert len(dec["bodies"]) == 3
+            state = get_health(px.url).json()["decode"][wedged_url]
+            assert state["in_rotation"] is False and "did not start an answer" in state["out_of_rotation_because"]
+            assert state["healthy"] is None                                        # the probe has no verdict yet
+    finally:
+        wedged.close()
+
+
+def test_health_is_503_until_a_server_of_each_role_has_answered(monkeypatch):
+    """Just started, the proxy knows nothing of a server its probe is still waiting on: not ready (503, the
+    reason naming the role), however sure the other role is."""
+    monkeypatch.setattr(proxy_health, "PROBE_TIMEOUT_S", 60.0)
+    wedged = socket.socket()
+    wedged.bind(("127.0.0.1", 0))
+    wedged.listen(16)
+    wedged_url = f"http://127.0.0.1:{wedged.getsockname()[1]}"
+    d_app, _ = switchable_upstream()
+    try:
+        with ServerThread(d_app) as d, ServerThread(build_proxy_app([wedged_url], [d.url])) as px:
+            r = wait_health(px.url, lambda r: r.json()["decode"][d.url]["healthy"])
+            assert r.status_code == 503, r.text
+            assert r.json()["reason"] == "no prefill server in rotation has answered its /health with 200 yet"
+            assert r.json()["prefill"][wedged_url] == {"healthy": None, "in_flight": 0, "in_rotation": True,
+                                                       "last_health_check_s_ago": None}
+    finally:
+        wedged.close()
+
+
+def test_health_asks_no_upstream_itself():
+    """The proxy's /health sends nothing upstream: the probe's one GET a server every PROBE_S is all the
+    servers see, however often the proxy is asked."""
+    p_app, p_state = switchable_upstream()
+    d_app, d_state = switchable_upstream()
+    with ServerThread(p_app) as p, ServerThread(d_app) as d, ServerThread(build_proxy_app([p.url], [d.url])) as px:
+        gets, t0 = p_state["health_gets"] + d_state["health_gets"], time.monotonic()
+        for _ in range(20):
+            assert get_health(px.url).status_code == 200
+        rounds = (time.monotonic() - t0) / proxy_health.PROBE_S + 2       # the probe's, at most
+        assert p_state["health_gets"] + d_state["health_gets"] - gets <= 2 * rounds
 
 
 def test_metrics_escape_label_values():

@@ -25,13 +25,14 @@ deployment's KV secret (the decode servers accept no unsigned params), and sends
 a decode server.
 Each role's server is the least loaded one (in-flight requests, then fewest sent, then list order) of those
 in rotation: a server that could not be reached, timed out, or dropped a request mid-way is left out
-(`Pool.mark_down`) until its /health answers 200 again (`proxy_health.probe_down_servers`), so new requests go
-around a dead or wedged server and come back to it once it has returned.
-A client that disconnects closes the upstream request (which aborts it there). GET /health reports the
-upstreams' health (and whether each is in rotation), GET /metrics each one's load, rotation and failures
-(Prometheus), both from `proxy_health`; GET /v1/models is the answer of the first decode server (in rotation first) that gives one
-within `INFO_TIMEOUT_S`. Authorization headers are
-forwarded to the upstreams.
+(`Pool.mark_down`) until its /health answers 200 again; the proxy asks each server's /health every second
+(`proxy_health.probe_servers`), so new requests go around a dead or wedged server, even one that died while
+idle, and come back to it once it has returned.
+A client that disconnects closes the upstream request (which aborts it there). GET /health reports, at once,
+what the proxy knows of the upstreams' health (a 503 naming the role while one has no server in rotation),
+GET /metrics each one's load, rotation and failures (Prometheus), both from `proxy_health`; GET /v1/models
+is the answer of the first decode server (in rotation first) that gives one within `INFO_TIMEOUT_S`.
+Authorization headers are forwarded to the upstreams.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .body import BodyError, BodyLimit, load_object
 from .deps import HANDOFF_HEADER
 from .disconnect import CLIENT_CLOSED, ClientGone, answer_clients_that_leave, unless_disconnected
-from .proxy_health import health_report, metrics_text, probe_down_servers
+from .proxy_health import health_report, metrics_text, probe_servers
 from .proxy_pool import Pool, Upstream, prefix_keys
 
 log = logging.getLogger("gigadecode.proxy")
@@ -104,7 +105,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S))
-        probe = asyncio.get_running_loop().create_task(probe_down_servers(app.state.client, (prefills, decodes)))
+        probe = asyncio.get_running_loop().create_task(probe_servers(app.state.client, (prefills, decodes)))
         try:
             yield
         finally:
@@ -349,7 +350,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        status, body = await health_report(app.state.client, prefills, decodes)
+        status, body = health_report((prefills, decodes))
         return JSONResponse(body, status_code=status)
 
     return app

@@ -1,12 +1,15 @@
-"""What `gigadecode proxy` knows of its upstream servers' health: the background probe that asks the servers
-out of rotation for their /health (a 200 puts one back: `Pool.mark_up`), the proxy's own /health report,
-and its /metrics (Prometheus text: each server's load, rotation and failures, labelled by role and URL).
-Which server takes a request, and when one leaves the rotation, is `proxy_pool`'s.
+"""What `gigadecode proxy` knows of its upstream servers' health: the background probe that asks every server
+for its /health once a PROBE_S (a 200 puts one out of rotation back, `Pool.mark_up`; an error status, no
+answer or no connection takes one in rotation out, `Pool.mark_down`), the proxy's own /health, answered at
+once from what the probe and the requests found (never waiting on an upstream: a load balancer's or
+Kubernetes' probe gives up after a second), and its /metrics (Prometheus text: each server's load, rotation
+and failures, labelled by role and URL). Which server takes a request is `proxy_pool`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,49 +17,58 @@ import httpx
 
 from .proxy_pool import Pool, Upstream
 
-PROBE_S, PROBE_TIMEOUT_S = 1.0, 2.0     # how often, and how long, a server out of rotation is asked for /health
-INFO_TIMEOUT_S = 5.0                    # how long a server may take to answer the proxy's own /health
+PROBE_S, PROBE_TIMEOUT_S = 1.0, 2.0     # how often, and how long, each server is asked for its /health
 
 
-async def probe_down_servers(http: httpx.AsyncClient, pools: Sequence[Pool]) -> None:
-    """Every PROBE_S, ask each server out of rotation for its /health; a 200 puts it back."""
-    async def probe(pool: Pool, up: Upstream) -> None:
-        try:
-            ok = (await http.get(up.url + "/health", timeout=PROBE_TIMEOUT_S)).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if ok:
-            pool.mark_up(up)
-    while True:
-        await asyncio.sleep(PROBE_S)
-        await asyncio.gather(*(probe(pool, up) for pool in pools for up in pool.servers if up.down is not None))
+async def probe_servers(http: httpx.AsyncClient, pools: Sequence[Pool]) -> None:
+    """Ask each server for its /health now and then every PROBE_S, each on its own (a wedged one delays no
+    other): a 200 puts a server out of rotation back; anything else takes a server in rotation out, so a
+    server that died or stopped answering while idle is known before a request finds it so."""
+    async def watch(pool: Pool, up: Upstream) -> None:
+        while True:
+            why = await _ask_health(http, up)
+            up.healthy, up.probed_at = why is None, time.monotonic()
+            if why is None:
+                pool.mark_up(up)
+            elif up.down is None:
+                pool.mark_down(up, f"/health: {why}")
+            await asyncio.sleep(PROBE_S)
+    await asyncio.gather(*(watch(pool, up) for pool in pools for up in pool.servers))
 
 
-async def health_report(http: httpx.AsyncClient, prefills: Pool, decodes: Pool) -> tuple[int, dict[str, Any]]:
-    """The proxy's /health -> (status code, body): each upstream's /health (a 200 puts it back into rotation),
-    in-flight requests and rotation; 200 while a prefill and a decode server are healthy, else 503."""
-    async def check(up: Upstream) -> bool:
-        try:
-            return (await http.get(up.url + "/health", timeout=INFO_TIMEOUT_S)).status_code == 200
-        except httpx.HTTPError:
-            return False
-    servers = prefills.servers + decodes.servers
-    ok = await asyncio.gather(*(check(s) for s in servers))
-    status = dict(zip((s.url for s in servers), ok))
-    p_ok = any(status[s.url] for s in prefills.servers)
-    d_ok = any(status[s.url] for s in decodes.servers)
-    for pool in (prefills, decodes):
-        for s in pool.servers:
-            if status[s.url]:
-                pool.mark_up(s)
+async def _ask_health(http: httpx.AsyncClient, up: Upstream) -> str | None:
+    """None when `up`'s /health answers 200 within PROBE_TIMEOUT_S, else what went wrong."""
+    try:
+        r = await http.get(up.url + "/health", timeout=PROBE_TIMEOUT_S)
+    except httpx.TimeoutException:
+        return f"no answer within {PROBE_TIMEOUT_S} s"
+    except Exception as e:              # unreachable, or a URL httpx refuses: the others' probes go on
+        return f"{type(e).__name__}: {e}"
+    return None if r.status_code == 200 else f"answered {r.status_code}: {r.text[:200]}"
+
+
+def health_report(pools: Sequence[Pool]) -> tuple[int, dict[str, Any]]:
+    """The proxy's /health -> (status code, body), from what it knows now: 200 while every role has a server
+    in rotation whose last /health answered 200, else 503 with the reason (a load balancer's readiness: the
+    proxy cannot serve, or, just after its start, does not know yet); each server's last /health answer
+    (`healthy`: None before its first), in-flight requests and rotation."""
+    now = time.monotonic()
 
     def state(s: Upstream) -> dict[str, Any]:
-        return {"healthy": status[s.url], "in_flight": s.in_flight, "in_rotation": s.down is None,
-                **({"out_of_rotation_because": s.down} if s.down is not None else {})}
-    body = {"status": "ok" if p_ok and d_ok else "unhealthy",
-            "prefill": {s.url: state(s) for s in prefills.servers},
-            "decode": {s.url: state(s) for s in decodes.servers}}
-    return (200 if p_ok and d_ok else 503), body
+        return {"healthy": s.healthy, "in_flight": s.in_flight, "in_rotation": s.down is None,
+                **({"out_of_rotation_because": s.down} if s.down is not None else {}),
+                "last_health_check_s_ago": None if s.probed_at is None else round(now - s.probed_at, 3)}
+    missing = []
+    for pool in pools:
+        if all(s.down is not None for s in pool.servers):
+            missing.append(f"no {pool.role} server in rotation")
+        elif not any(s.down is None and s.healthy for s in pool.servers):     # just started: not asked yet
+            missing.append(f"no {pool.role} server in rotation has answered its /health with 200 yet")
+    body: dict[str, Any] = {"status": "unhealthy" if missing else "ok"}
+    if missing:
+        body["reason"] = "; ".join(missing)
+    body.update({pool.role: {s.url: state(s) for s in pool.servers} for pool in pools})
+    return (503 if missing else 200), body
 
 
 METRICS = (("gigadecode_proxy_upstream_in_flight", "gauge", "Requests the proxy has in flight on the server.",
@@ -67,7 +79,7 @@ METRICS = (("gigadecode_proxy_upstream_in_flight", "gauge", "Requests the proxy 
            ("gigadecode_proxy_upstream_requests_total", "counter", "Requests the proxy sent the server.",
             lambda s: s.sent),
            ("gigadecode_proxy_upstream_failures_total", "counter", "Times the server could not be reached, timed out or "
-            "failed a request.", lambda s: s.failures))
+            "failed a request, or left the rotation when its /health failed.", lambda s: s.failures))
 
 
 def metrics_text(pools: Sequence[Pool]) -> str:

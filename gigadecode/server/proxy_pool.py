@@ -3,9 +3,10 @@
 where its leading chunks went before, so a prefill server with prefix caching finds them in its own pool.
 
 A server the proxy could not reach, or that timed out or dropped a request, is out of rotation
-(`mark_down`): the others take the new requests until its /health answers 200 again (`mark_up`, from the
-proxy's probe), so a dead or wedged server costs the request that found it so, not one request in every
-few after it. When every server of a role is out, they are all tried as before.
+(`mark_down`, also when the proxy's probe finds its /health failing): the others take the new requests
+until its /health answers 200 again (`mark_up`, from the probe), so a dead or wedged server costs at most the
+request that found it so, not one request in every few after it. When every server of a role is out, they
+are all tried as before.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Upstream:
     sent: int = 0
     down: str | None = None              # why it is out of rotation (None: in rotation)
     failures: int = 0                    # times it left the rotation, or failed while out of it
+    healthy: bool | None = None          # its last /health answered 200 (None: not asked yet)
+    probed_at: float | None = None       # when its last /health probe ended (time.monotonic())
 
 
 class Pool:
@@ -71,7 +74,8 @@ class Pool:
         return s
 
     def mark_down(self, up: Upstream, why: str) -> None:
-        """Take `up` out of rotation (it could not be reached, timed out or dropped a request)."""
+        """Take `up` out of rotation (it could not be reached, timed out or dropped a request, or its /health
+        failed)."""
         if up.down is None:
             log.warning("%s server %s is out of rotation until its /health answers 200: %s", self.role, up.url, why)
         up.down = why
