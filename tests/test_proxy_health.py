@@ -182,7 +182,26 @@ def test_metrics_escape_label_values():
     """Prometheus text format: a backslash, a double quote and a newline in a label value are written \\\\, \\"
     and \\n; the parser reads back each URL as it was given."""
     urls = ['http://h:1/a"b', "http://h:2/a\\b", "http://h:3/a\nb", 'http://h:4/\\"\\n']
-    text = proxy_health.metrics_text([Pool("decode", urls)])
+    pool = Pool("decode", [f"http://h:{i}" for i in range(1, 5)])
+    for up, url in zip(pool.servers, urls):      # set past the start-up check, which refuses a newline
+        up.url = url
+    text = proxy_health.metrics_text([pool])
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("gigadecode_proxy_upstream_in_flight", "gigadecode_proxy_upstream_in_rotation"):
         assert [s.labels for s in families[name].samples] == [{"role": "decode", "url": u} for u in urls]
+
+
+@pytest.mark.parametrize("url, why", [
+    ("http://127.0.0.1:8100\n", "control characters"), ("http://a b:1", "spaces"),
+    ("127.0.0.1:8100", "http://HOST:PORT"), ("ftp://h:1", "http://HOST:PORT"), ("http://:80", "http://HOST:PORT"),
+    ("http://h:99999", "port 99999"), ("http://h:1?x=1", "query or fragment")])
+def test_a_malformed_upstream_url_is_refused_at_start(url, why, capsys):
+    """A URL the proxy cannot send to is refused when it starts, naming it (a newline in one made every request
+    it took a 500 from httpx.InvalidURL); a trailing slash or a path prefix is taken."""
+    with pytest.raises(ValueError, match=why):
+        build_proxy_app(["http://127.0.0.1:8100"], [url])
+    from gigadecode.cli import main
+    assert main(["proxy", "--prefill", url, "--decode", "http://127.0.0.1:8200"]) == 2
+    assert "prefill server URL" in capsys.readouterr().err
+    app = build_proxy_app(["http://127.0.0.1:8100/", "http://gw/prefill-a/"], ["http://127.0.0.1:8200"])
+    assert app is not None

@@ -850,9 +850,9 @@ def test_proxy_prefill_then_decode_with_retry():
 
 def test_proxy_least_loaded():
     from gigadecode.server.proxy_pool import Pool
-    pool = Pool("decode", ["a", "b", "c"])
+    pool = Pool("decode", ["http://a", "http://b/", "http://c"])
     a, b, c = pool.servers
-    assert [pool.pick().url for _ in range(4)] == ["a", "b", "c", "a"]     # idle: spread by requests sent
+    assert [pool.pick().url for _ in range(4)] == ["http://a", "http://b", "http://c", "http://a"]     # idle: spread by requests sent
     a.in_flight, b.in_flight, c.in_flight = 2, 0, 1
     assert pool.pick() is b
     assert pool.pick(exclude=[b]) is c
@@ -880,7 +880,7 @@ def test_proxy_prefix_affinity():
     k1, k2, ko = prefix_keys(turn1), prefix_keys(turn2), prefix_keys(other)
     assert k1 and len(k2) > len(k1) and k2[:len(k1) - 1] == k1[:len(k1) - 1] and not set(ko) & set(k1)
     assert prefix_keys({"prompt": "short"}) == [] and prefix_keys({"prompt": list(range(400))})
-    pool = Pool("prefill", ["a", "b"])
+    pool = Pool("prefill", ["http://a", "http://b"])
     a, b = pool.servers
     assert pool.pick(keys=k1) is a
     assert pool.pick(keys=ko) is b                   # another prompt: the least loaded (b, fewer sent)

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 log = logging.getLogger("gigadecode.proxy")
 
 # Prefix affinity (prefill servers): prompts are keyed by chunks of this many bytes (at most so many chunks);
@@ -38,6 +40,25 @@ class Upstream:
     probed_at: float | None = None       # when its last /health probe ended (time.monotonic())
 
 
+def upstream_url(role: str, url: str) -> str:
+    """`url` as the proxy joins paths to it (no trailing slash), refused at start unless it is an http(s) URL
+    of a host (a path prefix allowed), with a valid port and no query, fragment, spaces or control characters
+    (a typo otherwise failed every request it took)."""
+    if not isinstance(url, str) or any(ord(c) < 0x21 or c == "\x7f" for c in url):
+        raise ValueError(f"{role} server URL {url!r}: spaces or control characters")
+    try:
+        parsed = httpx.URL(url.rstrip("/"))
+    except (httpx.InvalidURL, TypeError) as e:
+        raise ValueError(f"{role} server URL {url!r}: {e}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"{role} server URL {url!r}: expected http://HOST:PORT or https://HOST:PORT")
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise ValueError(f"{role} server URL {url!r}: port {parsed.port} is not in 1-65535")
+    if parsed.query or parsed.fragment:
+        raise ValueError(f"{role} server URL {url!r}: a query or fragment has no place in a server's URL")
+    return url.rstrip("/")
+
+
 class Pool:
     """The servers of one role; `pick` takes the least loaded one not yet tried, or, given a request's prefix
     keys (`prefix_keys`), the server that last took the longest of them while it is at most AFFINITY_SLACK
@@ -48,7 +69,7 @@ class Pool:
         if not urls:
             raise ValueError(f"the proxy needs at least one {role} server")
         self.role = role
-        self.servers = [Upstream(u.rstrip("/")) for u in urls]
+        self.servers = [Upstream(upstream_url(role, u)) for u in urls]
         self.owner: OrderedDict[bytes, Upstream] = OrderedDict()     # prefix key -> the server that last took it
 
     def pick(self, exclude: Sequence[Upstream] = (), keys: Sequence[bytes] = ()) -> Upstream | None:
