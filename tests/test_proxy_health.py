@@ -205,3 +205,39 @@ def test_a_malformed_upstream_url_is_refused_at_start(url, why, capsys):
     assert "prefill server URL" in capsys.readouterr().err
     app = build_proxy_app(["http://127.0.0.1:8100/", "http://gw/prefill-a/"], ["http://127.0.0.1:8200"])
     assert app is not None
+
+
+def test_a_lease_is_released_under_the_prefill_servers_path_prefix():
+    """A prefill server behind a path prefix (http://host/prefill-a, a reverse proxy's route: the proxy takes
+    it) has its lease released at that prefix's /kv/release, as its prefill and its handoff release are: the
+    release used to go to the host's root /kv/release (someone else's route, or a 404), and the lease was held
+    until it ran out. Upstreams are an httpx mock: every URL the proxy asks is recorded."""
+    import asyncio
+    asked: list[tuple[str, str]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append((request.method, str(request.url)))
+        if request.url.path.endswith("/health"):
+            return httpx.Response(200, json={"status": "ok"})
+        if request.url.host == "pre.test" and request.url.path == "/prefill-a/v1/completions":
+            return httpx.Response(200, json={"id": "p", "choices": [], "kv_transfer_params": {
+                "do_remote_prefill": True, "remote_engine_id": "pre", "remote_block_ids": [[3]]}})
+        if request.url.host == "dec.test" and request.url.path == "/v1/completions":   # the decode refuses it
+            return httpx.Response(400, json={"error": {"message": "no", "type": "invalid_request_error",
+                                                       "param": None, "code": None}})
+        if request.url.path.endswith("/kv/release"):
+            return httpx.Response(200, json={"released": True})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    async def run() -> int:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        app = build_proxy_app(["http://pre.test/prefill-a/"], ["http://dec.test"], client=client)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://px") as hc:
+                r = await hc.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 2})
+        await client.aclose()
+        return r.status_code
+
+    assert asyncio.run(run()) == 400
+    releases = [url for method, url in asked if url.endswith("/kv/release")]
+    assert releases == ["http://pre.test/prefill-a/kv/release"], asked

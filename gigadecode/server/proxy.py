@@ -166,8 +166,9 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                 continue
             finally:
                 up.in_flight -= 1
-            if leased is not None:
-                leased.clear()                  # answered: what it leased (if anything) is in its answer
+            if leased is not None:              # answered: what it leased (if anything) is in its answer,
+                leased.clear()                  # released at this server's /kv/release (under its path prefix)
+                leased["url"] = up.url + "/kv/release"
             prefills.mark_up(up)
             if r.status_code >= 500:
                 last = f"prefill server {up.url} answered {r.status_code}: {r.text[:500]}"
@@ -209,7 +210,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             dbody = dict(body)
             if kv is not None:
                 dbody["kv_transfer_params"] = kv
-                leased.update(kv=kv, url=str(pr.request.url.copy_with(path="/kv/release", query=None)))
+                leased["kv"] = kv               # (post_prefill left the answering server's release URL)
             else:
                 dbody.pop("kv_transfer_params", None)
             return dbody
