@@ -241,3 +241,35 @@ def test_a_lease_is_released_under_the_prefill_servers_path_prefix():
     assert asyncio.run(run()) == 400
     releases = [url for method, url in asked if url.endswith("/kv/release")]
     assert releases == ["http://pre.test/prefill-a/kv/release"], asked
+
+
+def test_a_health_answer_from_before_a_failure_does_not_undo_it(monkeypatch):
+    """A probe whose /health answer (200) was on its way when a request found the server failing (it timed out,
+    dropped a stream) leaves the server out of rotation: that answer predates the failure. Only a /health asked
+    after it puts the server back (it used to be back in rotation at once, for requests to find it failing)."""
+    import asyncio
+    monkeypatch.setattr(proxy_health, "PROBE_S", 30.0)     # one probe in this test's time
+
+    async def run() -> tuple[str | None, bool | None]:
+        asked, answer_now = asyncio.Event(), asyncio.Event()
+
+        async def answer(request: httpx.Request) -> httpx.Response:
+            asked.set()
+            await answer_now.wait()
+            return httpx.Response(200, json={"status": "ok"})
+
+        pool = Pool("decode", ["http://dec.test"])
+        up = pool.servers[0]
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+            probe = asyncio.create_task(proxy_health.probe_servers(http, [pool]))
+            await asyncio.wait_for(asked.wait(), 5)
+            pool.mark_down(up, "did not start an answer within 1 s")    # a request's verdict, mid-probe
+            answer_now.set()
+            for _ in range(20):                                          # the probe handles its answer
+                await asyncio.sleep(0.01)
+            probe.cancel()
+            await asyncio.gather(probe, return_exceptions=True)
+        return up.down, up.healthy
+
+    down, healthy = asyncio.run(run())
+    assert down == "did not start an answer within 1 s" and healthy is True

@@ -22,14 +22,17 @@ PROBE_S, PROBE_TIMEOUT_S = 1.0, 2.0     # how often, and how long, each server i
 
 async def probe_servers(http: httpx.AsyncClient, pools: Sequence[Pool]) -> None:
     """Ask each server for its /health now and then every PROBE_S, each on its own (a wedged one delays no
-    other): a 200 puts a server out of rotation back; anything else takes a server in rotation out, so a
-    server that died or stopped answering while idle is known before a request finds it so."""
+    other): a 200 puts a server out of rotation back (unless a request found it failing while it was asked);
+    anything else takes a server in rotation out, so a server that died or stopped answering while idle is
+    known before a request finds it so."""
     async def watch(pool: Pool, up: Upstream) -> None:
         while True:
+            failures = up.failures          # a request that finds it failing meanwhile counts one more
             why = await _ask_health(http, up)
             up.healthy, up.probed_at = why is None, time.monotonic()
             if why is None:
-                pool.mark_up(up)
+                if up.failures == failures:     # an answer from before a failure does not undo it (the next does)
+                    pool.mark_up(up)
             elif up.down is None:
                 pool.mark_down(up, f"/health: {why}")
             await asyncio.sleep(PROBE_S)
