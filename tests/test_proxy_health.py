@@ -273,3 +273,33 @@ def test_a_health_answer_from_before_a_failure_does_not_undo_it(monkeypatch):
 
     down, healthy = asyncio.run(run())
     assert down == "did not start an answer within 1 s" and healthy is True
+
+
+def test_a_release_on_its_way_at_shutdown_still_reaches_the_prefill_server():
+    """A lease release scheduled in the background (a stream that ended early) when the proxy shuts down is
+    sent before the proxy's client closes: it used to meet the closed client ("Task exception was never
+    retrieved"), and the prefill held the lease until it ran out."""
+    import asyncio
+
+    from gigadecode.server import proxy
+    app, got = FastAPI(), []
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/kv/release")
+    async def release(body: dict):
+        await asyncio.sleep(0.3)                 # the release is still on its way when the proxy stops
+        got.append(body)
+        return {"released": True}
+
+    with ServerThread(app) as up:
+        papp = build_proxy_app([up.url], [up.url])
+
+        async def run():
+            async with papp.router.lifespan_context(papp):
+                proxy._in_background(proxy._release(papp.state.client, {"handoff": "ab" * 16,
+                                                                        "url": up.url + "/kv/release"}, {}))
+        asyncio.run(run())
+    assert got == [{"handoff": "ab" * 16}]

@@ -110,6 +110,10 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             yield
         finally:
             probe.cancel()
+            # releases still on their way (streams that ended early) finish before the client closes under
+            # them: each is bounded by RELEASE_TIMEOUT_S, and one cut off leaves its lease to run out
+            pending = [t for t in _background if t.get_loop() is asyncio.get_running_loop()]
+            await asyncio.wait([probe, *pending], timeout=RELEASE_TIMEOUT_S + 1)
             if own:
                 await app.state.client.aclose()
 
@@ -412,7 +416,7 @@ async def _release(http: httpx.AsyncClient, leased: dict[str, Any], headers: dic
         r = await http.post(url, json=body, headers=headers, timeout=RELEASE_TIMEOUT_S)
         if r.status_code != 200:
             log.warning("prefill server %s refused to release a lease: %s %s", url, r.status_code, r.text[:200])
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, RuntimeError) as e:      # RuntimeError: the proxy's client closed (shutting down)
         log.warning("prefill server %s unreachable to release a lease: %s", url, e)
 
 
