@@ -32,7 +32,8 @@ def started_by_torchrun(environ: dict | None = None) -> bool:
 
 def stop_with_launcher(sig: int = signal.SIGTERM) -> bool:
     """Under torchrun on Linux: have the kernel send `sig` to this process when its parent (torchrun) dies, and
-    send it now if the parent is already gone. -> whether the signal is armed (False: not under torchrun, not
+    send it now if the parent died while this was armed, or before (this process then belongs to init, pid 1;
+    a re-parenting to another subreaper before the call goes unseen). -> whether the signal is armed (False: not under torchrun, not
     Linux, or prctl refused; nothing changes then)."""
     if not started_by_torchrun() or not sys.platform.startswith("linux"):
         return False
@@ -46,6 +47,6 @@ def stop_with_launcher(sig: int = signal.SIGTERM) -> bool:
         return False
     # the parent may have died between reading its pid and the prctl: this process was re-parented then, and no
     # death signal will ever come (the one that died is no longer its parent)
-    if os.getppid() != parent:
+    if os.getppid() != parent or parent == 1:
         os.kill(os.getpid(), sig)
     return True

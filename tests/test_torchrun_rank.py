@@ -87,6 +87,16 @@ def test_a_rank_whose_launcher_died_before_it_armed_stops_at_once():
     assert r.stdout.strip() == "" and r.returncode == 42, (r.returncode, r.stdout, r.stderr)
 
 
+@_linux
+def test_a_rank_whose_launcher_was_gone_before_it_read_its_parent_stops_at_once():
+    """The launcher died before the rank started arming: the rank already belongs to init (pid 1), its parent
+    looks unchanged across the prctl, and no death signal would ever come: it signals itself."""
+    code = "import os\nos.getppid = lambda: 1    # re-parented to init\n" + RANK
+    r = subprocess.run([sys.executable, "-c", code, "30"], capture_output=True, text=True, timeout=20,
+                       env=_env(TORCHELASTIC_RUN_ID="t"))
+    assert r.stdout.strip() == "" and r.returncode == 42, (r.returncode, r.stdout, r.stderr)
+
+
 def test_nothing_is_armed_outside_torchrun():
     r = subprocess.run([sys.executable, "-c", RANK, "0"], capture_output=True, text=True, timeout=20, env=_env())
     assert r.stdout.strip() == "not armed" and r.returncode == 1, (r.returncode, r.stdout, r.stderr)
