@@ -701,6 +701,13 @@ def test_a_prefill_named_by_the_proxy_is_ended_by_that_name(di):
     assert r.status_code == 400 and r.json()["error"]["param"] == "handoff"
     assert httpx.post(release, json={"handoff": names[0]}, timeout=30).json() == {"released": True}
     assert wait_idle(di["prefill"], timeout=3)["gigadecode_kv_leases"] == 0
+    # a release that overtook its prefill (the router gave it up before the prefill arrived): the prefill that
+    # comes after it is refused, holding no lease
+    late = uuid.uuid4().hex
+    assert httpx.post(release, json={"handoff": late}, timeout=30).json() == {"released": False}
+    r = httpx.post(di["prefill"] + "/v1/completions", json=body, headers={"x-gigadecode-handoff": late}, timeout=60)
+    assert r.status_code == 400 and "given up by its router" in r.json()["error"]["message"], r.text
+    assert wait_idle(di["prefill"], timeout=3)["gigadecode_kv_leases"] == 0
 
 
 def test_a_prefill_answer_cut_off_on_its_way_holds_no_lease(di):

@@ -85,7 +85,8 @@ async def kv_release(request: Request) -> JSONResponse:
     when the decode side will never read them (it refused the request, or the client left), so the leased
     blocks are freed at once instead of when the lease runs out. Only signed params naming this engine.
     {"handoff": name}: the router's client left while the prefill it named so (`deps.HANDOFF_HEADER`) ran; the
-    router never got its answer, so the request ends here: aborted if it runs, its lease ended if it answered."""
+    router never got its answer, so the request ends here: aborted if it runs, its lease ended if it answered,
+    refused if it arrives later (`AsyncEngine.give_up`)."""
     from ..request import RequestError
     from .body import BodyError, load_object
     aeng = deps.engine(request)
@@ -98,8 +99,7 @@ async def kv_release(request: Request) -> JSONResponse:
             raise APIError(400, "handoff: expected the 32 hex digits the router named its prefill with",
                            param="handoff")
         rids = deps.handoff_ids(raw["handoff"])
-        for rid in rids:                  # a running request first: it then never leases (the engine's order)
-            aeng.abort(rid)
+        aeng.give_up(rids)                # a running request first: it then never leases (the engine's order)
         released = await aeng.call(lambda e: any([e.release_lease(rid) for rid in rids]))
         return JSONResponse({"released": bool(released)})
     params = raw.get("kv_transfer_params")

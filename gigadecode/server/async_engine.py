@@ -30,11 +30,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import RequestOutput
+from ..request import RequestError
 from ..openmp import release_thread_pool
 from ..sampling import SamplingParams
 from .engine_metrics import EngineMetrics
@@ -42,6 +44,10 @@ from .engine_metrics import EngineMetrics
 log = logging.getLogger("gigadecode.server")
 
 SHUTTING_DOWN = "the server is shutting down"      # the error of requests still open when the engine stops
+
+# a request a router gave up by name (`give_up`) is refused if it arrives this long after (it lost the race
+# with the release), and at most so many such names are remembered
+GIVEN_UP_S, GIVEN_UP_MAX = 120.0, 1 << 16
 
 IDLE_WAIT_S = 0.01       # longest wait for new work while idle
 IDLE_STEP_S = 0.05       # an idle engine still steps this often (connector lease expiry; for a parallel engine
@@ -132,6 +138,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._tracks: dict[str, _Track] = {}          # engine thread only
+        self._given_up: OrderedDict[str, float] = OrderedDict()    # engine thread only: rid -> refused until
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._step_failures_seen = 0
@@ -180,6 +187,8 @@ class AsyncEngine:
         def add() -> None:
             eng = self.engine
             try:
+                if self._given_up.get(request_id, 0.0) > time.monotonic():
+                    raise RequestError(f"request {request_id!r} was given up by its router before it arrived")
                 extra: dict[str, Any] = {}                             # what is not set is not passed
                 if kv_transfer_params is not None:
                     extra["kv_transfer_params"] = kv_transfer_params
@@ -221,6 +230,23 @@ class AsyncEngine:
                 self._deliver_final(request_id, RequestOutput(request_id, [], True, finish_reason))
             self.metrics.refresh(eng)
         self._post(do)
+
+    def give_up(self, request_ids: Sequence[str]) -> None:
+        """A router's client left before the router knew whether these requests (the ids it named) had
+        arrived: abort those that did, and refuse any that arrives within GIVEN_UP_S (it would otherwise run,
+        and a prefill hold its leased KV until the lease ran out). Posted in order with the adds: an add
+        before it is aborted, one after it refused."""
+        def do() -> None:
+            now = time.monotonic()
+            while self._given_up and (next(iter(self._given_up.values())) <= now
+                                      or len(self._given_up) >= GIVEN_UP_MAX):
+                self._given_up.popitem(last=False)
+            for rid in request_ids:
+                self._given_up[rid] = now + GIVEN_UP_S
+                self._given_up.move_to_end(rid)
+        self._post(do)
+        for rid in request_ids:
+            self.abort(rid)
 
     def release_lease(self, request_id: str) -> None:
         """A producer: end the KV lease of one of its requests whose answer never reached the client (it left
