@@ -285,9 +285,15 @@ def pick_stops(case: Case, solo: LLMEngine, codec, rng: random.Random) -> None:
 # --------------------------------------------------------------------------------------------------
 # The check
 # --------------------------------------------------------------------------------------------------
-def _near_tie(params: SamplingParams, want_lp, got_tok: int) -> bool:
-    """Whether the lone run's pick and `got_tok` are within NEAR_TIE_NATS of each other there (raw logprobs
-    plus the request's logit_bias, which greedy picks by)."""
+def _near_tie(params: SamplingParams, want_lp, got_tok: int, generated: int) -> bool:
+    """Whether the lone run's pick and `got_tok`, the request's token after `generated` others, are within
+    NEAR_TIE_NATS of each other there (raw logprobs plus the request's logit_bias, which greedy picks by). Never
+    for a token the request's masks forbid there (outside allowed_token_ids, a stop id or EOS under
+    min_tokens): the lone pick beat it by the mask, whatever their logprobs, and a batch that lost the mask took it."""
+    if params.allowed_token_ids is not None and got_tok not in params.allowed_token_ids:
+        return False
+    if generated < params.min_tokens and (got_tok in params.stop_token_ids or got_tok == EOS and not params.ignore_eos):
+        return False
     top = dict(want_lp.top)
     if got_tok not in top:
         return False
@@ -312,7 +318,7 @@ def compare(seq: Seq, got: Answer, want: Answer) -> list[str]:
         problems.append(f"prompt logprobs differ: {_show(gp)}, alone {_show(wp)}")
     part = next((k for k, (a, b) in enumerate(zip(got.ids, want.ids)) if a != b), None)
     if part is not None:
-        if p.seed is not None or not _near_tie(p, want.logprobs[part], got.ids[part]):
+        if p.seed is not None or not _near_tie(p, want.logprobs[part], got.ids[part], part):
             problems.append(f"parts at token {part}: {got.ids} ({got.finish}), alone {want.ids} ({want.finish}); "
                             f"lone top there {want.logprobs[part].top[:3]}")
     elif aborted and len(got.ids) > len(want.ids) or not aborted and (len(got.ids), got.finish) != (

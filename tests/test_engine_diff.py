@@ -6,15 +6,20 @@ checked against the requests' final state."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+
+from gigadecode.llm import SamplingParams
+from gigadecode.sampling import TokenLogprobs
 
 from .engine_diff import FEATURES, check_case
 
-# Six cases that go through every FEATURES entry between them, in a few seconds; each also catches one or more of
+# Seven cases that go through every FEATURES entry between them, in a few seconds; each also catches one or more of
 # these engine bugs when they are planted (a sliding block freed one token early, a preempted request's
 # generator reseeded, a prefix block named without its last token, an aborted request's blocks kept, a first draft
-# accepted unchecked).
-FAST_SEEDS = (8, 14, 67, 87, 114, 125)
+# accepted unchecked, min_tokens' mask lost in a batch of more than one).
+FAST_SEEDS = (8, 14, 66, 67, 87, 114, 125)
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +45,27 @@ def test_a_mixed_load_gives_every_request_its_tokens_alone(root):
 def test_a_wide_sweep_of_mixed_loads(root):
     """200 cases (~2 minutes)."""
     _check(range(200), root)
+
+
+def _lone_step(pick: int, lp: float, **others: float) -> TokenLogprobs:
+    top = sorted([(pick, lp), *((int(t[1:]), v) for t, v in others.items())], key=lambda e: -e[1])
+    return TokenLogprobs(pick, lp, 1 + sum(v >= lp for _, v in top if _ != pick), tuple(top))
+
+
+def test_a_token_the_request_could_not_take_is_no_near_tie():
+    """A greedy answer that parts from its lone run on a token the request's masks forbid there is a problem,
+    however close (or far above the pick) its logprob: an EOS under min_tokens (made likely by a logit_bias), a
+    token outside allowed_token_ids. The lone run's pick won by the mask, not by a hair, so a batch that lost
+    a request's mask must not pass as a near-tie."""
+    from .engine_diff import EOS, Answer, Seq, compare
+    alone = Answer([5, 6, 7], "length", [_lone_step(5, -3.0, t2=-1.0), _lone_step(6, -1.0), _lone_step(7, -1.0)],
+                   None)
+    under_min = Seq([3, 4], SamplingParams(temperature=0.0, max_tokens=3, min_tokens=3,
+                                           logit_bias=((EOS, 8.0),)), 0)
+    assert compare(under_min, Answer([EOS], "stop", [], None), alone)
+    free = replace(under_min, params=replace(under_min.params, min_tokens=0, logit_bias=()))
+    tie = Answer([5, 6, 7], "length", [_lone_step(5, -1.0, t9=-1.004), _lone_step(6, -1.0), _lone_step(7, -1.0)],
+                 None)
+    assert not compare(free, Answer([9, 4], "length", [], None), tie)      # a near-tie it may take
+    only = replace(free, params=replace(free.params, allowed_token_ids=(5, 6, 7)))
+    assert compare(only, Answer([9, 4], "length", [], None), tie)
