@@ -36,9 +36,10 @@ from gigadecode.sampling import MAX_LOGPROBS, nth_seed
 from gigadecode.speculative import SpeculativeConfig
 from gigadecode.tokenizer import TextCodec
 
-from .helpers import NEAR_TIE_NATS, cdiv
+from .helpers import cdiv
 
 LP_TOL = 1e-4               # fp32: a logprob in a batch vs alone
+NEAR_TIE = 2 * LP_TOL       # a greedy pick and its runner-up this close may swap under load (each moved <= LP_TOL)
 EOS = 2                     # the tiny preset's (kept by every drawn config)
 MAX_STEPS = 20000           # a case takes a few hundred steps, a few thousand at most
 NUM_MODELS = 12             # cases share this many checkpoints (each written once per root)
@@ -287,7 +288,7 @@ def pick_stops(case: Case, solo: LLMEngine, codec, rng: random.Random) -> None:
 # --------------------------------------------------------------------------------------------------
 def _near_tie(params: SamplingParams, want_lp, got_tok: int, generated: int) -> bool:
     """Whether the lone run's pick and `got_tok`, the request's token after `generated` others, are within
-    NEAR_TIE_NATS of each other there (raw logprobs plus the request's logit_bias, which greedy picks by). Never
+    NEAR_TIE of each other there (raw logprobs plus the request's logit_bias, which greedy picks by). Never
     for a token the request's masks forbid there (outside allowed_token_ids, a stop id or EOS under
     min_tokens): the lone pick beat it by the mask, whatever their logprobs, and a batch that lost the mask took it."""
     if params.allowed_token_ids is not None and got_tok not in params.allowed_token_ids:
@@ -300,7 +301,7 @@ def _near_tie(params: SamplingParams, want_lp, got_tok: int, generated: int) -> 
     bias = dict(params.logit_bias)
     ours = top[got_tok] + bias.get(got_tok, 0.0)
     theirs = want_lp.logprob + bias.get(want_lp.token_id, 0.0)
-    return theirs - ours < NEAR_TIE_NATS
+    return theirs - ours < NEAR_TIE
 
 
 def compare(seq: Seq, got: Answer, want: Answer) -> list[str]:

@@ -64,8 +64,20 @@ def test_a_token_the_request_could_not_take_is_no_near_tie():
                                            logit_bias=((EOS, 8.0),)), 0)
     assert compare(under_min, Answer([EOS], "stop", [], None), alone)
     free = replace(under_min, params=replace(under_min.params, min_tokens=0, logit_bias=()))
-    tie = Answer([5, 6, 7], "length", [_lone_step(5, -1.0, t9=-1.004), _lone_step(6, -1.0), _lone_step(7, -1.0)],
+    tie = Answer([5, 6, 7], "length", [_lone_step(5, -1.0, t9=-1.0001), _lone_step(6, -1.0), _lone_step(7, -1.0)],
                  None)
     assert not compare(free, Answer([9, 4], "length", [], None), tie)      # a near-tie it may take
     only = replace(free, params=replace(free.params, allowed_token_ids=(5, 6, 7)))
     assert compare(only, Answer([9, 4], "length", [], None), tie)
+
+
+def test_a_near_tie_is_what_fp32_rounding_can_flip():
+    """A greedy answer may take the lone run's runner-up only where the two are closer than the load may move two
+    logprobs (2 LP_TOL, fp32): a flip across 0.004 nats moved the two 20 times what `compare` lets one move
+    (0.01 nats, the bf16 tests' near-tie, passed it)."""
+    from .engine_diff import LP_TOL, Answer, Seq, compare
+    greedy = Seq([3, 4], SamplingParams(temperature=0.0, max_tokens=3), 0)
+    for gap, parts in ((LP_TOL, False), (0.004, True)):
+        alone = Answer([5, 6, 7], "length", [_lone_step(5, -1.0, t9=-1.0 - gap), _lone_step(6, -1.0),
+                                             _lone_step(7, -1.0)], None)
+        assert bool(compare(greedy, Answer([9, 4], "length", [], None), alone)) == parts, gap
