@@ -91,10 +91,25 @@ def test_a_rank_whose_launcher_died_before_it_armed_stops_at_once():
 def test_a_rank_whose_launcher_was_gone_before_it_read_its_parent_stops_at_once():
     """The launcher died before the rank started arming: the rank already belongs to init (pid 1), its parent
     looks unchanged across the prctl, and no death signal would ever come: it signals itself."""
-    code = "import os\nos.getppid = lambda: 1    # re-parented to init\n" + RANK
+    code = ("import os\nos.getppid = lambda: 1    # re-parented to init\n"
+            "import gigadecode.torchrun_rank as t\nt.command_of = lambda pid: ['/sbin/tini', '--', 'sh']\n" + RANK)
     r = subprocess.run([sys.executable, "-c", code, "30"], capture_output=True, text=True, timeout=20,
                        env=_env(TORCHELASTIC_RUN_ID="t"))
     assert r.stdout.strip() == "" and r.returncode == 42, (r.returncode, r.stdout, r.stderr)
+
+
+@_linux
+@pytest.mark.parametrize("pid1", [["/usr/bin/python3", "/usr/local/bin/torchrun", "--nproc-per-node=2", "serve"],
+                                  ["python", "-m", "torch.distributed.run", "serve"], []])
+def test_a_rank_whose_launcher_is_pid_1_runs_on(pid1):
+    """torchrun as a container's entrypoint is pid 1, every rank its child: a parent of pid 1 is the launcher
+    alive, not init after it died (the rank signalled itself at once, so no parallel server started in such a
+    container). Where pid 1's command cannot be read the rank runs on as well."""
+    code = ("import os\nos.getppid = lambda: 1\n"
+            f"import gigadecode.torchrun_rank as t\nt.command_of = lambda pid: {pid1!r}\n" + RANK)
+    r = subprocess.run([sys.executable, "-c", code, "0.2"], capture_output=True, text=True, timeout=20,
+                       env=_env(TORCHELASTIC_RUN_ID="t"))
+    assert r.stdout.strip() == "armed" and r.returncode == 1, (r.returncode, r.stdout, r.stderr)
 
 
 def test_nothing_is_armed_outside_torchrun():
