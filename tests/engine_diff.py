@@ -341,11 +341,14 @@ def _show(lps: list | None) -> list | None:
 
 def _lp_close(a, b, n: int) -> bool:
     """One token's logprobs (ours with the top n, the lone run's with at least n): the token's within LP_TOL,
-    n top entries, each within LP_TOL of the lone run's for the same token where it lists that token."""
+    n top entries, each within LP_TOL of the lone run's for the same token where it lists that token, and no
+    likelier than the last it lists where it does not (the lone list is the longer: a token missing from it
+    ranks below it)."""
     theirs = dict(b.top)
     return (a.token_id == b.token_id and abs(a.logprob - b.logprob) <= LP_TOL
             and len(a.top) == n
-            and all(abs(v - theirs[t]) <= LP_TOL for t, v in a.top if t in theirs))
+            and all(abs(v - theirs[t]) <= LP_TOL if t in theirs else v <= min(theirs.values(), default=v) + LP_TOL
+                    for t, v in a.top))
 
 
 @dataclass

@@ -81,3 +81,14 @@ def test_a_near_tie_is_what_fp32_rounding_can_flip():
         alone = Answer([5, 6, 7], "length", [_lone_step(5, -1.0, t9=-1.0 - gap), _lone_step(6, -1.0),
                                              _lone_step(7, -1.0)], None)
         assert bool(compare(greedy, Answer([9, 4], "length", [], None), alone)) == parts, gap
+
+
+def test_a_top_logprob_the_lone_run_ranks_below_its_list_is_a_difference():
+    """A top entry the lone run's longer list (MAX_LOGPROBS) lacks must be no likelier than that list's last:
+    one above it is a token from elsewhere (another row's top list passed: only the tokens both lists named
+    were compared)."""
+    from .engine_diff import _lp_close
+    alone = _lone_step(5, -1.0, t6=-2.0, t7=-3.0)
+    assert _lp_close(_lone_step(5, -1.0, t6=-2.0), alone, 2)
+    assert _lp_close(_lone_step(5, -1.0, t8=-3.0), alone, 2)           # a tie with the lone list's last
+    assert not _lp_close(_lone_step(5, -1.0, t9=-1.5), alone, 2)       # above its last: not the lone run's
