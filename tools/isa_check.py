@@ -122,10 +122,16 @@ def check(isa: str, pytest_args: list[str]) -> int:
                           env=env, cwd=ROOT).returncode
 
 
+def split_pytest_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """A check's command line `[ISA ...] [-- PYTEST ARGS]` -> (its own arguments, pytest's: the kernel tests
+    unless given)."""
+    if "--" not in argv:
+        return argv, ["-q", *KERNEL_TESTS]
+    return argv[:argv.index("--")], argv[argv.index("--") + 1:]
+
+
 def main() -> None:
-    argv = sys.argv[1:]
-    pytest_args = argv[argv.index("--") + 1:] if "--" in argv else ["-q", *KERNEL_TESTS]
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    argv, pytest_args = split_pytest_args(sys.argv[1:])
     p = argparse.ArgumentParser(usage="%(prog)s [ISA ...] [-- PYTEST ARGS]", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("isas", nargs="*", metavar="ISA", help=f"one or more of {', '.join(ISAS)} (default: all)")

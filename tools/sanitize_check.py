@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gigadecode.native import build  # noqa: E402
-from isa_check import KERNEL_TESTS, host_isa  # noqa: E402
+from isa_check import host_isa, split_pytest_args  # noqa: E402
 
 SANITIZE_FLAGS = ["-fsanitize=address,undefined,float-cast-overflow", "-fno-omit-frame-pointer", "-g", "-O1"]
 BASE = build.CACHE_DIR.parent / "sanitize"
@@ -122,9 +122,7 @@ def check(isa: str, pytest_args: list[str]) -> int:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    pytest_args = argv[argv.index("--") + 1:] if "--" in argv else ["-q", *KERNEL_TESTS]
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    argv, pytest_args = split_pytest_args(sys.argv[1:])
     p = argparse.ArgumentParser(usage="%(prog)s [ISA ...] [-- PYTEST ARGS]", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("isas", nargs="*", metavar="ISA", help="this CPU's ISA and/or those below it "
