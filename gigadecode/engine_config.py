@@ -85,9 +85,12 @@ class EngineConfig:
             if v < lo:
                 raise ConfigError(f"{flag} must be >= {lo} (got {v}{why})")
 
-        def positive(flag: str, v: Any) -> None:
-            if not isinstance(v, Real) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):
-                raise ConfigError(f"{flag} must be > 0 and finite (got {v!r})")
+        def positive(flag: str, v: Any, at_least: float | None = None) -> None:
+            """A finite number > 0, or >= `at_least` when given."""
+            if (not isinstance(v, Real) or isinstance(v, bool) or not math.isfinite(v)
+                    or not (v >= at_least if at_least is not None else v > 0)):
+                bound = f">= {at_least:g}" if at_least is not None else "> 0"
+                raise ConfigError(f"{flag} must be {bound} and finite (got {v!r})")
 
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {sorted(DTYPES)} (got {self.dtype!r})")
@@ -136,10 +139,7 @@ class EngineConfig:
         if self.dcp > 1 and self.kv_role == "kv_producer":
             raise ConfigError("--dcp is for decode engines: a prefill engine keeps every token (its decode "
                               "engines read their DCP share of it)")
-        if (not isinstance(self.distributed_timeout_s, Real) or isinstance(self.distributed_timeout_s, bool)
-                or not (math.isfinite(self.distributed_timeout_s) and self.distributed_timeout_s >= 1)):
-            raise ConfigError(f"--distributed-timeout-s must be a finite number of seconds >= 1 (got "
-                              f"{self.distributed_timeout_s!r}): a wait that short would fail a healthy world")
+        positive("--distributed-timeout-s", self.distributed_timeout_s, at_least=1)   # shorter fails healthy worlds
         positive("--kv-lease-s", self.kv_lease_s)
         positive("--kv-transfer-timeout-s", self.kv_transfer_timeout_s)
         if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import RequestOutput
-from ..request import RequestError
 from ..openmp import release_thread_pool
+from ..request import RequestError
 from ..sampling import SamplingParams
 from .engine_metrics import EngineMetrics
 
