@@ -151,20 +151,14 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             try:
                 r = await http.post(up.url + path, json=pbody, headers=attempt, timeout=httpx.Timeout(
                     prefill_timeout_s, connect=CONNECT_TIMEOUT_S))
-            except httpx.TimeoutException:
-                last = f"prefill server {up.url} did not answer within {prefill_timeout_s} s"
+            except httpx.TransportError as e:   # (a TimeoutException is one)
+                last = (f"prefill server {up.url} did not answer within {prefill_timeout_s} s"
+                        if isinstance(e, httpx.TimeoutException) else
+                        f"prefill server {up.url} unreachable: {type(e).__name__}: {e}")
                 log.warning(last)
                 prefills.mark_down(up, last)
-                if leased is not None:          # it may answer late: end that request (this attempt's name)
-                    _in_background(_release(http, dict(leased), headers))
-                    leased.clear()
-                continue
-            except httpx.TransportError as e:
-                last = f"prefill server {up.url} unreachable: {type(e).__name__}: {e}"
-                log.warning(last)
-                prefills.mark_down(up, last)
-                if leased is not None:          # it may have answered before the connection broke
-                    if not isinstance(e, httpx.ConnectError):
+                if leased is not None:          # it may answer late, or have answered before the connection
+                    if not isinstance(e, httpx.ConnectError):    # broke: end that request (this attempt's name)
                         _in_background(_release(http, dict(leased), headers))
                     leased.clear()
                 continue
