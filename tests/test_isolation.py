@@ -30,7 +30,7 @@ from gigadecode.tokenizer import TextCodec
 
 from .helpers import stop_process_tree
 from .isolation_load import compare, load, make_requests, record, run
-from .test_server import ServerThread, metrics, wait_health, wait_idle
+from .test_server import ServerThread, fake_upstream, metrics, wait_health, wait_idle
 
 MODEL = "tiny"
 # fp32 compute and KV; at most 128 tokens a request; 19 blocks of 16 tokens hold ~2 of them with their sliding blocks
@@ -168,17 +168,18 @@ def test_a_client_gone_before_its_body_was_read_is_no_server_error(tiny_ckpt, wh
     """Its route finds the body cut off (starlette's ClientDisconnect): that was logged as an unhandled error with
     two tracebacks (a 500 for nobody), on the API server and on the proxy alike. Now it is answered 499 quietly
     and the next request is served."""
-    if which == "server":
+    upstream = ServerThread(fake_upstream("up", "decode")[0])    # healthy, never sent a request: the proxy's
+    if which == "server":                                          # health probe has nothing to warn of
         args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), "--num-blocks", "64"])
         app = build_app(AsyncEngine(engine_from_args(args, "both")), MODEL)
         paths = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize")
     else:
-        app = build_proxy_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])   # never reached
+        app = build_proxy_app([upstream.url], [upstream.url])
         paths = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
     records = _Records()
     loggers = [logging.getLogger(n) for n in ("uvicorn.error", "gigadecode.server", "gigadecode.proxy")]
     try:
-        with ServerThread(app) as srv:
+        with upstream, ServerThread(app) as srv:
             for lg in loggers:                 # after uvicorn's start: its logging config drops earlier handlers
                 lg.addHandler(records)
             for path in paths:
