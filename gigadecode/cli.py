@@ -311,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout-s", type=float, default=5.0,
                    help="on SIGTERM / SIGINT, how long requests in flight may run on; the rest then end with "
                         "an error (503, or an error event in a stream; default 5)")
+    p.add_argument("--engine-stall-timeout-s", type=float, default=300.0, metavar="S",
+                   help="/health answers 503 engine_stalled while the engine loop has shown no progress for this "
+                        "long (a step that never returns), so a router or readiness probe stops sending it work; "
+                        "it reads healthy again when the step returns. Keep it above the longest step (a prefill "
+                        "chunk of --max-prefill-tokens); 0 turns the watch off (default 300)")
     di = p.add_argument_group("disaggregated inference")
     di.add_argument("--kv-secret", default=os.environ.get("GIGADECODE_KV_SECRET"), metavar="KEY",
                     help="prefill and decode: the key both sign and check kv_transfer_params with (required for "

@@ -653,6 +653,53 @@ def test_an_engine_that_stops_for_good_ends_the_server():
         assert r.status_code == 503 and "the engine stopped" in r.json()["error"]["message"]
 
 
+def test_a_stalled_engine_loop_reads_unhealthy_until_it_moves_again():
+    """A step that never returns (a kernel or a peer that hangs) left /health at 200 while nobody was served;
+    past the stall timeout it answers 503 engine_stalled (a router, or the proxy's probe, stops sending work),
+    the loop-age gauge says how long, and once the step returns the server reads healthy and serves again.
+    An idle server, whose loop waits for work, never reads stalled."""
+
+    class Hanging(FakeEngine):
+        armed, gate, entered = False, threading.Event(), threading.Event()
+
+        def step(self):
+            if self.waiting and self.armed:
+                self.entered.set()
+                assert self.gate.wait(30)
+                Hanging.armed = False
+            return super().step()
+
+    aeng = AsyncEngine(Hanging(), stall_timeout_s=0.5)
+    with ServerThread(build_app(aeng, "fake")) as srv, httpx.Client(base_url=srv.url, timeout=30) as hc:
+        time.sleep(1.0)                                   # idle for twice the timeout: its loop still moves
+        assert hc.get("/health").status_code == 200
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            Hanging.armed = True
+            sent = ex.submit(hc.post, "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+            assert Hanging.entered.wait(10)
+            assert hc.get("/health").status_code == 200   # a step may take a while
+            time.sleep(0.7)
+            r = hc.get("/health")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stalled"
+            assert "no progress for" in r.json()["error"]["message"]
+            m = re.search(r"^gigadecode_engine_loop_age_seconds (\S+)$", hc.get("/metrics").text, re.M)
+            assert m and float(m.group(1)) > 0.5
+            Hanging.gate.set()
+            assert sent.result(30).status_code == 200
+        assert hc.get("/health").status_code == 200
+        assert hc.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 200
+    off = AsyncEngine(FakeEngine(), stall_timeout_s=0)
+    assert off.stalled_for() is None
+
+
+@pytest.mark.parametrize("value", ["-1", "0.5", "nan", "inf"])
+def test_serve_refuses_a_bad_stall_timeout(value, tiny_ckpt):
+    args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), "--engine-stall-timeout-s", value])
+    from gigadecode.server.api import serve
+    with pytest.raises(ValueError, match="--engine-stall-timeout-s must be 0"):
+        serve(args)
+
+
 def test_di_hooks_handshake_and_idle_steps():
     fake = FakeEngine()
     app = build_app(AsyncEngine(fake), "fake", role="prefill")

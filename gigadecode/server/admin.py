@@ -36,6 +36,12 @@ async def health(request: Request) -> JSONResponse:
     if not aeng.ready.is_set():              # requests sent now wait in the queue until it is done
         return JSONResponse(error_body("the engine is warming up", "server_error", code="engine_warming_up"),
                             status_code=503)
+    stalled = aeng.stalled_for()
+    if stalled is not None:                  # a step that never returns: healthy-looking, serving nobody
+        return JSONResponse(error_body(f"the engine loop has shown no progress for {stalled:.0f} s (a step or "
+                                       f"command running past --engine-stall-timeout-s "
+                                       f"{aeng.stall_timeout_s:g} s)", "server_error", code="engine_stalled"),
+                            status_code=503)
     s = deps.settings(request)
     return JSONResponse({"status": "ok", "role": s.role, "model": s.served_model_name})
 

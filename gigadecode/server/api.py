@@ -146,6 +146,9 @@ def serve(args: Any) -> int:
         raise ValueError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
     if not getattr(args, "shutdown_timeout_s", 1.0) >= 0:
         raise ValueError(f"--shutdown-timeout-s must be >= 0 (got {args.shutdown_timeout_s})")
+    stall = getattr(args, "engine_stall_timeout_s", 0.0)
+    if not (stall == 0 or 1 <= stall < float("inf")):       # nan, inf and a few ms (every step) refused
+        raise ValueError(f"--engine-stall-timeout-s must be 0 (off) or >= 1 and finite (got {stall})")
     if is_parallel(engine_config(args)):
         return _serve_parallel(args)
     t0 = time.perf_counter()
@@ -182,7 +185,8 @@ def _serve_engine(args: Any, engine: Any, t0: float, sock: socket.socket) -> int
     names = args.served_model_name or [Path(args.model).resolve().name]
     name = names[0]
     aeng = AsyncEngine(engine, codec=TextCodec.from_dir(args.model, getattr(args, "chat_template", None)), model_dir=str(args.model),
-                       warm_up=not getattr(args, "no_warmup", False))
+                       warm_up=not getattr(args, "no_warmup", False),
+                       stall_timeout_s=getattr(args, "engine_stall_timeout_s", 0.0))
     app = build_app(aeng, names, api_key=args.api_key, role=args.role,
                     kv_advertise_host=getattr(args, "kv_advertise_host", None),
                     max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))

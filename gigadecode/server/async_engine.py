@@ -21,6 +21,9 @@ Each request has its own `asyncio.Queue` of `RequestOutput`s. The last one (`fin
 Its Prometheus metrics are `engine_metrics.EngineMetrics` (one registry per engine), refreshed after each
 step. An engine that says it can serve no more (`failure`: a parallel engine whose rank failed) ends the
 loop: `dead` holds why, `on_dead` hears it (`serve` shuts down and exits with it), `/health` answers 503.
+A loop that has shown no progress for `stall_timeout_s` (a step or command that never returns: a kernel or
+a peer that hangs) reads as stalled (`stalled_for`): `/health` answers 503 `engine_stalled` until it moves
+again, so a router or a readiness probe stops sending it work; `gigadecode_engine_loop_age_seconds` shows it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ IDLE_WAIT_S = 0.01       # longest wait for new work while idle
 IDLE_STEP_S = 0.05       # an idle engine still steps this often (connector lease expiry; for a parallel engine
                          # the heartbeat: its workers wait in the step broadcast, which fails after
                          # --distributed-timeout-s, at least 1 s)
+STALL_TIMEOUT_S = 300.0  # `serve --engine-stall-timeout-s`'s default: /health reads 503 `engine_stalled` once the
+                         # loop has shown no progress for this long (a step, or a command, that never returns)
 
 
 class EngineDeadError(RuntimeError):
@@ -122,7 +127,8 @@ class AsyncEngine:
     for the HTTP layer. Call `start()` (the app's lifespan does) before submitting requests."""
 
     def __init__(self, engine: Any, codec: Any = None, model_dir: str | None = None,
-                 forget_finished: bool = True, warm_up: bool = False) -> None:
+                 forget_finished: bool = True, warm_up: bool = False,
+                 stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.engine = engine
         self.codec = codec
         self.model_dir = model_dir
@@ -146,6 +152,11 @@ class AsyncEngine:
         # tell once (`serve` shuts its HTTP server down and exits with the reason)
         self.dead: str | None = None
         self.on_dead: Callable[[str], None] | None = None
+        # the loop's last sign of life (each pass: after its commands, after its step, each idle wait), so a
+        # step or command that never returns reads as stalled (`stalled_for`) instead of healthy; 0: never
+        self.stall_timeout_s = stall_timeout_s
+        self._alive_at = time.monotonic()
+        self.metrics.loop_age = self.loop_age_s
         self.metrics.refresh(engine)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -170,6 +181,19 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def loop_age_s(self) -> float:
+        """Seconds since the engine loop last showed progress (0 before it started serving: the warm-up and
+        start-up have their own state)."""
+        if not self.ready.is_set() or not self.is_running:
+            return 0.0
+        return max(0.0, time.monotonic() - self._alive_at)
+
+    def stalled_for(self) -> float | None:
+        """How long the loop has shown no progress, once that is past `stall_timeout_s` (None: it is not, or
+        the watch is off). Any thread; a stall ends by itself when the step returns."""
+        age = self.loop_age_s()
+        return age if self.stall_timeout_s > 0 and age > self.stall_timeout_s else None
 
     # -- asyncio API -------------------------------------------------------------------------------
     async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
@@ -297,18 +321,19 @@ class AsyncEngine:
                     log.info("engine warmed up in %.2f s", took)
             except Exception:  # noqa: BLE001 - a failed warm-up costs the first request's speed, nothing more
                 log.exception("engine warm-up failed; serving without it")
+        self._alive_at = time.monotonic()
         self.ready.set()
         last_step = 0.0
         while not self._stopping:
             try:
                 self._wake.clear()
                 self._drain()
+                self._alive_at = now = time.monotonic()
                 busy = eng.has_unfinished()
-                now = time.monotonic()
                 if busy or now - last_step >= IDLE_STEP_S:
                     work = eng.stats.prefill_tokens + eng.stats.decode_tokens
                     self._step()
-                    last_step = time.monotonic()
+                    self._alive_at = last_step = time.monotonic()
                     if busy and eng.stats.prefill_tokens + eng.stats.decode_tokens == work:
                         self._wake.wait(0.001)   # nothing could run (e.g. waiting for KV): don't spin hot
                 else:

@@ -6,6 +6,7 @@ and engine-owned counters read from a snapshot it refreshes after each step (`_S
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -21,11 +22,16 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 class _SnapshotCollector:
     """Gauges and engine-owned counters, read from a snapshot the engine thread refreshes each step."""
 
-    def __init__(self, snap: dict[str, float]) -> None:
-        self.snap = snap
+    def __init__(self, snap: dict[str, float], loop_age: Callable[[], float]) -> None:
+        self.snap, self.loop_age = snap, loop_age
 
     def collect(self):
         s = dict(self.snap)
+        g = GaugeMetricFamily("gigadecode_engine_loop_age_seconds",
+                              "Seconds since the engine loop last showed progress (a step, or a wait for work); "
+                              "past --engine-stall-timeout-s /health answers 503 engine_stalled.")
+        g.add_metric([], self.loop_age())
+        yield g
         for name, doc, key in (
                 ("gigadecode_requests_running", "Requests in the engine's running set.", "running"),
                 ("gigadecode_requests_waiting", "Requests waiting to be scheduled.", "waiting"),
@@ -84,7 +90,10 @@ class EngineMetrics:
                                      "Engine step phases that raised (each failed only its own requests).",
                                      registry=r)
         self.snapshot: dict[str, float] = {}
-        r.register(_SnapshotCollector(self.snapshot))
+        # seconds since the engine loop last showed progress, read at scrape time (a stalled engine thread
+        # refreshes no snapshot); `AsyncEngine` sets it
+        self.loop_age: Callable[[], float] = lambda: 0.0
+        r.register(_SnapshotCollector(self.snapshot, lambda: self.loop_age()))
 
     def refresh(self, engine: Any) -> None:
         """Engine thread: read the gauges and the engine's counters."""
