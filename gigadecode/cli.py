@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from .server.http_options import add_http_arguments
+
 DEFAULT_DEMO_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode")) / "demo"
 
 
@@ -316,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "long (a step that never returns), so a router or readiness probe stops sending it work; "
                         "it reads healthy again when the step returns. Keep it above the longest step (a prefill "
                         "chunk of --max-prefill-tokens); 0 turns the watch off (default 300)")
+    add_http_arguments(p)
     di = p.add_argument_group("disaggregated inference")
     di.add_argument("--kv-secret", default=os.environ.get("GIGADECODE_KV_SECRET"), metavar="KEY",
                     help="prefill and decode: the key both sign and check kv_transfer_params with (required for "
@@ -358,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="request bodies larger than this get 413 before they are parsed (default 4 MiB)")
+    add_http_arguments(p)
     p.set_defaults(func=cmd_proxy)
 
     p = add(sub, "demo", "the main job: DI (prefill -> decode over NIXL) on the built-in demo model")

@@ -56,6 +56,7 @@ from .async_engine import AsyncEngine
 from .body import BodyLimit
 from .deps import ServerSettings
 from .disconnect import answer_clients_that_leave
+from .http_options import add_cors, check_http_options, scheme, uvicorn_options
 from .protocol import APIError, error_body, error_response, validation_error
 
 log = logging.getLogger("gigadecode.server")
@@ -146,6 +147,7 @@ def serve(args: Any) -> int:
         raise ValueError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
     if not getattr(args, "shutdown_timeout_s", 1.0) >= 0:
         raise ValueError(f"--shutdown-timeout-s must be >= 0 (got {args.shutdown_timeout_s})")
+    check_http_options(args)
     stall = getattr(args, "engine_stall_timeout_s", 0.0)
     if not (stall == 0 or 1 <= stall < float("inf")):       # nan, inf and a few ms (every step) refused
         raise ValueError(f"--engine-stall-timeout-s must be 0 (off) or >= 1 and finite (got {stall})")
@@ -190,14 +192,16 @@ def _serve_engine(args: Any, engine: Any, t0: float, sock: socket.socket) -> int
     app = build_app(aeng, names, api_key=args.api_key, role=args.role,
                     kv_advertise_host=getattr(args, "kv_advertise_host", None),
                     max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
+    add_cors(app, args)
     used, total = engine.kv_usage()
     layout = f"TP{args.tp} × DP{args.dp} × EP{args.ep}, " if getattr(engine, "ctx", None) is not None else ""
     print(f"gigadecode serve: model {name!r} ({layout}{args.role}, {total} KV blocks, context "
           f"{aeng.max_model_len}) loaded in {time.perf_counter() - t0:.1f}s; listening on "
-          f"http://{args.host}:{sock.getsockname()[1]}", flush=True)
+          f"{scheme(args)}://{args.host}:{sock.getsockname()[1]}{uvicorn_options(args)['root_path']}", flush=True)
     grace = getattr(args, "shutdown_timeout_s", 5.0)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=args.access_log, timeout_graceful_shutdown=grace + 2.0)
+                            access_log=args.access_log, timeout_graceful_shutdown=grace + 2.0,
+                            **uvicorn_options(args))
     server = DrainingServer(config, aeng, grace)
     # an engine that can serve no more (a parallel rank failed) shuts the server down: the process exits with
     # the reason, and its end frees the other ranks (a health check would only see 503 while it lingered)

@@ -53,6 +53,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .body import BodyError, BodyLimit, load_object
 from .deps import HANDOFF_HEADER
 from .disconnect import CLIENT_CLOSED, ClientGone, answer_clients_that_leave, unless_disconnected
+from .http_options import add_cors, check_http_options, scheme, uvicorn_options
 from .proxy_health import health_report, metrics_text, probe_servers
 from .proxy_pool import Pool, Upstream, prefix_keys
 
@@ -467,13 +468,15 @@ def run_proxy(args: Any) -> int:
     vllm = getattr(args, "prefill_vllm", None) or []
     if not args.prefill and not vllm:
         raise ValueError("give the prefill servers: --prefill URL ... (gigadecode) or --prefill-vllm URL ... (vLLM)")
+    check_http_options(args)
     app = build_proxy_app(args.prefill, args.decode, max_request_bytes=getattr(args, "max_request_bytes", 4 << 20),
                           prefill_vllm=vllm, kv_secret=getattr(args, "kv_secret", None),
                           vllm_lease_s=getattr(args, "vllm_kv_lease_s", 30.0),
                           prefill_timeout_s=getattr(args, "prefill_timeout_s", None),
                           decode_timeout_s=getattr(args, "decode_timeout_s", None))
+    add_cors(app, args)
     print(f"gigadecode proxy: prefill {args.prefill or vllm}{' (vLLM)' if vllm else ''} -> decode {args.decode}; listening on "
-          f"http://{args.host}:{args.port}", flush=True)
+          f"{scheme(args)}://{args.host}:{args.port}{uvicorn_options(args)['root_path']}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, **uvicorn_options(args))
     return 0
