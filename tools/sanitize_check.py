@@ -67,12 +67,12 @@ def build_sanitized(isa: str, cache: Path) -> None:
     from torch.utils import cpp_extension
 
     out = cache / "native" / f"{isa}-{build.build_key(isa)}"   # the key of the sources, as load() computes it
-    out.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=f"gigadecode_native_{isa.replace('-', '_')}",
-                       sources=[str(build.SRC / s) for s in build.SOURCES], build_directory=str(out),
-                       is_python_module=False,
-                       extra_cflags=["-fopenmp", "-std=c++17", *build.ISA_FLAGS[isa], *SANITIZE_FLAGS],
-                       extra_ldflags=["-fopenmp", *SANITIZE_FLAGS[:1]])
+    with build.build_lock(out):
+        cpp_extension.load(name=f"gigadecode_native_{isa.replace('-', '_')}",
+                           sources=[str(build.SRC / s) for s in build.SOURCES], build_directory=str(out),
+                           is_python_module=False,
+                           extra_cflags=["-fopenmp", "-std=c++17", *build.ISA_FLAGS[isa], *SANITIZE_FLAGS],
+                           extra_ldflags=["-fopenmp", *SANITIZE_FLAGS[:1]])
 
 
 def collect_reports(reports: Path) -> list[str]:

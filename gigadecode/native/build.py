@@ -10,11 +10,14 @@ neither ISA, nothing is built and `load()` returns None: callers fall back to th
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -92,18 +95,49 @@ def load(verbose: bool = False):
     return ops
 
 
+@contextlib.contextmanager
+def build_lock(out: Path) -> Iterator[None]:
+    """Hold `out`'s build lock: one process builds into `out` at a time, the others wait for it. The lock is
+    an flock, which the kernel drops when its holder dies. torch's own build lock (a `lock` file it creates
+    and deletes, waiting forever while one exists) stayed behind when a build was killed (Ctrl-C, an OOM
+    kill, a start-up probe's restart during the first start), and every later start hung in it; under this
+    lock no other builder is running, so such a file is a dead build's and is removed."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "build.flock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = out / "lock"
+            if stale.exists():
+                log.warning("gigadecode: removing %s, left by a build that was killed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def compile_or_load(name: str, src: Path, out: Path, isa: str, verbose: bool = False) -> None:
     """Load `out/<name>.so`, compiling `src`'s SOURCES into it for `isa` first when it is not there (those
-    present: an older revision's sources, as `bench/kernels_ab.py` builds, may lack a later one)."""
+    present: an older revision's sources, as `bench/kernels_ab.py` builds, may lack a later one). A library
+    that does not load (a link cut short by a kill) is built again."""
     lib = out / f"{name}.so"
     if lib.exists():
-        torch.ops.load_library(str(lib))
-        return
+        try:
+            torch.ops.load_library(str(lib))
+            return
+        except OSError as e:
+            log.warning("gigadecode: %s does not load (%s); building it again", lib, e)
     from torch.utils import cpp_extension
 
-    cpp_extension.load(name=name, sources=[str(src / s) for s in SOURCES if (src / s).exists()], build_directory=str(out),
-                       extra_cflags=["-O3", "-fopenmp", "-std=c++17", *ISA_FLAGS[isa]],
-                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
+    with build_lock(out):
+        if lib.exists():                # built by another process while this one waited, or the broken one
+            try:
+                torch.ops.load_library(str(lib))
+                return
+            except OSError:
+                lib.unlink()
+        cpp_extension.load(name=name, sources=[str(src / s) for s in SOURCES if (src / s).exists()],
+                           build_directory=str(out), extra_cflags=["-O3", "-fopenmp", "-std=c++17", *ISA_FLAGS[isa]],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
 
 
 def _build(isa: str, verbose: bool):
