@@ -413,3 +413,26 @@ def test_native_prefill_attention_infinite_sink_is_nan_as_the_twin(d, amx):
     assert nan[:, 2].all() and not nan[:, 3].any() and (ref[:, 3] == 0).all()
     assert torch.equal(ours.isnan(), nan)
     torch.testing.assert_close(ours.float()[~nan], ref[~nan], rtol=2.0 ** -7, atol=4 * 2.0 ** -9)
+
+
+@needs_kernel
+@pytest.mark.parametrize("amx", AMX_MODES)
+@pytest.mark.parametrize("d", [64, 24])        # the bf16 pair kernel (where built) and the fp32-product kernel
+def test_native_prefill_attention_no_query_sees_a_key_rows_as_the_twin(d, amx):
+    """A row no key weighs is 0, or NaN where its q head's sink is not finite, as the twin's softmax gives,
+    whether or not another query of the chunk sees a key. When none did (every query before the first key, or
+    past the last one by more than its window) the kernels returned all zeros, so the same query came out 0
+    alone and NaN beside a query that sees a key."""
+    q, k, v, _, _, sinks = make_case(5, 20, 2, 2, d, 0, 0, torch.bfloat16, seed=19)
+    sinks[1], sinks[2] = float("-inf"), float("inf")
+    for k_start, q_pos, window in ((30, [3, 7, 11, 12, 29], 0),          # all before the first key
+                                   (0, [30, 31, 35, 36, 50], 8),         # past the last key (19) by > 8
+                                   (30, [3, 7, 11, 12, 30], 0)):         # beside a query that sees key 30
+        q_pos = torch.tensor(q_pos)
+        with amx_mode(amx):
+            ours = native.prefill_attention(q, k, v, q_pos, k_start, sinks, d ** -0.5, window)
+        ref = native.twins.prefill_attention(q, k, v, q_pos, k_start, sinks, d ** -0.5, window).float()
+        nan = ref.isnan()
+        assert nan[:4, 1:3].all() and not nan[:4, [0, 3]].any()
+        assert torch.equal(ours.isnan(), nan), (k_start, q_pos)
+        torch.testing.assert_close(ours.float()[~nan], ref[~nan], rtol=2.0 ** -7, atol=4 * 2.0 ** -9)

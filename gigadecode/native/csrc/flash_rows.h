@@ -76,6 +76,18 @@ struct FlashRows {
   }
 };
 
+// out [T, nh, d] bf16 (zeros) of a call where no query sees a key (every query before the first key, or past
+// the last one by its window): each row as `store` leaves a row no key weighs, 0, or NaN for the q heads whose
+// sink is not finite. (The kernels returned zeros for every row then, so a query's row came out 0 or NaN
+// depending on whether another query of its chunk saw a key.)
+inline void store_blind(at::Tensor& out, const FloatView& sinks) {
+  const int64_t T = out.size(0), nh = out.size(1), d = out.size(2);
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t hq = 0; hq < nh; ++hq)
+    if (!std::isfinite(sinks[hq]))
+      for (int64_t t = 0; t < T; ++t) std::fill(o + (t * nh + hq) * d, o + (t * nh + hq + 1) * d, f32_to_bf16(NAN));
+}
+
 // The first key (index from the first, key s at position k_start + s) any of the queries sees. The layouts
 // start a whole chunk earlier (`seen_keys`) and hold zeros for the keys before this one: no query weighs them,
 // but a probability of 0 times a NaN left there (a block another request freed) would still be NaN.

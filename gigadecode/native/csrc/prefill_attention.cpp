@@ -198,7 +198,10 @@ at::Tensor prefill_attention_pairs(const at::Tensor& q, const at::Tensor& k, con
   // keys any query sees, in windows of KW: the pair layouts of one window at a time (scratch bounded by KW,
   // not by the context), every item's rows carried through them
   const auto [k_first, k_last] = seen_keys(qp, T, S, k_start, window, KC);
-  if (k_last < k_first) return out;                                    // no query sees a key: all 0
+  if (k_last < k_first) {                                              // no query sees a key
+    store_blind(out, FloatView(sk));
+    return out;
+  }
   const int64_t k_seen = first_seen_key(qp, T, k_start, window);       // keys before it: zeros in the layouts
   FlashRows st(T, nh, nkv, d, RG);                                     // every row's softmax state
   const float sc = float(scale);

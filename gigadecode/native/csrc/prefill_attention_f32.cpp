@@ -82,7 +82,10 @@ at::Tensor prefill_attention_f32(const at::Tensor& q, const at::Tensor& k, const
   const int64_t* qp = q_pos.data_ptr<int64_t>();
   at::Tensor sk = sinks.contiguous();
   const auto [k_first, k_last] = seen_keys(qp, T, S, k_start, window, KC);
-  if (k_last < k_first) return out;                                    // no query sees a key: all 0
+  if (k_last < k_first) {                                              // no query sees a key
+    store_blind(out, FloatView(sk));
+    return out;
+  }
   const int64_t k_seen = first_seen_key(qp, T, k_start, window);       // keys before it: zeros in the layouts
   FlashRows st(T, nh, nkv, dp, RG);                                    // every row's softmax state
   const float sc = float(scale);
