@@ -56,6 +56,18 @@ inline __m512i cvtepu8_epi32(__m128i a) {
   for (int i = 0; i < 16; ++i) y.v[i] = x.v[i];
   return bits<__m512i>(y);
 }
+inline __m512i mask_sub_epi16(__m512i src, uint32_t k, __m512i a, __m512i b) {   // lanes of k: a - b
+  U16x32 y = bits<U16x32>(src);
+  const U16x32 x = bits<U16x32>(a), z = bits<U16x32>(b);
+  for (int i = 0; i < 32; ++i) if ((k >> i) & 1) y.v[i] = uint16_t(x.v[i] - z.v[i]);
+  return bits<__m512i>(y);
+}
+inline uint16_t cmpeq_epi8_mask_128(__m128i a, __m128i b) {
+  const U8x16 x = bits<U8x16>(a), y = bits<U8x16>(b);
+  uint16_t m = 0;
+  for (int i = 0; i < 16; ++i) m |= uint16_t(x.v[i] == y.v[i]) << i;
+  return m;
+}
 inline uint16_t cmplt_epi32_mask(__m512i a, __m512i b) {
   const I32x16 x = bits<I32x16>(a), y = bits<I32x16>(b);
   uint16_t m = 0;
@@ -90,5 +102,7 @@ inline __m512bh cvtne2ps_pbh(__m512 a, __m512 b) {                   // low half
 #define _mm512_cvtepi32_epi16(a) gd_emu::cvtepi32_epi16(a)
 #define _mm512_cvtepu8_epi32(a) gd_emu::cvtepu8_epi32(a)
 #define _mm512_cmplt_epi32_mask(a, b) gd_emu::cmplt_epi32_mask((a), (b))
+#define _mm_cmpeq_epi8_mask(a, b) gd_emu::cmpeq_epi8_mask_128((a), (b))
+#define _mm512_mask_sub_epi16(src, k, a, b) gd_emu::mask_sub_epi16((src), (k), (a), (b))
 #define _mm512_cvtneps_pbh(a) gd_emu::cvtneps_pbh(a)
 #define _mm512_cvtne2ps_pbh(a, b) gd_emu::cvtne2ps_pbh((a), (b))
