@@ -28,7 +28,8 @@ test-all: $(STAMP) native
 	$(VENV)/bin/pytest -q -m 'not interop'
 
 # the kernel tests against all three ISA builds (avx2, avx512, avx512-bf16); those this CPU lacks are compiled
-# for AVX2 with their intrinsics emulated (SIMDe), so an AVX2 machine checks the AVX-512 paths' results
+# for AVX2 with their intrinsics emulated (SIMDe), so an AVX2 machine checks the AVX-512 paths' results; and
+# against avx512-bf16-amx, the AMX tiles emulated (tools/amx_emulation.h), so a CPU without AMX checks those paths
 test-isas: $(STAMP) native
 	$(VENV)/bin/python tools/isa_check.py
 
