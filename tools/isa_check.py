@@ -123,10 +123,11 @@ def build_emulated(isa: str, cache: Path, simde: Path | None, amx: bool) -> None
         shutil.copy(ROOT / "tools" / "amx_emulation.h", src)
         flags += ["-include", str(src / "amx_emulation.h")]     # ahead of each source: its tiles replace the real
     out = cache / "native" / f"{isa}-{build.build_key(isa)}"   # the key of the real sources, as load() computes
-    out.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=f"gigadecode_native_{isa.replace('-', '_')}", sources=[str(src / s) for s in build.SOURCES],
-                       build_directory=str(out), is_python_module=False, extra_ldflags=["-fopenmp"],
-                       extra_cflags=["-O2", "-fopenmp", "-std=c++17", *flags])
+    with build.build_lock(out):                                # (a killed build's torch lock removed)
+        cpp_extension.load(name=f"gigadecode_native_{isa.replace('-', '_')}",
+                           sources=[str(src / s) for s in build.SOURCES], build_directory=str(out),
+                           is_python_module=False, extra_ldflags=["-fopenmp"],
+                           extra_cflags=["-O2", "-fopenmp", "-std=c++17", *flags])
 
 
 def check(name: str, pytest_args: list[str], host: str | None) -> int:
