@@ -172,3 +172,17 @@ def test_cors_lists_as_vllm_writes_them():
     assert args.allowed_origins == ["*"] and args.allowed_methods == ["GET", "POST"]
     args = build_parser().parse_args(["proxy", "--decode", "http://x:1", "--allowed-origins", "https://a.example:8443"])
     assert args.allowed_origins == ["https://a.example:8443"] and args.allowed_headers == ["*"]
+
+
+@pytest.mark.parametrize("command", [["serve", "--model", "M"], ["proxy", "--decode", "http://x:1"]])
+def test_any_origin_with_credentials_is_refused(command):
+    """`'["*"]'` with --allow-credentials: Starlette's CORS answers every origin's preflight with that origin
+    and credentials allowed (the spec forbids `*` with credentials, so it echoes the origin instead): any
+    site's page could call the API with its visitor's cookies or client certificate and read the answer.
+    Refused at start; named origins with credentials, and `*` without, are accepted."""
+    from gigadecode.server.http_options import check_http_options
+    parse = build_parser().parse_args
+    with pytest.raises(ValueError, match="--allow-credentials"):
+        check_http_options(parse([*command, "--allowed-origins", '["https://a.example", "*"]', "--allow-credentials"]))
+    check_http_options(parse([*command, "--allowed-origins", '["https://a.example"]', "--allow-credentials"]))
+    check_http_options(parse([*command, "--allowed-origins", '["*"]']))

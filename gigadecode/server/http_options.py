@@ -8,6 +8,9 @@ Each is checked before a model loads (a key file that is not there, a JSON list 
 at once, not after minutes of loading). Unlike vLLM, which answers every origin's browser requests unless told
 otherwise, CORS is off until `--allowed-origins` names origins: a page from any site the user visits could
 otherwise drive a server on their machine that has no API key (`--allowed-origins '["*"]'` is vLLM's default).
+`'["*"]'` with `--allow-credentials` is refused: Starlette's CORS (vLLM's too) answers it by echoing back
+whichever origin asks, credentials allowed, so any site's page could use its visitor's cookies, HTTP auth or
+client certificate on the API and read the answers.
 """
 
 from __future__ import annotations
@@ -79,6 +82,12 @@ def check_http_options(args: Any) -> None:
             ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
         except (ssl.SSLError, OSError) as e:
             raise ValueError(f"--ssl-certfile / --ssl-keyfile: {e}") from None
+    if "*" in (getattr(args, "allowed_origins", None) or []) and getattr(args, "allow_credentials", False):
+        # Starlette (as vLLM) then echoes back whatever origin asks, with credentials allowed: any site's page
+        # could call the API with its visitor's cookies, HTTP auth or client certificate and read the answers
+        raise ValueError("--allow-credentials with --allowed-origins '[\"*\"]' would let a page from any site "
+                         "call the API with its visitor's credentials: name the origins instead "
+                         "('[\"https://app.example\"]')")
     root = getattr(args, "root_path", "") or ""
     if root and (not root.startswith("/") or root.endswith("/") or any(c in root for c in "?# ")):
         raise ValueError(f"--root-path {root!r}: expected a path like /llm (a leading '/', none at the end)")
