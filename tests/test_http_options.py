@@ -5,9 +5,13 @@ value refused at start with the flag's name."""
 
 from __future__ import annotations
 
+import os
 import ssl
 import subprocess
+import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -186,3 +190,55 @@ def test_any_origin_with_credentials_is_refused(command):
         check_http_options(parse([*command, "--allowed-origins", '["https://a.example", "*"]', "--allow-credentials"]))
     check_http_options(parse([*command, "--allowed-origins", '["https://a.example"]', "--allow-credentials"]))
     check_http_options(parse([*command, "--allowed-origins", '["*"]']))
+
+
+def _in_own_mount_namespace() -> bool:
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _in_own_mount_namespace(), reason="needs unshare -m (root) to stand in a CA for the system's")
+def test_the_proxy_trusts_the_systems_cas(pki, tmp_path):
+    """A deployment's own CA installed in the system's store (what the README says the proxy trusts): the
+    proxy's health probe reaches `https://` servers whose certificates it signed. The proxy runs in a mount
+    namespace of its own whose system bundle (OpenSSL's default CA file) is the test CA, with SSL_CERT_FILE /
+    SSL_CERT_DIR unset. httpx's default trust (certifi's bundle) refused them, so both servers stayed out of
+    rotation and the proxy answered 503."""
+    system_bundle = os.path.realpath(ssl.get_default_verify_paths().openssl_cafile)
+    if not os.path.isfile(system_bundle):
+        pytest.skip(f"no system CA bundle at {system_bundle}")
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:          # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *a) -> None:
+            pass
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(str(pki["cert"]), str(pki["key"]))
+    upstream.socket = tls.wrap_socket(upstream.socket, server_side=True)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    url, port = f"https://127.0.0.1:{upstream.server_address[1]}", free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("SSL_CERT_FILE", "SSL_CERT_DIR")}
+    proxy = subprocess.Popen(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"',
+         "sh", str(pki["ca"]), system_bundle, sys.executable, "-m", "gigadecode", "proxy", "--prefill", url, "--decode",
+         url, "--port", str(port), "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, r = time.monotonic() + 30, None
+        while time.monotonic() < deadline and proxy.poll() is None:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert r is not None and r.status_code == 200, r.text if r is not None else proxy.stdout.read()
+    finally:
+        stop_process_tree(proxy)
+        upstream.shutdown()

@@ -41,6 +41,7 @@ import asyncio
 import json
 import logging
 import re
+import ssl
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -103,6 +104,10 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
     async def lifespan(app: FastAPI):
         own = client is None
         app.state.client = client or httpx.AsyncClient(
+            # https:// servers checked against the system's CAs (OpenSSL's default paths, which honour
+            # SSL_CERT_FILE / SSL_CERT_DIR), where a deployment installs its own CA; httpx's default is certifi's
+            # bundle, which holds no private CA
+            verify=ssl.create_default_context(),
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S))
