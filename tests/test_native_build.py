@@ -4,9 +4,12 @@ for the kernels (the same `compile_or_load`, a build of seconds)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +48,31 @@ def test_a_killed_build_leaves_nothing_that_stops_the_next(tmp_path):
     # the next start loads what the first built, with nothing to say
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "[2.0, 4.0]" and "gigadecode:" not in r.stderr
+
+
+def test_an_emulated_build_prepares_its_sources_under_the_build_lock(tmp_path, monkeypatch):
+    """tools/isa_check.py's emulated builds: two checks building the same slot at once (two clones' `make
+    test-isas` sharing a cache) each copied and rewrote `<cache>/csrc` before taking the lock, under the other's
+    compiler (a source gone or changed mid-build), and the second then built the whole library again. Now the
+    sources are prepared under the lock, and a library the other built meanwhile is kept. The lock stands in
+    for the other check: it finds that check's sources in place, and that check's library done."""
+    spec = importlib.util.spec_from_file_location("isa_check", Path(__file__).parents[1] / "tools" / "isa_check.py")
+    isa_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(isa_check)
+    theirs = tmp_path / "csrc" / "ops.cpp"                     # the other check's sources, being compiled
+    theirs.parent.mkdir()
+    theirs.write_text("// theirs")
+    at_lock = []
+
+    @contextlib.contextmanager
+    def held_by_the_other_first(out):
+        at_lock.append(theirs.read_text() if theirs.exists() else None)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gigadecode_native_avx512_bf16.so").write_bytes(b"")    # what the other built meanwhile
+        yield
+
+    monkeypatch.setattr(build, "build_lock", held_by_the_other_first)
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("built again"))
+    isa_check.build_emulated("avx512-bf16", tmp_path, None, amx=True)
+    assert at_lock == ["// theirs"] and theirs.read_text() == "// theirs"

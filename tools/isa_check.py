@@ -92,10 +92,25 @@ def emulation_key(headers: list[str]) -> str:
 def build_emulated(isa: str, cache: Path, simde: Path | None, amx: bool) -> None:
     """Compile the kernels' `isa` paths (for AVX2 with SIMDe where `simde` is given, else natively; with the AMX
     tiles emulated where `amx`) into the slot `gigadecode.native` loads for `isa` (run in a process of its own:
-    loading the library registers the op namespace)."""
+    loading the library registers the op namespace). Under the slot's build lock from the sources' copy on:
+    another check building the same slot (two clones' `make test-isas` sharing a cache) neither rewrites the
+    sources under this one's compiler nor builds it again."""
     from torch.utils import cpp_extension
 
-    src = cache / "csrc"
+    out = cache / "native" / f"{isa}-{build.build_key(isa)}"   # the key of the real sources, as load() computes
+    name = f"gigadecode_native_{isa.replace('-', '_')}"
+    with build.build_lock(out):                                # (a killed build's torch lock removed)
+        if (out / f"{name}.so").exists():                      # built by another check while this one waited
+            return
+        src = cache / "csrc"
+        flags = emulated_sources(isa, src, simde, amx)
+        cpp_extension.load(name=name, sources=[str(src / s) for s in build.SOURCES], build_directory=str(out),
+                           is_python_module=False, extra_ldflags=["-fopenmp"],
+                           extra_cflags=["-O2", "-fopenmp", "-std=c++17", *flags])
+
+
+def emulated_sources(isa: str, src: Path, simde: Path | None, amx: bool) -> list[str]:
+    """Copy the kernels' sources into `src`, changed as `build_emulated` says, -> the compiler flags."""
     shutil.rmtree(src, ignore_errors=True)
     shutil.copytree(build.SRC, src)
     flags = [*build.ISA_FLAGS[isa]]
@@ -122,12 +137,7 @@ def build_emulated(isa: str, cache: Path, simde: Path | None, amx: bool) -> None
             sys.exit("isa_check: the sources no longer hold the texts of isa_check.AMX_PRESENT / AMX_RENAME")
         shutil.copy(ROOT / "tools" / "amx_emulation.h", src)
         flags += ["-include", str(src / "amx_emulation.h")]     # ahead of each source: its tiles replace the real
-    out = cache / "native" / f"{isa}-{build.build_key(isa)}"   # the key of the real sources, as load() computes
-    with build.build_lock(out):                                # (a killed build's torch lock removed)
-        cpp_extension.load(name=f"gigadecode_native_{isa.replace('-', '_')}",
-                           sources=[str(src / s) for s in build.SOURCES], build_directory=str(out),
-                           is_python_module=False, extra_ldflags=["-fopenmp"],
-                           extra_cflags=["-O2", "-fopenmp", "-std=c++17", *flags])
+    return flags
 
 
 def check(name: str, pytest_args: list[str], host: str | None) -> int:
