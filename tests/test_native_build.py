@@ -50,15 +50,20 @@ def test_a_killed_build_leaves_nothing_that_stops_the_next(tmp_path):
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "[2.0, 4.0]" and "gigadecode:" not in r.stderr
 
 
+def _isa_check():
+    spec = importlib.util.spec_from_file_location("isa_check", Path(__file__).parents[1] / "tools" / "isa_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_an_emulated_build_prepares_its_sources_under_the_build_lock(tmp_path, monkeypatch):
     """tools/isa_check.py's emulated builds: two checks building the same slot at once (two clones' `make
     test-isas` sharing a cache) each copied and rewrote `<cache>/csrc` before taking the lock, under the other's
     compiler (a source gone or changed mid-build), and the second then built the whole library again. Now the
     sources are prepared under the lock, and a library the other built meanwhile is kept. The lock stands in
     for the other check: it finds that check's sources in place, and that check's library done."""
-    spec = importlib.util.spec_from_file_location("isa_check", Path(__file__).parents[1] / "tools" / "isa_check.py")
-    isa_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(isa_check)
+    isa_check = _isa_check()
     theirs = tmp_path / "csrc" / "ops.cpp"                     # the other check's sources, being compiled
     theirs.parent.mkdir()
     theirs.write_text("// theirs")
@@ -68,7 +73,7 @@ def test_an_emulated_build_prepares_its_sources_under_the_build_lock(tmp_path, m
     def held_by_the_other_first(out):
         at_lock.append(theirs.read_text() if theirs.exists() else None)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "gigadecode_native_avx512_bf16.so").write_bytes(b"")    # what the other built meanwhile
+        (out / isa_check.BUILT).touch()                        # the other built the library meanwhile
         yield
 
     monkeypatch.setattr(build, "build_lock", held_by_the_other_first)
@@ -76,3 +81,28 @@ def test_an_emulated_build_prepares_its_sources_under_the_build_lock(tmp_path, m
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("built again"))
     isa_check.build_emulated("avx512-bf16", tmp_path, None, amx=True)
     assert at_lock == ["// theirs"] and theirs.read_text() == "// theirs"
+
+
+def test_an_emulated_library_cut_short_is_built_again_emulated(tmp_path, monkeypatch):
+    """An emulated build killed during its link leaves a library that does not load. isa_check took any .so in
+    the slot as built, and `gigadecode.native`, finding it broken, built it again itself from the real sources
+    with the real instructions (on a CPU without them the tests then die of SIGILL; without AMX the tiles are
+    off), for every later run. The slot counts as built only once the emulated build finished."""
+    isa_check = _isa_check()
+    monkeypatch.setattr(isa_check, "BASE", tmp_path)
+    cache = tmp_path / f"{isa_check.AMX}-emulated-{isa_check.emulation_key(['amx_emulation.h'])}"
+    slot = cache / "native" / f"avx512-bf16-{build.build_key('avx512-bf16')}"     # where gigadecode.native loads
+    slot.mkdir(parents=True)
+    (slot / "gigadecode_native_avx512_bf16.so").write_bytes(b"\x7fELF cut short")
+    runs = []
+
+    def run(argv, **kw):
+        runs.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout="gigadecode kernels: native (avx512-bf16, AMX tiles)")
+    monkeypatch.setattr(isa_check.subprocess, "run", run)
+    assert isa_check.check(isa_check.AMX, ["-q"], "avx512-bf16") == 0
+    assert "--build-emulated" in runs[0] and "--amx" in runs[0]
+    (slot / "emulated.built").touch()                         # once built: loaded as it is
+    runs.clear()
+    isa_check.check(isa_check.AMX, ["-q"], "avx512-bf16")
+    assert not any("--build-emulated" in argv for argv in runs)

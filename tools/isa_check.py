@@ -55,6 +55,10 @@ EMULATED_MACROS = {"__AVX512F__": "GD_EMULATED_AVX512F", "__AVX512BW__": "GD_EMU
 # data (a CPU without AMX refuses), then every PyTorch GEMM call the emulation's
 AMX_PRESENT = ("product_form.cpp", "could_pack(at::kBFloat16) && tile_data_permitted()", "could_pack(at::kBFloat16)")
 AMX_RENAME = ("at::native::cpublas::", "gd_amx_emu::")
+# written beside an emulated library once it built and loaded. Its presence, not the library's, says the slot is
+# done: `gigadecode.native` builds a library that does not load (a link cut short by a kill) again itself, from
+# the real sources with the ISA's real instructions (SIGILL on a CPU without them, the AMX tiles off without AMX)
+BUILT = "emulated.built"
 
 
 def host_isa() -> str | None:
@@ -97,16 +101,23 @@ def build_emulated(isa: str, cache: Path, simde: Path | None, amx: bool) -> None
     sources under this one's compiler nor builds it again."""
     from torch.utils import cpp_extension
 
-    out = cache / "native" / f"{isa}-{build.build_key(isa)}"   # the key of the real sources, as load() computes
+    out = emulated_slot(isa, cache)
     name = f"gigadecode_native_{isa.replace('-', '_')}"
     with build.build_lock(out):                                # (a killed build's torch lock removed)
-        if (out / f"{name}.so").exists():                      # built by another check while this one waited
+        if (out / BUILT).exists():                             # built by another check while this one waited
             return
+        (out / f"{name}.so").unlink(missing_ok=True)           # one cut short by a kill: linked again
         src = cache / "csrc"
         flags = emulated_sources(isa, src, simde, amx)
         cpp_extension.load(name=name, sources=[str(src / s) for s in build.SOURCES], build_directory=str(out),
                            is_python_module=False, extra_ldflags=["-fopenmp"],
                            extra_cflags=["-O2", "-fopenmp", "-std=c++17", *flags])
+        (out / BUILT).touch()                                  # it built and loaded
+
+
+def emulated_slot(isa: str, cache: Path) -> Path:
+    """Where `gigadecode.native` loads `isa`'s library from under `cache`: the key of the real sources."""
+    return cache / "native" / f"{isa}-{build.build_key(isa)}"
 
 
 def emulated_sources(isa: str, src: Path, simde: Path | None, amx: bool) -> list[str]:
@@ -153,7 +164,7 @@ def check(name: str, pytest_args: list[str], host: str | None) -> int:
     env = {**os.environ, "GIGADECODE_CACHE": str(cache), "GIGADECODE_NATIVE_ISA": isa, "GIGADECODE_NATIVE": "1",
            "GIGADECODE_BF16_GEMM": "0" if isa == "avx2" else "1"}
     print(f"== {name}: {'emulated on ' + host if emulated else 'native'}{', AMX emulated' * amx}", flush=True)
-    if headers and not any((cache / "native").glob(f"{isa}-{build.build_key(isa)}/*.so")):
+    if headers and not (emulated_slot(isa, cache) / BUILT).exists():
         simde = ["--simde", str(simde_include())] if emulated else []
         subprocess.run([sys.executable, __file__, "--build-emulated", isa, *["--amx"] * amx, *simde], env=env, check=True)
     loaded = subprocess.run([sys.executable, "-m", "gigadecode.native"], env=env, check=True,
