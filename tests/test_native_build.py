@@ -106,3 +106,29 @@ def test_an_emulated_library_cut_short_is_built_again_emulated(tmp_path, monkeyp
     runs.clear()
     isa_check.check(isa_check.AMX, ["-q"], "avx512-bf16")
     assert not any("--build-emulated" in argv for argv in runs)
+
+
+def test_a_sanitized_library_cut_short_is_built_again_sanitized(tmp_path, monkeypatch):
+    """tools/sanitize_check.py, as isa_check above: a library cut short that still holds the sanitizer symbols
+    passed its check, and `gigadecode.native` then built it again without the sanitizers: the tests ran
+    uninstrumented and reported nothing. The slot counts as built only once the sanitized build finished."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "tools"))     # it imports isa_check
+    spec = importlib.util.spec_from_file_location("sanitize_check",
+                                                  Path(__file__).parents[1] / "tools" / "sanitize_check.py")
+    sanitize_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sanitize_check)
+    monkeypatch.setattr(sanitize_check, "BASE", tmp_path)
+    monkeypatch.setattr(sanitize_check, "runtimes", lambda: [])
+    slot = sanitize_check.cache_root("avx2") / "native" / f"avx2-{build.build_key('avx2')}"
+    slot.mkdir(parents=True)
+    (slot / "gigadecode_native_avx2.so").write_bytes(b"\x7fELF __asan_init __ubsan_handle, then cut short")
+    runs = []
+
+    def run(argv, **kw):
+        runs.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout="gigadecode kernels: native (avx2)")
+    monkeypatch.setattr(sanitize_check.subprocess, "run", run)
+    monkeypatch.setattr(sanitize_check.subprocess, "Popen", lambda *a, **kw: pytest.skip("got to the tests"))
+    with contextlib.suppress(pytest.skip.Exception):
+        sanitize_check.check("avx2", ["-q"])
+    assert runs and "--build" in runs[0]

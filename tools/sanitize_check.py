@@ -43,6 +43,10 @@ BASE = build.CACHE_DIR.parent / "sanitize"
 # option: the runtime is preloaded first and nothing maps GPU memory.
 ASAN_OPTIONS = "detect_leaks=0:halt_on_error=1"
 UBSAN_OPTIONS = "print_stacktrace=1:halt_on_error=1"
+# written beside the sanitized library once it built and loaded; its presence, not the library's, says the slot
+# is done: `gigadecode.native` builds a library that does not load (a link cut short by a kill) again itself,
+# without the sanitizers, and the tests would then run uninstrumented
+BUILT = "sanitized.built"
 
 
 def runtimes() -> list[str]:
@@ -68,11 +72,15 @@ def build_sanitized(isa: str, cache: Path) -> None:
 
     out = cache / "native" / f"{isa}-{build.build_key(isa)}"   # the key of the sources, as load() computes it
     with build.build_lock(out):
+        if (out / BUILT).exists():                             # built by another check while this one waited
+            return
+        (out / f"gigadecode_native_{isa.replace('-', '_')}.so").unlink(missing_ok=True)  # one cut short: linked again
         cpp_extension.load(name=f"gigadecode_native_{isa.replace('-', '_')}",
                            sources=[str(build.SRC / s) for s in build.SOURCES], build_directory=str(out),
                            is_python_module=False,
                            extra_cflags=["-fopenmp", "-std=c++17", *build.ISA_FLAGS[isa], *SANITIZE_FLAGS],
                            extra_ldflags=["-fopenmp", *SANITIZE_FLAGS[:1]])
+        (out / BUILT).touch()                                  # it built and loaded
 
 
 def collect_reports(reports: Path) -> list[str]:
@@ -96,7 +104,7 @@ def check(isa: str, pytest_args: list[str]) -> int:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     print(f"== {isa}: sanitized ({' '.join(SANITIZE_FLAGS)}) in {cache}", flush=True)
     slot = cache / "native" / f"{isa}-{build.build_key(isa)}"       # as load() finds it
-    if not any(slot.glob("*.so")):
+    if not (slot / BUILT).exists():
         subprocess.run([sys.executable, __file__, "--build", isa], env=env, check=True)
     libs = [lib.read_bytes() for lib in slot.glob("*.so")]
     if len(libs) != 1 or b"__asan_init" not in libs[0] or b"__ubsan_handle" not in libs[0]:
