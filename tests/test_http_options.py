@@ -242,3 +242,18 @@ def test_the_proxy_trusts_the_systems_cas(pki, tmp_path):
     finally:
         stop_process_tree(proxy)
         upstream.shutdown()
+
+
+def test_cors_flags_without_origins_are_said_to_do_nothing(caplog):
+    """vLLM's CORS is on by default, ours only with --allowed-origins: the other CORS flags alone would do
+    nothing, and the server says so at start."""
+    from gigadecode.server.http_options import check_http_options
+    args = build_parser().parse_args(["proxy", "--decode", "http://x:1", "--allow-credentials",
+                                      "--allowed-methods", '["POST"]'])
+    with caplog.at_level("WARNING", logger="gigadecode.server"):
+        check_http_options(args)
+    assert "--allow-credentials / --allowed-methods: no effect without --allowed-origins" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gigadecode.server"):
+        check_http_options(build_parser().parse_args(["proxy", "--decode", "http://x:1"]))
+    assert caplog.text == ""

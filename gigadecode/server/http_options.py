@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import ssl
 from typing import Any
+
+log = logging.getLogger("gigadecode.server")
 
 
 ORIGIN = re.compile(r"\*|[a-z][a-z0-9+.-]*://[^/\s]+")       # a browser's Origin: scheme://host[:port]
@@ -88,6 +91,14 @@ def check_http_options(args: Any) -> None:
         raise ValueError("--allow-credentials with --allowed-origins '[\"*\"]' would let a page from any site "
                          "call the API with its visitor's credentials: name the origins instead "
                          "('[\"https://app.example\"]')")
+    if not getattr(args, "allowed_origins", None):
+        given = [flag for flag, on in (("--allow-credentials", getattr(args, "allow_credentials", False)),
+                                       ("--allowed-methods", getattr(args, "allowed_methods", ["*"]) != ["*"]),
+                                       ("--allowed-headers", getattr(args, "allowed_headers", ["*"]) != ["*"]))
+                 if on]
+        if given:                    # vLLM's CORS is on by default; here these would do nothing, unsaid
+            log.warning("%s: no effect without --allowed-origins (CORS is off unless origins are named)",
+                        " / ".join(given))
     root = getattr(args, "root_path", "") or ""
     if root and (not root.startswith("/") or root.endswith("/") or any(c in root for c in "?# ")):
         raise ValueError(f"--root-path {root!r}: expected a path like /llm (a leading '/', none at the end)")
