@@ -83,6 +83,18 @@ def test_an_emulated_build_prepares_its_sources_under_the_build_lock(tmp_path, m
     assert at_lock == ["// theirs"] and theirs.read_text() == "// theirs"
 
 
+def _record_runs(monkeypatch, tool, stdout: str) -> list:
+    """`tool.subprocess.run` replaced by one that records its command lines (returned, filled as it runs)
+    and answers `stdout` with success: what the tool decides to build, without building it."""
+    runs = []
+
+    def run(argv, **kw):
+        runs.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout=stdout)
+    monkeypatch.setattr(tool.subprocess, "run", run)
+    return runs
+
+
 def test_an_emulated_library_cut_short_is_built_again_emulated(tmp_path, monkeypatch):
     """An emulated build killed during its link leaves a library that does not load. isa_check took any .so in
     the slot as built, and `gigadecode.native`, finding it broken, built it again itself from the real sources
@@ -94,12 +106,7 @@ def test_an_emulated_library_cut_short_is_built_again_emulated(tmp_path, monkeyp
     slot = cache / "native" / f"avx512-bf16-{build.build_key('avx512-bf16')}"     # where gigadecode.native loads
     slot.mkdir(parents=True)
     (slot / "gigadecode_native_avx512_bf16.so").write_bytes(b"\x7fELF cut short")
-    runs = []
-
-    def run(argv, **kw):
-        runs.append(argv)
-        return subprocess.CompletedProcess(argv, 0, stdout="gigadecode kernels: native (avx512-bf16, AMX tiles)")
-    monkeypatch.setattr(isa_check.subprocess, "run", run)
+    runs = _record_runs(monkeypatch, isa_check, "gigadecode kernels: native (avx512-bf16, AMX tiles)")
     assert isa_check.check(isa_check.AMX, ["-q"], "avx512-bf16") == 0
     assert "--build-emulated" in runs[0] and "--amx" in runs[0]
     (slot / "emulated.built").touch()                         # once built: loaded as it is
@@ -122,12 +129,7 @@ def test_a_sanitized_library_cut_short_is_built_again_sanitized(tmp_path, monkey
     slot = sanitize_check.cache_root("avx2") / "native" / f"avx2-{build.build_key('avx2')}"
     slot.mkdir(parents=True)
     (slot / "gigadecode_native_avx2.so").write_bytes(b"\x7fELF __asan_init __ubsan_handle, then cut short")
-    runs = []
-
-    def run(argv, **kw):
-        runs.append(argv)
-        return subprocess.CompletedProcess(argv, 0, stdout="gigadecode kernels: native (avx2)")
-    monkeypatch.setattr(sanitize_check.subprocess, "run", run)
+    runs = _record_runs(monkeypatch, sanitize_check, "gigadecode kernels: native (avx2)")
     monkeypatch.setattr(sanitize_check.subprocess, "Popen", lambda *a, **kw: pytest.skip("got to the tests"))
     with contextlib.suppress(pytest.skip.Exception):
         sanitize_check.check("avx2", ["-q"])
