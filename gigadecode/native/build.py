@@ -115,26 +115,33 @@ def build_lock(out: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _load_built(lib: Path, quiet: bool = False) -> bool:
+    """Load `lib` if it is there and loads: True. False when it is not there, or does not load (a link cut
+    short by a kill; said unless `quiet`)."""
+    if not lib.exists():
+        return False
+    try:
+        torch.ops.load_library(str(lib))
+        return True
+    except OSError as e:
+        if not quiet:
+            log.warning("gigadecode: %s does not load (%s); building it again", lib, e)
+        return False
+
+
 def compile_or_load(name: str, src: Path, out: Path, isa: str, verbose: bool = False) -> None:
     """Load `out/<name>.so`, compiling `src`'s SOURCES into it for `isa` first when it is not there (those
     present: an older revision's sources, as `bench/kernels_ab.py` builds, may lack a later one). A library
     that does not load (a link cut short by a kill) is built again."""
     lib = out / f"{name}.so"
-    if lib.exists():
-        try:
-            torch.ops.load_library(str(lib))
-            return
-        except OSError as e:
-            log.warning("gigadecode: %s does not load (%s); building it again", lib, e)
+    if _load_built(lib):
+        return
     from torch.utils import cpp_extension
 
     with build_lock(out):
-        if lib.exists():                # built by another process while this one waited, or the broken one
-            try:
-                torch.ops.load_library(str(lib))
-                return
-            except OSError:
-                lib.unlink()
+        if _load_built(lib, quiet=True):    # built by another process while this one waited
+            return
+        lib.unlink(missing_ok=True)         # none, or one cut short
         cpp_extension.load(name=name, sources=[str(src / s) for s in SOURCES if (src / s).exists()],
                            build_directory=str(out), extra_cflags=["-O3", "-fopenmp", "-std=c++17", *ISA_FLAGS[isa]],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
