@@ -134,3 +134,17 @@ def test_a_sanitized_library_cut_short_is_built_again_sanitized(tmp_path, monkey
     with contextlib.suppress(pytest.skip.Exception):
         sanitize_check.check("avx2", ["-q"])
     assert runs and "--build" in runs[0]
+
+
+def test_the_emulated_builds_cache_key_covers_isa_checks_own_rules(tmp_path, monkeypatch):
+    """An emulated library is shaped by isa_check.py's substitution rules as much as by the emulation headers:
+    a rule changed (here one macro renamed differently) must key a new slot, or the cache serves the old build."""
+    isa_check = _isa_check()
+    headers = ["isa_emulation.h", "amx_emulation.h"]
+    before = isa_check.emulation_key(headers)
+    changed = tmp_path / "isa_check.py"
+    changed.write_text(Path(isa_check.__file__).read_text().replace('"__AVX512F__"', '"__AVX512F__ "', 1))
+    monkeypatch.setattr(isa_check, "__file__", str(changed))
+    assert isa_check.emulation_key(headers) != before
+    monkeypatch.setattr(isa_check, "__file__", str(Path(__file__).parents[1] / "tools" / "isa_check.py"))
+    assert isa_check.emulation_key(headers) == before                  # and it is stable otherwise

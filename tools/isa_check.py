@@ -90,7 +90,11 @@ def simde_include() -> Path:
 
 
 def emulation_key(headers: list[str]) -> str:
-    return hashlib.sha256(f"{SIMDE}|".encode() + b"".join((ROOT / "tools" / h).read_bytes() for h in headers)).hexdigest()[:12]
+    """The emulated builds' cache key: SIMDe's version, the emulation headers and this file, whose substitution
+    rules (`EMULATED_MACROS`, `AMX_PRESENT`, `AMX_RENAME`, the flags of `emulated_sources`) shape the library as
+    much as the headers do (the package's own key covers the kernel sources only)."""
+    parts = [f"{SIMDE}|".encode(), Path(__file__).read_bytes(), *((ROOT / "tools" / h).read_bytes() for h in headers)]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
 
 
 def build_emulated(isa: str, cache: Path, simde: Path | None, amx: bool) -> None:
@@ -158,7 +162,6 @@ def check(name: str, pytest_args: list[str], host: str | None) -> int:
     isa = "avx512-bf16" if amx else name
     emulated = ISAS.index(isa) > ISAS.index(host)
     headers = ["isa_emulation.h"] * emulated + ["amx_emulation.h"] * amx
-    # an emulated build is keyed by the emulation too (the package's key covers the kernel sources only)
     cache = BASE / (f"{name}-emulated-{emulation_key(headers)}" if headers else isa)
     # and the torch side as such a CPU runs it: oneDNN has bf16 GEMMs on every AVX-512 CPU, none on AVX2
     env = {**os.environ, "GIGADECODE_CACHE": str(cache), "GIGADECODE_NATIVE_ISA": isa, "GIGADECODE_NATIVE": "1",
