@@ -10,7 +10,7 @@ lacks is compiled for AVX2 with the AVX-512 intrinsics supplied by SIMDe (header
 downloaded once into the cache) and `tools/isa_emulation.h` (the few SIMDe lacks), so the AVX-512 paths'
 results are checked on an AVX2 machine (their speed is not: emulated, they are only correct). Each build lives
 in its own cache root under `~/.cache/gigadecode/isa-check/` (under `GIGADECODE_CACHE` when set), never in
-the one the package loads (an emulated one keyed by the emulation's header and SIMDe's version as well), and its tests run with `GIGADECODE_NATIVE_ISA=<isa>` pointing at it and with
+the one the package loads (an emulated one keyed by the emulation's headers, SIMDe's version and this file's substitution rules as well), and its tests run with `GIGADECODE_NATIVE_ISA=<isa>` pointing at it and with
 `GIGADECODE_BF16_GEMM` set as on a CPU of that kind (bf16 products in oneDNN on AVX-512, in fp32 on AVX2).
 
 `avx512-bf16-amx` is the avx512-bf16 build (native or emulated as above) with the AMX tiles emulated
