@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from .server.http_options import add_http_arguments
+from .server.proxy_tls import add_upstream_tls_arguments
 
 DEFAULT_DEMO_DIR = Path(os.environ.get("GIGADECODE_CACHE", Path.home() / ".cache" / "gigadecode")) / "demo"
 
@@ -362,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="request bodies larger than this get 413 before they are parsed (default 4 MiB)")
     add_http_arguments(p)
+    add_upstream_tls_arguments(p)
     p.set_defaults(func=cmd_proxy)
 
     p = add(sub, "demo", "the main job: DI (prefill -> decode over NIXL) on the built-in demo model")

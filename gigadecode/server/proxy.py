@@ -32,7 +32,10 @@ A client that disconnects closes the upstream request (which aborts it there). G
 what the proxy knows of the upstreams' health (a 503 naming the role while one has no server in rotation),
 GET /metrics each one's load, rotation and failures (Prometheus), both from `proxy_health`; GET /v1/models
 is the answer of the first decode server (in rotation first) that gives one within `INFO_TIMEOUT_S`.
-Authorization headers are forwarded to the upstreams.
+Authorization headers are forwarded to the upstreams. One HTTP client sends every upstream request (the
+prefills, decodes, `/kv/release`, `/tokenize`, `/v1/models`, the health probes), `https://` ones with
+`proxy_tls`'s context: the CA bundle the servers are checked against and the proxy's client certificate for
+servers that require one (`--upstream-ssl-*`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from .disconnect import CLIENT_CLOSED, ClientGone, answer_clients_that_leave, un
 from .http_options import add_cors, check_http_options, scheme, uvicorn_options
 from .proxy_health import health_report, metrics_text, probe_servers
 from .proxy_pool import Pool, Upstream, prefix_keys
+from .proxy_tls import failure, upstream_tls_context, warn_if_unused
 
 log = logging.getLogger("gigadecode.proxy")
 
@@ -81,8 +85,11 @@ def _headers(request: Request) -> dict[str, str]:
 def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx.AsyncClient | None = None,
                     max_request_bytes: int = 4 << 20, prefill_vllm: Sequence[str] = (), kv_secret: str | None = None,
                     vllm_lease_s: float = 30.0, prefill_timeout_s: float | None = None,
-                    decode_timeout_s: float | None = None) -> FastAPI:
-    """`prefill_timeout_s`: how long one prefill server may take to answer before the next one is tried
+                    decode_timeout_s: float | None = None, upstream_tls: ssl.SSLContext | None = None) -> FastAPI:
+    """`upstream_tls`: the context every request to an `https://` server is made with (`proxy_tls`: the CA
+    bundle its certificate is checked against, the proxy's client certificate); None: the system's CAs, no
+    client certificate.
+    `prefill_timeout_s`: how long one prefill server may take to answer before the next one is tried
     (None: no limit; a stopped or wedged prefill server otherwise holds its requests forever).
     `decode_timeout_s`: how long the decode server may take to start its answer (its response headers: a
     stream's first bytes, a non-streaming request's whole answer) before the client gets a 504 and the
@@ -104,10 +111,10 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
     async def lifespan(app: FastAPI):
         own = client is None
         app.state.client = client or httpx.AsyncClient(
-            # https:// servers checked against the system's CAs (OpenSSL's default paths, which honour
-            # SSL_CERT_FILE / SSL_CERT_DIR), where a deployment installs its own CA; httpx's default is certifi's
-            # bundle, which holds no private CA
-            verify=ssl.create_default_context(),
+            # https:// servers checked against --upstream-ssl-ca-certs, else the system's CAs (OpenSSL's default
+            # paths, which honour SSL_CERT_FILE / SSL_CERT_DIR), where a deployment installs its own CA; httpx's
+            # default is certifi's bundle, which holds no private CA. This client sends every upstream request.
+            verify=upstream_tls or ssl.create_default_context(),
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S))
@@ -160,7 +167,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             except httpx.TransportError as e:   # (a TimeoutException is one)
                 last = (f"prefill server {up.url} did not answer within {prefill_timeout_s} s"
                         if isinstance(e, httpx.TimeoutException) else
-                        f"prefill server {up.url} unreachable: {type(e).__name__}: {e}")
+                        f"prefill server {up.url} unreachable: {failure(e, up.url)}")
                 log.warning(last)
                 prefills.mark_down(up, last)
                 if leased is not None:          # it may answer late, or have answered before the connection
@@ -252,16 +259,16 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                 return _decode_timeout(decodes, up, decode_timeout_s)
             except httpx.ConnectError as e:      # nothing reached it: another decode server may take it
                 up.in_flight -= 1
-                log.warning("decode server %s unreachable: %s", up.url, e)
-                decodes.mark_down(up, f"unreachable: {type(e).__name__}: {e}")
+                log.warning("decode server %s unreachable: %s", up.url, failure(e, up.url))
+                decodes.mark_down(up, f"unreachable: {failure(e, up.url)}")
                 continue
             except (httpx.TransportError, ClientGone) as e:   # it failed, or the client left, before the headers
                 up.in_flight -= 1
                 await _release(http, leased, headers)
                 if isinstance(e, ClientGone):
                     return Response(status_code=CLIENT_CLOSED)
-                decodes.mark_down(up, f"failed: {type(e).__name__}: {e}")
-                return _error(502, f"decode server {up.url} failed: {type(e).__name__}: {e}", code="decode_failed")
+                decodes.mark_down(up, f"failed: {failure(e, up.url)}")
+                return _error(502, f"decode server {up.url} failed: {failure(e, up.url)}", code="decode_failed")
             except BaseException:
                 up.in_flight -= 1
                 raise
@@ -290,7 +297,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             try:
                 r = await http.post(up.url + "/tokenize", json={"prompt": ids}, headers=headers)
             except httpx.TransportError as e:
-                return _error(502, f"decode server {up.url} unreachable to tokenize: {type(e).__name__}: {e}",
+                return _error(502, f"decode server {up.url} unreachable to tokenize: {failure(e, up.url)}",
                               code="decode_failed")
             if r.status_code != 200:
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
@@ -342,7 +349,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             try:
                 r = await http.get(up.url + "/v1/models", headers=_headers(request), timeout=INFO_TIMEOUT_S)
             except httpx.TransportError as e:     # a wedged one too: the next answers (it hung the route)
-                last = f"{up.url}: {type(e).__name__}: {e}"
+                last = f"{up.url}: {failure(e, up.url)}"
                 decodes.mark_down(up, f"/v1/models: {last}")
                 continue
             return Response(r.content, status_code=r.status_code,
@@ -388,12 +395,12 @@ async def _prefill_and_decode(http: httpx.AsyncClient, decodes: Pool, path: str,
         except TimeoutError:
             return _decode_timeout(decodes, up, timeout_s)
         except httpx.ConnectError as e:
-            log.warning("decode server %s unreachable: %s", up.url, e)
-            decodes.mark_down(up, f"unreachable: {type(e).__name__}: {e}")
+            log.warning("decode server %s unreachable: %s", up.url, failure(e, up.url))
+            decodes.mark_down(up, f"unreachable: {failure(e, up.url)}")
             continue
         except httpx.TransportError as e:
-            decodes.mark_down(up, f"failed: {type(e).__name__}: {e}")
-            return _error(502, f"decode server {up.url} failed: {type(e).__name__}: {e}", code="decode_failed")
+            decodes.mark_down(up, f"failed: {failure(e, up.url)}")
+            return _error(502, f"decode server {up.url} failed: {failure(e, up.url)}", code="decode_failed")
         finally:
             up.in_flight -= 1
         decodes.mark_up(up)
@@ -417,7 +424,8 @@ async def _release(http: httpx.AsyncClient, leased: dict[str, Any], headers: dic
         if r.status_code != 200:
             log.warning("prefill server %s refused to release a lease: %s %s", url, r.status_code, r.text[:200])
     except (httpx.HTTPError, RuntimeError) as e:      # RuntimeError: the proxy's client closed (shutting down)
-        log.warning("prefill server %s unreachable to release a lease: %s", url, e)
+        log.warning("prefill server %s unreachable to release a lease: %s", url,
+                    failure(e, url) if isinstance(e, httpx.HTTPError) else e)
 
 
 _background: set[asyncio.Task] = set()        # releases scheduled by streams that ended early
@@ -474,11 +482,13 @@ def run_proxy(args: Any) -> int:
     if not args.prefill and not vllm:
         raise ValueError("give the prefill servers: --prefill URL ... (gigadecode) or --prefill-vllm URL ... (vLLM)")
     check_http_options(args)
+    upstream_tls = upstream_tls_context(args)
+    warn_if_unused(args, [*args.prefill, *vllm, *args.decode])
     app = build_proxy_app(args.prefill, args.decode, max_request_bytes=getattr(args, "max_request_bytes", 4 << 20),
                           prefill_vllm=vllm, kv_secret=getattr(args, "kv_secret", None),
                           vllm_lease_s=getattr(args, "vllm_kv_lease_s", 30.0),
                           prefill_timeout_s=getattr(args, "prefill_timeout_s", None),
-                          decode_timeout_s=getattr(args, "decode_timeout_s", None))
+                          decode_timeout_s=getattr(args, "decode_timeout_s", None), upstream_tls=upstream_tls)
     add_cors(app, args)
     print(f"gigadecode proxy: prefill {args.prefill or vllm}{' (vLLM)' if vllm else ''} -> decode {args.decode}; listening on "
           f"{scheme(args)}://{args.host}:{args.port}{uvicorn_options(args)['root_path']}", flush=True)

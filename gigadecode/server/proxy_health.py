@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from .proxy_pool import Pool, Upstream
+from .proxy_tls import failure
 
 PROBE_S, PROBE_TIMEOUT_S = 1.0, 2.0     # how often, and how long, each server is asked for its /health
 
@@ -46,7 +47,7 @@ async def _ask_health(http: httpx.AsyncClient, up: Upstream) -> str | None:
     except httpx.TimeoutException:
         return f"no answer within {PROBE_TIMEOUT_S} s"
     except Exception as e:              # unreachable, or a URL httpx refuses: the others' probes go on
-        return f"{type(e).__name__}: {e}"
+        return failure(e, up.url)
     return None if r.status_code == 200 else f"answered {r.status_code}: {r.text[:200]}"
 
 
