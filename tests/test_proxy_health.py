@@ -117,6 +117,35 @@ def test_health_is_503_naming_the_role_with_no_server_in_rotation(fast_probe):
             p.__exit__(None, None, None)
 
 
+def test_a_server_out_of_rotation_shows_what_keeps_it_out_now(fast_probe, caplog):
+    """A decode server the proxy could not reach at first (not started yet) that then answers its /health with
+    an error (here a 500; behind TLS, the proxy's certificate refused): its reason in /health is the latest
+    failure, not the first, and the log says the new one once (not again when only a number in it changes).
+    The reason stayed "ConnectError" for as long as the server was out, hiding what kept it out."""
+    app, state = FastAPI(), {"status": 503, "message": "loading 1 of 9"}
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({"error": {"message": state["message"]}}, status_code=state["status"])
+    p_app, _ = switchable_upstream()
+    d = ServerThread(app)                        # its port bound, not listening until it starts
+    d_url = d.url
+    with ServerThread(p_app) as p, caplog.at_level("WARNING", logger="gigadecode.proxy"), \
+            ServerThread(build_proxy_app([p.url], [d_url])) as px:
+        r = wait_health(px.url, lambda r: r.json()["decode"][d_url]["healthy"] is False)
+        assert "ConnectError" in r.json()["decode"][d_url]["out_of_rotation_because"], r.text
+        with d:                                  # the server starts
+            r = wait_health(px.url, lambda r: "503" in r.json()["decode"][d_url]["out_of_rotation_because"])
+            assert "loading 1 of 9" in r.json()["decode"][d_url]["out_of_rotation_because"]
+            state["message"] = "loading 2 of 9"
+            wait_health(px.url, lambda r: "2 of 9" in r.json()["decode"][d_url]["out_of_rotation_because"])
+            state.update(status=500, message="the engine failed")
+            r = wait_health(px.url, lambda r: "500" in r.json()["decode"][d_url]["out_of_rotation_because"])
+            assert r.status_code == 503 and r.json()["decode"][d_url]["in_rotation"] is False
+            still = [m for m in caplog.messages if "is still out of rotation" in m]
+            assert len(still) == 2 and "loading 1 of 9" in still[0] and "the engine failed" in still[1], still
+
+
 def test_a_request_that_times_out_takes_its_server_out_of_rotation(monkeypatch):
     """A decode server that takes connections and never answers, before the probe has a verdict on it (its
     /health may take a minute here): the first request it gets pays the decode time-out (a 504) and takes it out

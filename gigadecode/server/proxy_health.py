@@ -25,7 +25,7 @@ async def probe_servers(http: httpx.AsyncClient, pools: Sequence[Pool]) -> None:
     """Ask each server for its /health now and then every PROBE_S, each on its own (a wedged one delays no
     other): a 200 puts a server out of rotation back (unless a request found it failing while it was asked);
     anything else takes a server in rotation out, so a server that died or stopped answering while idle is
-    known before a request finds it so."""
+    known before a request finds it so, and keeps one out of it out with the latest reason."""
     async def watch(pool: Pool, up: Upstream) -> None:
         while True:
             failures = up.failures          # a request that finds it failing meanwhile counts one more
@@ -36,6 +36,8 @@ async def probe_servers(http: httpx.AsyncClient, pools: Sequence[Pool]) -> None:
                     pool.mark_up(up)
             elif up.down is None:
                 pool.mark_down(up, f"/health: {why}")
+            else:                           # its reason now: what keeps it out
+                pool.still_down(up, f"/health: {why}")
             await asyncio.sleep(PROBE_S)
     await asyncio.gather(*(watch(pool, up) for pool in pools for up in pool.servers))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,11 +103,24 @@ class Pool:
         up.down = why
         up.failures += 1
 
+    def still_down(self, up: Upstream, why: str) -> None:
+        """`up`, out of rotation, failed its /health again: `why` is now its reason (what keeps it out, not what
+        took it out), logged when it says something new: a server that refused connections while it started
+        and now refuses the proxy's TLS is told as such, not as still refusing connections."""
+        if _gist(why) != _gist(up.down or ""):
+            log.warning("%s server %s is still out of rotation: %s", self.role, up.url, why)
+        up.down = why
+
     def mark_up(self, up: Upstream) -> None:
         """Put `up` back into rotation (its /health answered 200, or it served a request)."""
         if up.down is not None:
             log.warning("%s server %s is back in rotation", self.role, up.url)
         up.down = None
+
+
+def _gist(why: str) -> str:
+    """A reason without its numbers (a time, a count): a change of the number alone is nothing new."""
+    return re.sub(r"\d+", "#", why)
 
 
 def prefix_keys(body: dict[str, Any]) -> list[bytes]:
