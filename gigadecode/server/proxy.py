@@ -259,16 +259,16 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                 return _decode_timeout(decodes, up, decode_timeout_s)
             except httpx.ConnectError as e:      # nothing reached it: another decode server may take it
                 up.in_flight -= 1
-                log.warning("decode server %s unreachable: %s", up.url, failure(e, up.url))
-                decodes.mark_down(up, f"unreachable: {failure(e, up.url)}")
+                log.warning("decode server %s unreachable: %s", up.url, why := failure(e, up.url))
+                decodes.mark_down(up, f"unreachable: {why}")
                 continue
             except (httpx.TransportError, ClientGone) as e:   # it failed, or the client left, before the headers
                 up.in_flight -= 1
                 await _release(http, leased, headers)
                 if isinstance(e, ClientGone):
                     return Response(status_code=CLIENT_CLOSED)
-                decodes.mark_down(up, f"failed: {failure(e, up.url)}")
-                return _error(502, f"decode server {up.url} failed: {failure(e, up.url)}", code="decode_failed")
+                decodes.mark_down(up, f"failed: {(why := failure(e, up.url))}")
+                return _error(502, f"decode server {up.url} failed: {why}", code="decode_failed")
             except BaseException:
                 up.in_flight -= 1
                 raise
@@ -395,12 +395,12 @@ async def _prefill_and_decode(http: httpx.AsyncClient, decodes: Pool, path: str,
         except TimeoutError:
             return _decode_timeout(decodes, up, timeout_s)
         except httpx.ConnectError as e:
-            log.warning("decode server %s unreachable: %s", up.url, failure(e, up.url))
-            decodes.mark_down(up, f"unreachable: {failure(e, up.url)}")
+            log.warning("decode server %s unreachable: %s", up.url, why := failure(e, up.url))
+            decodes.mark_down(up, f"unreachable: {why}")
             continue
         except httpx.TransportError as e:
-            decodes.mark_down(up, f"failed: {failure(e, up.url)}")
-            return _error(502, f"decode server {up.url} failed: {failure(e, up.url)}", code="decode_failed")
+            decodes.mark_down(up, f"failed: {(why := failure(e, up.url))}")
+            return _error(502, f"decode server {up.url} failed: {why}", code="decode_failed")
         finally:
             up.in_flight -= 1
         decodes.mark_up(up)
