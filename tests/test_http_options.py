@@ -48,6 +48,8 @@ def pki(tmp_path_factory) -> dict[str, Path]:
                  "-CAcreateserial", "-out", str(p[cert]), "-days", "2", "-extfile", str(ext))
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(p["okey"]), "-out", str(p["ocert"]),
              "-days", "2", "-subj", "/CN=other")
+    p["ekey"] = d / "ekey.pem"                      # the server's key, encrypted with a passphrase
+    _openssl("pkey", "-in", str(p["key"]), "-aes256", "-passout", "pass:secret", "-out", str(p["ekey"]))
     return p
 
 
@@ -148,13 +150,14 @@ def test_client_certificates_when_required(tiny_ckpt, pki):
     (["--ssl-certfile", "CERT"], "go together"),
     (["--ssl-keyfile", "/nonexistent/key.pem", "--ssl-certfile", "CERT"], "no such file"),
     (["--ssl-keyfile", "OKEY", "--ssl-certfile", "CERT"], "--ssl-certfile / --ssl-keyfile"),   # not its key
+    (["--ssl-keyfile", "EKEY", "--ssl-certfile", "CERT"], "--ssl-keyfile .* is encrypted"),      # no prompt
     (["--ssl-keyfile", "KEY", "--ssl-certfile", "CERT", "--ssl-cert-reqs", "2"], "--ssl-ca-certs"),
     (["--root-path", "llm"], "--root-path"),
     (["--root-path", "/llm/"], "--root-path"),
 ])
 def test_bad_http_options_are_refused_at_start(flags, match, pki, tiny_ckpt):
     """Each before anything loads (serve) or listens (proxy), with the flag's name."""
-    files = {"KEY": pki["key"], "CERT": pki["cert"], "OKEY": pki["okey"]}
+    files = {"KEY": pki["key"], "CERT": pki["cert"], "OKEY": pki["okey"], "EKEY": pki["ekey"]}
     flags = [str(files.get(f, f)) for f in flags]
     for argv, run in ((["serve", "--model", str(tiny_ckpt)], serve),
                       (["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"], run_proxy)):

@@ -68,6 +68,14 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
 
 
+class _EncryptedKey(Exception):
+    pass
+
+
+def _no_passphrase() -> str:
+    raise _EncryptedKey
+
+
 def check_http_options(args: Any) -> None:
     """The options' values, checked before anything loads: ValueError naming the flag."""
     key, cert = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None)
@@ -81,8 +89,11 @@ def check_http_options(args: Any) -> None:
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"{flag} {path}: no such file")
     if key is not None:                          # a key that does not match its certificate, or not PEM
-        try:
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+        try:                                     # (an encrypted key: OpenSSL would ask on the terminal)
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key, password=_no_passphrase)
+        except _EncryptedKey:
+            raise ValueError(f"--ssl-keyfile {key}: the key is encrypted; give it unencrypted (readable by the "
+                             f"server's user only)") from None
         except (ssl.SSLError, OSError) as e:
             raise ValueError(f"--ssl-certfile / --ssl-keyfile: {e}") from None
     if "*" in (getattr(args, "allowed_origins", None) or []) and getattr(args, "allow_credentials", False):
