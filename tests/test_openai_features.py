@@ -632,3 +632,31 @@ def test_a_request_queues_at_most_1024_sequences(live):
     r = client.completions.create(model="m", prompt=[[1, 2]] * 64, max_tokens=1, n=16)
     assert len(r.choices) == 1024
 
+
+
+def test_continuous_usage_counts_each_chunks_own_choice(live):
+    """vLLM's continuous_usage_stats with several choices: each chunk's usage is its own choice's so far (its
+    prompt's tokens, the tokens it generated), as vLLM counts it, not the whole request's; the last chunk
+    (include_usage) has the whole request's."""
+    _, client = live
+    prompts = [random_prompt(5, 1024, seed=7), random_prompt(11, 1024, seed=8)]
+    chunks = list(client.completions.create(
+        model="m", prompt=prompts, max_tokens=4, temperature=0, n=2, stream=True, extra_body=EXTRA,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    made: dict[int, int] = {}
+    for ch in chunks[:-1]:
+        (c,) = ch.choices
+        made[c.index] = made.get(c.index, 0) + len(c.model_extra["token_ids"])
+        assert (ch.usage.prompt_tokens, ch.usage.completion_tokens) == (len(prompts[c.index // 2]), made[c.index])
+    assert made == {i: 4 for i in range(4)} and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == 16
+    messages = [{"role": "user", "content": "hi"}]
+    chat = list(client.chat.completions.create(
+        model="m", messages=messages, max_tokens=3, n=2, stream=True, extra_body=EXTRA,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    made = {}
+    for ch in chat[:-1]:
+        (c,) = ch.choices
+        made[c.index] = made.get(c.index, 0) + len(c.model_extra.get("token_ids") or [])
+        assert ch.usage.completion_tokens == made[c.index]
+    assert made == {0: 3, 1: 3} and chat[-1].usage.completion_tokens == 6

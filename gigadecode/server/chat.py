@@ -203,7 +203,7 @@ async def chat_completions(request: Request) -> Response:
         first = [{**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}],
                   **({"prompt_token_ids": c.prompt_ids} if req.return_token_ids else {}),
-                  **({"usage": usage(choices)} if continuous else {})} for c in choices]   # vLLM: 0 tokens yet
+                  **({"usage": usage([c])} if continuous else {})} for c in choices]   # vLLM: 0 tokens yet
         include = req.stream_options and req.stream_options.include_usage
         return sse_response(stream_events(choices, chunk, first, {**head, "choices": []} if include else None,
                                           continuous))

@@ -447,8 +447,9 @@ async def stream_events(choices: list[Choice], make_chunk: Callable[[Choice, Any
                         first: list[dict[str, Any]], usage_chunk: dict[str, Any] | None,
                         continuous_usage: bool = False) -> AsyncIterator[str]:
     """SSE: `first` chunks, then the chunks of each output (`make_chunk`: one, a list, or None = nothing to send; with
-    `continuous_usage`, vLLM's `continuous_usage_stats`, each carries the usage so far), the usage chunk when
-    asked, `[DONE]`. A failed request ends the stream with an error event."""
+    `continuous_usage`, vLLM's `continuous_usage_stats`, each carries the usage so far of its own choice: that
+    choice's prompt and tokens, as vLLM counts it), the usage chunk (the whole request's) when asked, `[DONE]`. A
+    failed request ends the stream with an error event."""
     try:
         for chunk in first:
             yield sse(chunk)
@@ -464,7 +465,7 @@ async def stream_events(choices: list[Choice], make_chunk: Callable[[Choice, Any
             made = make_chunk(c, out, pieces)
             for chunk in [] if made is None else made if isinstance(made, list) else [made]:
                 if continuous_usage:
-                    chunk["usage"] = usage(choices)
+                    chunk["usage"] = usage([c])
                 yield sse(chunk)
             if all(c.done for c in choices):
                 break
