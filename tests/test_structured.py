@@ -233,7 +233,7 @@ def test_a_forced_tool_call(demo):
     """tool_choice "required" (any of the tools) or a named function: the reply is a harmony call to it, its
     arguments held to the tool's schema (the demo model, asked a sum with only `multiply` offered, answers
     itself unless forced); chat and the Responses API; a named tool that is not offered, or a forced call with
-    structured output, is a 400 naming tool_choice."""
+    structured output, is a 400 naming tool_choice, a tool schema that does not compile one naming tools."""
     d, _, _ = demo
     eng, srv = _serve(d)
     ask = [{"role": "user", "content": "What is 37 + 45?"}]
@@ -259,6 +259,17 @@ def test_a_forced_tool_call(demo):
             with pytest.raises(openai.BadRequestError) as e:
                 c.chat.completions.create(model="m", messages=ask, tools=[ADD, MUL], max_tokens=4, **extra)
             assert e.value.body["param"] == "tool_choice", e.value.body
+        # a forced call's tool schema that does not compile is a 400 naming `tools` (not an internal name, nor
+        # the Responses API's text.format)
+        broken = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}}
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="m", messages=ask, tools=[{"type": "function", "function": broken}],
+                                      tool_choice="required", max_tokens=4)
+        assert e.value.body["param"] == "tools" and "/$defs/none" in e.value.body["message"], e.value.body
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(model="m", input="hi", tools=[{"type": "function", **broken}], max_output_tokens=4,
+                               tool_choice={"type": "function", "name": "add"})
+        assert e.value.body["param"] == "tools" and "/$defs/none" in e.value.body["message"], e.value.body
         assert not eng.requests
 
 

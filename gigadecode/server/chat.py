@@ -158,7 +158,9 @@ async def chat_completions(request: Request) -> Response:
     guided, guided_field = guided_of(raw, "final" if tokens is not None else "all")
     final_only = guided is not None           # content is the structured answer alone (no preamble before it)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    guided = forced_call(raw, tools, True, tokens is not None, guided)
+    forced = forced_call(raw, tools, True, tokens is not None, guided)
+    if forced is not guided:       # a forced call's grammar: a schema it cannot compile is a tool's parameters
+        guided, guided_field = forced, "tools"
     with errors_named("max_tokens", max_param):
         params = sampling_params(raw, max_tokens, logprobs, deps.sampling_defaults(aeng), prompt_logprobs,
                                  guided, token_constraints(raw, codec))

@@ -229,7 +229,9 @@ async def responses(request: Request) -> Response:
     structured = _guided(req, "final" if tokens is not None else "all")
     guided = forced_call(raw, chat_tools(req.tools), False, tokens is not None, structured)
     final_only = structured is not None       # the message is the structured answer alone (no preamble)
-    with errors_named("max_tokens", "max_output_tokens"), errors_named("guided", "text.format"):
+    # a grammar that does not compile: text.format's schema, or a forced call's tool parameters
+    with errors_named("max_tokens", "max_output_tokens"), \
+            errors_named("guided", "text.format" if guided is structured else "tools"):
         params = sampling_params(raw, max_tokens, None, deps.sampling_defaults(aeng), None, guided)
         kv = deps.advertised(request, req.kv_transfer_params)
         _, choices = await start(aeng, [prompt], params, "resp", 1, kv, "input",
