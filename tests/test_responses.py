@@ -126,6 +126,8 @@ def test_cut_off_by_max_output_tokens_is_incomplete(client):
 @pytest.mark.parametrize("extra, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),           # stored items would be lost unsaid
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),                # a stored prompt template likewise
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),

@@ -13,8 +13,9 @@ Streamed, the same items come as OpenAI's typed events (`response.output_item.ad
 `response.reasoning_text.delta`, `response.output_text.delta`, `response.function_call_arguments.done`, ...,
 `response.completed`).
 
-The server keeps nothing: `previous_response_id` and `background` are refused (send the whole conversation
-as `input`), as are built-in tools (web search, file search, code interpreter, MCP) and non-text inputs.
+The server keeps nothing: `previous_response_id`, `conversation`, a stored `prompt` and `background` are
+refused (send the whole conversation as `input`), as are built-in tools (web search, file search, code
+interpreter, MCP) and non-text inputs.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ def _refuse(req: ResponsesBody) -> None:
                        param="previous_response_id")
     if req.background:
         raise APIError(400, "background responses are not supported", param="background")
+    # what a server keeps would be part of the prompt: a stored conversation's items, a stored prompt template
+    for field_, what in (("conversation", "conversations"), ("prompt", "prompt templates")):
+        if getattr(req, field_, None) is not None:
+            raise APIError(400, f"this server keeps no {what}: send the whole conversation as `input` (and "
+                                f"the instructions as `instructions`)", param=field_)
     for i, what in enumerate(req.include or ()):
         if what != "reasoning.encrypted_content":   # agents ask for it with store=false: the reasoning is in
             raise APIError(400, f"include {what!r} is not supported", param=f"include.{i}")   # plain text here
