@@ -726,6 +726,38 @@ def test_di_hooks_handshake_and_idle_steps():
         assert hc.get("/health").json()["role"] == "prefill"
 
 
+def test_a_prefill_server_shutting_down_keeps_its_leased_kv_until_read():
+    """At shutdown (SIGTERM: uvicorn's, as `serve` runs it) a prefill server keeps its engine stepping, so its KV
+    side channel and NIXL agent serve, until every lease has ended: the decode servers read the KV it answered
+    just before. It used to stop at once: those requests then failed on the decode side. Bounded by the
+    drain time (`--shutdown-timeout-s`)."""
+
+    class Leasing(FakeEngine):
+        leases = 1
+
+        def num_leases(self):
+            return self.leases
+
+    for read_at, drain_s in ((0.6, 5.0), (None, 0.5)):          # read during the drain; never read
+        fake = Leasing()
+        srv = ServerThread(build_app(AsyncEngine(fake), "fake", role="prefill", lease_drain_s=drain_s))
+        with srv:
+            srv.server.should_exit = True                        # what SIGTERM does
+            t0 = time.monotonic()
+            if read_at is not None:
+                time.sleep(read_at)
+                assert srv.thread.is_alive(), "the server stopped with a lease held"
+                steps = fake.steps
+                time.sleep(0.2)
+                assert fake.steps > steps                        # the engine still steps (notifications, expiry)
+                fake.leases = 0                                  # the decode server's read ended it
+            srv.thread.join(10)
+            took = time.monotonic() - t0
+            assert not srv.thread.is_alive()
+            assert took < (read_at + 1.0 if read_at is not None else drain_s + 1.0), took
+            assert read_at is not None or took >= drain_s        # a lease nobody reads: the whole drain time
+
+
 # --------------------------------------------------------------------------------------------------
 # Proxy
 # --------------------------------------------------------------------------------------------------

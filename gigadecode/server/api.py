@@ -68,13 +68,15 @@ DEFAULT_MAX_REQUEST_BYTES = 4 << 20         # --max-request-bytes
 
 def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], served_model_name: str | Sequence[str],
               api_key: str | None = None, role: str = "both", kv_advertise_host: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, lease_drain_s: float = 0.0) -> FastAPI:
     """The FastAPI app. `engine` is an AsyncEngine or a zero-argument factory called at startup; the
     app's lifespan starts its thread and stops it at shutdown. A prefill server's answers tell decode
     engines to reach its KV side channel at `kv_advertise_host` (default: the address each request
     reached this server on). Bodies over `max_request_bytes` get 413 before they are parsed.
     `served_model_name`: the model's name, or several (vLLM's aliases): requests may name any, and
-    are answered under the name they gave (the first when they give none)."""
+    are answered under the name they gave (the first when they give none). `lease_drain_s`: at shutdown, how long
+    a prefill server keeps its engine (and its KV side channel) up for the decode servers to read the KV it
+    leased, once its HTTP requests are done (`AsyncEngine.drain_leases`; 0: it stops at once)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {sorted(ROLES)} (got {role!r})")
 
@@ -86,6 +88,11 @@ def build_app(engine: AsyncEngine | Callable[[], AsyncEngine], served_model_name
         try:
             yield
         finally:
+            if lease_drain_s > 0 and role == "prefill":
+                left = await aeng.drain_leases(lease_drain_s)
+                if left:
+                    log.warning("shutting down with %d prefills' KV not read by a decode server (their requests "
+                                "fail there)", left)
             aeng.stop()
 
     app = FastAPI(title="gigadecode", lifespan=lifespan)
@@ -191,7 +198,8 @@ def _serve_engine(args: Any, engine: Any, t0: float, sock: socket.socket) -> int
                        stall_timeout_s=getattr(args, "engine_stall_timeout_s", 0.0))
     app = build_app(aeng, names, api_key=args.api_key, role=args.role,
                     kv_advertise_host=getattr(args, "kv_advertise_host", None),
-                    max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
+                    max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
+                    lease_drain_s=getattr(args, "shutdown_timeout_s", 5.0))
     add_cors(app, args)
     used, total = engine.kv_usage()
     layout = f"TP{args.tp} × DP{args.dp} × EP{args.ep}, " if getattr(engine, "ctx", None) is not None else ""
@@ -221,7 +229,9 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server, shut down the way a client should see it: on SIGTERM / SIGINT it stops accepting,
     lets requests in flight run for `grace` seconds, then stops the engine, which ends every request still
     open with "the server is shutting down" (a 503, or an error event and [DONE] in a stream) while uvicorn
-    still waits for the responses, instead of uvicorn cutting the connections when its own wait is over."""
+    still waits for the responses, instead of uvicorn cutting the connections when its own wait is over. A
+    prefill server spends what is left of `grace` keeping the KV it leased for its decode servers' reads
+    (`build_app`'s `lease_drain_s`)."""
 
     def __init__(self, config: uvicorn.Config, aeng: AsyncEngine, grace: float) -> None:
         super().__init__(config)

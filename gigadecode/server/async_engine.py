@@ -56,6 +56,7 @@ IDLE_WAIT_S = 0.01       # longest wait for new work while idle
 IDLE_STEP_S = 0.05       # an idle engine still steps this often (connector lease expiry; for a parallel engine
                          # the heartbeat: its workers wait in the step broadcast, which fails after
                          # --distributed-timeout-s, at least 1 s)
+LEASE_DRAIN_POLL_S = 0.02   # how often a prefill server shutting down looks whether its leases have ended
 STALL_TIMEOUT_S = 300.0  # `serve --engine-stall-timeout-s`'s default: /health reads 503 `engine_stalled` once the
                          # loop has shown no progress for this long (a step, or a command, that never returns)
 
@@ -181,6 +182,22 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    async def drain_leases(self, timeout_s: float) -> int:
+        """A prefill engine shutting down: keep stepping until every KV lease has ended (its decode engine read
+        the KV, or the lease ran out), at most `timeout_s` and while the engine runs: stopped at once, the
+        requests it answered just before would fail on the decode side. -> the leases still held."""
+        deadline = time.monotonic() + timeout_s
+        left = 0
+        while self.is_running and not self._stopping:
+            try:
+                left = await self.call(lambda eng: eng.num_leases() if hasattr(eng, "num_leases") else 0)
+            except EngineDeadError:
+                break
+            if not left or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(LEASE_DRAIN_POLL_S)
+        return left
 
     def loop_age_s(self) -> float:
         """Seconds since the engine loop last showed progress (0 before it started serving: the warm-up and
