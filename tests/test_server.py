@@ -927,6 +927,20 @@ def test_proxy_prefill_then_decode_with_retry():
             assert r.status_code == 502 and r.json()["error"]["code"] == "prefill_failed"
 
 
+def test_proxy_says_which_decode_server_it_could_not_reach():
+    """Every decode server down (stopped, restarting): the 502 names the last one tried and why, as the
+    prefill's does, instead of a bare "no decode server could be reached"; streamed or not."""
+    pre_app, _ = fake_upstream("pre", "prefill")
+    dead = f"http://127.0.0.1:{free_port()}"          # nothing listens there
+    with ServerThread(pre_app) as p, ServerThread(build_proxy_app([p.url], [dead])) as px:
+        for stream in (False, True):
+            r = httpx.post(px.url + "/v1/completions", timeout=20,
+                           json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 5, "stream": stream})
+            err = r.json()["error"]
+            assert r.status_code == 502 and err["code"] == "decode_failed", r.text
+            assert f"decode server {dead} unreachable: ConnectError" in err["message"], err
+
+
 def test_proxy_least_loaded():
     from gigadecode.server.proxy_pool import Pool
     pool = Pool("decode", ["http://a", "http://b/", "http://c"])

@@ -247,6 +247,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         if isinstance(dbody, Response):
             return dbody
         tried: list[Upstream] = []
+        last = "no decode server"
         while (up := decodes.pick(tried)) is not None:
             tried.append(up)
             up.in_flight += 1
@@ -259,8 +260,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                 return _decode_timeout(decodes, up, decode_timeout_s)
             except httpx.ConnectError as e:      # nothing reached it: another decode server may take it
                 up.in_flight -= 1
-                log.warning("decode server %s unreachable: %s", up.url, why := failure(e, up.url))
-                decodes.mark_down(up, f"unreachable: {why}")
+                last = _unreachable(decodes, up, e)
                 continue
             except (httpx.TransportError, ClientGone) as e:   # it failed, or the client left, before the headers
                 up.in_flight -= 1
@@ -281,7 +281,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                                      media_type=r.headers.get("content-type", "text/event-stream"),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         await _release(http, leased, headers)
-        return _error(502, "no decode server could be reached", code="decode_failed")
+        return _error(502, f"no decode server could be reached; last: {last}", code="decode_failed")
 
     async def vllm_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str]
                            ) -> dict[str, Any] | Response:
@@ -387,6 +387,7 @@ async def _prefill_and_decode(http: httpx.AsyncClient, decodes: Pool, path: str,
     if isinstance(dbody, Response):
         return dbody
     tried: list[Upstream] = []
+    last = "no decode server"
     while (up := decodes.pick(tried)) is not None:
         tried.append(up)
         up.in_flight += 1
@@ -395,8 +396,7 @@ async def _prefill_and_decode(http: httpx.AsyncClient, decodes: Pool, path: str,
         except TimeoutError:
             return _decode_timeout(decodes, up, timeout_s)
         except httpx.ConnectError as e:
-            log.warning("decode server %s unreachable: %s", up.url, why := failure(e, up.url))
-            decodes.mark_down(up, f"unreachable: {why}")
+            last = _unreachable(decodes, up, e)
             continue
         except httpx.TransportError as e:
             decodes.mark_down(up, f"failed: {(why := failure(e, up.url))}")
@@ -406,7 +406,15 @@ async def _prefill_and_decode(http: httpx.AsyncClient, decodes: Pool, path: str,
         decodes.mark_up(up)
         return Response(r.content, status_code=r.status_code,
                         media_type=r.headers.get("content-type", "application/json"))
-    return _error(502, "no decode server could be reached", code="decode_failed")
+    return _error(502, f"no decode server could be reached; last: {last}", code="decode_failed")
+
+
+def _unreachable(decodes: Pool, up: Upstream, e: httpx.ConnectError) -> str:
+    """A decode server nothing reached (down, restarting): out of the rotation -> why, for the client."""
+    why = failure(e, up.url)
+    log.warning("decode server %s unreachable: %s", up.url, why)
+    decodes.mark_down(up, f"unreachable: {why}")
+    return f"decode server {up.url} unreachable: {why}"
 
 
 async def _release(http: httpx.AsyncClient, leased: dict[str, Any], headers: dict[str, str]) -> None:
