@@ -1,6 +1,7 @@
 """A prefill engine (kv_producer) in its own process, driven over a Pipe by the DI tests.
 
-Commands: ("prefill", prompt_ids) -> kv_transfer_params; ("free_blocks",) -> free block count;
+`side_port` among its keyword arguments is where its KV side channel listens. Commands: ("prefill", prompt_ids)
+-> kv_transfer_params; ("free_blocks",) -> free block count;
 ("leases",) -> number of leased requests; ("corrupt", request_id) flips one byte of that request's first
 leased block in the producer's KV memory; ("expire", request_id) ends its lease now (its blocks are freed
 and can go to the next request: the decode side's params still name them); ("exit",). Between commands
@@ -21,8 +22,9 @@ def producer_main(conn, model_dir: str, ecfg_kw: dict) -> None:
     from gigadecode.engine import build_engine
     from gigadecode.sampling import SamplingParams
 
+    side_port = ecfg_kw.pop("side_port", 0)          # the KV side channel's (0: any), as `serve --kv-port`
     ecfg = EngineConfig(**{"kv_role": "kv_producer", **ecfg_kw})
-    eng = build_engine(model_dir, ecfg)
+    eng = build_engine(model_dir, ecfg, side_port=side_port)
     conn.send(("ready", eng.connector.side_port))
     while True:
         if conn.poll(0.005):

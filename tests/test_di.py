@@ -638,8 +638,9 @@ def test_producer_killed_mid_read(tiny_ckpt, consumer, single):
         doomed.close()
 
 
-def test_decode_killed_with_reads_in_flight(tiny_ckpt):
-    """The producer frees the blocks on lease expiry when the decode engine dies before its READ lands."""
+def test_decode_killed_with_reads_in_flight(tiny_ckpt, single):
+    """The producer frees the blocks on lease expiry when the decode engine dies before its READ lands, and a
+    new decode engine (a restarted server) pairs with it and reads."""
     prod = Producer(tiny_ckpt, **{**BASE, "kv_lease_s": 2.0})
     cons = Consumer(tiny_ckpt, **BASE)
     try:
@@ -657,7 +658,14 @@ def test_decode_killed_with_reads_in_flight(tiny_ckpt):
         os.kill(prod.proc.pid, signal.SIGCONT)
         assert prod.wait_free(NUM_BLOCKS - 1, timeout=15) == NUM_BLOCKS - 1    # lease expiry frees them
         again = random_prompt(20, 1024, seed=63)
-        assert prod.prefill(again)["num_computed_tokens"] == 19                # and the producer keeps serving
+        params = prod.prefill(again)
+        assert params["num_computed_tokens"] == 19                             # and the producer keeps serving
+        restarted = build_engine(tiny_ckpt, EngineConfig(kv_role="kv_consumer", **BASE))
+        try:
+            assert run(restarted, again, kv=params).output_ids == run(single, again).output_ids
+            assert prod.wait_free(NUM_BLOCKS - 1) == NUM_BLOCKS - 1            # its pool is whole again
+        finally:
+            restarted.connector.close()
     finally:
         cons.close()
         prod.close()

@@ -64,6 +64,14 @@ NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
     if n.startswith("nixl") and n.endswith("Error") and isinstance(getattr(_nixl_bindings, n), type))
 
 
+def _nixl_failure(e: BaseException) -> str:
+    """A NIXL exception in words; a lost peer says what that means for a READ from it."""
+    why = f"{type(e).__name__}: {e}"
+    if type(e).__name__ == "nixlRemoteDisconnectError":
+        why += " (that prefill engine is gone: stopped or restarted, and its KV with it)"
+    return why
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -328,7 +336,7 @@ class NixlKVAgent:
         try:
             state = self.agent.transfer(handle.xfer)
         except NIXL_ERRORS as e:
-            self._fail(handle, f"posting READ from {remote!r} failed: {type(e).__name__}: {e}")
+            self._fail(handle, f"posting READ from {remote!r} failed: {_nixl_failure(e)}")
         if state == "ERR":
             self._fail(handle, f"posting READ from {remote!r} failed (state ERR)")
         if state == "DONE":
@@ -371,7 +379,7 @@ class NixlKVAgent:
         try:
             state = self.agent.check_xfer_state(handle.xfer)
         except NIXL_ERRORS as e:
-            self._fail(handle, f"READ from {handle.remote!r} failed: {type(e).__name__}: {e}")
+            self._fail(handle, f"READ from {handle.remote!r} failed: {_nixl_failure(e)}")
         if state == "ERR":
             self._fail(handle, f"READ from {handle.remote!r} failed (state ERR)")
         if state == "DONE":

@@ -152,8 +152,10 @@ class HandshakeCache:
 
         def pair(info: dict) -> str:
             layout = KVLayout.from_dict(info["layout"])
-            if layout.agent_name != name:
-                raise HandshakeError(f"side channel answered for engine {layout.agent_name!r}, params name {name!r}")
+            if layout.agent_name != name:      # a new engine behind the same address (a restarted server)
+                raise HandshakeError(f"the prefill engine at {src.remote_host}:{src.remote_port} is "
+                                     f"{layout.agent_name!r} now, not the {name!r} these params are from: that "
+                                     f"engine was stopped or restarted since it answered them, and its KV is gone")
             agent.add_remote(name, base64.b64decode(info["agent_metadata"]), layout)
             return name
         return self.fetches.poll(name, lambda: fetch_handshake(src.remote_host, src.remote_port, self.key,

@@ -319,7 +319,9 @@ class VllmReader:
 
         def pair(meta: VllmAgentMetadata) -> tuple[str, VllmAgentMetadata]:
             if meta.engine_id != eid:
-                raise HandshakeError(f"the vLLM side channel answered for engine {meta.engine_id!r}, params name {eid!r}")
+                raise HandshakeError(f"the vLLM prefill at {params.remote_host}:{params.remote_port} is engine "
+                                     f"{meta.engine_id!r} now, not the {eid!r} these params are from: that engine was "
+                                     f"stopped or restarted since it answered them, and its KV is gone")
             self._check_geometry(meta)
             name = self.agent.agent.add_remote_agent(meta.agent_metadata)
             self.paired[eid] = (name.decode() if isinstance(name, bytes) else str(name), meta)
