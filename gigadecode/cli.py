@@ -313,8 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="vLLM's: experts split over every rank, --ep = --tp x --dp")
     p.add_argument("--shutdown-timeout-s", type=float, default=5.0,
                    help="on SIGTERM / SIGINT, how long requests in flight may run on; the rest then end with "
-                        "an error (503, or an error event in a stream; default 5). A prefill server also keeps "
-                        "the KV it answered this long for the decode servers to read")
+                        "an error (503, or an error event in a stream; default 5). A prefill server then keeps "
+                        "the KV it answered up to this long more, until the decode servers have read it")
     p.add_argument("--engine-stall-timeout-s", type=float, default=300.0, metavar="S",
                    help="/health answers 503 engine_stalled while the engine loop has shown no progress for this "
                         "long (a step that never returns), so a router or readiness probe stops sending it work; "

@@ -230,7 +230,7 @@ class DrainingServer(uvicorn.Server):
     lets requests in flight run for `grace` seconds, then stops the engine, which ends every request still
     open with "the server is shutting down" (a 503, or an error event and [DONE] in a stream) while uvicorn
     still waits for the responses, instead of uvicorn cutting the connections when its own wait is over. A
-    prefill server spends what is left of `grace` keeping the KV it leased for its decode servers' reads
+    prefill server then keeps the KV it leased for its decode servers' reads for up to `grace` more
     (`build_app`'s `lease_drain_s`)."""
 
     def __init__(self, config: uvicorn.Config, aeng: AsyncEngine, grace: float) -> None:
