@@ -89,19 +89,10 @@ REQUIRED_KEYS = ("num_blocks", "kv_bytes", "kv_tokens", "bytes_per_block", "weig
 def check_layout(cfg: GptOssConfig, tp: int, dp: int, ep: int, dcp: int = 1) -> tuple[int, int]:
     """Validate the parallel layout -> (q heads, kv heads) per rank. Raises ValueError with the reason.
 
-    The plan's own checks first (their messages), then the engine's (`build_layout`: EP groups line up with
-    TP groups; `dcp` divides tp and tp/dcp divides the kv heads)."""
-    for name, v in (("tp", tp), ("dp", dp), ("ep", ep), ("dcp", dcp)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"--{name} must be a positive integer (got {v!r})")
-    nh, kv = local_heads(cfg, Shard(0, tp, 0, ep))          # ConfigError (a ValueError) on bad TP
-    if cfg.num_local_experts % ep:
-        raise ValueError(f"ep={ep} does not divide num_local_experts={cfg.num_local_experts}")
-    if (tp * dp) % ep:
-        raise ValueError(f"ep={ep} must divide the world size tp*dp={tp * dp} (experts are spread over the "
-                         f"EP ranks, which are TP×DP ranks)")
+    The engine's checks (`build_layout`, with the messages a world would give: heads and experts divide over
+    TP and EP, EP groups line up with TP groups, `dcp` divides tp and tp/dcp divides the kv heads)."""
     build_layout(tp, dp, ep, None, cfg, dcp)                 # LayoutError (a ValueError) says why
-    return local_heads(cfg, Shard(0, tp, 0, ep, dcp)) if dcp > 1 else (nh, kv)
+    return local_heads(cfg, Shard(0, tp, 0, ep, dcp))
 
 
 def weight_breakdown(cfg: GptOssConfig, *, tp: int = 1, ep: int = 1, dtype: torch.dtype = torch.bfloat16,

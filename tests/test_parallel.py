@@ -116,20 +116,21 @@ def test_mesh_small_layouts(tp, dp, ep, tp_groups, ep_groups, span):
 
 @pytest.mark.parametrize("tp,dp,ep,world,match", [
     (2, 2, 2, 8, "world size 8 != tp\\*dp"),
-    (2, 2, 3, None, "ep=3 does not divide the world size"),
-    (2, 3, 3, None, "one must divide the other"),             # EP groups straddling TP groups
-    (3, 1, 1, None, "does not divide num_attention_heads"),
-    (1, 16, 16, None, "does not divide num_local_experts"),
-    (0, 1, 1, None, "positive integer"),
+    (2, 2, 3, None, "^--ep 3 does not divide the world size --tp × --dp = 4 "),
+    (2, 3, 3, None, "^--ep 3 and --tp 2: one must divide the other"),        # EP groups straddling TP groups
+    (3, 1, 1, None, "^--tp 3 does not divide the model's num_attention_heads=4 .*query heads"),
+    (1, 16, 16, None, "^--ep 16 does not divide the model's num_local_experts=8 .*experts"),
+    (0, 1, 1, None, "^--tp must be a positive integer"),
 ])
 def test_mesh_errors(tp, dp, ep, world, match):
+    """Each refusal names the flag a user set (`--tp 3`, not the keyword `tp=3`) and why it cannot work."""
     with pytest.raises(LayoutError, match=match):
         build_layout(tp, dp, ep, world, preset_config("tiny"))
 
 
 def test_mesh_kv_head_error():
     cfg = preset_config("tiny").with_(num_attention_heads=12, num_key_value_heads=3)
-    with pytest.raises(LayoutError, match="num_key_value_heads=3"):
+    with pytest.raises(LayoutError, match="^--tp 2 and the model's num_key_value_heads=3: one must divide"):
         build_layout(2, 1, 1, 2, cfg)
 
 

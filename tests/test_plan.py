@@ -96,8 +96,8 @@ def test_uint32_offset_violation_reported():
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(tp=3, kv_budget_gib=1), "tp=3 does not divide num_attention_heads"),
-    (dict(tp=8, ep=3, dp=3, kv_budget_gib=1), "ep=3 does not divide num_local_experts"),
+    (dict(tp=3, kv_budget_gib=1), "--tp 3 does not divide the model's num_attention_heads"),
+    (dict(tp=8, ep=24, dp=3, kv_budget_gib=1), "--ep 24 does not divide the model's num_local_experts=128"),
     (dict(tp=1, ep=2, kv_budget_gib=1), "world size"),
     (dict(tp=0, kv_budget_gib=1), "--tp must be a positive integer"),
     (dict(device_memory_gib=1.0), "does not hold this rank's weights"),
@@ -132,7 +132,7 @@ def test_run_plan_model_dir_and_text(tmp_path, capsys):
 
 def test_run_plan_errors(capsys):
     assert run_plan(parse(["--preset", "120b-shape", "--tp", "3", "--kv-budget-gib", "1"])) == 2
-    assert "tp=3 does not divide" in capsys.readouterr().err
+    assert "--tp 3 does not divide" in capsys.readouterr().err
     assert run_plan(parse(["--preset", "120b-shape", "--device-memory-gib", "1"])) == 2
     assert "weights" in capsys.readouterr().err
     assert run_plan(parse(["--preset", "nope", "--kv-budget-gib", "1"])) == 2

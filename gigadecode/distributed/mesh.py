@@ -138,22 +138,24 @@ def build_layout(tp: int, dp: int, ep: int, world_size: int | None = None,
         raise LayoutError(f"world size {world_size} != tp*dp = {tp}*{dp} = {world} "
                           f"(start tp*dp processes, e.g. torchrun --nproc-per-node {world})")
     if world % ep:
-        raise LayoutError(f"ep={ep} does not divide the world size tp*dp={world} (EP groups are ep consecutive "
-                          f"ranks)")
+        raise LayoutError(f"--ep {ep} does not divide the world size --tp × --dp = {world} (EP groups are ep "
+                          f"consecutive ranks)")
     if ep % tp and tp % ep:
-        raise LayoutError(f"ep={ep} and tp={tp}: one must divide the other (an EP group must be whole TP groups "
-                          f"or lie inside one TP group)")
+        raise LayoutError(f"--ep {ep} and --tp {tp}: one must divide the other (an EP group must be whole TP "
+                          f"groups or lie inside one TP group)")
     if tp % dcp:
         raise LayoutError(f"--dcp {dcp} does not divide --tp {tp} (a DCP group is dcp ranks of one TP group)")
     if cfg is not None:
         nh, kv, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts
         if nh % tp:
-            raise LayoutError(f"tp={tp} does not divide num_attention_heads={nh}")
+            raise LayoutError(f"--tp {tp} does not divide the model's num_attention_heads={nh} (every TP rank "
+                              f"computes num_attention_heads / tp query heads)")
         if kv % tp and tp % kv:
-            raise LayoutError(f"tp={tp} and num_key_value_heads={kv}: one must divide the other "
+            raise LayoutError(f"--tp {tp} and the model's num_key_value_heads={kv}: one must divide the other "
                               f"(kv heads are split, or replicated when tp > kv heads)")
         if E % ep:
-            raise LayoutError(f"ep={ep} does not divide num_local_experts={E}")
+            raise LayoutError(f"--ep {ep} does not divide the model's num_local_experts={E} (every EP rank holds "
+                              f"num_local_experts / ep experts)")
         if dcp > 1 and (tp // dcp > kv or kv % (tp // dcp)):
             raise LayoutError(f"--dcp {dcp} with --tp {tp}: the kv heads are split over tp/dcp = {tp // dcp} ranks, "
                               f"which must divide num_key_value_heads={kv} (with more, every kv head would still be "
