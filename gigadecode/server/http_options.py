@@ -68,12 +68,18 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
 
 
-class _EncryptedKey(Exception):
-    pass
+class EncryptedKey(Exception):
+    """`load_cert_chain_unprompted` met a key that needs a passphrase."""
 
 
 def _no_passphrase() -> str:
-    raise _EncryptedKey
+    raise EncryptedKey
+
+
+def load_cert_chain_unprompted(ctx: ssl.SSLContext, cert: str, key: str) -> None:
+    """`ctx.load_cert_chain(cert, key)`, raising EncryptedKey for an encrypted key where OpenSSL would ask for
+    its passphrase on the terminal (or, with none, fail as 'Invalid argument')."""
+    ctx.load_cert_chain(cert, key, password=_no_passphrase)
 
 
 def check_http_options(args: Any) -> None:
@@ -89,9 +95,9 @@ def check_http_options(args: Any) -> None:
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"{flag} {path}: no such file")
     if key is not None:                          # a key that does not match its certificate, or not PEM
-        try:                                     # (an encrypted key: OpenSSL would ask on the terminal)
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key, password=_no_passphrase)
-        except _EncryptedKey:
+        try:
+            load_cert_chain_unprompted(ssl.create_default_context(ssl.Purpose.CLIENT_AUTH), cert, key)
+        except EncryptedKey:
             raise ValueError(f"--ssl-keyfile {key}: the key is encrypted; give it unencrypted (readable by the "
                              f"server's user only)") from None
         except (ssl.SSLError, OSError) as e:

@@ -26,6 +26,8 @@ import ssl
 from collections.abc import Sequence
 from typing import Any
 
+from .http_options import EncryptedKey, load_cert_chain_unprompted
+
 log = logging.getLogger("gigadecode.proxy")
 
 CERT_FLAG, KEY_FLAG, CA_FLAG = "--upstream-ssl-certfile", "--upstream-ssl-keyfile", "--upstream-ssl-ca-certs"
@@ -81,24 +83,16 @@ def upstream_tls_context(args: Any) -> ssl.SSLContext:
         text = _read(KEY_FLAG, key)
         if PEM_KEY_END not in text:
             raise ValueError(f"{KEY_FLAG} {key}: no PEM private key in it")
-        try:                                 # (OpenSSL would otherwise ask for a passphrase on the terminal)
-            ctx.load_cert_chain(cert, key, password=_no_passphrase)
+        try:
+            load_cert_chain_unprompted(ctx, cert, key)
         except ssl.SSLError as e:
             if e.reason == "KEY_VALUES_MISMATCH":
                 raise ValueError(f"{KEY_FLAG} {key} is not the key of {CERT_FLAG} {cert}") from None
             raise ValueError(f"{CERT_FLAG} {cert} / {KEY_FLAG} {key}: {e}") from None
-        except _Encrypted:
+        except EncryptedKey:
             raise ValueError(f"{KEY_FLAG} {key}: the key is encrypted; give it unencrypted (readable by the "
                              f"proxy's user only)") from None
     return ctx
-
-
-class _Encrypted(Exception):
-    pass
-
-
-def _no_passphrase() -> str:
-    raise _Encrypted
 
 
 def warn_if_unused(args: Any, urls: Sequence[str]) -> None:
