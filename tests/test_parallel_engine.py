@@ -437,6 +437,55 @@ def test_a_rank_whose_prefill_raises_makes_no_collective_after_it(tiny_ckpt, bad
         assert all("injected fault" in err for _, err in res["requests"].values())
 
 
+def test_a_lockstep_rank_logs_why_it_leaves_before_it_raises(caplog):
+    """The rank's own log says why it left the world before anything is torn down (see the test below: the
+    teardown may end the process before Python prints the traceback), in the words its peers' error gives."""
+    from types import SimpleNamespace
+    from gigadecode.parallel.engine import RankFailure, StepInbox, _replica_step
+
+    class Replica:
+        def step(self):
+            raise ValueError("a kernel said no")
+
+        class stats:
+            @staticmethod
+            def as_dict():
+                return {"prefill_tokens": 0, "decode_tokens": 0}
+
+    ctx = SimpleNamespace(rank=3, dp_rank=0, tp_size=2, ep_size=1, dcp_size=1,
+                          stats=SimpleNamespace(reset=lambda: None))
+    with caplog.at_level("ERROR", logger="gigadecode.parallel.engine"), pytest.raises(RankFailure) as err:
+        _replica_step(Replica(), ctx, StepInbox(), None)
+    assert str(err.value) == "rank 3: engine step failed: ValueError: a kernel said no"
+    assert [r.getMessage() for r in caplog.records] == [
+        "world rank 3 leaves the world: rank 3: engine step failed: ValueError: a kernel said no"]
+
+
+class _EndsTheProcessWhenFreed:
+    """Ends its process when the last reference to it goes, as a TP rank's process group can when it is torn
+    down while its peer still sends (a native abort): what a rank must have reported by then."""
+
+    def __del__(self):
+        os._exit(3)
+
+
+def raise_holding_a_fragile_group(rank: int) -> None:
+    """Rank 1 raises with a `_EndsTheProcessWhenFreed` in the failed call's frame; rank 0 returns."""
+    if rank == 1:
+        group = _EndsTheProcessWhenFreed()     # noqa: F841 - freed with this frame, after the raise
+        raise RuntimeError("rank 1's own failure")
+
+
+def test_a_rank_reports_its_error_before_the_failed_calls_objects_are_freed():
+    """A worker whose step raised frees that step's frames when its report is written, and with them its
+    process groups: the peer, seeing the connection close, goes on and can end the world first. The failed
+    rank's error must be on record by then, else the world says only that its peer was lost (a CI run lost
+    "rank 1: engine step failed: … injected fault" that way)."""
+    from gigadecode.parallel.spawn import run_world
+    with pytest.raises(RuntimeError, match="rank 1: RuntimeError: rank 1's own failure"):
+        run_world(2, raise_holding_a_fragile_group)
+
+
 def test_every_rank_judges_a_steps_adds_at_rank_0s_clock():
     """The ranks of a TP group must admit a step's requests alike (diverged batches abort the world): the
     DI lease of each add is judged at the clock rank 0 sent with the step, not at each rank's own."""

@@ -183,7 +183,7 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
         try:
             engine.warm_up()                 # only a lockstep replica's raises (a failed one is logged)
         except Exception as e:
-            raise RankFailure(_rank_failure_text(ctx, e)) from e
+            raise _leave_the_world(ctx, e) from e
     s0 = engine.stats.as_dict()
     ctx.stats.reset()
     t0 = time.perf_counter()
@@ -191,7 +191,7 @@ def _replica_step(engine: LLMEngine, ctx: ParallelContext, inbox: StepInbox,
         outputs += engine.step()
     except Exception as e:
         if has_lockstep_peers(ctx):
-            raise RankFailure(_rank_failure_text(ctx, e)) from e
+            raise _leave_the_world(ctx, e) from e
         outputs += _fail_running(engine, f"engine step failed: {type(e).__name__}: {e}")
     if trace is not None:
         trace.append(StepTrace(time.perf_counter() - t0, ctx.stats.snapshot(),
@@ -219,12 +219,15 @@ def has_lockstep_peers(ctx: ParallelContext) -> bool:
     return ctx.tp_size > 1 or ctx.ep_size > 1 or ctx.dcp_size > 1
 
 
-def _rank_failure_text(ctx: ParallelContext, e: Exception) -> str:
-    """Why this rank leaves the world: a collective with a peer failed (`CollectiveFailed`: a peer it lost,
-    which one where the group tells it), or its own step's error."""
-    if isinstance(e, CollectiveFailed):
-        return str(e)
-    return f"rank {ctx.rank}: engine step failed: {type(e).__name__}: {e}"
+def _leave_the_world(ctx: ParallelContext, e: Exception) -> RankFailure:
+    """Why this rank leaves the world (a collective with a peer failed, `CollectiveFailed`: a peer it lost,
+    which one where the group tells it; or its own step's error), logged at once: the process groups' teardown
+    on the way out can end the process before its traceback is printed, while its peers go on to say only
+    that this rank was lost."""
+    own = f"rank {ctx.rank}: engine step failed: {type(e).__name__}: {e}"
+    text = str(e) if isinstance(e, CollectiveFailed) else own
+    log.error("world rank %d leaves the world: %s", ctx.rank, text, exc_info=e)
+    return RankFailure(text)
 
 
 def _fail_running(engine: LLMEngine, msg: str) -> list[RequestOutput]:

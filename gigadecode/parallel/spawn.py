@@ -25,11 +25,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn, args: tuple, thr
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    report = Path(out_dir, f"rank{rank}.pkl")
     try:
         result = ("ok", fn(rank, *args))
-    except BaseException as e:                                    # report, then fail the spawn
+    except BaseException as e:
+        # report before leaving this block: leaving it frees the failed call's frames and, with them, a TP or
+        # EP rank's process groups, whose teardown while a peer still sends may end this process (a peer then
+        # sees the connection close and goes on: the world's error would be the peer's, not this rank's)
         result = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+        report.write_bytes(pickle.dumps(result))
+    else:
+        report.write_bytes(pickle.dumps(result))
     try:
         dist.destroy_process_group()
     finally:
