@@ -461,6 +461,31 @@ def test_a_lockstep_rank_logs_why_it_leaves_before_it_raises(caplog):
         "world rank 3 leaves the world: rank 3: engine step failed: ValueError: a kernel said no"]
 
 
+def abort_the_last_request_job(rank: int, model_dir: str) -> tuple[int, bool] | None:
+    """TP 2: rank 0 aborts its only request mid-way and steps while `has_unfinished()` -> (KV blocks used
+    after, has_unfinished after)."""
+    from gigadecode.parallel.engine import DistributedEngine, build_parallel_engine, run_worker
+    replica, ctx = build_parallel_engine(model_dir, EngineConfig(tp=2, **ENGINE))
+    if ctx.rank != 0:
+        run_worker(replica, ctx)
+        return None
+    with DistributedEngine(replica, ctx) as eng:
+        rid = eng.add_request(list(range(5, 14)), SamplingParams(temperature=0.0, max_tokens=20))
+        eng.step()
+        eng.step()
+        eng.abort(rid)
+        while eng.has_unfinished():
+            eng.step()
+        return eng.kv_usage()[0], eng.has_unfinished()
+
+
+def test_aborting_the_last_request_frees_its_kv_on_every_rank(tiny_ckpt):
+    """The abort reaches the ranks with the next step: `has_unfinished()` stays True until it has gone, so a
+    script's step loop frees the request's KV instead of leaving it held until some later request."""
+    from gigadecode.parallel.spawn import run_world
+    assert run_world(2, abort_the_last_request_job, str(tiny_ckpt))[0] == (0, False)
+
+
 class _EndsTheProcessWhenFreed:
     """Ends its process when the last reference to it goes, as a TP rank's process group can when it is torn
     down while its peer still sends (a native abort): what a rank must have reported by then."""

@@ -350,7 +350,11 @@ class DistributedEngine:
         return conn.holds_lease(request_id) or any(request_id in rep.leased for rep in self._reports.values())
 
     def has_unfinished(self) -> bool:
-        return any(not r.finished for r in self.requests.values())
+        """A request runs, or an abort or lease release waits for the next step to reach the ranks (the usual
+        `while has_unfinished(): step()` delivers it: else the replicas would hold that KV until some later
+        step)."""
+        pending = self._failure is None and bool(self._inbox.aborts or self._inbox.releases)
+        return pending or any(not r.finished for r in self.requests.values())
 
     def warm_up(self) -> float:
         """Every rank warms its replica up (`LLMEngine.warm_up`, the same calls on every rank), in one
