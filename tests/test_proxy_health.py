@@ -310,7 +310,7 @@ def test_a_release_on_its_way_at_shutdown_still_reaches_the_prefill_server():
     retrieved"), and the prefill held the lease until it ran out."""
     import asyncio
 
-    from gigadecode.server import proxy
+    from gigadecode.server import proxy_decode
     app, got = FastAPI(), []
 
     @app.get("/health")
@@ -328,7 +328,7 @@ def test_a_release_on_its_way_at_shutdown_still_reaches_the_prefill_server():
 
         async def run():
             async with papp.router.lifespan_context(papp):
-                proxy._in_background(proxy._release(papp.state.client, {"handoff": "ab" * 16,
-                                                                        "url": up.url + "/kv/release"}, {}))
+                lease = {"handoff": "ab" * 16, "url": up.url + "/kv/release"}
+                proxy_decode.in_background(proxy_decode.release_lease(papp.state.client, lease, {}))
         asyncio.run(run())
     assert got == [{"handoff": "ab" * 16}]

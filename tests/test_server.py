@@ -941,6 +941,63 @@ def test_proxy_says_which_decode_server_it_could_not_reach():
             assert f"decode server {dead} unreachable: ConnectError" in err["message"], err
 
 
+class HangUpServer:
+    """A decode server on its way out: healthy to GET /health, but it closes every POST's connection without a
+    word, as a server shutting down closes the pooled connection a request was just sent on."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.posts = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                head = b""
+                while b"\r\n\r\n" not in head and (part := conn.recv(65536)):
+                    head += part
+                if head.startswith(b"GET"):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n"
+                                 b"connection: close\r\n\r\n{\"status\":\"ok\"}")
+                else:
+                    self.posts += 1
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_proxy_sends_a_request_a_decode_server_dropped_unanswered_to_the_next():
+    """A decode server that closes the connection before answering (shutting down: uvicorn closes its idle
+    pooled connections, and a request just sent on one meets that) has done nothing for the request: the
+    next decode server answers it, streamed or not, where the client got a 502; the first leaves the
+    rotation, its reason shown in /health."""
+    pre_app, _ = fake_upstream("pre", "prefill")
+    dec_app, dec = fake_upstream("dec", "decode")
+    hang_up = HangUpServer()
+    try:
+        with ServerThread(pre_app) as p, ServerThread(dec_app) as d:
+            for stream in (False, True):
+                with ServerThread(build_proxy_app([p.url], [hang_up.url, d.url])) as px:
+                    posts = hang_up.posts
+                    r = httpx.post(px.url + "/v1/completions", timeout=20,
+                                   json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "stream": stream})
+                    assert r.status_code == 200, r.text
+                    assert ("t2" if stream else "decoded") in r.text
+                    assert hang_up.posts == posts + 1          # the hang-up server was tried first
+                    assert dec["bodies"][-1][1]["kv_transfer_params"]["remote_engine_id"] == "pre"
+                    down = httpx.get(px.url + "/health").json()["decode"][hang_up.url]["out_of_rotation_because"]
+                    assert re.search("dropped the request before answering: (RemoteProtocolError|ReadError)", down)
+    finally:
+        hang_up.close()
+
+
 def test_proxy_least_loaded():
     from gigadecode.server.proxy_pool import Pool
     pool = Pool("decode", ["http://a", "http://b/", "http://c"])

@@ -9,7 +9,8 @@ For each POST /v1/completions, /v1/chat/completions or /v1/responses:
    reached or answers 5xx is retried on the next one (each at most once); a 4xx goes back to the
    client as it is;
 2. send the client's original body plus the `kv_transfer_params` the prefill answered to a decode
-   server, and stream (whole SSE events) or return its answer as it is;
+   server, and stream (whole SSE events) or return its answer as it is (`proxy_decode`: a decode server
+   that cannot be reached, or drops the request before its answer starts, is retried on the next one);
 3. if the decode side will never read those params (it refused the request, none was reachable, or the
    client left before it had them), POST them to the prefill server's `/kv/release`, which frees the
    leased blocks at once instead of when the lease runs out. Each prefill is sent under a fresh name
@@ -41,24 +42,24 @@ servers that require one (`--upstream-ssl-*`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
 import ssl
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from .body import BodyError, BodyLimit, load_object
 from .deps import HANDOFF_HEADER
 from .disconnect import CLIENT_CLOSED, ClientGone, answer_clients_that_leave, unless_disconnected
 from .http_options import add_cors, check_http_options, scheme, uvicorn_options
 from .proxy_health import health_report, metrics_text, probe_servers
+from .proxy_decode import (RELEASE_TIMEOUT_S, background, decode_stream, decode_whole, in_background, proxy_error,
+                           release_lease)
 from .proxy_pool import Pool, Upstream, prefix_keys
 from .proxy_tls import failure, upstream_tls_context, warn_if_unused
 
@@ -66,17 +67,11 @@ log = logging.getLogger("gigadecode.proxy")
 
 FORWARD_HEADERS = ("authorization", "x-request-id")
 CONNECT_TIMEOUT_S = 10.0
-RELEASE_TIMEOUT_S = 5.0          # a lease release (best effort: the lease runs out otherwise)
 # Pooled connections to the servers are dropped after this many idle seconds: below uvicorn's keep-alive
 # timeout (5 s), so the proxy never sends a request on a connection the server is closing at that moment
 # (httpx's default expiry is also 5 s: that race surfaced as a rare ReadError, "prefill server unreachable")
 KEEPALIVE_EXPIRY_S = 2.0
 INFO_TIMEOUT_S = 5.0             # how long a decode server may take to answer /v1/models
-
-def _error(status: int, message: str, type: str = "server_error", code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type, "param": None, "code": code}},
-                        status_code=status)
-
 
 def _headers(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
@@ -125,7 +120,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             probe.cancel()
             # releases still on their way (streams that ended early) finish before the client closes under
             # them: each is bounded by RELEASE_TIMEOUT_S, and one cut off leaves its lease to run out
-            pending = [t for t in _background if t.get_loop() is asyncio.get_running_loop()]
+            pending = [t for t in background if t.get_loop() is asyncio.get_running_loop()]
             await asyncio.wait([probe, *pending], timeout=RELEASE_TIMEOUT_S + 1)
             if own:
                 await app.state.client.aclose()
@@ -150,7 +145,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
     async def post_prefill(http: httpx.AsyncClient, path: str, pbody: dict[str, Any], headers: dict[str, str],
                            leased: dict[str, Any] | None = None) -> httpx.Response | JSONResponse:
         """`leased` (gigadecode prefill servers): holds each attempt's name and release URL while it runs, for
-        `_release` should the client leave meanwhile."""
+        `release_lease` should the client leave meanwhile."""
         tried: list[Upstream] = []
         last = "no prefill server"
         keys = prefix_keys(pbody)                  # the prefill server that holds the prompt's prefix, if any
@@ -172,7 +167,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                 prefills.mark_down(up, last)
                 if leased is not None:          # it may answer late, or have answered before the connection
                     if not isinstance(e, httpx.ConnectError):    # broke: end that request (this attempt's name)
-                        _in_background(_release(http, dict(leased), headers))
+                        in_background(release_lease(http, dict(leased), headers))
                     leased.clear()
                 continue
             finally:
@@ -186,17 +181,17 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                 log.warning(last)
                 continue
             return r
-        return _error(502, f"every prefill server failed; last: {last}", code="prefill_failed")
+        return proxy_error(502, f"every prefill server failed; last: {last}", code="prefill_failed")
 
     async def handle(request: Request, path: str) -> Response:
         try:
             body = load_object(await request.body())
         except BodyError as e:
-            return _error(400, str(e), "invalid_request_error", "invalid_json")
+            return proxy_error(400, str(e), "invalid_request_error", "invalid_json")
         prompts = body.get("prompt")
         if (isinstance(prompts, list) and len(prompts) > 1
                 and all(isinstance(p, (str, list)) for p in prompts)):
-            return _error(400, f"the DI proxy serves one prompt a request (got {len(prompts)}): send each as its "
+            return proxy_error(400, f"the DI proxy serves one prompt a request (got {len(prompts)}): send each as its "
                                f"own request", "invalid_request_error", "invalid_prompt")
         http: httpx.AsyncClient = app.state.client
         headers = _headers(request)
@@ -216,7 +211,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             try:
                 kv = pr.json().get("kv_transfer_params")
             except (ValueError, AttributeError):
-                return _error(502, f"prefill server answered a body that is not a JSON object: {pr.text[:200]}",
+                return proxy_error(502, f"prefill server answered a body that is not a JSON object: {pr.text[:200]}",
                               code="prefill_failed")
             dbody = dict(body)
             if kv is not None:
@@ -229,59 +224,25 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         stream = body.get("stream") is True
         if not stream:
             try:
-                r = await unless_disconnected(request, _prefill_and_decode(http, decodes, path, headers,
+                r = await unless_disconnected(request, decode_whole(http, decodes, path, headers,
                                                                            prepare_decode, decode_timeout_s))
             except ClientGone:
-                await _release(http, leased, headers)
+                await release_lease(http, leased, headers)
                 return Response(status_code=CLIENT_CLOSED)
             if r.status_code >= 400:           # the decode side refused or failed: it will not read the KV
-                await _release(http, leased, headers)
+                await release_lease(http, leased, headers)
             return r
 
         # streaming: prefill (watching for disconnect), then relay the decode server's stream
         try:
             dbody = await unless_disconnected(request, prepare_decode())
         except ClientGone:
-            await _release(http, leased, headers)
+            await release_lease(http, leased, headers)
             return Response(status_code=CLIENT_CLOSED)
         if isinstance(dbody, Response):
             return dbody
-        tried: list[Upstream] = []
-        last = "no decode server"
-        while (up := decodes.pick(tried)) is not None:
-            tried.append(up)
-            up.in_flight += 1
-            req = http.build_request("POST", up.url + path, json=dbody, headers=headers)
-            try:
-                r = await unless_disconnected(request, _within(http.send(req, stream=True), decode_timeout_s))
-            except TimeoutError:                 # it took the request and said nothing: a 504, KV released
-                up.in_flight -= 1
-                await _release(http, leased, headers)
-                return _decode_timeout(decodes, up, decode_timeout_s)
-            except httpx.ConnectError as e:      # nothing reached it: another decode server may take it
-                up.in_flight -= 1
-                last = _unreachable(decodes, up, e)
-                continue
-            except (httpx.TransportError, ClientGone) as e:   # it failed, or the client left, before the headers
-                up.in_flight -= 1
-                await _release(http, leased, headers)
-                if isinstance(e, ClientGone):
-                    return Response(status_code=CLIENT_CLOSED)
-                decodes.mark_down(up, f"failed: {(why := failure(e, up.url))}")
-                return _error(502, f"decode server {up.url} failed: {why}", code="decode_failed")
-            except BaseException:
-                up.in_flight -= 1
-                raise
-            decodes.mark_up(up)
-            if r.status_code >= 400:
-                await _release(http, leased, headers)
-            relay = _relay(r, up, lambda: _release(http, leased, headers), path == "/v1/responses",
-                           lambda why: decodes.mark_down(up, why))
-            return StreamingResponse(relay, status_code=r.status_code,
-                                     media_type=r.headers.get("content-type", "text/event-stream"),
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        await _release(http, leased, headers)
-        return _error(502, f"no decode server could be reached; last: {last}", code="decode_failed")
+        return await decode_stream(http, decodes, request, path, headers, dbody,
+                                   lambda: release_lease(http, leased, headers), decode_timeout_s)
 
     async def vllm_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str]
                            ) -> dict[str, Any] | Response:
@@ -289,7 +250,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         from ..connector.params import prompt_digest, sign
         from ..connector.vllm_producer import from_vllm_answer
         if path != "/v1/completions":
-            return _error(400, "behind a vLLM prefill the proxy serves /v1/completions only (send the chat "
+            return proxy_error(400, "behind a vLLM prefill the proxy serves /v1/completions only (send the chat "
                                "template's token ids as the prompt)", "invalid_request_error", "unsupported")
         ids = body.get("prompt")
         if isinstance(ids, str):
@@ -297,14 +258,14 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
             try:
                 r = await http.post(up.url + "/tokenize", json={"prompt": ids}, headers=headers)
             except httpx.TransportError as e:
-                return _error(502, f"decode server {up.url} unreachable to tokenize: {failure(e, up.url)}",
+                return proxy_error(502, f"decode server {up.url} unreachable to tokenize: {failure(e, up.url)}",
                               code="decode_failed")
             if r.status_code != 200:
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
             ids = r.json()["tokens"]
         if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
-            return _error(400, "behind a vLLM prefill a request has one prompt: a string or a list of token ids",
-                          "invalid_request_error", "invalid_prompt")
+            return proxy_error(400, "behind a vLLM prefill a request has one prompt: a string or a list of token ids",
+                               "invalid_request_error", "invalid_prompt")
         cut = body.get("truncate_prompt_tokens")      # vLLM's: the decode server keeps the last N tokens, so the
         if isinstance(cut, int) and not isinstance(cut, bool) and cut >= 1:   # KV must be the same N tokens'
             ids = ids[-cut:]
@@ -325,7 +286,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         try:
             params = from_vllm_answer(pr.json().get("kv_transfer_params"), vllm_lease_s)
         except (ValueError, AttributeError) as e:
-            return _error(502, f"the vLLM prefill's answer cannot be used: {e}", code="prefill_failed")
+            return proxy_error(502, f"the vLLM prefill's answer cannot be used: {e}", code="prefill_failed")
         dbody["kv_transfer_params"] = sign(params.model_copy(update={"prompt_digest": prompt_digest(ids)}), key).to_dict()
         return dbody
 
@@ -354,7 +315,7 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                 continue
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type", "application/json"))
-        return _error(502, f"no decode server answered: {last}")
+        return proxy_error(502, f"no decode server answered: {last}")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -366,122 +327,6 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         return JSONResponse(body, status_code=status)
 
     return app
-
-
-def _within(aw: Awaitable, timeout_s: float | None) -> Awaitable:
-    return aw if timeout_s is None else asyncio.wait_for(aw, timeout_s)
-
-
-def _decode_timeout(decodes: Pool, up: Upstream, timeout_s: float | None) -> JSONResponse:
-    log.warning("decode server %s did not answer within %s s", up.url, timeout_s)
-    decodes.mark_down(up, f"did not start an answer within {timeout_s} s")
-    return _error(504, f"decode server {up.url} did not start its answer within {timeout_s} s",
-                  code="decode_timeout")
-
-
-async def _prefill_and_decode(http: httpx.AsyncClient, decodes: Pool, path: str, headers: dict[str, str],
-                              prefill, timeout_s: float | None = None) -> Response:
-    """Non-streaming: prefill, then one decode request whose answer is returned as it is (a 504 when it takes
-    longer than `timeout_s`)."""
-    dbody = await prefill()
-    if isinstance(dbody, Response):
-        return dbody
-    tried: list[Upstream] = []
-    last = "no decode server"
-    while (up := decodes.pick(tried)) is not None:
-        tried.append(up)
-        up.in_flight += 1
-        try:
-            r = await _within(http.post(up.url + path, json=dbody, headers=headers), timeout_s)
-        except TimeoutError:
-            return _decode_timeout(decodes, up, timeout_s)
-        except httpx.ConnectError as e:
-            last = _unreachable(decodes, up, e)
-            continue
-        except httpx.TransportError as e:
-            decodes.mark_down(up, f"failed: {(why := failure(e, up.url))}")
-            return _error(502, f"decode server {up.url} failed: {why}", code="decode_failed")
-        finally:
-            up.in_flight -= 1
-        decodes.mark_up(up)
-        return Response(r.content, status_code=r.status_code,
-                        media_type=r.headers.get("content-type", "application/json"))
-    return _error(502, f"no decode server could be reached; last: {last}", code="decode_failed")
-
-
-def _unreachable(decodes: Pool, up: Upstream, e: httpx.ConnectError) -> str:
-    """A decode server nothing reached (down, restarting): out of the rotation -> why, for the client."""
-    why = failure(e, up.url)
-    log.warning("decode server %s unreachable: %s", up.url, why)
-    decodes.mark_down(up, f"unreachable: {why}")
-    return f"decode server {up.url} unreachable: {why}"
-
-
-async def _release(http: httpx.AsyncClient, leased: dict[str, Any], headers: dict[str, str]) -> None:
-    """Tell the prefill server that its params will never be read (it frees the blocks now, not when the
-    lease runs out), or, before they came, that the prefill named `handoff` will never be asked for (it ends
-    that request, running or leased); best effort: a failure leaves the lease to run out."""
-    if leased is None:
-        return
-    kv, handoff, url = leased.pop("kv", None), leased.pop("handoff", None), leased.pop("url", None)
-    if (kv is None and handoff is None) or url is None:
-        return
-    body = {"kv_transfer_params": kv} if kv is not None else {"handoff": handoff}
-    try:
-        r = await http.post(url, json=body, headers=headers, timeout=RELEASE_TIMEOUT_S)
-        if r.status_code != 200:
-            log.warning("prefill server %s refused to release a lease: %s %s", url, r.status_code, r.text[:200])
-    except (httpx.HTTPError, RuntimeError) as e:      # RuntimeError: the proxy's client closed (shutting down)
-        log.warning("prefill server %s unreachable to release a lease: %s", url,
-                    failure(e, url) if isinstance(e, httpx.HTTPError) else e)
-
-
-_background: set[asyncio.Task] = set()        # releases scheduled by streams that ended early
-_SEQ = re.compile(rb'"sequence_number":\s*(\d+)')   # a /v1/responses event's number
-
-
-async def _relay(r: httpx.Response, up: Upstream, release: Callable[[], Awaitable[None]],
-                 responses: bool = False, failed: Callable[[str], None] = lambda why: None) -> AsyncIterator[bytes]:
-    """The decode server's stream, whole SSE events as they come; closing it (client gone) closes the upstream
-    request. A stream that does not run to its end (the client left, the decode server failed) releases the
-    prefill's lease: the decode side may never have read it (a release after the read is a no-op). A failure
-    mid-stream drops the event it cut in half and ends as a single server ends a failed stream: an error chunk
-    and [DONE], or on /v1/responses an `error` event numbered after the last one relayed, and `failed(why)`
-    is told (the server leaves the rotation)."""
-    ended, tail, seq = False, b"", -1
-    try:
-        async for chunk in r.aiter_raw():
-            tail += chunk
-            cut = tail.rfind(b"\n\n") + 2
-            if cut > 1:
-                whole, tail = tail[:cut], tail[cut:]
-                if responses and (n := _SEQ.findall(whole)):
-                    seq = int(n[-1])
-                yield whole
-        if tail:                         # not SSE (an error's JSON body): as it came
-            yield tail
-        ended = True
-    except httpx.TransportError as e:
-        msg = f"decode server {up.url} failed mid-stream: {type(e).__name__}: {e}"
-        failed(msg)
-        if responses:
-            ev = {"type": "error", "code": "decode_failed", "message": msg, "param": None, "sequence_number": seq + 1}
-            yield f"event: error\ndata: {json.dumps(ev)}\n\n".encode()
-        else:
-            err = {"message": msg, "type": "server_error", "param": None, "code": "decode_failed"}
-            yield f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n".encode()
-    finally:
-        up.in_flight -= 1
-        if not ended:                  # a task: this generator may be closing under a cancellation
-            _in_background(release())
-        await r.aclose()
-
-
-def _in_background(coro: Awaitable[None]) -> None:
-    """Run `coro` (a release) as a task of its own, kept alive until it is done."""
-    task = asyncio.get_running_loop().create_task(coro)
-    _background.add(task)
-    task.add_done_callback(_background.discard)
 
 
 def run_proxy(args: Any) -> int:
