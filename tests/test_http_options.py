@@ -166,6 +166,19 @@ def test_bad_http_options_are_refused_at_start(flags, match, pki, tiny_ckpt):
             run(args)
 
 
+def test_only_the_rank_that_serves_http_checks_its_files(pki, tiny_ckpt, monkeypatch):
+    """Under torchrun only world rank 0 serves HTTP: the other ranks (on other nodes, without the certificate
+    files) start as they would without the flags, instead of refusing a file they never open."""
+    argv = ["serve", "--model", str(tiny_ckpt), "--ssl-keyfile", "/nonexistent/key.pem", "--ssl-certfile",
+            str(pki["cert"]), "--engine-stall-timeout-s", "0.5"]         # refused right after the HTTP options
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match="--engine-stall-timeout-s"):
+        serve(build_parser().parse_args(argv))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="--ssl-keyfile /nonexistent/key.pem: no such file"):
+        serve(build_parser().parse_args(argv))
+
+
 @pytest.mark.parametrize("value", ['["a", 1]', "[broken", '{"a": 1}', '[""]', "app.example", '["https://a.example/x"]'])
 def test_cors_lists_must_be_json_lists_of_strings(value, capsys):
     with pytest.raises(SystemExit):

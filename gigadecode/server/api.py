@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -154,7 +155,8 @@ def serve(args: Any) -> int:
         raise ValueError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
     if not getattr(args, "shutdown_timeout_s", 1.0) >= 0:
         raise ValueError(f"--shutdown-timeout-s must be >= 0 (got {args.shutdown_timeout_s})")
-    check_http_options(args)
+    if os.environ.get("RANK", "0") == "0":              # only world rank 0 serves HTTP: another node's ranks
+        check_http_options(args)                        # need not hold its certificate files
     stall = getattr(args, "engine_stall_timeout_s", 0.0)
     if not (stall == 0 or 1 <= stall < float("inf")):       # nan, inf and a few ms (every step) refused
         raise ValueError(f"--engine-stall-timeout-s must be 0 (off) or >= 1 and finite (got {stall})")
@@ -246,8 +248,6 @@ class DrainingServer(uvicorn.Server):
 
 
 def _serve_parallel(args: Any) -> int:
-    import os
-
     import torch.distributed as dist
 
     from ..engine_config import engine_config_from_args as engine_config
