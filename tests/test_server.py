@@ -758,6 +758,47 @@ def test_a_prefill_server_shutting_down_keeps_its_leased_kv_until_read():
             assert read_at is not None or took >= drain_s        # a lease nobody reads: the whole drain time
 
 
+def test_a_prefill_servers_lease_drain_runs_after_its_last_request_not_from_the_signal():
+    """`serve`'s DrainingServer stops the engine `grace` s after SIGTERM to end requests still open; once they are
+    done the lease drain has `--shutdown-timeout-s` of its own (`lease_drain_s`). That timer used to stop the engine
+    under the drain too: a prefill answered just before the grace ran out had its KV gone before any read."""
+    from gigadecode.server.api import DrainingServer
+
+    class SlowLeasing(FakeEngine):
+        leases, answer_at = 0, float("inf")
+
+        def num_leases(self):
+            return self.leases
+
+        def step(self):
+            if time.monotonic() < self.answer_at:           # the prefill runs until then
+                self.steps += 1
+                return []
+            self.leases += bool(self.waiting)               # its answer leases the KV
+            return super().step()
+
+    grace = 1.0
+    fake = SlowLeasing()
+    aeng = AsyncEngine(fake)
+    srv = ServerThread(build_app(aeng, "fake", role="prefill", lease_drain_s=grace))
+    srv.server = DrainingServer(uvicorn.Config(srv.server.config.app, log_level="warning",
+                                               timeout_graceful_shutdown=grace + 2.0), aeng, grace)
+    srv.thread = threading.Thread(target=srv.server.run, kwargs={"sockets": [srv.sock]}, daemon=True)
+    with srv:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fake.answer_at = time.monotonic() + 0.3 + grace - 0.4     # answered 0.4 s before the grace is over
+            answer = pool.submit(httpx.post, srv.url + "/v1/completions", timeout=30, json={
+                "prompt": [1, 2, 3], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+            time.sleep(0.3)
+            srv.server.should_exit = True                   # what SIGTERM does
+            assert answer.result().status_code == 200
+        time.sleep(0.8)                                     # past the grace, within the drain after the answer
+        assert srv.thread.is_alive() and aeng.is_running, "the engine stopped with the lease unread"
+        fake.leases = 0                                     # the decode server's read ended it
+        srv.thread.join(10)
+        assert not srv.thread.is_alive()
+
+
 # --------------------------------------------------------------------------------------------------
 # Proxy
 # --------------------------------------------------------------------------------------------------

@@ -240,11 +240,17 @@ class DrainingServer(uvicorn.Server):
         self.aeng, self.grace = aeng, grace
 
     async def shutdown(self, sockets: Any = None) -> None:
-        timer = asyncio.get_running_loop().call_later(self.grace, lambda: self.aeng.stop(timeout=0))
+        timer = asyncio.get_running_loop().call_later(self.grace, self._end_open_requests)
         try:
             await super().shutdown(sockets)
         finally:
             timer.cancel()
+
+    def _end_open_requests(self) -> None:
+        """The grace is over: stop the engine if HTTP requests are still open (they end with "shutting down").
+        Once they are all done, the lifespan's lease drain is running under its own bound: left alone."""
+        if self.server_state.connections or self.server_state.tasks:
+            self.aeng.stop(timeout=0)
 
 
 def _serve_parallel(args: Any) -> int:
