@@ -1039,6 +1039,36 @@ def test_proxy_sends_a_request_a_decode_server_dropped_unanswered_to_the_next():
         hang_up.close()
 
 
+def test_proxy_sends_a_request_to_the_next_decode_server_when_connecting_times_out(monkeypatch):
+    """A decode server whose host is gone (its SYNs go unanswered: here a listener whose backlog is full) is
+    unreachable as much as one that refuses the connection: nothing was sent, so the next decode server
+    answers, streamed or not, where the client got a 502 'failed: ConnectTimeout' after the connect timeout."""
+    import gigadecode.server.proxy as proxy_module
+    monkeypatch.setattr(proxy_module, "CONNECT_TIMEOUT_S", 0.5)
+    pre_app, _ = fake_upstream("pre", "prefill")
+    dec_app, dec = fake_upstream("dec", "decode")
+    silent = socket.create_server(("127.0.0.1", 0), backlog=0)       # never accepts: once full, SYNs are dropped
+    silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    queued = [socket.socket() for _ in range(4)]
+    for q in queued:
+        q.setblocking(False)
+        q.connect_ex(silent.getsockname())
+    try:
+        with ServerThread(pre_app) as p, ServerThread(dec_app) as d:
+            for stream in (False, True):
+                with ServerThread(build_proxy_app([p.url], [silent_url, d.url])) as px:
+                    r = httpx.post(px.url + "/v1/completions", timeout=20,
+                                   json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "stream": stream})
+                    assert r.status_code == 200, r.text
+                    assert ("t2" if stream else "decoded") in r.text
+                    down = httpx.get(px.url + "/health").json()["decode"][silent_url]["out_of_rotation_because"]
+                    assert "ConnectTimeout" in down or "/health" in down, down
+    finally:
+        for q in queued:
+            q.close()
+        silent.close()
+
+
 def test_proxy_least_loaded():
     from gigadecode.server.proxy_pool import Pool
     pool = Pool("decode", ["http://a", "http://b/", "http://c"])

@@ -2,7 +2,7 @@
 prefill's KV lease when the decode side will never read it.
 
 A decode server that fails *before its answer starts* leaves the rotation (`Pool.mark_down`) and the request
-goes to the next one: one that could not be reached (`httpx.ConnectError`), and one that dropped the
+goes to the next one: one that could not be reached (`httpx.ConnectError`, `ConnectTimeout`), and one that dropped the
 connection without a word (`RemoteProtocolError` "Server disconnected without sending a response", a reset
 or a failed write: a server shutting down closes its idle pooled connections, and a request sent on one just
 then meets that). Trying another is safe: a decode request has no effect but its answer, and the prefill's KV
@@ -52,14 +52,16 @@ def _decode_timeout(decodes: Pool, up: Upstream, timeout_s: float | None) -> JSO
 
 def _never_answered(e: httpx.TransportError) -> bool:
     """Whether a failure before any answer leaves the request free to go to another decode server."""
-    return isinstance(e, (httpx.NetworkError, httpx.RemoteProtocolError))     # ConnectError is a NetworkError
+    # ConnectError is a NetworkError; a ConnectTimeout (a host gone: its SYNs unanswered) sent nothing either
+    return isinstance(e, (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTimeout))
 
 
 def _next_server(decodes: Pool, up: Upstream, e: httpx.TransportError) -> str:
     """A decode server that was not reached, or dropped the request before answering: out of the rotation
     -> why, for the client should no other answer."""
     why = failure(e, up.url)
-    what = "unreachable" if isinstance(e, httpx.ConnectError) else "dropped the request before answering"
+    what = ("unreachable" if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
+            else "dropped the request before answering")
     log.warning("decode server %s %s: %s", up.url, what, why)
     decodes.mark_down(up, f"{what}: {why}")
     return f"decode server {up.url} {what}: {why}"
