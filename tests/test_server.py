@@ -758,6 +758,37 @@ def test_a_prefill_server_shutting_down_keeps_its_leased_kv_until_read():
             assert read_at is not None or took >= drain_s        # a lease nobody reads: the whole drain time
 
 
+def test_a_prefill_server_with_a_wedged_engine_still_shuts_down_within_its_drain():
+    """The lease drain asks the engine thread for its leases: an engine wedged in a step (the stall
+    `--engine-stall-timeout-s` reports) never answers, and the server shutting down waited for it forever instead
+    of giving up when the drain time was over."""
+    wedged = threading.Event()
+    unwedge = threading.Event()
+
+    class Wedging(FakeEngine):
+        def num_leases(self):
+            return 1
+
+        def step(self):
+            if wedged.is_set():
+                unwedge.wait(60)
+            return super().step()
+
+    drain_s = 0.5
+    srv = ServerThread(build_app(AsyncEngine(Wedging()), "fake", role="prefill", lease_drain_s=drain_s))
+    try:
+        with srv:
+            wedged.set()
+            time.sleep(0.3)                                  # the engine thread is inside a step for good
+            srv.server.should_exit = True                    # what SIGTERM does
+            t0 = time.monotonic()
+            srv.thread.join(15)
+            assert not srv.thread.is_alive(), "the server shutting down waits for a wedged engine"
+            assert time.monotonic() - t0 < drain_s + 8       # the drain, then `stop`'s own bounded wait
+    finally:
+        unwedge.set()
+
+
 def test_a_prefill_servers_lease_drain_runs_after_its_last_request_not_from_the_signal():
     """`serve`'s DrainingServer stops the engine `grace` s after SIGTERM to end requests still open; once they are
     done the lease drain has `--shutdown-timeout-s` of its own (`lease_drain_s`). That timer used to stop the engine

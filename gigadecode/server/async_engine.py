@@ -190,9 +190,11 @@ class AsyncEngine:
         deadline = time.monotonic() + timeout_s
         left = 0
         while self.is_running and not self._stopping:
-            try:
-                left = await self.call(lambda eng: eng.num_leases() if hasattr(eng, "num_leases") else 0)
-            except EngineDeadError:
+            try:                # bounded: an engine wedged in a step never answers, and shutdown must go on
+                left = await asyncio.wait_for(
+                    self.call(lambda eng: eng.num_leases() if hasattr(eng, "num_leases") else 0),
+                    max(deadline - time.monotonic(), 0.0))
+            except (EngineDeadError, TimeoutError):
                 break
             if not left or time.monotonic() >= deadline:
                 break
