@@ -1070,6 +1070,34 @@ def test_proxy_sends_a_request_a_decode_server_dropped_unanswered_to_the_next():
         hang_up.close()
 
 
+def test_proxy_behind_a_vllm_prefill_sends_a_dropped_request_to_no_other_decode_server():
+    """A vLLM prefill frees its blocks once a decode server has read them, and nothing checks the bytes (its
+    answer has no CRC): a decode server that dropped the request may have read them already (a non-streaming one
+    answers only when done), so another one reading the same params could decode another request's KV. Behind
+    vLLM only a decode server nothing reached goes to the next one; one that dropped the request is a 502."""
+    vllm, _ = fake_vllm_prefill()
+    dec_app, dec = fake_upstream("dec", "decode")
+    hang_up = HangUpServer()
+    dead = f"http://127.0.0.1:{free_port()}"          # nothing listens there
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3}
+    try:
+        with ServerThread(vllm) as v, ServerThread(dec_app) as d:
+            for stream in (False, True):
+                app = build_proxy_app([], [hang_up.url, d.url], prefill_vllm=[v.url], kv_secret=KV_SECRET)
+                with ServerThread(app) as px:
+                    n = len(dec["bodies"])
+                    r = httpx.post(px.url + "/v1/completions", json={**body, "stream": stream}, timeout=20)
+                    assert r.status_code == 502 and r.json()["error"]["code"] == "decode_failed", r.text
+                    assert hang_up.url in r.json()["error"]["message"]
+                    assert len(dec["bodies"]) == n, "the params went to a second decode server"
+            app = build_proxy_app([], [dead, d.url], prefill_vllm=[v.url], kv_secret=KV_SECRET)
+            with ServerThread(app) as px:                 # nothing reached the first: the next one answers
+                r = httpx.post(px.url + "/v1/completions", json=body, timeout=20)
+                assert r.status_code == 200 and "decoded" in r.text, r.text
+    finally:
+        hang_up.close()
+
+
 def test_proxy_sends_a_request_to_the_next_decode_server_when_connecting_times_out(monkeypatch):
     """A decode server whose host is gone (its SYNs go unanswered: here a listener whose backlog is full) is
     unreachable as much as one that refuses the connection: nothing was sent, so the next decode server

@@ -224,8 +224,8 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         stream = body.get("stream") is True
         if not stream:
             try:
-                r = await unless_disconnected(request, decode_whole(http, decodes, path, headers,
-                                                                           prepare_decode, decode_timeout_s))
+                r = await unless_disconnected(request, decode_whole(http, decodes, path, headers, prepare_decode,
+                                                                    decode_timeout_s, reread_safe=not vllm))
             except ClientGone:
                 await release_lease(http, leased, headers)
                 return Response(status_code=CLIENT_CLOSED)
@@ -242,7 +242,8 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
         if isinstance(dbody, Response):
             return dbody
         return await decode_stream(http, decodes, request, path, headers, dbody,
-                                   lambda: release_lease(http, leased, headers), decode_timeout_s)
+                                   lambda: release_lease(http, leased, headers), decode_timeout_s,
+                                   reread_safe=not vllm)
 
     async def vllm_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str]
                            ) -> dict[str, Any] | Response:

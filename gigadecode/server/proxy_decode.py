@@ -7,8 +7,11 @@ connection without a word (`RemoteProtocolError` "Server disconnected without se
 or a failed write: a server shutting down closes its idle pooled connections, and a request sent on one just
 then meets that). Trying another is safe: a decode request has no effect but its answer, and the prefill's KV
 is leased until a decode server has read it (one that already had would make the next one's read fail with
-that error, never read other KV). A server that took the request and said nothing within `--decode-timeout-s`
-is a 504; once its answer has started, a failure ends the stream with an error event (`relay`).
+that error, never read other KV). Not behind a vLLM prefill (`reread_safe=False`): it frees its blocks once a
+decode server has read them and its answer has no CRC, so a second reader could decode another request's KV;
+there only a decode server nothing reached is retried. A server that took the request and said nothing within
+`--decode-timeout-s` is a 504; once its answer has started, a failure ends the stream with an error event
+(`relay`).
 """
 
 from __future__ import annotations
@@ -50,10 +53,12 @@ def _decode_timeout(decodes: Pool, up: Upstream, timeout_s: float | None) -> JSO
                        code="decode_timeout")
 
 
-def _never_answered(e: httpx.TransportError) -> bool:
-    """Whether a failure before any answer leaves the request free to go to another decode server."""
-    # ConnectError is a NetworkError; a ConnectTimeout (a host gone: its SYNs unanswered) sent nothing either
-    return isinstance(e, (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTimeout))
+def _never_answered(e: httpx.TransportError, reread_safe: bool) -> bool:
+    """Whether a failure before any answer leaves the request free to go to another decode server: one nothing
+    reached, or (`reread_safe`: the KV's bytes are checked) one that dropped it, which may have read the KV."""
+    if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):    # a ConnectTimeout (a host gone) sent nothing
+        return True
+    return reread_safe and isinstance(e, (httpx.NetworkError, httpx.RemoteProtocolError))
 
 
 def _next_server(decodes: Pool, up: Upstream, e: httpx.TransportError) -> str:
@@ -73,7 +78,7 @@ def _no_decode_server(last: str) -> JSONResponse:
 
 async def decode_whole(http: httpx.AsyncClient, decodes: Pool, path: str, headers: dict[str, str],
                        prefill: Callable[[], Awaitable[dict[str, Any] | Response]],
-                       timeout_s: float | None = None) -> Response:
+                       timeout_s: float | None = None, reread_safe: bool = True) -> Response:
     """Non-streaming: `prefill()` (-> the decode body, or the answer to give), then one decode request whose
     answer is returned as it is (a 504 when it takes longer than `timeout_s`)."""
     dbody = await prefill()
@@ -89,7 +94,7 @@ async def decode_whole(http: httpx.AsyncClient, decodes: Pool, path: str, header
         except TimeoutError:
             return _decode_timeout(decodes, up, timeout_s)
         except httpx.TransportError as e:
-            if _never_answered(e):
+            if _never_answered(e, reread_safe):
                 last = _next_server(decodes, up, e)
                 continue
             decodes.mark_down(up, f"failed: {(why := failure(e, up.url))}")
@@ -104,7 +109,8 @@ async def decode_whole(http: httpx.AsyncClient, decodes: Pool, path: str, header
 
 async def decode_stream(http: httpx.AsyncClient, decodes: Pool, request: Request, path: str,
                         headers: dict[str, str], dbody: dict[str, Any],
-                        release: Callable[[], Awaitable[None]], timeout_s: float | None = None) -> Response:
+                        release: Callable[[], Awaitable[None]], timeout_s: float | None = None,
+                        reread_safe: bool = True) -> Response:
     """Streaming: the first decode server whose answer starts -> that answer, relayed (`relay`). `release`
     ends the prefill's lease, called wherever the decode side will not read it."""
     tried: list[Upstream] = []
@@ -121,7 +127,7 @@ async def decode_stream(http: httpx.AsyncClient, decodes: Pool, request: Request
             return _decode_timeout(decodes, up, timeout_s)
         except (httpx.TransportError, ClientGone) as e:   # it failed, or the client left, before the headers
             up.in_flight -= 1
-            if isinstance(e, httpx.TransportError) and _never_answered(e):
+            if isinstance(e, httpx.TransportError) and _never_answered(e, reread_safe):
                 last = _next_server(decodes, up, e)
                 continue
             await release()
