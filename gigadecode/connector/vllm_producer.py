@@ -28,6 +28,16 @@ the reader sends `"HB:<id>"` every `HEARTBEAT_S` to extend the lease. Nothing el
 notification would stop vLLM's engine. There is no CRC in vLLM's answer, so a load that has not landed
 before the lease the router computed (`lease_expires`) is failed, never decoded.
 
+A restarted producer: vLLM keeps an engine id fixed in `--kv-transfer-config` across restarts, so a new
+process (new NIXL agent, new memory) answers under the id this reader paired with. A READ that fails in
+NIXL (an "ERR" state or a NIXL exception: the peer is gone) fails its request, naming the engine, and drops
+that pairing (`_unpair`): the next request handshakes anew; the old agent leaves NIXL once no load holds
+it. That READ's staging buffer stays registered (`stranded`, kept alive): measured with nixl 1.5.1,
+deregistering a staging buffer whose READ post failed on a lost peer aborts the process in about one run of
+four ("ucp_rcache: destroying inuse region … ref 4294967288", then a double free). Only the lease guards a
+request the old process answered whose load starts after the new pairing: it would read the new process's
+blocks (vLLM's answer carries nothing that names the process), so a restart must outlast the lease.
+
 The N-1 rule: vLLM computes and keeps every token it is given, so the router sends it `prompt[:-1]`; its
 block lists then cover exactly the N-1 tokens this engine's decode needs.
 """
@@ -213,6 +223,7 @@ class _VllmLoad:
     xfer: Any = None
     ids: list[list[int]] = field(default_factory=list)   # per group: the remote ids read (null skipped)
     error: str | None = None
+    lost: bool = False                    # its READ failed in NIXL: the peer is gone (`_read_failed`)
     landed: bool = False
     nbytes: int = 0
 
@@ -226,12 +237,16 @@ class VllmReader:
                  consumers: int = 1) -> None:
         if layout not in ("auto", *LAYOUTS):
             raise ValueError(f"--vllm-kv-layout must be auto|{'|'.join(LAYOUTS)} (got {layout!r})")
+        from .nixl_agent import NIXL_ERRORS     # here, not at the top: the router imports this module too
+        self.nixl_errors = NIXL_ERRORS
         self.agent, self.kv, self.cfg = agent, kv, cfg
         self.heads, self.timeout_s, self.layout, self.consumers = heads, timeout_s, layout, consumers
         self.windows = [getattr(g.spec, "sliding_window", None) for g in kv.config.groups]
         self.loads: dict[str, _VllmLoad] = {}
         self.landed: dict[str, _VllmLoad] = {}
         self.paired: dict[str, tuple[str, VllmAgentMetadata]] = {}   # engine id -> (agent name, metadata)
+        self.dropped: set[str] = set()      # agents of dropped pairings, removed once no load holds them
+        self.stranded: list[tuple[Any, torch.Tensor]] = []   # staging NIXL may still touch: kept registered
         self.fetches = BackedOffFetches("vllm-handshake")
         self._last_hb = 0.0
 
@@ -259,6 +274,7 @@ class VllmReader:
                 self.landed[rid] = load
             else:
                 self._release(load, tell_producer=True)
+        self._remove_dropped()
         return done, failed
 
     def notify(self, request_id: str) -> None:
@@ -276,7 +292,7 @@ class VllmReader:
         for rid in list(self.loads) + list(self.landed):
             self.cancel(rid)
         self.fetches.close()
-        for name, _ in self.paired.values():
+        for name in {name for name, _ in self.paired.values()} | self.dropped:
             try:
                 self.agent.agent.remove_remote_agent(name)
             except Exception:  # noqa: BLE001 - closing
@@ -300,9 +316,12 @@ class VllmReader:
                 load.remote, load.meta = paired
                 self._post(load)
             if load.xfer is not None and not load.landed:
-                state = self.agent.agent.check_xfer_state(load.xfer)
+                try:
+                    state = self.agent.agent.check_xfer_state(load.xfer)
+                except self.nixl_errors as e:
+                    raise self._read_failed(load, f"{type(e).__name__}: {e}") from None
                 if state == "ERR":
-                    raise TransferError(f"READ from the vLLM prefill {load.params.remote_engine_id} failed")
+                    raise self._read_failed(load, "state ERR")
                 if state == "DONE":
                     self._repack(load)
                     load.landed = True
@@ -373,11 +392,45 @@ class VllmReader:
         remote = np.array([(meta.kv_caches_base_addr[r] + b * meta.block_strides[r], meta.block_lens[r], 0)
                            for r in range(regions) for b in flat], dtype=np.uint64)
         a = self.agent.agent
-        load.xfer = a.initialize_xfer("READ", a.get_xfer_descs(local, "DRAM"), a.get_xfer_descs(remote, "DRAM"),
-                                      load.remote, b"")
-        if a.transfer(load.xfer) == "ERR":
-            raise TransferError(f"posting the READ from the vLLM prefill {load.params.remote_engine_id} failed")
+        try:
+            load.xfer = a.initialize_xfer("READ", a.get_xfer_descs(local, "DRAM"), a.get_xfer_descs(remote, "DRAM"),
+                                          load.remote, b"")
+            state = a.transfer(load.xfer)
+        except self.nixl_errors as e:
+            raise self._read_failed(load, f"posting it: {type(e).__name__}: {e}") from None
+        if state == "ERR":
+            raise self._read_failed(load, "posting it: state ERR")
         load.nbytes = load.staging.numel()
+
+    # -- a lost producer ------------------------------------------------------------------------------
+    def _read_failed(self, load: _VllmLoad, why: str) -> TransferError:
+        """A READ NIXL failed: the producer behind this pairing is gone (or unreachable). Drop the pairing so
+        the next request to that engine id handshakes anew (a restarted vLLM keeps a fixed engine id);
+        this request fails (its KV, if the engine restarted, went with the old process)."""
+        eid = load.params.remote_engine_id
+        load.lost = True
+        self._unpair(eid, load.remote)
+        return TransferError(f"READ from the vLLM prefill {eid} failed ({why}): that engine may have been stopped "
+                             f"or restarted, its KV with it; this request is not decoded, the next one to it "
+                             f"handshakes anew")
+
+    def _unpair(self, eid: str, name: str | None) -> None:
+        """Forget `eid`'s pairing if it is still with agent `name` (a later one is kept); the agent leaves
+        NIXL once no load holds it (`_remove_dropped`)."""
+        if name is not None and eid in self.paired and self.paired[eid][0] == name:
+            del self.paired[eid]
+            self.dropped.add(name)
+
+    def _remove_dropped(self) -> None:
+        """Remove from NIXL the agents of dropped pairings no load holds any more (a load holds its agent until
+        released: its transfer handle, the notification it still owes)."""
+        held = {load.remote for load in (*self.loads.values(), *self.landed.values())}
+        for name in self.dropped - held:
+            self.dropped.discard(name)
+            try:
+                self.agent.agent.remove_remote_agent(name)
+            except self.nixl_errors:        # unknown to NIXL already: nothing to remove
+                pass
 
     def _repack(self, load: _VllmLoad) -> None:
         """Staging pages -> this engine's blocks: per region (= buffer), per group, the tokens it needs."""
@@ -401,24 +454,37 @@ class VllmReader:
             try:
                 a.release_xfer_handle(load.xfer)
             except Exception:  # noqa: BLE001 - an in-flight READ NIXL cannot cancel: its staging stays registered
+                self.stranded.append((load.reg, load.staging))
                 return
             load.xfer = None
         if load.reg is not None:
-            a.deregister_memory(load.reg)
+            if load.lost:                 # see the module docstring: deregistering it can abort the process
+                self.stranded.append((load.reg, load.staging))
+            else:
+                a.deregister_memory(load.reg)
             load.reg, load.staging = None, None
         if tell_producer and load.remote is not None:
             # "<id>:<n>": the producer frees once n consumers said so (the only message besides "HB:")
-            a.send_notif(load.remote, f"{load.params.remote_request_id}:{self.consumers}".encode())
+            self._send(load.params.remote_engine_id, load.remote,
+                       f"{load.params.remote_request_id}:{self.consumers}".encode())
             load.remote = None
+
+    def _send(self, eid: str, remote: str, msg: bytes) -> None:
+        """A notification; a producer that cannot be reached any more is unpaired (its blocks went with it)."""
+        try:
+            self.agent.agent.send_notif(remote, msg)
+        except self.nixl_errors:
+            self._unpair(eid, remote)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
         if now - self._last_hb < HEARTBEAT_S:
             return
         self._last_hb = now
-        waiting: dict[str, list[str]] = {}
+        waiting: dict[tuple[str, str], list[str]] = {}
         for load in self.loads.values():
             if load.remote is not None:
-                waiting.setdefault(load.remote, []).append(load.params.remote_request_id)
-        for remote, ids in waiting.items():
-            self.agent.agent.send_notif(remote, ("HB:" + ",".join(ids)).encode())
+                waiting.setdefault((load.params.remote_engine_id, load.remote), []).append(
+                    load.params.remote_request_id)
+        for (eid, remote), ids in waiting.items():
+            self._send(eid, remote, ("HB:" + ",".join(ids)).encode())
