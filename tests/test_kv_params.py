@@ -32,7 +32,7 @@ def test_roundtrip_verifies():
 @pytest.mark.parametrize("field,value", [
     ("remote_block_ids", [[3, 9], [5, 6, 7]]), ("remote_first_block", [0, 0]), ("num_computed_tokens", 3),
     ("kv_crc32", 124), ("remote_host", "10.1.2.4"), ("remote_port", 5556), ("remote_request_id", "r2"),
-    ("lease_expires", time.time() + 3600), ("kv_crc32_heads", [1, 3])])
+    ("lease_expires", time.time() + 3600), ("kv_crc32_heads", [1, 3]), ("issued_at", time.time())])
 def test_any_altered_field_breaks_the_signature(field, value):
     with pytest.raises(KVParamsError, match="signature does not match"):
         verify(parse_kv_params({**signed(), field: value}), KEY, PROMPT, LAYOUT)

@@ -188,3 +188,60 @@ def test_a_producer_we_cannot_repack_is_refused_at_the_handshake(recorded, tiny_
         ok._check_geometry(dataclasses.replace(meta, kv_cache_layout="NHD"))
     reader.fetches.close()
     ok.fetches.close()
+
+
+def test_the_router_signs_when_vllm_answered(recorded):
+    """`issued_at` (the router's clock when vLLM answered) is signed like every other field: moving it later, to
+    slip past a restart the decode side saw, breaks the signature; it must be a finite number."""
+    _, rec = recorded
+    before = time.time()
+    p = from_vllm_answer(rec["answer"], lease_s=30.0)
+    assert before <= p.issued_at <= time.time()
+    prompt = rec["prompt_ids"] + [7]
+    signed = sign(p.model_copy(update={"prompt_digest": prompt_digest(prompt)}), KV_SECRET.encode()).to_dict()
+    verify(parse_kv_params(signed), KV_SECRET.encode(), prompt, "0" * 16)
+    for issued_at in (p.issued_at + 60, None):
+        with pytest.raises(KVParamsError, match="signature does not match"):
+            verify(parse_kv_params({**signed, "issued_at": issued_at}), KV_SECRET.encode(), prompt, "0" * 16)
+    with pytest.raises(KVParamsError, match="issued_at: Value error, must be a finite number"):
+        parse_kv_params({**signed, "issued_at": float("inf")})
+
+
+def test_params_older_than_a_lost_pairing_are_refused_before_any_read(recorded):
+    """Once the reader dropped engine E's pairing (its READ failed: E stopped or restarted), a load of E's params
+    issued before that (plus the clock skew), or of unknown issue time, fails without a handshake or a READ
+    (the NIXL agent records every call); params issued later, or of another engine, pass."""
+    from gigadecode.config import GptOssConfig
+    from gigadecode.connector.vllm_producer import RESTART_SKEW_S, VllmReader
+    from gigadecode.engine_config import EngineConfig
+    from gigadecode.kv.cache import KVCache
+    _, rec = recorded
+    demo = GptOssConfig.from_hf(Path(__file__).parents[1] / "gigadecode" / "assets" / "demo")
+    calls: list[str] = []
+
+    class RecordingAgent:                                                # stands for NixlKVAgent and its .agent
+        agent = property(lambda self: self)
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: calls.append(name)
+
+    reader = VllmReader(RecordingAgent(), KVCache(demo, EngineConfig(block_size=16), 8), demo, heads=(0, 2),
+                        timeout_s=1.0)
+    p = from_vllm_answer(rec["answer"], lease_s=30.0)
+    eid = p.remote_engine_id
+    reader._refuse_if_restarted(p.model_copy(update={"issued_at": None}))   # nothing lost: old routers' params pass
+    reader.paired[eid] = ("old-agent", VllmAgentMetadata.from_payload(recorded[0]))
+    reader._unpair(eid, "old-agent")                                     # what a failed READ does
+    lost = reader.lost_at[eid]
+    assert eid not in reader.paired and time.time() - 1 < lost <= time.time()
+    for issued_at in (None, p.issued_at - 5, lost, lost + RESTART_SKEW_S - 0.1):
+        with pytest.raises(TransferError, match=f"vLLM prefill {eid} was restarted .or lost. after these params"):
+            reader._refuse_if_restarted(p.model_copy(update={"issued_at": issued_at}))
+    reader._refuse_if_restarted(p.model_copy(update={"issued_at": lost + RESTART_SKEW_S + 0.1}))
+    reader._refuse_if_restarted(p.model_copy(update={"remote_engine_id": "another-engine"}))
+    reader.start_load("r-old", p.model_copy(update={"issued_at": None}), [[1, 2, 3], [4, 5, 6]])
+    done, failed = reader.get_finished()
+    assert not done and "their KV went with the old process" in failed["r-old"] and not reader.loads
+    assert calls == ["remove_remote_agent"]                              # the old agent left; no handshake, no READ
+    assert not reader.fetches.pending                                   # no handshake was started either
+    reader.fetches.close()

@@ -4,7 +4,9 @@ real NIXL agent (UCX loopback) over host memory in vLLM's CPU page layout (LBHNC
 its handshake answered on a ZMQ ROUTER — is read once, killed, and replaced by a new one (same engine id,
 same side-channel port; new agent, new memory, other KV). The decode side (`VllmReader`) must notice the
 lost peer on the first failed READ (that request fails, naming the engine and a possible restart), drop
-the stale pairing, and read the next request's own KV from the new process."""
+the stale pairing, and read the next request's own KV from the new process; and params the old process
+answered whose load starts only after that re-pairing must fail, reading nothing (the same block ids in the
+new process hold another request's KV)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 
 from gigadecode.config import GptOssConfig
 from gigadecode.connector.nixl_agent import NixlKVAgent
-from gigadecode.connector.vllm_producer import VllmReader, from_vllm_answer
+from gigadecode.connector.vllm_producer import RESTART_SKEW_S, VllmReader, from_vllm_answer
 from gigadecode.engine_config import EngineConfig
 from gigadecode.kv.cache import KVCache
 
@@ -154,12 +156,15 @@ def test_a_restarted_vllm_prefill_with_a_fixed_engine_id_is_paired_again():
     try:
         assert run_load(reader, "r1", params_for(port, "req-1", [[1, 2], [3, 4]], n), tables) is None
         assert_own_kv(kv, 1, [[1, 2], [3, 4]], tables, n, reader.windows)
+        stale = params_for(port, "req-0", [[5, 6], [7, 1]], n)   # answered by the old process, loaded last
         old.kill()
         new = FakeVllm(port, seed=2)                        # same engine id, same port: a new process
         # the first request after the restart still reads with the old pairing: it fails, saying why
         err = run_load(reader, "r2", params_for(port, "req-2", [[5, 6], [7, 1]], n), tables)
         assert err is not None and ENGINE_ID in err and "restarted" in err, err
         assert ENGINE_ID not in reader.paired and not reader.dropped   # the stale pairing is gone, its agent too
+        while time.time() <= reader.lost_at[ENGINE_ID] + RESTART_SKEW_S:   # params issued this soon are refused
+            time.sleep(0.05)
         # the next one pairs with the new process and decodes from its own KV (another request's blocks)
         kv.group_bufs[0].zero_(), kv.group_bufs[1].zero_()
         blocks = [[2, 7], [6, 3]]
@@ -170,6 +175,13 @@ def test_a_restarted_vllm_prefill_with_a_fixed_engine_id_is_paired_again():
             time.sleep(0.05)
         assert b"req-3:1" in got                             # the new process was told it may free them
         assert len(reader.paired) == 1
+        # the old process's params, loaded after the new pairing: its blocks 5, 6, 7, 1 are the new process's
+        # now (another request's KV); they must fail, read nothing, and leave the new pairing alone
+        kv.group_bufs[0].zero_(), kv.group_bufs[1].zero_()
+        err = run_load(reader, "r0", stale, tables)
+        assert err is not None and ENGINE_ID in err and "restarted (or lost) after these params were issued" in err
+        assert not any(buf.any() for buf in kv.group_bufs), "the old process's params read the new process's KV"
+        assert len(reader.paired) == 1 and not any(b"req-0" in m for m in new.notifs())
     finally:
         reader.close()
         old.kill()

@@ -90,6 +90,8 @@ class KVTransferParams(_Frozen):
     remote_first_block: Annotated[list[Count], Field(max_length=64)] | None = None  # logical index of [g][0]
     num_computed_tokens: Count | None = None     # tokens whose KV the remote blocks hold (N-1)
     lease_expires: float | None = None           # producer wall clock: the blocks are freed after this
+    issued_at: float | None = None               # router wall clock when a vLLM prefill answered (`producer:
+    #                                              "vllm"`: a reader refuses params older than a restart it saw)
     kv_crc32: U32 | None = None                  # CRC32 of the KV bytes (group, block, buffer, K then V)
     kv_head_start: Count | None = None           # the first global kv head the CRCs start from
     kv_crc32_heads: Annotated[list[U32], Field(max_length=4096)] | None = None   # one CRC32 per kv head
@@ -98,7 +100,7 @@ class KVTransferParams(_Frozen):
     kv_layout_id: Hex | None = None              # the producer's `kv_layout_id`
     signature: Hex | None = None                 # HMAC-SHA256 over everything else (`sign`)
 
-    @field_validator("lease_expires")
+    @field_validator("lease_expires", "issued_at")
     @classmethod
     def _finite(cls, v: float | None) -> float | None:
         if v is not None and not math.isfinite(v):

@@ -34,9 +34,15 @@ NIXL (an "ERR" state or a NIXL exception: the peer is gone) fails its request, n
 that pairing (`_unpair`): the next request handshakes anew; the old agent leaves NIXL once no load holds
 it. That READ's staging buffer stays registered (`stranded`, kept alive): measured with nixl 1.5.1,
 deregistering a staging buffer whose READ post failed on a lost peer aborts the process in about one run of
-four ("ucp_rcache: destroying inuse region … ref 4294967288", then a double free). Only the lease guards a
-request the old process answered whose load starts after the new pairing: it would read the new process's
-blocks (vLLM's answer carries nothing that names the process), so a restart must outlast the lease.
+four ("ucp_rcache: destroying inuse region … ref 4294967288", then a double free). Params the old process
+answered whose load pairs after the new pairing would read the new process's blocks, another request's KV
+(vLLM's answer has no CRC and nothing naming the process): so the router signs the time vLLM answered
+(`issued_at`), the reader notes when it dropped an engine's pairing (`lost_at`: the old process was gone by
+then), and a load of that engine whose params were issued before `lost_at + RESTART_SKEW_S` (clock skew
+between router and decode hosts), or carry no `issued_at`, fails before any handshake or read
+(`_refuse_if_restarted`). Fail-safe: params the new process answered before the loss was noticed fail too.
+Not covered: a reader that had no pairing with the engine when it restarted sees no loss (its first
+handshake after vLLM's answer may already reach the new process; nothing in the handshake dates a process).
 
 The N-1 rule: vLLM computes and keeps every token it is given, so the router sends it `prompt[:-1]`; its
 block lists then cover exactly the N-1 tokens this engine's decode needs.
@@ -60,6 +66,7 @@ from .vllm_layout import LAYOUTS, unpack_pages
 
 GET_META_MSG = b"get_meta_msg"
 HEARTBEAT_S = 5.0
+RESTART_SKEW_S = 2.0        # router vs decode host clocks: params issued this soon after a lost pairing are refused
 ELEMENT = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
 
 
@@ -139,7 +146,8 @@ def from_vllm_answer(answer: Any, lease_s: float, margin_s: float = 2.0) -> KVTr
     """vLLM's `kv_transfer_params` answer -> our (unsigned) params for a decode engine: `producer: "vllm"`,
     its block lists as they are (null entries kept: their position says which block they stand for),
     `num_computed_tokens` = remote_num_tokens, and the lease end this router's clock expects (vLLM's
-    lease, `lease_s`, less `margin_s`). KVParamsError when the answer is not a pull-mode TP-1 producer's."""
+    lease, `lease_s`, less `margin_s`), and `issued_at`: now, when vLLM answered. KVParamsError when the
+    answer is not a pull-mode TP-1 producer's."""
     if not isinstance(answer, dict):
         raise KVParamsError(f"the vLLM prefill answered kv_transfer_params that are not an object: {answer!r}")
     need = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids",
@@ -155,12 +163,14 @@ def from_vllm_answer(answer: Any, lease_s: float, margin_s: float = 2.0) -> KVTr
     if answer.get("transfer_mode", "pull") != "pull":
         raise KVParamsError(f"the vLLM prefill uses transfer_mode {answer['transfer_mode']!r}; only 'pull' is read")
     from .params import parse_kv_params
+    now = time.time()
     return parse_kv_params({
         "do_remote_prefill": True, "producer": "vllm", "remote_engine_id": answer["remote_engine_id"],
         "remote_host": answer["remote_host"], "remote_port": answer["remote_port"],
         "remote_request_id": answer["remote_request_id"],
         "remote_block_ids": [list(ids) for ids in answer["remote_block_ids"]],
-        "num_computed_tokens": answer["remote_num_tokens"], "lease_expires": time.time() + lease_s - margin_s})
+        "num_computed_tokens": answer["remote_num_tokens"], "lease_expires": now + lease_s - margin_s,
+        "issued_at": now})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,6 +256,7 @@ class VllmReader:
         self.landed: dict[str, _VllmLoad] = {}
         self.paired: dict[str, tuple[str, VllmAgentMetadata]] = {}   # engine id -> (agent name, metadata)
         self.dropped: set[str] = set()      # agents of dropped pairings, removed once no load holds them
+        self.lost_at: dict[str, float] = {}  # engine id -> wall clock when its last pairing was dropped
         self.stranded: list[tuple[Any, torch.Tensor]] = []   # staging NIXL may still touch: kept registered
         self.fetches = BackedOffFetches("vllm-handshake")
         self._last_hb = 0.0
@@ -307,6 +318,7 @@ class VllmReader:
                 raise TransferError(f"the vLLM prefill's lease of {load.params.remote_request_id} may be over (no CRC "
                                     f"to prove its blocks still hold this request's KV): not decoded")
             if load.remote is None:
+                self._refuse_if_restarted(load.params)      # before any handshake: nothing is read
                 paired = self._paired(load.params)
                 if paired is None:
                     if time.monotonic() - load.t_start > self.timeout_s:
@@ -415,11 +427,23 @@ class VllmReader:
                              f"handshakes anew")
 
     def _unpair(self, eid: str, name: str | None) -> None:
-        """Forget `eid`'s pairing if it is still with agent `name` (a later one is kept); the agent leaves
-        NIXL once no load holds it (`_remove_dropped`)."""
+        """Forget `eid`'s pairing if it is still with agent `name` (a later one is kept) and note when
+        (`lost_at`); the agent leaves NIXL once no load holds it (`_remove_dropped`)."""
         if name is not None and eid in self.paired and self.paired[eid][0] == name:
             del self.paired[eid]
             self.dropped.add(name)
+            self.lost_at[eid] = time.time()
+
+    def _refuse_if_restarted(self, params: KVTransferParams) -> None:
+        """TransferError when `params` may be from a process of their engine id that this reader lost: issued
+        (router clock) before the loss was noticed (this clock) plus the skew, or of unknown issue time."""
+        eid = params.remote_engine_id
+        lost = self.lost_at.get(eid)
+        if lost is not None and (params.issued_at is None or params.issued_at < lost + RESTART_SKEW_S):
+            when = "at an unknown time" if params.issued_at is None else \
+                f"{lost - params.issued_at:.1f} s before this decode server lost it"
+            raise TransferError(f"the vLLM prefill {eid} was restarted (or lost) after these params were issued "
+                                f"({when}): their KV went with the old process; not decoded")
 
     def _remove_dropped(self) -> None:
         """Remove from NIXL the agents of dropped pairings no load holds any more (a load holds its agent until
