@@ -21,7 +21,7 @@ hold the bytes: the CRC check proves it). The transfer / decode columns are medi
 the real request end to end (prefill command sent -> first token sampled); `other` is what of it the
 real request's own prefill + transfer + decode do not explain (pipe, scheduling, sampling). `repack` is
 what a decode engine behind a vLLM prefill adds after its READ: the prompt's tokens of bf16 vLLM CPU
-pages unpacked and written into this engine's cache (`connector.vllm_producer.repack_tokens`), against the
+pages unpacked and written into this engine's cache (`connector.vllm_layout.repack_tokens`), against the
 raw READ of the same prompt. Raw / memcpy / gather / repack are the medians of --raw-reps runs, interleaved with each other, after all DI runs. Timings on a shared machine are noisy.
 
     .venv/bin/python bench/transfer.py [--preset small] [--lengths 128 512 2048] [--reps 3] [--quick]
@@ -202,8 +202,7 @@ class RawBaselines:
     def repack_fn(self, n: int):
         """What a decode engine does with a vLLM producer's pages after its READ: n tokens of bf16 vLLM CPU
         pages (block 32, vec order) of every region unpacked and written into this cache (`repack_tokens`)."""
-        from gigadecode.connector.vllm_layout import page_bytes
-        from gigadecode.connector.vllm_producer import repack_tokens
+        from gigadecode.connector.vllm_layout import page_bytes, repack_tokens
         H, D, Br, B = self.cfg.num_key_value_heads, self.cfg.head_dim, 32, self.kv_repack.block_size
         m = -(-n // Br)
         staging = torch.randn(len(self.kv_repack.group_bufs), m, page_bytes(H, Br, D, torch.bfloat16) // 2

@@ -19,9 +19,8 @@ import zmq
 
 from gigadecode.connector.base import HandshakeError, TransferError
 from gigadecode.connector.params import KVParamsError, parse_kv_params, prompt_digest, sign, verify
-from gigadecode.connector.vllm_layout import page_bytes, unpack_pages
-from gigadecode.connector.vllm_producer import (GET_META_MSG, VllmAgentMetadata, fetch_handshake, from_vllm_answer,
-                                                token_plan)
+from gigadecode.connector.vllm_layout import page_bytes, token_plan, unpack_pages
+from gigadecode.connector.vllm_producer import GET_META_MSG, VllmAgentMetadata, fetch_handshake, from_vllm_answer
 
 from .helpers import KV_SECRET
 
