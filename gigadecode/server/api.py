@@ -155,8 +155,8 @@ def serve(args: Any) -> int:
         raise ValueError(f"--max-request-bytes must be >= 1 (got {args.max_request_bytes})")
     if not getattr(args, "shutdown_timeout_s", 1.0) >= 0:
         raise ValueError(f"--shutdown-timeout-s must be >= 0 (got {args.shutdown_timeout_s})")
-    if os.environ.get("RANK", "0") == "0":              # only world rank 0 serves HTTP: another node's ranks
-        check_http_options(args)                        # need not hold its certificate files
+    if serves_http():                                   # another node's ranks need not hold its certificate files
+        check_http_options(args)
     stall = getattr(args, "engine_stall_timeout_s", 0.0)
     if not (stall == 0 or 1 <= stall < float("inf")):       # nan, inf and a few ms (every step) refused
         raise ValueError(f"--engine-stall-timeout-s must be 0 (off) or >= 1 and finite (got {stall})")
@@ -165,6 +165,11 @@ def serve(args: Any) -> int:
     t0 = time.perf_counter()
     sock = listen_socket(args.host, args.port)          # a taken port is said now, not after the model loads
     return _serve_engine(args, engine_from_args(args, args.role), t0, sock)
+
+
+def serves_http() -> bool:
+    """Whether this process serves HTTP: world rank 0 (torchrun sets RANK; a lone process is rank 0)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -264,8 +269,7 @@ def _serve_parallel(args: Any) -> int:
         raise SystemExit(f"gigadecode serve: --tp {ecfg.tp} × --dp {ecfg.dp} needs {n} ranks: start it with "
                          f"torchrun --nproc-per-node {n} -m gigadecode serve …")
     t0 = time.perf_counter()
-    # rank 0 serves HTTP: its socket is bound before any rank loads (torchrun sets RANK)
-    sock = listen_socket(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
+    sock = listen_socket(args.host, args.port) if serves_http() else None   # bound before any rank loads
     replica, ctx = build_parallel_engine(args.model, ecfg, host=args.host,
                                          advertise_host=getattr(args, "kv_advertise_host", None),
                                          side_port=getattr(args, "kv_port", 0) or 0)

@@ -53,10 +53,14 @@ def _decode_timeout(decodes: Pool, up: Upstream, timeout_s: float | None) -> JSO
                        code="decode_timeout")
 
 
+# failures that sent nothing: a refused connection, and a connect that timed out (a host gone)
+_UNREACHED = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
 def _never_answered(e: httpx.TransportError, reread_safe: bool) -> bool:
     """Whether a failure before any answer leaves the request free to go to another decode server: one nothing
     reached, or (`reread_safe`: the KV's bytes are checked) one that dropped it, which may have read the KV."""
-    if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):    # a ConnectTimeout (a host gone) sent nothing
+    if isinstance(e, _UNREACHED):
         return True
     return reread_safe and isinstance(e, (httpx.NetworkError, httpx.RemoteProtocolError))
 
@@ -65,8 +69,7 @@ def _next_server(decodes: Pool, up: Upstream, e: httpx.TransportError) -> str:
     """A decode server that was not reached, or dropped the request before answering: out of the rotation
     -> why, for the client should no other answer."""
     why = failure(e, up.url)
-    what = ("unreachable" if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
-            else "dropped the request before answering")
+    what = "unreachable" if isinstance(e, _UNREACHED) else "dropped the request before answering"
     log.warning("decode server %s %s: %s", up.url, what, why)
     decodes.mark_down(up, f"{what}: {why}")
     return f"decode server {up.url} {what}: {why}"
