@@ -343,8 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="gigadecode prefill servers")
     p.add_argument("--prefill-vllm", nargs="+", default=[], metavar="URL",
                    help="stock vLLM prefill servers (NixlConnector kv_producer; /v1/completions only): the proxy "
-                        "sends them the prompt's token ids less the last one and signs their answer for the decode "
-                        "servers (needs --kv-secret)")
+                        "sends them the prompt's token ids less the last one and signs their answer, and the vLLM "
+                        "process that gave it (asked of vLLM's NIXL side channel, which the proxy must reach), for "
+                        "the decode servers (needs --kv-secret)")
     p.add_argument("--vllm-kv-lease-s", type=float, default=30.0,
                    help="the vLLM prefills' kv_lease_duration: a decode that has not read by then fails "
                         "(default 30)")

@@ -272,3 +272,42 @@ def stop_process_tree(proc, timeout: float = 30.0) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+class VllmSideChannel:
+    """vLLM's NIXL side channel as a router or decode engine sees it: a ZMQ ROUTER on loopback answering every
+    handshake with the agent metadata of engine `engine_id` as process `process` (set `process` to stand for a
+    restart under the same engine id), on its own thread until `close()`; `requests` counts the handshakes."""
+
+    def __init__(self, engine_id: str, process: str = "first") -> None:
+        import threading
+        self.engine_id, self.process, self.requests = engine_id, process, 0
+        self._stop, ready = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
+        self._thread.start()
+        assert ready.wait(10)
+
+    def payload(self) -> bytes:
+        import msgspec
+        inner = {"engine_id": self.engine_id, "agent_metadata": f"agent of {self.process}".encode(),
+                 "kv_caches_base_addr": [1 << 20, 2 << 20], "num_blocks": 64, "block_lens": [16384] * 2,
+                 "block_strides": [16384] * 2, "kv_cache_layout": "LBHNC", "block_size": 32,
+                 "attn_backend_name": "CPU_ATTN"}
+        return msgspec.msgpack.encode({"compatibility_hash": "fake", "agent_metadata_bytes": msgspec.msgpack.encode(inner)})
+
+    def _serve(self, ready) -> None:
+        import msgspec
+        import zmq
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.port = sock.bind_to_random_port("tcp://127.0.0.1")
+        ready.set()
+        while not self._stop.is_set():
+            if sock.poll(20):
+                frames = sock.recv_multipart()
+                self.requests += 1
+                sock.send_multipart((frames[0], b"", self.payload(), msgspec.msgpack.encode(0.0)))
+        sock.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)

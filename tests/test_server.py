@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
 import httpx
@@ -41,7 +42,7 @@ from gigadecode.server.async_engine import AsyncEngine
 from gigadecode.server.proxy import build_proxy_app
 from gigadecode.tokenizer import TextCodec
 
-from .helpers import KV_SECRET, assert_greedy_matches, hf_greedy, random_prompt
+from .helpers import KV_SECRET, VllmSideChannel, assert_greedy_matches, hf_greedy, random_prompt
 
 KEY = "sk-test-key"
 ENGINE_FLAGS = ["--num-blocks", "256", "--block-size", "16", "--kv-dtype", "fp8", "--max-num-seqs", "32"]
@@ -859,15 +860,27 @@ class ServerThread:
 
 def fake_vllm_prefill() -> tuple[FastAPI, list]:
     """A stock vLLM prefill server as the proxy's `--prefill-vllm` sees it: it records each body the proxy
-    writes for it and answers NixlConnector params for the prompt it was sent -> (app, bodies seen)."""
-    app, seen = FastAPI(), []
+    writes for it and answers NixlConnector params for the prompt it was sent, naming its side channel (which
+    answers the proxy's probe while the app runs) -> (app, bodies seen)."""
+    seen: list = []
+    side: list[VllmSideChannel] = []
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        side.append(VllmSideChannel("v"))
+        try:
+            yield
+        finally:
+            side.pop().close()
+    app = FastAPI(lifespan=lifespan)
+    app.state.side_channel = side
 
     @app.post("/v1/completions")
     async def prefill(request: Request):
         seen.append(await request.json())
         return {"choices": [{"index": 0, "text": ""}], "kv_transfer_params": {
-            "remote_engine_id": "v", "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "r",
-            "remote_block_ids": [[1]], "remote_num_tokens": len(seen[-1]["prompt"])}}
+            "remote_engine_id": "v", "remote_host": "127.0.0.1", "remote_port": side[0].port,
+            "remote_request_id": "r", "remote_block_ids": [[1]], "remote_num_tokens": len(seen[-1]["prompt"])}}
     return app, seen
 
 
@@ -1068,6 +1081,35 @@ def test_proxy_sends_a_request_a_decode_server_dropped_unanswered_to_the_next():
                     assert re.search("dropped the request before answering: (RemoteProtocolError|ReadError)", down)
     finally:
         hang_up.close()
+
+
+def test_the_proxy_signs_which_vllm_process_answered():
+    """Behind a vLLM prefill the proxy probes its side channel after each answer and signs the process it found
+    (`producer_process`) into the decode server's params; when the probe before the prefill saw another process
+    (vLLM restarted around the request: which one answered is unknown) it prefills once more; a side channel
+    that does not answer fails the request (502), as nothing could say whose KV the blocks hold."""
+    from gigadecode.connector.params import parse_kv_params, verify_signature
+    from gigadecode.connector.vllm_handshake import VllmAgentMetadata
+    vllm, seen = fake_vllm_prefill()
+    dec_app, dec = fake_upstream("dec", "decode")
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3}
+    with ServerThread(vllm) as v, ServerThread(dec_app) as d:
+        side = vllm.state.side_channel[0]
+        with ServerThread(build_proxy_app([], [d.url], prefill_vllm=[v.url], kv_secret=KV_SECRET)) as px:
+            for process, prefills in (("first", 1), ("first", 1), ("second", 2), ("second", 1)):
+                side.process = process                          # "second": restarted under the same engine id
+                n = len(seen)
+                r = httpx.post(px.url + "/v1/completions", json=body, timeout=20)
+                assert r.status_code == 200, r.text
+                assert len(seen) - n == prefills, process
+                params = parse_kv_params(dec["bodies"][-1][1]["kv_transfer_params"])
+                verify_signature(params, KV_SECRET.encode())
+                assert params.producer_process == VllmAgentMetadata.from_payload(side.payload()).process
+            side.close()                                       # vLLM gone right after answering
+            n = len(dec["bodies"])
+            r = httpx.post(px.url + "/v1/completions", json=body, timeout=20)
+            assert r.status_code == 502 and r.json()["error"]["code"] == "prefill_failed", r.text
+            assert "did not answer" in r.json()["error"]["message"] and len(dec["bodies"]) == n
 
 
 def test_proxy_behind_a_vllm_prefill_sends_a_dropped_request_to_no_other_decode_server():

@@ -107,7 +107,7 @@ def test_failures_behind_a_vllm_prefill(stack):
             "kv_transfer_params": {"do_remote_decode": True}}
     answer = httpx.post(stack["vllm"] + "/v1/completions", json=body, timeout=120).json()["kv_transfer_params"]
     from gigadecode.connector.params import prompt_digest
-    from gigadecode.connector.vllm_producer import from_vllm_answer
+    from gigadecode.connector.vllm_handshake import from_vllm_answer
     key = KV_SECRET.encode()
 
     def decode(params):

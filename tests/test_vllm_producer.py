@@ -20,7 +20,7 @@ import zmq
 from gigadecode.connector.base import HandshakeError, TransferError
 from gigadecode.connector.params import KVParamsError, parse_kv_params, prompt_digest, sign, verify
 from gigadecode.connector.vllm_layout import page_bytes, token_plan, unpack_pages
-from gigadecode.connector.vllm_producer import GET_META_MSG, VllmAgentMetadata, fetch_handshake, from_vllm_answer
+from gigadecode.connector.vllm_handshake import GET_META_MSG, VllmAgentMetadata, fetch_handshake, from_vllm_answer
 
 from .helpers import KV_SECRET
 
@@ -244,3 +244,57 @@ def test_params_older_than_a_lost_pairing_are_refused_before_any_read(recorded):
     assert calls == ["remove_remote_agent"]                              # the old agent left; no handshake, no READ
     assert not reader.fetches.pending                                   # no handshake was started either
     reader.fetches.close()
+
+
+def test_a_vllm_process_is_named_by_what_only_it_has(recorded):
+    """`process`: the same for every handshake answer of one process, different for a restarted one under the
+    same engine id (new NIXL agent, or KV at new addresses)."""
+    import dataclasses
+    meta = VllmAgentMetadata.from_payload(recorded[0])
+    assert meta.process == VllmAgentMetadata.from_payload(recorded[0]).process
+    assert len(meta.process) == 32 and int(meta.process, 16) >= 0
+    restarted = [dataclasses.replace(meta, agent_metadata=meta.agent_metadata + b"x"),
+                 dataclasses.replace(meta, kv_caches_base_addr=(meta.kv_caches_base_addr[0] + 4096,
+                                                                *meta.kv_caches_base_addr[1:])),
+                 dataclasses.replace(meta, engine_id=meta.engine_id + "-2")]
+    assert len({meta.process, *(m.process for m in restarted)}) == 4
+
+
+def test_the_router_names_the_vllm_process_that_answered():
+    """`AnsweringProcess.of`: a probe of the side channel started after the answer (one probe for the answers
+    that came before it) names the process; a probe that had seen another process before the prefill was sent,
+    another engine behind the side channel, or no answer in time, is a HandshakeError."""
+    import asyncio
+    from gigadecode.connector.vllm_handshake import AnsweringProcess, ProducerRestarted
+    from .helpers import VllmSideChannel
+    side = VllmSideChannel("eng")
+    p = from_vllm_answer({"remote_engine_id": "eng", "remote_host": "127.0.0.1", "remote_port": side.port,
+                          "remote_request_id": "r", "remote_block_ids": [[1]], "remote_num_tokens": 3}, lease_s=30.0)
+    first = VllmAgentMetadata.from_payload(side.payload()).process
+
+    async def run():
+        watch = AnsweringProcess(timeout_s=1.0)
+        answered = time.monotonic()
+        got = await asyncio.gather(*(watch.of(p, watch.seen(), answered) for _ in range(5)))
+        assert got == [first] * 5 and side.requests == 1           # one probe for the five answers
+        assert await watch.of(p, watch.seen(), answered) == first and side.requests == 1   # started after them
+        seen = watch.seen()
+        assert seen == {("127.0.0.1", side.port): first}
+        side.process = "second"                                      # restarted under the same engine id
+        second = VllmAgentMetadata.from_payload(side.payload()).process
+        with pytest.raises(ProducerRestarted, match="another process than before this prefill was sent"):
+            await watch.of(p, seen, time.monotonic())                 # which of the two answered is unknown
+        assert watch.seen() == {("127.0.0.1", side.port): second}
+        assert await watch.of(p, watch.seen(), time.monotonic()) == second   # the next prefill is placed
+        side.engine_id = "other"
+        with pytest.raises(HandshakeError, match="is engine 'other' now, not the 'eng' that answered"):
+            await watch.of(p, watch.seen(), time.monotonic())
+        side.close()
+        t = time.monotonic()
+        with pytest.raises(HandshakeError, match="did not answer in 1 s"):
+            await watch.of(p, watch.seen(), time.monotonic())
+        assert time.monotonic() - t < 3
+    try:
+        asyncio.run(run())
+    finally:
+        side.close()

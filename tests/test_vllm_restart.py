@@ -21,7 +21,8 @@ import torch
 
 from gigadecode.config import GptOssConfig
 from gigadecode.connector.nixl_agent import NixlKVAgent
-from gigadecode.connector.vllm_producer import RESTART_SKEW_S, VllmReader, from_vllm_answer
+from gigadecode.connector.vllm_handshake import from_vllm_answer
+from gigadecode.connector.vllm_producer import RESTART_SKEW_S, VllmReader
 from gigadecode.engine_config import EngineConfig
 from gigadecode.kv.cache import KVCache
 
@@ -188,3 +189,59 @@ def test_a_restarted_vllm_prefill_with_a_fixed_engine_id_is_paired_again():
         if new is not None:
             new.kill()
         agent.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_reader_reads_only_from_the_vllm_process_that_answered():
+    """With the process the router signs into the params (`producer_process`, from a probe of the side channel
+    after vLLM answered): a reader that never paired with the old process refuses the old process's params once
+    a new one listens under the same engine id, reading nothing (before, it paired with the new process and
+    decoded another request's KV); a reader still paired with the old process reads the new process's params
+    at once, pairing anew (before, that request failed on the dead pairing)."""
+    from gigadecode.connector.vllm_handshake import fetch_handshake
+    cfg = GptOssConfig.from_hf(DEMO)
+    n, tables = 40, [[1, 2, 3], [4, 5, 6]]
+    port = free_port()
+
+    def answered(request: str, blocks: list[list[int]]):
+        """What the router sends a decode server for vLLM's answer: the params and the process that gave them."""
+        p = params_for(port, request, blocks, n)
+        return p.model_copy(update={"producer_process": fetch_handshake("127.0.0.1", port, 5.0).process})
+
+    def reader_of(name: str) -> tuple[VllmReader, KVCache, NixlKVAgent]:
+        kv = KVCache(cfg, EngineConfig(dtype="float32", kv_dtype="auto", block_size=LOCAL_BLOCK), 8)
+        agent = NixlKVAgent(name)
+        return VllmReader(agent, kv, cfg, heads=(0, HEADS), timeout_s=15.0, layout="vec", consumers=1), kv, agent
+
+    (paired, kv, agent), (unpaired, kv2, agent2) = reader_of("decode-paired"), reader_of("decode-unpaired")
+    old = FakeVllm(port, seed=1)
+    new = None
+    try:
+        assert run_load(paired, "r1", answered("req-1", [[1, 2], [3, 4]]), tables) is None
+        assert_own_kv(kv, 1, [[1, 2], [3, 4]], tables, n, paired.windows)
+        stale = answered("req-0", [[5, 6], [7, 1]])
+        old.kill()
+        new = FakeVllm(port, seed=2)                        # same engine id, same port: a new process
+        err = run_load(unpaired, "s0", stale, tables)
+        assert err is not None and f"vLLM prefill {ENGINE_ID} that answered these params is gone" in err, err
+        assert not any(buf.any() for buf in kv2.group_bufs), "the old process's params read the new process's KV"
+        kv.group_bufs[0].zero_(), kv.group_bufs[1].zero_()
+        blocks = [[2, 7], [6, 3]]
+        assert run_load(paired, "r2", answered("req-2", blocks), tables) is None
+        assert_own_kv(kv, 2, blocks, tables, n, paired.windows)
+        assert len(paired.paired) == 1 and not paired.dropped       # the stale pairing's agent left NIXL
+        kv.group_bufs[0].zero_(), kv.group_bufs[1].zero_()
+        err = run_load(paired, "s1", stale, tables)
+        assert err is not None and "that answered these params is gone" in err, err
+        assert not any(buf.any() for buf in kv.group_bufs)
+        deadline = time.monotonic() + 10
+        while b"req-2:1" not in (got := new.notifs()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b"req-2:1" in got and not any(b"req-0" in m for m in got)
+    finally:
+        for reader in (paired, unpaired):
+            reader.close()
+        old.kill()
+        if new is not None:
+            new.kill()
+        agent.close(), agent2.close()

@@ -92,6 +92,8 @@ class KVTransferParams(_Frozen):
     lease_expires: float | None = None           # producer wall clock: the blocks are freed after this
     issued_at: float | None = None               # router wall clock when a vLLM prefill answered (`producer:
     #                                              "vllm"`: a reader refuses params older than a restart it saw)
+    producer_process: Hex | None = None          # the vLLM process that answered (`vllm_handshake`): read only
+    #                                              from a pairing with it
     kv_crc32: U32 | None = None                  # CRC32 of the KV bytes (group, block, buffer, K then V)
     kv_head_start: Count | None = None           # the first global kv head the CRCs start from
     kv_crc32_heads: Annotated[list[U32], Field(max_length=4096)] | None = None   # one CRC32 per kv head

@@ -1,20 +1,18 @@
-"""A stock vLLM prefill engine as a KV producer: its side channel, its params, and the reads from it.
+"""A stock vLLM prefill engine as a KV producer: the decode engine's reads from it.
 
 vLLM's NixlConnector producer (`kv_role: kv_producer`, pull mode, CPU, TP 1) answers a prefill with
 `kv_transfer_params` {remote_engine_id, remote_host, remote_port, remote_request_id (its internal id),
 remote_block_ids (one list per KV group, sliding group first; the sliding list is the tail of the
 sequence, possibly led by the null block 0), remote_num_tokens, tp_size, transfer_mode: "pull", …}. The
 router (`server.proxy`, which holds this deployment's KV secret) turns that answer into our signed params
-with `producer: "vllm"` (`from_vllm_answer`), so a decode engine still accepts only params its router made.
+with `producer: "vllm"` (`vllm_handshake.from_vllm_answer`), so a decode engine still accepts only params its router made.
 
-Handshake (`fetch_handshake`): a ZMQ REQ to `remote_host:remote_port` sending msgpack
-`[b"get_meta_msg", pp_rank, tp_rank]`; the answer is two frames, a msgpack map {compatibility_hash,
-agent_metadata_bytes} (and a timestamp), the bytes again a msgpack map of the agent metadata: engine_id,
-NIXL agent_metadata, kv_caches_base_addr (one region per pair of layers 2r, 2r+1), num_blocks, block_lens,
-block_strides, kv_cache_layout, block_size, attn_backend_name. vLLM's compatibility hash cannot be
-recomputed outside vLLM and only consumers check it: the reader checks the geometry itself instead (the
-region count against its HMA buffers, the page size against the model's kv heads, head dim and the
-vLLM block size, from which the KV element size follows: 1 = FP8, 2 = bf16, 4 = fp32).
+The handshake (`vllm_handshake.fetch_handshake`) gives the agent metadata: engine_id, NIXL agent_metadata,
+kv_caches_base_addr (one region per pair of layers 2r, 2r+1), num_blocks, block_lens, block_strides,
+kv_cache_layout, block_size, attn_backend_name. vLLM's compatibility hash cannot be recomputed outside vLLM
+and only consumers check it: the reader checks the geometry itself instead (the region count against its HMA
+buffers, the page size against the model's kv heads, head dim and the vLLM block size, from which the KV
+element size follows: 1 = FP8, 2 = bf16, 4 = fp32).
 
 Reads (`VllmReader`): block b of region r is `base[r] + b·stride[r]` (`block_lens[r]` bytes: the page of
 layer 2r when b is in the sliding list, of layer 2r+1 when in the full list). The page's inner order is
@@ -29,20 +27,20 @@ notification would stop vLLM's engine. There is no CRC in vLLM's answer, so a lo
 before the lease the router computed (`lease_expires`) is failed, never decoded.
 
 A restarted producer: vLLM keeps an engine id fixed in `--kv-transfer-config` across restarts, so a new
-process (new NIXL agent, new memory) answers under the id this reader paired with. A READ that fails in
-NIXL (an "ERR" state or a NIXL exception: the peer is gone) fails its request, naming the engine, and drops
-that pairing (`_unpair`): the next request handshakes anew; the old agent leaves NIXL once no load holds
-it. That READ's staging buffer stays registered (`stranded`, kept alive): measured with nixl 1.5.1,
-deregistering a staging buffer whose READ post failed on a lost peer aborts the process in about one run of
-four ("ucp_rcache: destroying inuse region … ref 4294967288", then a double free). Params the old process
-answered whose load pairs after the new pairing would read the new process's blocks, another request's KV
-(vLLM's answer has no CRC and nothing naming the process): so the router signs the time vLLM answered
-(`issued_at`), the reader notes when it dropped an engine's pairing (`lost_at`: the old process was gone by
-then), and a load of that engine whose params were issued before `lost_at + RESTART_SKEW_S` (clock skew
-between router and decode hosts), or carry no `issued_at`, fails before any handshake or read
-(`_refuse_if_restarted`). Fail-safe: params the new process answered before the loss was noticed fail too.
-Not covered: a reader that had no pairing with the engine when it restarted sees no loss (its first
-handshake after vLLM's answer may already reach the new process; nothing in the handshake dates a process).
+process (new NIXL agent, new memory) answers under the id this reader paired with, and its block ids name
+other requests' KV. The router signs which process answered (`producer_process`, `vllm_handshake`); a load
+reads only through a pairing with that process (`_same_process`): when the pairing is with another one, a
+fresh handshake decides: the answering process is still there (this pairing is stale: vLLM restarted since
+it was made) -> pair with it anew and read; it is gone -> the request fails, reading nothing. A READ that
+fails in NIXL (an "ERR" state or a NIXL exception: the peer is gone) fails its request, naming the engine,
+and drops that pairing (`_unpair`); the old agent leaves NIXL once no load holds it. That READ's staging
+buffer stays registered (`stranded`, kept alive): measured with nixl 1.5.1, deregistering a staging buffer
+whose READ post failed on a lost peer aborts the process in about one run of four ("ucp_rcache: destroying
+inuse region … ref 4294967288", then a double free). Params without `producer_process` (signed by a router
+from before it) fall back on time: the reader notes when it dropped an engine's pairing (`lost_at`), and
+their load fails before any handshake or read when they were issued (`issued_at`, the router's clock) before
+`lost_at + RESTART_SKEW_S` (`_refuse_if_restarted`); a reader that had no pairing when the engine restarted
+cannot tell those apart.
 
 The N-1 rule: vLLM computes and keeps every token it is given, so the router sends it `prompt[:-1]`; its
 block lists then cover exactly the N-1 tokens this engine's decode needs.
@@ -58,117 +56,14 @@ import numpy as np
 import torch
 
 from .base import HandshakeError, TransferError
-from .params import KVParamsError, KVTransferParams
+from .params import KVTransferParams
 from .side_channel import BackedOffFetches
+from .vllm_handshake import VllmAgentMetadata, fetch_handshake
 from .vllm_layout import LAYOUTS, default_layout, repack_tokens, token_plan
 
-GET_META_MSG = b"get_meta_msg"
 HEARTBEAT_S = 5.0
 RESTART_SKEW_S = 2.0        # router vs decode host clocks: params issued this soon after a lost pairing are refused
 ELEMENT = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
-
-
-# --------------------------------------------------------------------------------------------------
-# the handshake
-# --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class VllmAgentMetadata:
-    """What a vLLM producer's side channel tells a consumer (the fields this reader uses)."""
-
-    engine_id: str
-    agent_metadata: bytes
-    kv_caches_base_addr: tuple[int, ...]
-    num_blocks: int
-    block_lens: tuple[int, ...]
-    block_strides: tuple[int, ...]
-    kv_cache_layout: str
-    block_size: int
-    attn_backend_name: str
-    compatibility_hash: str = ""
-
-    @classmethod
-    def from_payload(cls, payload: bytes) -> VllmAgentMetadata:
-        """Decode the first answer frame; HandshakeError naming what is missing or mistyped."""
-        import msgspec
-        try:
-            outer = msgspec.msgpack.decode(payload)
-            inner = msgspec.msgpack.decode(outer["agent_metadata_bytes"])
-            meta = cls(engine_id=str(inner["engine_id"]), agent_metadata=bytes(inner["agent_metadata"]),
-                       kv_caches_base_addr=tuple(int(a) for a in inner["kv_caches_base_addr"]),
-                       num_blocks=int(inner["num_blocks"]), block_lens=tuple(int(x) for x in inner["block_lens"]),
-                       block_strides=tuple(int(x) for x in inner.get("block_strides") or inner["block_lens"]),
-                       kv_cache_layout=str(inner.get("kv_cache_layout", "")), block_size=int(inner["block_size"]),
-                       attn_backend_name=str(inner.get("attn_backend_name", "")),
-                       compatibility_hash=str(outer.get("compatibility_hash", "")))
-        except (KeyError, TypeError, ValueError, msgspec.DecodeError) as e:
-            raise HandshakeError(f"the vLLM side channel answered something that is not NIXL agent metadata: "
-                                 f"{type(e).__name__}: {e}") from None
-        n = len(meta.kv_caches_base_addr)
-        if not n or len(meta.block_lens) != n or len(meta.block_strides) != n or meta.num_blocks < 1:
-            raise HandshakeError(f"vLLM agent metadata of {meta.engine_id}: {n} regions, "
-                                 f"{len(meta.block_lens)} block lengths, {meta.num_blocks} blocks")
-        return meta
-
-
-def fetch_handshake(host: str, port: int, timeout_s: float, tp_rank: int = 0) -> VllmAgentMetadata:
-    """One request to a vLLM producer's ZMQ side channel (always the well-formed 3-element message: a
-    malformed one stops vLLM's listener for every consumer)."""
-    import msgspec
-    import zmq
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    ms = max(1, int(timeout_s * 1000))
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, ms)
-    sock.setsockopt(zmq.SNDTIMEO, ms)
-    try:
-        host_part = f"[{host}]" if ":" in host else host
-        sock.connect(f"tcp://{host_part}:{port}")
-        sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, tp_rank)))
-        frames = sock.recv_multipart()
-    except zmq.Again:
-        raise HandshakeError(f"the vLLM side channel {host}:{port} did not answer in {timeout_s:.3g} s") from None
-    except zmq.ZMQError as e:
-        raise HandshakeError(f"the vLLM side channel {host}:{port} failed: {e}") from None
-    finally:
-        sock.close(0)
-    if len(frames) != 2:
-        raise HandshakeError(f"the vLLM side channel {host}:{port} answered {len(frames)} frames, expected 2")
-    return VllmAgentMetadata.from_payload(frames[0])
-
-
-# --------------------------------------------------------------------------------------------------
-# the params (router side)
-# --------------------------------------------------------------------------------------------------
-def from_vllm_answer(answer: Any, lease_s: float, margin_s: float = 2.0) -> KVTransferParams:
-    """vLLM's `kv_transfer_params` answer -> our (unsigned) params for a decode engine: `producer: "vllm"`,
-    its block lists as they are (null entries kept: their position says which block they stand for),
-    `num_computed_tokens` = remote_num_tokens, and the lease end this router's clock expects (vLLM's
-    lease, `lease_s`, less `margin_s`), and `issued_at`: now, when vLLM answered. KVParamsError when the
-    answer is not a pull-mode TP-1 producer's."""
-    if not isinstance(answer, dict):
-        raise KVParamsError(f"the vLLM prefill answered kv_transfer_params that are not an object: {answer!r}")
-    need = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids",
-            "remote_num_tokens")
-    missing = [k for k in need if answer.get(k) is None]
-    if missing:
-        raise KVParamsError(f"the vLLM prefill's kv_transfer_params lack {', '.join(missing)} (is it a NixlConnector "
-                            f"producer, and did the prefill finish?)")
-    for k in ("tp_size", "pp_size", "dcp_size"):
-        if answer.get(k, 1) != 1:
-            raise KVParamsError(f"the vLLM prefill has {k}={answer[k]}: only TP 1 / PP 1 / DCP 1 vLLM producers "
-                                f"are read")
-    if answer.get("transfer_mode", "pull") != "pull":
-        raise KVParamsError(f"the vLLM prefill uses transfer_mode {answer['transfer_mode']!r}; only 'pull' is read")
-    from .params import parse_kv_params
-    now = time.time()
-    return parse_kv_params({
-        "do_remote_prefill": True, "producer": "vllm", "remote_engine_id": answer["remote_engine_id"],
-        "remote_host": answer["remote_host"], "remote_port": answer["remote_port"],
-        "remote_request_id": answer["remote_request_id"],
-        "remote_block_ids": [list(ids) for ids in answer["remote_block_ids"]],
-        "num_computed_tokens": answer["remote_num_tokens"], "lease_expires": now + lease_s - margin_s,
-        "issued_at": now})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -272,8 +167,11 @@ class VllmReader:
                 raise TransferError(f"the vLLM prefill's lease of {load.params.remote_request_id} may be over (no CRC "
                                     f"to prove its blocks still hold this request's KV): not decoded")
             if load.remote is None:
-                self._refuse_if_restarted(load.params)      # before any handshake: nothing is read
+                if load.params.producer_process is None:
+                    self._refuse_if_restarted(load.params)  # before any handshake: nothing is read
                 paired = self._paired(load.params)
+                if paired is not None:
+                    paired = self._same_process(load.params, paired)
                 if paired is None:
                     if time.monotonic() - load.t_start > self.timeout_s:
                         raise HandshakeError(f"KV handshake with the vLLM prefill {load.params.remote_engine_id} "
@@ -298,21 +196,47 @@ class VllmReader:
             load.error = str(e) if isinstance(e, (TransferError, HandshakeError)) else f"{type(e).__name__}: {e}"
 
     def _paired(self, params: KVTransferParams) -> tuple[str, VllmAgentMetadata] | None:
+        """`params`' engine's pairing (agent name, metadata), handshaking first (None while that runs)."""
         eid = params.remote_engine_id
         if eid in self.paired:
             return self.paired[eid]
-
-        def pair(meta: VllmAgentMetadata) -> tuple[str, VllmAgentMetadata]:
-            if meta.engine_id != eid:
-                raise HandshakeError(f"the vLLM prefill at {params.remote_host}:{params.remote_port} is engine "
-                                     f"{meta.engine_id!r} now, not the {eid!r} these params are from: that engine was "
-                                     f"stopped or restarted since it answered them, and its KV is gone")
-            self._check_geometry(meta)
-            name = self.agent.agent.add_remote_agent(meta.agent_metadata)
-            self.paired[eid] = (name.decode() if isinstance(name, bytes) else str(name), meta)
-            return self.paired[eid]
         return self.fetches.poll(eid, lambda: fetch_handshake(params.remote_host, params.remote_port, self.timeout_s),
-                                 pair, f"vLLM {eid}")
+                                 lambda meta: self._pair(params, meta), f"vLLM {eid}")
+
+    def _pair(self, params: KVTransferParams, meta: VllmAgentMetadata) -> tuple[str, VllmAgentMetadata]:
+        eid = params.remote_engine_id
+        if meta.engine_id != eid:
+            raise HandshakeError(f"the vLLM prefill at {params.remote_host}:{params.remote_port} is engine "
+                                 f"{meta.engine_id!r} now, not the {eid!r} these params are from: that engine was "
+                                 f"stopped or restarted since it answered them, and its KV is gone")
+        self._check_geometry(meta)
+        name = self.agent.agent.add_remote_agent(meta.agent_metadata)
+        self.paired[eid] = (name.decode() if isinstance(name, bytes) else str(name), meta)
+        return self.paired[eid]
+
+    def _same_process(self, params: KVTransferParams, paired: tuple[str, VllmAgentMetadata]
+                      ) -> tuple[str, VllmAgentMetadata] | None:
+        """A pairing with the process that answered `params` (`producer_process`; any pairing for params without
+        it): `paired` when it is that process's, else, after a fresh handshake (None while it runs), a new
+        pairing when that process still answers (`paired` was stale: vLLM restarted since); TransferError when
+        another process does (the one that answered is gone, and its KV with it)."""
+        want, eid = params.producer_process, params.remote_engine_id
+        if want is None or paired[1].process == want:
+            return paired
+        fresh = self.fetches.poll(f"{eid} again", lambda: fetch_handshake(params.remote_host, params.remote_port,
+                                                                          self.timeout_s), lambda meta: meta,
+                                  f"vLLM {eid}")
+        if fresh is None:
+            return None
+        if fresh.process != want:
+            raise TransferError(f"the vLLM prefill {eid} that answered these params is gone (it was restarted or "
+                                f"stopped since): its KV went with it; not decoded")
+        current = self.paired.get(eid)              # another load may have paired anew meanwhile
+        if current is not None and current[1].process == want:
+            return current
+        if current is not None:                     # stale: its agent leaves NIXL once no load holds it
+            self._unpair(eid, current[0])
+        return self._pair(params, fresh)
 
     def _geometry(self, meta: VllmAgentMetadata) -> tuple[int, torch.dtype, str]:
         """-> (page bytes, element dtype, layout) of a producer's pages."""

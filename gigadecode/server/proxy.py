@@ -21,9 +21,10 @@ Behind stock vLLM prefill servers (`--prefill-vllm`, /v1/completions): the proxy
 (given, or from the decode server's `/tokenize`), sends the vLLM prefill `prompt[:-1]` with `max_tokens=1`
 and `kv_transfer_params={"do_remote_decode": true}` (vLLM keeps every token it computes: one fewer makes its
 blocks exactly the N-1 a decode engine needs), turns vLLM's answer into the decode engines' params
-(`connector.vllm_producer.from_vllm_answer`), binds them to the whole prompt and signs them with the
-deployment's KV secret (the decode servers accept no unsigned params), and sends the full prompt's ids to
-a decode server.
+(`connector.vllm_handshake.from_vllm_answer`), binds them to the whole prompt and signs them with the
+deployment's KV secret (the decode servers accept no unsigned params) together with the vLLM process that
+answered (asked of vLLM's side channel right after the answer: `connector.vllm_handshake`; a decode server
+reads only from that process), and sends the full prompt's ids to a decode server.
 Each role's server is the least loaded one (in-flight requests, then fewest sent, then list order) of those
 in rotation: a server that could not be reached, timed out, or dropped a request mid-way is left out
 (`Pool.mark_down`) until its /health answers 200 again; the proxy asks each server's /health every second
@@ -44,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 import uuid
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
@@ -99,7 +101,9 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
     key = None
     if vllm:
         from ..connector.params import check_secret
+        from ..connector.vllm_handshake import AnsweringProcess
         key = check_secret(kv_secret, "kv_consumer")
+        processes = AnsweringProcess()              # which vLLM process answered each prefill
     prefills, decodes = Pool("prefill", prefill or prefill_vllm), Pool("decode", decode)
 
     @asynccontextmanager
@@ -248,8 +252,9 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
     async def vllm_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str]
                            ) -> dict[str, Any] | Response:
         """The vLLM prefill of `body` -> the decode server's body (the prompt's ids, signed params)."""
+        from ..connector.base import HandshakeError
         from ..connector.params import prompt_digest, sign
-        from ..connector.vllm_producer import from_vllm_answer
+        from ..connector.vllm_handshake import ProducerRestarted, from_vllm_answer
         if path != "/v1/completions":
             return proxy_error(400, "behind a vLLM prefill the proxy serves /v1/completions only (send the chat "
                                "template's token ids as the prompt)", "invalid_request_error", "unsupported")
@@ -278,18 +283,28 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], client: httpx
                  "kv_transfer_params": {"do_remote_decode": True}}
         if body.get("priority") is not None:           # its place in the prefill's queue too (vLLM's field)
             pbody["priority"] = body["priority"]
-        pr = await post_prefill(http, path, pbody, headers)
-        if not isinstance(pr, httpx.Response):
-            return pr
-        if pr.status_code >= 400:
-            return Response(pr.content, status_code=pr.status_code,
-                            media_type=pr.headers.get("content-type", "application/json"))
-        try:
-            params = from_vllm_answer(pr.json().get("kv_transfer_params"), vllm_lease_s)
-        except (ValueError, AttributeError) as e:
-            return proxy_error(502, f"the vLLM prefill's answer cannot be used: {e}", code="prefill_failed")
-        dbody["kv_transfer_params"] = sign(params.model_copy(update={"prompt_digest": prompt_digest(ids)}), key).to_dict()
-        return dbody
+        for again in (False, True):
+            seen = processes.seen()                   # the vLLM processes known before this prefill
+            pr = await post_prefill(http, path, pbody, headers)
+            answered = time.monotonic()
+            if not isinstance(pr, httpx.Response):
+                return pr
+            if pr.status_code >= 400:
+                return Response(pr.content, status_code=pr.status_code,
+                                media_type=pr.headers.get("content-type", "application/json"))
+            try:
+                params = from_vllm_answer(pr.json().get("kv_transfer_params"), vllm_lease_s)
+                params = params.model_copy(update={"producer_process": await processes.of(params, seen, answered)})
+            except ProducerRestarted as e:            # once: the next prefill's answer is one the probe can place
+                if again:
+                    return proxy_error(502, f"the vLLM prefill's answer cannot be used: {e}", code="prefill_failed")
+                log.warning("%s; prefilling again", e)
+                continue
+            except (ValueError, AttributeError, HandshakeError) as e:
+                return proxy_error(502, f"the vLLM prefill's answer cannot be used: {e}", code="prefill_failed")
+            dbody["kv_transfer_params"] = sign(params.model_copy(update={"prompt_digest": prompt_digest(ids)}),
+                                               key).to_dict()
+            return dbody
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
