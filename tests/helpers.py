@@ -293,7 +293,8 @@ class VllmSideChannel:
                  "kv_caches_base_addr": [1 << 20, 2 << 20], "num_blocks": 64, "block_lens": [16384] * 2,
                  "block_strides": [16384] * 2, "kv_cache_layout": "LBHNC", "block_size": 32,
                  "attn_backend_name": "CPU_ATTN"}
-        return msgspec.msgpack.encode({"compatibility_hash": "fake", "agent_metadata_bytes": msgspec.msgpack.encode(inner)})
+        return msgspec.msgpack.encode({"compatibility_hash": "fake",
+                                       "agent_metadata_bytes": msgspec.msgpack.encode(inner)})
 
     def _serve(self, ready) -> None:
         import msgspec

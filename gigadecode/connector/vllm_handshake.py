@@ -3,7 +3,8 @@ the process that gave it, and its prefill answer as our params (the router's sid
 
 Handshake (`fetch_handshake`): a ZMQ REQ to `remote_host:remote_port` sending msgpack
 `[b"get_meta_msg", pp_rank, tp_rank]`; the answer is two frames, a msgpack map {compatibility_hash,
-agent_metadata_bytes} (and a timestamp), the bytes again a msgpack map of the agent metadata (`VllmAgentMetadata`).
+agent_metadata_bytes} (and a timestamp), the bytes again a msgpack map of the agent metadata
+(`VllmAgentMetadata`).
 
 Which process (`VllmAgentMetadata.process`): vLLM keeps an engine id fixed in `--kv-transfer-config` across
 restarts, so the engine id does not say which process holds a request's blocks, and vLLM's answer has nothing

@@ -5,7 +5,8 @@ vLLM's NixlConnector producer (`kv_role: kv_producer`, pull mode, CPU, TP 1) ans
 remote_block_ids (one list per KV group, sliding group first; the sliding list is the tail of the
 sequence, possibly led by the null block 0), remote_num_tokens, tp_size, transfer_mode: "pull", …}. The
 router (`server.proxy`, which holds this deployment's KV secret) turns that answer into our signed params
-with `producer: "vllm"` (`vllm_handshake.from_vllm_answer`), so a decode engine still accepts only params its router made.
+with `producer: "vllm"` (`vllm_handshake.from_vllm_answer`), so a decode engine still accepts only params its
+router made.
 
 The handshake (`vllm_handshake.fetch_handshake`) gives the agent metadata: engine_id, NIXL agent_metadata,
 kv_caches_base_addr (one region per pair of layers 2r, 2r+1), num_blocks, block_lens, block_strides,
