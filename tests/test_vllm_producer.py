@@ -273,7 +273,7 @@ def test_the_router_names_the_vllm_process_that_answered():
     first = VllmAgentMetadata.from_payload(side.payload()).process
 
     async def run():
-        watch = AnsweringProcess(timeout_s=1.0)
+        watch = AnsweringProcess(timeout_s=2.0)         # ample for a live side channel on a loaded host
         answered = time.monotonic()
         got = await asyncio.gather(*(watch.of(p, watch.seen(), answered) for _ in range(5)))
         assert got == [first] * 5 and side.requests == 1           # one probe for the five answers
@@ -291,9 +291,9 @@ def test_the_router_names_the_vllm_process_that_answered():
             await watch.of(p, watch.seen(), time.monotonic())
         side.close()
         t = time.monotonic()
-        with pytest.raises(HandshakeError, match="did not answer in 1 s"):
+        with pytest.raises(HandshakeError, match="did not answer in 2 s"):
             await watch.of(p, watch.seen(), time.monotonic())
-        assert time.monotonic() - t < 3
+        assert time.monotonic() - t < 6
     try:
         asyncio.run(run())
     finally:
