@@ -288,8 +288,13 @@ class VllmSideChannel:
         assert ready.wait(10)
 
     def payload(self) -> bytes:
+        return self.payload_of(self.engine_id, self.process)
+
+    @staticmethod
+    def payload_of(engine_id: str, process: str) -> bytes:
+        """The handshake answer of `process` of engine `engine_id`."""
         import msgspec
-        inner = {"engine_id": self.engine_id, "agent_metadata": f"agent of {self.process}".encode(),
+        inner = {"engine_id": engine_id, "agent_metadata": f"agent of {process}".encode(),
                  "kv_caches_base_addr": [1 << 20, 2 << 20], "num_blocks": 64, "block_lens": [16384] * 2,
                  "block_strides": [16384] * 2, "kv_cache_layout": "LBHNC", "block_size": 32,
                  "attn_backend_name": "CPU_ATTN"}

@@ -1112,6 +1112,48 @@ def test_the_proxy_signs_which_vllm_process_answered():
             assert "did not answer" in r.json()["error"]["message"] and len(dec["bodies"]) == n
 
 
+def test_requests_around_a_vllm_restart_name_the_process_that_answered_them():
+    """40 requests at once through the proxy while the vLLM prefill behind it restarts (a new process under the
+    same engine id, once, as the 20th prefill arrives): every request is answered, and every decode server's
+    params name the process that answered that prefill; a request whose prefill straddled the restart (the
+    probe before it saw the old process, the one after it the new one) was prefilled once more."""
+    from gigadecode.connector.params import parse_kv_params
+    from gigadecode.connector.vllm_handshake import VllmAgentMetadata
+    side = VllmSideChannel("v", process="old")
+    app, arrivals = FastAPI(), []
+
+    @app.post("/v1/completions")
+    async def prefill(request: Request):
+        body = await request.json()
+        arrivals.append(body)
+        if len(arrivals) == 21:                          # the warm-up's, then the 20th of the 40
+            side.process = "new"
+        await asyncio.sleep(0.01)
+        return {"choices": [{"index": 0, "text": ""}], "kv_transfer_params": {
+            "remote_engine_id": "v", "remote_host": "127.0.0.1", "remote_port": side.port,
+            "remote_request_id": side.process, "remote_block_ids": [[1]], "remote_num_tokens": len(body["prompt"])}}
+    dec_app, dec = fake_upstream("dec", "decode")
+
+    async def send(url: str) -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            rs = await asyncio.gather(*(c.post(url, json={"model": "m", "prompt": [1, 2, 3, i], "max_tokens": 2})
+                                        for i in range(40)))
+        return [r.status_code for r in rs]
+    try:
+        with ServerThread(app) as v, ServerThread(dec_app) as d:
+            with ServerThread(build_proxy_app([], [d.url], prefill_vllm=[v.url], kv_secret=KV_SECRET)) as px:
+                assert httpx.post(px.url + "/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 2},
+                                  timeout=20).status_code == 200          # the proxy has seen the old process
+                assert asyncio.run(send(px.url + "/v1/completions")) == [200] * 40
+    finally:
+        side.close()
+    named = {name: VllmAgentMetadata.from_payload(VllmSideChannel.payload_of("v", name)).process for name in ("old", "new")}
+    answered_by = [parse_kv_params(body["kv_transfer_params"]) for _, body in dec["bodies"]]
+    assert len(answered_by) == 41 and len(arrivals) > 41                    # the 20th at least prefilled again
+    assert all(p.producer_process == named[p.remote_request_id] for p in answered_by)
+    assert {p.remote_request_id for p in answered_by} == {"old", "new"}
+
+
 def test_proxy_behind_a_vllm_prefill_sends_a_dropped_request_to_no_other_decode_server():
     """A vLLM prefill frees its blocks once a decode server has read them, and nothing checks the bytes (its
     answer has no CRC): a decode server that dropped the request may have read them already (a non-streaming one
