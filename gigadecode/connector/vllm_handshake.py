@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import HandshakeError
-from .params import KVParamsError, KVTransferParams
+from .params import KVParamsError, KVTransferParams, parse_kv_params
 
 GET_META_MSG = b"get_meta_msg"
 PROBE_TIMEOUT_S = 3.0       # the router's side-channel probe after an answer; shorter than any vLLM start-up
@@ -135,7 +135,6 @@ def from_vllm_answer(answer: Any, lease_s: float, margin_s: float = 2.0) -> KVTr
                                 f"are read")
     if answer.get("transfer_mode", "pull") != "pull":
         raise KVParamsError(f"the vLLM prefill uses transfer_mode {answer['transfer_mode']!r}; only 'pull' is read")
-    from .params import parse_kv_params
     now = time.time()
     return parse_kv_params({
         "do_remote_prefill": True, "producer": "vllm", "remote_engine_id": answer["remote_engine_id"],
