@@ -55,7 +55,7 @@ PRODUCT_FORMS = ["bf16", "fp32"] if native.isa() == "avx512-bf16" else ["fp32"]
 
 
 # ... those, each with AMX tiles off, plus 'amx' where the CPU has AMX-BF16 (`native.amx_tiles`): the MoE's
-# experts with 5+ inputs and linear's bf16 weights at 16+ rows on AMX tiles, the rest in the measured form
+# experts with 5+ inputs and linear's bf16 weights at 5+ rows on AMX tiles, the rest in the measured form
 AMX = native.amx_tiles() != "unavailable"
 ALL_FORMS = PRODUCT_FORMS + (["amx"] if AMX else [])
 

@@ -27,13 +27,14 @@ if OPS is None:
 # ---- linear ------------------------------------------------------------------------------------------
 
 # 40, 95, 130: past 32, where CPUs without bf16 GEMMs still take it (AVX2: strips of rows converted once from 40)
-LIN_M = (1, 2, 3, 5, 8, 17, 33, 40, 95, 130)
+LIN_M = (1, 2, 3, 5, 8, 16, 17, 32, 33, 40, 95, 130)
 LIN_N = (1, 3, 33, 130)
 
 
 # bf16 x bf16 under each product form (AVX-512 from 4 rows: the pair tiles, in fp32, unless the form is bf16)
-# (and on AMX tiles from 5 rows, where the CPU has them: K even; 5, 8, 17, 33, 40, 95, 130 rows: blocks of 32 inputs
-# and their tails, N = 130: strips of 64 rows and a short one)
+# (and on AMX tiles from 5 rows, where the CPU has them: K even; 5-32 rows our own tile code, one tile's inputs or
+# two, N = 1, 3, 33, 130: groups of 16 rows and a short one, K = 70, 200: a last step of 32 past K; 33, 40, 95,
+# 130 rows oneDNN's GEMM: blocks of 32 inputs and their tails, strips of 64 rows and a short one)
 LIN_CASES = [(F32, F32, None)] + [(BF16, BF16, f) for f in ALL_FORMS] + [(F32, BF16, None), (BF16, F32, None)]
 
 

@@ -228,8 +228,10 @@ void linear_strips_bf16(const uint16_t* w, int64_t N, int64_t K, const float* x,
 // 2 threads, against the fp32 pair tiles, medians of alternated calls: `small`'s lm_head [32000, 1024] at 4 / 5
 // / 8 / 16 inputs 0.89 / 1.26 / 1.44 / 2.59x, its qkv [1536, 1024] 1.58 / 2.01 / 2.48 / 3.66x, 20b-shape
 // projections ([5120, 2880], [2880, 4096], [8192, 2880]) 1.05-1.11 / 1.40-1.45 / 1.69-1.78 / 2.31-2.93x; 2-3
-// inputs 0.87-1.48x). The weight's rows are the GEMM's first operand as they are (strips of AMX_STRIP rows),
-// the inputs its pair-interleaved second (laid out once a call); fp32 sums: y [M, N].
+// inputs 0.87-1.48x; the weights in the L3, called again and again; 2-4 inputs on our own tiles below, weights
+// streamed from memory: 20b-shape decode steps at batch 2 / 4 1.00x). Up to LINEAR_TILE_INPUTS inputs our own
+// tile code (`linear_tiles`) runs them, else oneDNN's GEMM here: the weight's rows its first operand as they are
+// (strips of AMX_STRIP rows), the inputs its pair-interleaved second (laid out once a call); fp32 sums: y [M, N].
 constexpr int64_t LINEAR_AMX_MIN_ROWS = 5;
 void linear_amx(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M, float* y) {
   uint16_t* xv = reinterpret_cast<uint16_t*>(shared_scratch(8, M * K / 2 + 16));
@@ -242,6 +244,101 @@ void linear_amx(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int6
     at::native::cpublas::brgemm_release();
   });
 }
+
+#ifdef GD_AMX_OWN_TILES
+// Up to LINEAR_TILE_INPUTS inputs (two tiles' columns) our own tile code streams the weight rows straight onto
+// the tiles: groups of 16 rows, each 64-byte column step of a group one tile, the same line of the next
+// group's rows prefetched as it goes. oneDNN's GEMM over 64-row strips read a weight streamed from memory at
+// about half the bandwidth (24 layers of 20b-shape's qkv and o, 2 threads, 5-16 inputs: 13.0-13.5 GB/s against
+// 24.0-24.2 here and 25.8 for the register tiles at one input; 20b-shape decode steps at batch 8 1.12x). With
+// the weight in the L3 (`small`'s projections, called again and again) it is 0.7-0.95x oneDNN's, which left
+// decode steps of `small` unchanged (0.99-1.02x at batch 2-32).
+constexpr int64_t LINEAR_TILE_INPUTS = 32;
+constexpr int64_t LINEAR_TILE_PREFETCH_ROWS = 16;
+
+// rows [g0, g1) of W [N, K] (groups of 16 rows from g0) times n <= LINEAR_TILE_INPUTS inputs `xv` ([Kp/2][n][2]
+// pairs, those past K zero; Kp = K rounded up to 32) -> y[i * ldy + r]. The sums of a group: inputs 0-15 in
+// tiles 0 (even column steps) and 1 (odd), inputs 16-31 in 6 and 7; the rows' steps in tiles 2 / 3 (even /
+// odd), the inputs' in 4 / 5 (even / odd, one half) or 4 / 5 (first / second half).
+__attribute__((target("amx-tile,amx-bf16")))
+void rows_times_inputs_tiles(const uint16_t* w, int64_t N, int64_t K, int64_t g0, int64_t g1, const uint16_t* xv,
+                             int64_t n, float* y, int64_t ldy) {
+  const bool two = n > 16;
+  const int64_t n0 = std::min<int64_t>(n, 16), n1 = n - n0, ldx = n * 4;   // inputs a half; bytes a pair-row
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16;
+  cfg.colsb[0] = cfg.colsb[1] = uint16_t(n0 * 4);
+  cfg.colsb[6] = cfg.colsb[7] = uint16_t((two ? n1 : 16) * 4);
+  cfg.colsb[2] = cfg.colsb[3] = 64;
+  cfg.colsb[4] = uint16_t(n0 * 4);
+  cfg.colsb[5] = uint16_t((two ? n1 : n0) * 4);
+  _tile_loadconfig(&cfg);
+  const int64_t steps = (K + 31) / 32, ldw = K * 2;
+  uint16_t* pad = reinterpret_cast<uint16_t*>(scratch(0, 16 * 32 / 2));   // a step past the rows or K: [16][32]
+  float* cbuf = scratch(4, 4 * 16 * 16);                                  // [4][16 rows][16 inputs]
+  const auto a_step = [&](int64_t r0, int64_t rows, int64_t k) -> const uint16_t* {   // nullptr: read W itself
+    if (rows == 16 && (k + 1) * 32 <= K) return nullptr;
+    const int64_t kk = std::min<int64_t>(32, K - k * 32);
+    for (int64_t r = 0; r < 16; ++r)
+      for (int64_t c = 0; c < 32; ++c) pad[r * 32 + c] = r < rows && c < kk ? w[(r0 + r) * K + k * 32 + c] : 0;
+    return pad;
+  };
+  for (int64_t r0 = g0; r0 < g1; r0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, N - r0);
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) { _tile_zero(6); _tile_zero(7); }
+    for (int64_t k = 0; k < steps; ++k) {
+      if (r0 + 16 + LINEAR_TILE_PREFETCH_ROWS <= N)
+        for (int64_t r = 0; r < 16; ++r) prefetch_l2(w + (r0 + r) * K + k * 32, LINEAR_TILE_PREFETCH_ROWS * ldw);
+      const uint16_t* pa = a_step(r0, rows, k);
+      const uint16_t* b = xv + k * 16 * n * 2;            // the step's 16 input pairs
+      if (k & 1) {
+        if (pa) _tile_loadd(3, pa, 64); else _tile_loadd(3, w + r0 * K + k * 32, ldw);
+        if (two) {
+          _tile_loadd(4, b, ldx);
+          _tile_loadd(5, b + 32, ldx);
+          _tile_dpbf16ps(1, 3, 4);
+          _tile_dpbf16ps(7, 3, 5);
+        } else {
+          _tile_loadd(5, b, ldx);
+          _tile_dpbf16ps(1, 3, 5);
+        }
+      } else {
+        if (pa) _tile_loadd(2, pa, 64); else _tile_loadd(2, w + r0 * K + k * 32, ldw);
+        _tile_loadd(4, b, ldx);
+        _tile_dpbf16ps(0, 2, 4);
+        if (two) {
+          _tile_loadd(5, b + 32, ldx);
+          _tile_dpbf16ps(6, 2, 5);
+        }
+      }
+    }
+    _tile_stored(0, cbuf, 64);
+    _tile_stored(1, cbuf + 256, 64);
+    if (two) { _tile_stored(6, cbuf + 512, 64); _tile_stored(7, cbuf + 768, 64); }
+    for (int64_t i = 0; i < n; ++i) {
+      const float* c = cbuf + (i < 16 ? 0 : 512) + i % 16;
+      for (int64_t r = 0; r < rows; ++r) y[i * ldy + r0 + r] = c[r * 16] + c[256 + r * 16];
+    }
+  }
+  _tile_release();
+  at::native::cpublas::brgemm_release();   // the next oneDNN GEMM of this thread configures its tiles again
+}
+
+// y [M, N] fp32 = x [M, K] · W [N, K]^T for 2 <= M <= LINEAR_TILE_INPUTS, bf16 W and x, K even
+void linear_tiles(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M, float* y) {
+  const int64_t Kp = (K + 31) / 32 * 32;
+  uint32_t* xv = reinterpret_cast<uint32_t*>(shared_scratch(8, M * Kp / 2 + 16));   // [Kp/2][M] pairs
+  for (int64_t t = 0; t < M; ++t) {
+    for (int64_t k = 0; k < K / 2; ++k) xv[k * M + t] = bf16_pair_bits(x + t * K + 2 * k);
+    for (int64_t k = K / 2; k < Kp / 2; ++k) xv[k * M + t] = 0;
+  }
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t s0, int64_t s1) {
+    rows_times_inputs_tiles(w, N, K, s0 * 16, std::min(N, s1 * 16), reinterpret_cast<const uint16_t*>(xv), M, y, N);
+  });
+}
+#endif
 #endif
 
 }  // namespace
@@ -257,8 +354,13 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w, const c10::opt
 #ifdef GD_BF16DOT
   if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && K % 2 == 0 &&
       M >= LINEAR_AMX_MIN_ROWS && amx_tiles_on()) {
-    linear_amx(reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K, reinterpret_cast<const uint16_t*>(x.data_ptr()),
-               M, y);
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+#ifdef GD_AMX_OWN_TILES
+    if (M <= LINEAR_TILE_INPUTS) linear_tiles(wp, N, K, xp, M, y);
+    else
+#endif
+    linear_amx(wp, N, K, xp, M, y);
   } else
 #endif
   if (w.scalar_type() == at::kBFloat16 && pair_tiles(x.scalar_type() == at::kBFloat16, M)) {
