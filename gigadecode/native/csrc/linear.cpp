@@ -249,10 +249,11 @@ void linear_amx(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int6
 // Up to LINEAR_TILE_INPUTS inputs (two tiles' columns) our own tile code streams the weight rows straight onto
 // the tiles: groups of 16 rows, each 64-byte column step of a group one tile, the same line of the next
 // group's rows prefetched as it goes. oneDNN's GEMM over 64-row strips read a weight streamed from memory at
-// about half the bandwidth (24 layers of 20b-shape's qkv and o, 2 threads, 5-16 inputs: 13.0-13.5 GB/s against
-// 24.0-24.2 here and 25.8 for the register tiles at one input; 20b-shape decode steps at batch 8 1.12x). With
-// the weight in the L3 (`small`'s projections, called again and again) it is 0.7-0.95x oneDNN's, which left
-// decode steps of `small` unchanged (0.99-1.02x at batch 2-32).
+// about half the bandwidth (24 layers of 20b-shape's qkv and o, 2 threads, 5 / 8 / 16 inputs: 13.4-13.6 GB/s
+// against 24.9 / 24.4 / 24.3 here and 25.8 for the register tiles at one input; 17 / 32 inputs 22.0 / 20.1
+// against 23.5 / 21.6; 20b-shape decode steps at batch 8 / 32 1.15 / 1.03x). With the weight in the L3
+// (`small`'s projections, called again and again) it is 0.7-0.95x oneDNN's, which left decode steps of
+// `small` unchanged (1.00-1.02x at batch 8-32).
 constexpr int64_t LINEAR_TILE_INPUTS = 32;
 constexpr int64_t LINEAR_TILE_PREFETCH_ROWS = 16;
 
