@@ -229,7 +229,7 @@ void linear_strips_bf16(const uint16_t* w, int64_t N, int64_t K, const float* x,
 // / 8 / 16 inputs 0.89 / 1.26 / 1.44 / 2.59x, its qkv [1536, 1024] 1.58 / 2.01 / 2.48 / 3.66x, 20b-shape
 // projections ([5120, 2880], [2880, 4096], [8192, 2880]) 1.05-1.11 / 1.40-1.45 / 1.69-1.78 / 2.31-2.93x; 2-3
 // inputs 0.87-1.48x; the weights in the L3, called again and again; 2-4 inputs on our own tiles below, weights
-// streamed from memory: 20b-shape decode steps at batch 2 / 4 1.00x). Up to LINEAR_TILE_INPUTS inputs our own
+// streamed from memory: 20b-shape decode steps at batch 2 / 3 / 4 0.98-1.01x). Up to LINEAR_TILE_INPUTS inputs our own
 // tile code (`linear_tiles`) runs them, else oneDNN's GEMM here: the weight's rows its first operand as they are
 // (strips of AMX_STRIP rows), the inputs its pair-interleaved second (laid out once a call); fp32 sums: y [M, N].
 constexpr int64_t LINEAR_AMX_MIN_ROWS = 5;
