@@ -303,6 +303,44 @@ def test_native_all_layers_equals_the_per_op_loop(tmp_path, monkeypatch, dtype, 
     assert (got[act] - want[act]).abs().max() <= 1e-4 * want[act].abs().max()
 
 
+@pytest.mark.skipif(native.amx_tiles() != "on", reason="needs AMX tiles (bf16 projections up to 64 rows)")
+def test_native_all_layers_runs_batches_past_32_on_amx_tiles(tmp_path, monkeypatch):
+    """On AMX tiles the bf16 projections stay on the kernel up to 64 rows (`native.LINEAR_MAX_ROWS_AMX`), so a
+    decode batch of 33-64 runs every layer in one native call too, bit-equal to the per-op loop (which
+    handed those rows to oneDNN's GEMM before, and so did the step)."""
+    from gigadecode.gk import model as gk_model
+    from gigadecode.gk.native_blocks import NATIVE_BLOCKS_PER_OP
+    from gigadecode.kv.manager import KVCacheManager
+    from gigadecode.kv.spec import SlidingWindowSpec
+
+    cfg = preset_config("tiny").with_(num_hidden_layers=2, layer_types=(), sliding_window=8)
+    d = make_checkpoint(tmp_path / "m", cfg=cfg, seed=5)
+    cfg = GptOssConfig.from_hf(d)
+    w = load_weights(d, cfg, torch.bfloat16)
+    kv = KVCache(cfg, EngineConfig(dtype="bfloat16", kv_dtype="fp8", block_size=4), 200)
+    mgr = KVCacheManager(kv.config, 4)
+    lengths = [1 + (7 * i) % 13 for i in range(45)]           # 45 requests in a bucket of 48 (3 padded slots)
+    for i, n in enumerate(lengths):
+        assert mgr.allocate(f"r{i}", n, 0)
+    sliding = [isinstance(grp.spec, SlidingWindowSpec) for grp in kv.config.groups]
+    tables = [mgr.block_tables(f"r{i}") for i in range(len(lengths))]
+    ctl = build_attention_control([n - 1 for n in lengths], tables, sliding, Rope(cfg, torch.float32), 4,
+                                  cfg.sliding_window, batch_bucket=48)
+    gk = GptOssGKDecodeModel(cfg, w, kv.config, 4, kv.k_scale, kv.v_scale, native=True)
+    gk.bind_kv_cache(kv.bind_map())
+    ids = torch.tensor([3 + (5 * i) % 200 for i in range(48)])
+    start = [t.clone() for t in kv.group_bufs]
+    calls = []
+    real = native.gk_decode_layers
+    monkeypatch.setattr(native, "gk_decode_layers", lambda *a: calls.append(1) or real(*a))
+    one_call = gk.decode(ids, ctl)
+    assert calls == [1], "the one-call layer loop did not run at 48 rows"
+    for t, s0 in zip(kv.group_bufs, start):
+        t.copy_(s0)
+    monkeypatch.setattr(gk_model, "NATIVE_BLOCKS", NATIVE_BLOCKS_PER_OP)
+    assert torch.equal(one_call, gk.decode(ids, ctl))
+
+
 @pytest.mark.skipif(not native.available(), reason="native kernels not built")
 def test_native_all_layers_refuses_inconsistent_arguments():
     """The one-call layer loop names what does not fit before any layer runs (and writes KV) instead of reading

@@ -27,14 +27,14 @@ if OPS is None:
 # ---- linear ------------------------------------------------------------------------------------------
 
 # 40, 95, 130: past 32, where CPUs without bf16 GEMMs still take it (AVX2: strips of rows converted once from 40)
-LIN_M = (1, 2, 3, 5, 8, 16, 17, 32, 33, 40, 95, 130)
+LIN_M = (1, 2, 3, 5, 8, 16, 17, 32, 33, 40, 48, 64, 95, 130)
 LIN_N = (1, 3, 33, 130)
 
 
 # bf16 x bf16 under each product form (AVX-512 from 4 rows: the pair tiles, in fp32, unless the form is bf16)
-# (and on AMX tiles from 5 rows, where the CPU has them: K even; 5-32 rows our own tile code, one tile's inputs or
-# two, N = 1, 3, 33, 130: groups of 16 rows and a short one, K = 70, 200: a last step of 32 past K; 33, 40, 95,
-# 130 rows oneDNN's GEMM: blocks of 32 inputs and their tails, strips of 64 rows and a short one)
+# (and on AMX tiles from 5 rows, where the CPU has them: K even; 5-64 rows our own tile code, one to four tiles'
+# inputs, N = 1, 3, 33, 130: groups of 16 rows and a short one, K = 70, 200: a last step of 32 past K; 95, 130
+# rows oneDNN's GEMM: blocks of 32 inputs and their tails, strips of 64 rows and a short one)
 LIN_CASES = [(F32, F32, None)] + [(BF16, BF16, f) for f in ALL_FORMS] + [(F32, BF16, None), (BF16, F32, None)]
 
 
@@ -78,20 +78,21 @@ def test_linear_multithreaded_and_empty():
 @pytest.mark.parametrize("bf16_gemm", [True, False])
 def test_linear_row_limit_follows_the_bf16_gemm(monkeypatch, bf16_gemm):
     """`native.linear` hands rows past its limit to `gemm.linear`: past 32 where the CPU has bf16 GEMMs (or
-    the weight is fp32), past 96 for a bf16 weight where it has none (its GEMM converts the weight first),
-    past 256 there on the AVX2 build (which converts the weight's rows once per strip itself)."""
+    the weight is fp32), past 64 there for bf16 weights and inputs on AMX tiles (our own tile code), past 96
+    for a bf16 weight where it has none (its GEMM converts the weight first), past 256 there on the AVX2 build
+    (which converts the weight's rows once per strip itself)."""
     from gigadecode import gemm
     monkeypatch.setattr(gemm, "BF16_GEMM_IN_BF16", bf16_gemm)
     to_gemm = []
     monkeypatch.setattr(gemm, "linear", lambda x, w, b=None: to_gemm.append(x.shape[0]) or twins.linear(x, w, b))
     g = gen("limit")
     w16, w32 = randn(g, 24, 40, dtype=BF16), randn(g, 24, 40)
-    rows = (32, 33, 96, 97, 256, 257)
+    rows = (32, 33, 64, 65, 96, 97, 256, 257)
     for M in rows:
         x = randn(g, M, 40, dtype=BF16)
         for w in (w16, w32):
             assert_rounded(native.linear(x, w), twins.linear(x.float(), w), 1e-5 * math.sqrt(40))
-    past = 32 if bf16_gemm else 256 if native.isa() == "avx2" else 96
+    past = (64 if native.amx_tiles() == "on" else 32) if bf16_gemm else 256 if native.isa() == "avx2" else 96
     assert to_gemm == [M for M in rows for w_is_16 in (True, False) if M > (past if w_is_16 else 32)]
 
 

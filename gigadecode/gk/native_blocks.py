@@ -56,7 +56,8 @@ def native_all_layers(x: torch.Tensor, W: dict[str, torch.Tensor], k_bufs: tuple
     if not (spec.mxfp4 and native.available()):
         return None
     bt = x.shape[0]
-    if any(bt > native.linear_max_rows(W[n]) for n in ("qkv_w", "o_w", "router_w")):
+    if bt > native.LINEAR_MAX_ROWS and any(bt > native.linear_max_rows(W[n], x.dtype)
+                                           for n in ("qkv_w", "o_w", "router_w")):
         return None
     return native.gk_decode_layers(
         x, [W[n] for n in native.GK_STACKS], k_bufs, v_bufs, spec.layer_buffer, spec.layer_sliding,

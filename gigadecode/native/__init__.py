@@ -123,15 +123,24 @@ LINEAR_MAX_ROWS_BF16_IN_FP32 = 96
 LINEAR_MAX_ROWS_BF16_STRIPS = 256
 
 
-def linear_max_rows(weight: torch.Tensor) -> int:
-    """Up to how many rows `linear` runs the kernel for this weight (past it, `gemm.linear`)."""
+# On AMX tiles (bf16 weight and inputs) the kernel's own tile code keeps a weight streamed from memory at 16-20
+# GB/s up to 64 rows, where oneDNN's GEMM reads it at 11-12.5 (24 layers of 20b-shape's qkv and o, 2 threads,
+# 33 / 48 / 64 rows: 20.4 / 19.4 / 16.4 GB/s against 12.5 / 11.4 / 11.0; at 96 rows even, 10.7 / 10.8).
+LINEAR_MAX_ROWS_AMX = 64
+
+
+def linear_max_rows(weight: torch.Tensor, x_dtype: torch.dtype | None = None) -> int:
+    """Up to how many rows `linear` runs the kernel for this weight and inputs of `x_dtype` (default: the
+    weight's; past it, `gemm.linear`)."""
     if weight.dtype == torch.bfloat16 and not gemm.BF16_GEMM_IN_BF16:
         return LINEAR_MAX_ROWS_BF16_STRIPS if isa() == "avx2" else LINEAR_MAX_ROWS_BF16_IN_FP32
+    if weight.dtype == torch.bfloat16 and (x_dtype or weight.dtype) == torch.bfloat16 and amx_tiles() == "on":
+        return LINEAR_MAX_ROWS_AMX
     return LINEAR_MAX_ROWS
 
 
 def linear(x, weight, bias=None) -> torch.Tensor:
-    if x.shape[0] > linear_max_rows(weight):
+    if x.shape[0] > LINEAR_MAX_ROWS and x.shape[0] > linear_max_rows(weight, x.dtype):
         return gemm.linear(x, weight, bias)
     return _op("linear")(x.contiguous(), weight, bias)
 

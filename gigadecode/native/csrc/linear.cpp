@@ -246,37 +246,45 @@ void linear_amx(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int6
 }
 
 #ifdef GD_AMX_OWN_TILES
-// Up to LINEAR_TILE_INPUTS inputs (two tiles' columns) our own tile code streams the weight rows straight onto
+// Up to LINEAR_TILE_INPUTS inputs (four tiles' columns) our own tile code streams the weight rows straight onto
 // the tiles: groups of 16 rows, each 64-byte column step of a group one tile, the same line of the next
 // group's rows prefetched as it goes. oneDNN's GEMM over 64-row strips read a weight streamed from memory at
 // about half the bandwidth (24 layers of 20b-shape's qkv and o, 2 threads, 5 / 8 / 16 inputs: 13.4-13.6 GB/s
 // against 24.9 / 24.4 / 24.3 here and 25.8 for the register tiles at one input; 17 / 32 inputs 22.0 / 20.1
 // against 23.5 / 21.6; 20b-shape decode steps at batch 8 / 32 1.15 / 1.03x). With the weight in the L3
 // (`small`'s projections, called again and again) it is 0.7-0.95x oneDNN's, which left decode steps of
-// `small` unchanged (1.00-1.02x at batch 8-32).
-constexpr int64_t LINEAR_TILE_INPUTS = 32;
+// `small` unchanged (1.00-1.02x at batch 8-32). 33 / 48 / 64 inputs: 20.4 / 19.4 / 16.4 GB/s against oneDNN's
+// whole GEMM (what Python gave those rows) 12.5 / 11.4 / 11.0; at 96 even (10.7 / 10.8).
+constexpr int64_t LINEAR_TILE_INPUTS = 64;
 constexpr int64_t LINEAR_TILE_PREFETCH_ROWS = 16;
 
-// rows [g0, g1) of W [N, K] (groups of 16 rows from g0) times n <= LINEAR_TILE_INPUTS inputs `xv` ([Kp/2][n][2]
-// pairs, those past K zero; Kp = K rounded up to 32) -> y[i * ldy + r]. The sums of a group: inputs 0-15 in
-// tiles 0 (even column steps) and 1 (odd), inputs 16-31 in 6 and 7; the rows' steps in tiles 2 / 3 (even /
-// odd), the inputs' in 4 / 5 (even / odd, one half) or 4 / 5 (first / second half).
+// rows [g0, g1) of W [N, K] (groups of 16 rows from g0) times n <= LINEAR_TILE_INPUTS inputs `xv` ([Kp/2][ln][2]
+// pairs, ln >= n inputs a pair-row, those past n and past K zero; Kp = K rounded up to 32) -> y[i * ldy + r], in
+// column blocks of 16 inputs. The rows' steps go to tiles 2 / 3 (even / odd steps). One or two blocks: their sums
+// alternate between two tiles each by the step's parity (block 0: 0 / 1, block 1: 6 / 7), so a sum tile waits
+// for its last product every other step only, the inputs' step in 4 / 5 (one block: by parity; two: by block).
+// Three or four blocks (ln = 16 · blocks: every tile 16 inputs wide): one sum tile a block (0, 6, 1, 7), the
+// inputs' steps in 4 / 5 by turns.
 __attribute__((target("amx-tile,amx-bf16")))
 void rows_times_inputs_tiles(const uint16_t* w, int64_t N, int64_t K, int64_t g0, int64_t g1, const uint16_t* xv,
-                             int64_t n, float* y, int64_t ldy) {
-  const bool two = n > 16;
-  const int64_t n0 = std::min<int64_t>(n, 16), n1 = n - n0, ldx = n * 4;   // inputs a half; bytes a pair-row
+                             int64_t n, int64_t ln, float* y, int64_t ldy) {
+  const int nb = int((n + 15) / 16);                      // column blocks
+  const bool alternate = nb <= 2;
+  const uint16_t c0 = uint16_t(std::min<int64_t>(16, n) * 4);
   TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16;
-  cfg.colsb[0] = cfg.colsb[1] = uint16_t(n0 * 4);
-  cfg.colsb[6] = cfg.colsb[7] = uint16_t((two ? n1 : 16) * 4);
-  cfg.colsb[2] = cfg.colsb[3] = 64;
-  cfg.colsb[4] = uint16_t(n0 * 4);
-  cfg.colsb[5] = uint16_t((two ? n1 : n0) * 4);
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;                                    // 16 inputs (or 32 bf16 values) a row
+  }
+  if (alternate) {                                        // bytes a row: 4 an input
+    cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[4] = c0;
+    cfg.colsb[5] = nb == 1 ? c0 : uint16_t((n - 16) * 4);
+    if (nb == 2) cfg.colsb[6] = cfg.colsb[7] = uint16_t((n - 16) * 4);
+  }
   _tile_loadconfig(&cfg);
-  const int64_t steps = (K + 31) / 32, ldw = K * 2;
+  const int64_t steps = (K + 31) / 32, ldw = K * 2, ldx = ln * 4;   // ldx: bytes a pair-row of the inputs
   uint16_t* pad = reinterpret_cast<uint16_t*>(scratch(0, 16 * 32 / 2));   // a step past the rows or K: [16][32]
-  float* cbuf = scratch(4, 4 * 16 * 16);                                  // [4][16 rows][16 inputs]
+  float* cbuf = scratch(4, 4 * 16 * 16);                                  // tiles 0, 1, 6, 7: [16 rows][16]
   const auto a_step = [&](int64_t r0, int64_t rows, int64_t k) -> const uint16_t* {   // nullptr: read W itself
     if (rows == 16 && (k + 1) * 32 <= K) return nullptr;
     const int64_t kk = std::min<int64_t>(32, K - k * 32);
@@ -286,41 +294,46 @@ void rows_times_inputs_tiles(const uint16_t* w, int64_t N, int64_t K, int64_t g0
   };
   for (int64_t r0 = g0; r0 < g1; r0 += 16) {
     const int64_t rows = std::min<int64_t>(16, N - r0);
-    _tile_zero(0);
-    _tile_zero(1);
-    if (two) { _tile_zero(6); _tile_zero(7); }
+    _tile_zero(0); _tile_zero(1); _tile_zero(6); _tile_zero(7);
     for (int64_t k = 0; k < steps; ++k) {
       if (r0 + 16 + LINEAR_TILE_PREFETCH_ROWS <= N)
         for (int64_t r = 0; r < 16; ++r) prefetch_l2(w + (r0 + r) * K + k * 32, LINEAR_TILE_PREFETCH_ROWS * ldw);
       const uint16_t* pa = a_step(r0, rows, k);
-      const uint16_t* b = xv + k * 16 * n * 2;            // the step's 16 input pairs
+      const uint16_t* b = xv + k * 16 * ln * 2;           // the step's 16 input pairs
+      // (the tile intrinsics take their tile numbers as constants: the cases spelled out)
       if (k & 1) {
         if (pa) _tile_loadd(3, pa, 64); else _tile_loadd(3, w + r0 * K + k * 32, ldw);
-        if (two) {
-          _tile_loadd(4, b, ldx);
-          _tile_loadd(5, b + 32, ldx);
-          _tile_dpbf16ps(1, 3, 4);
-          _tile_dpbf16ps(7, 3, 5);
+        if (nb == 1) { _tile_loadd(5, b, ldx); _tile_dpbf16ps(1, 3, 5); }
+        else if (nb == 2) {
+          _tile_loadd(4, b, ldx);       _tile_dpbf16ps(1, 3, 4);
+          _tile_loadd(5, b + 32, ldx);  _tile_dpbf16ps(7, 3, 5);
         } else {
-          _tile_loadd(5, b, ldx);
-          _tile_dpbf16ps(1, 3, 5);
+          _tile_loadd(4, b, ldx);       _tile_dpbf16ps(0, 3, 4);
+          _tile_loadd(5, b + 32, ldx);  _tile_dpbf16ps(6, 3, 5);
+          _tile_loadd(4, b + 64, ldx);  _tile_dpbf16ps(1, 3, 4);
+          if (nb == 4) { _tile_loadd(5, b + 96, ldx); _tile_dpbf16ps(7, 3, 5); }
         }
       } else {
         if (pa) _tile_loadd(2, pa, 64); else _tile_loadd(2, w + r0 * K + k * 32, ldw);
-        _tile_loadd(4, b, ldx);
-        _tile_dpbf16ps(0, 2, 4);
-        if (two) {
-          _tile_loadd(5, b + 32, ldx);
-          _tile_dpbf16ps(6, 2, 5);
-        }
+        _tile_loadd(4, b, ldx);         _tile_dpbf16ps(0, 2, 4);
+        if (nb >= 2) { _tile_loadd(5, b + 32, ldx); _tile_dpbf16ps(6, 2, 5); }
+        if (nb >= 3) { _tile_loadd(4, b + 64, ldx); _tile_dpbf16ps(1, 2, 4); }
+        if (nb == 4) { _tile_loadd(5, b + 96, ldx); _tile_dpbf16ps(7, 2, 5); }
       }
     }
     _tile_stored(0, cbuf, 64);
     _tile_stored(1, cbuf + 256, 64);
-    if (two) { _tile_stored(6, cbuf + 512, 64); _tile_stored(7, cbuf + 768, 64); }
+    _tile_stored(6, cbuf + 512, 64);
+    _tile_stored(7, cbuf + 768, 64);
     for (int64_t i = 0; i < n; ++i) {
-      const float* c = cbuf + (i < 16 ? 0 : 512) + i % 16;
-      for (int64_t r = 0; r < rows; ++r) y[i * ldy + r0 + r] = c[r * 16] + c[256 + r * 16];
+      const int64_t j = i / 16, ii = i % 16;
+      if (alternate) {                                    // block j: tiles 0 + 1 or 6 + 7
+        const float* c = cbuf + j * 512 + ii;
+        for (int64_t r = 0; r < rows; ++r) y[i * ldy + r0 + r] = c[r * 16] + c[256 + r * 16];
+      } else {                                            // block j: tile 0, 6, 1 or 7
+        const float* c = cbuf + (j == 0 ? 0 : j == 1 ? 512 : j == 2 ? 256 : 768) + ii;
+        for (int64_t r = 0; r < rows; ++r) y[i * ldy + r0 + r] = c[r * 16];
+      }
     }
   }
   _tile_release();
@@ -329,14 +342,13 @@ void rows_times_inputs_tiles(const uint16_t* w, int64_t N, int64_t K, int64_t g0
 
 // y [M, N] fp32 = x [M, K] · W [N, K]^T for 2 <= M <= LINEAR_TILE_INPUTS, bf16 W and x, K even
 void linear_tiles(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M, float* y) {
-  const int64_t Kp = (K + 31) / 32 * 32;
-  uint32_t* xv = reinterpret_cast<uint32_t*>(shared_scratch(8, M * Kp / 2 + 16));   // [Kp/2][M] pairs
-  for (int64_t t = 0; t < M; ++t) {
-    for (int64_t k = 0; k < K / 2; ++k) xv[k * M + t] = bf16_pair_bits(x + t * K + 2 * k);
-    for (int64_t k = K / 2; k < Kp / 2; ++k) xv[k * M + t] = 0;
-  }
+  const int64_t Kp = (K + 31) / 32 * 32, ln = M <= 32 ? M : (M + 15) / 16 * 16;   // inputs a pair-row
+  uint32_t* xv = reinterpret_cast<uint32_t*>(shared_scratch(8, ln * Kp / 2 + 16));   // [Kp/2][ln] pairs
+  for (int64_t t = 0; t < ln; ++t)
+    for (int64_t k = 0; k < Kp / 2; ++k) xv[k * ln + t] = t < M && k < K / 2 ? bf16_pair_bits(x + t * K + 2 * k) : 0;
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t s0, int64_t s1) {
-    rows_times_inputs_tiles(w, N, K, s0 * 16, std::min(N, s1 * 16), reinterpret_cast<const uint16_t*>(xv), M, y, N);
+    rows_times_inputs_tiles(w, N, K, s0 * 16, std::min(N, s1 * 16), reinterpret_cast<const uint16_t*>(xv), M, ln,
+                            y, N);
   });
 }
 #endif
