@@ -270,16 +270,16 @@ void rows_times_inputs_tiles(const uint16_t* w, int64_t N, int64_t K, int64_t g0
                              int64_t n, int64_t ln, float* y, int64_t ldy) {
   const int nb = int((n + 15) / 16);                      // column blocks
   const bool alternate = nb <= 2;
-  const uint16_t c0 = uint16_t(std::min<int64_t>(16, n) * 4);
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;                                    // 16 inputs (or 32 bf16 values) a row
   }
-  if (alternate) {                                        // bytes a row: 4 an input
+  if (alternate) {                                        // bytes a row of blocks 0 / 1: 4 an input
+    const uint16_t c0 = uint16_t(std::min<int64_t>(16, n) * 4), c1 = uint16_t(std::max<int64_t>(0, n - 16) * 4);
     cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[4] = c0;
-    cfg.colsb[5] = nb == 1 ? c0 : uint16_t((n - 16) * 4);
-    if (nb == 2) cfg.colsb[6] = cfg.colsb[7] = uint16_t((n - 16) * 4);
+    cfg.colsb[5] = nb == 1 ? c0 : c1;
+    if (nb == 2) cfg.colsb[6] = cfg.colsb[7] = c1;
   }
   _tile_loadconfig(&cfg);
   const int64_t steps = (K + 31) / 32, ldw = K * 2, ldx = ln * 4;   // ldx: bytes a pair-row of the inputs
