@@ -1147,7 +1147,8 @@ def test_requests_around_a_vllm_restart_name_the_process_that_answered_them():
                 assert asyncio.run(send(px.url + "/v1/completions")) == [200] * 40
     finally:
         side.close()
-    named = {name: VllmAgentMetadata.from_payload(VllmSideChannel.payload_of("v", name)).process for name in ("old", "new")}
+    named = {name: VllmAgentMetadata.from_payload(VllmSideChannel.payload_of("v", name)).process
+             for name in ("old", "new")}
     answered_by = [parse_kv_params(body["kv_transfer_params"]) for _, body in dec["bodies"]]
     assert len(answered_by) == 41 and len(arrivals) > 41                    # the 20th at least prefilled again
     assert all(p.producer_process == named[p.remote_request_id] for p in answered_by)

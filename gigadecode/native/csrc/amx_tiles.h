@@ -4,11 +4,12 @@
 // the bottleneck and a tile multiply does ~10x their products a cycle. Two ways onto the tiles:
 // - PyTorch's oneDNN batch-reduce GEMM (`at::native::cpublas::brgemm`: bf16 x bf16 -> fp32, no rounding of the
 //   sums to bf16) for attention, experts with more than AMX_TILE_INPUTS inputs and projections with more than
-//   32: an expert's strip of rows is decoded once (`decode_rows_scaled_bf16`: exact bf16 values in the
-//   128-value chunk order of the bf16 inputs) and multiplied with all its inputs;
+//   64 (linear.cpp `LINEAR_TILE_INPUTS`): an expert's strip of rows is decoded once
+//   (`decode_rows_scaled_bf16`: exact bf16 values in the 128-value chunk order of the bf16 inputs) and
+//   multiplied with all its inputs;
 // - our own tile instructions for experts with fewer (`expert_rows_amx_l1`), whose cost is the decode: each
 //   64-byte chunk of 16 rows goes to an L1 buffer and straight onto the tiles, not to L2 and back; and for
-//   projections with up to 32 inputs (linear.cpp `linear_tiles`), whose weight rows stream straight onto the
+//   projections with up to 64 inputs (linear.cpp `linear_tiles`), whose weight rows stream straight onto the
 //   tiles with a prefetch oneDNN's GEMM does not make.
 // A dot product may take its terms in any order as long as both sides use the same one, so the inputs stay in
 // the chunk order too. The tiles want the second operand pair-interleaved ("VNNI": [K/2][n][2]): that operand

@@ -229,9 +229,10 @@ void linear_strips_bf16(const uint16_t* w, int64_t N, int64_t K, const float* x,
 // / 8 / 16 inputs 0.89 / 1.26 / 1.44 / 2.59x, its qkv [1536, 1024] 1.58 / 2.01 / 2.48 / 3.66x, 20b-shape
 // projections ([5120, 2880], [2880, 4096], [8192, 2880]) 1.05-1.11 / 1.40-1.45 / 1.69-1.78 / 2.31-2.93x; 2-3
 // inputs 0.87-1.48x; the weights in the L3, called again and again; 2-4 inputs on our own tiles below, weights
-// streamed from memory: 20b-shape decode steps at batch 2 / 3 / 4 0.98-1.01x). Up to LINEAR_TILE_INPUTS inputs our own
-// tile code (`linear_tiles`) runs them, else oneDNN's GEMM here: the weight's rows its first operand as they are
-// (strips of AMX_STRIP rows), the inputs its pair-interleaved second (laid out once a call); fp32 sums: y [M, N].
+// streamed from memory: 20b-shape decode steps at batch 2 / 3 / 4 0.98-1.01x). Up to LINEAR_TILE_INPUTS inputs
+// our own tile code (`linear_tiles`) runs them, else oneDNN's GEMM here: the weight's rows its first operand as
+// they are (strips of AMX_STRIP rows), the inputs its pair-interleaved second (laid out once a call); fp32
+// sums: y [M, N].
 constexpr int64_t LINEAR_AMX_MIN_ROWS = 5;
 void linear_amx(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M, float* y) {
   uint16_t* xv = reinterpret_cast<uint16_t*>(shared_scratch(8, M * K / 2 + 16));
@@ -254,7 +255,8 @@ void linear_amx(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int6
 // against 23.5 / 21.6; 20b-shape decode steps at batch 8 / 32 1.15 / 1.03x). With the weight in the L3
 // (`small`'s projections, called again and again) it is 0.7-0.95x oneDNN's, which left decode steps of
 // `small` unchanged (1.00-1.02x at batch 8-32). 33 / 48 / 64 inputs: 20.4 / 19.4 / 16.4 GB/s against oneDNN's
-// whole GEMM (what Python gave those rows) 12.5 / 11.4 / 11.0; at 96 even (10.7 / 10.8).
+// whole GEMM (what Python gave those rows) 12.5 / 11.4 / 11.0; at 96 even (10.7 / 10.8). Python's
+// `native.LINEAR_MAX_ROWS_AMX` keeps those rows on this kernel.
 constexpr int64_t LINEAR_TILE_INPUTS = 64;
 constexpr int64_t LINEAR_TILE_PREFETCH_ROWS = 16;
 
@@ -345,7 +347,8 @@ void linear_tiles(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, in
   const int64_t Kp = (K + 31) / 32 * 32, ln = M <= 32 ? M : (M + 15) / 16 * 16;   // inputs a pair-row
   uint32_t* xv = reinterpret_cast<uint32_t*>(shared_scratch(8, ln * Kp / 2 + 16));   // [Kp/2][ln] pairs
   for (int64_t t = 0; t < ln; ++t)
-    for (int64_t k = 0; k < Kp / 2; ++k) xv[k * ln + t] = t < M && k < K / 2 ? bf16_pair_bits(x + t * K + 2 * k) : 0;
+    for (int64_t k = 0; k < Kp / 2; ++k)
+      xv[k * ln + t] = t < M && k < K / 2 ? bf16_pair_bits(x + t * K + 2 * k) : 0;
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t s0, int64_t s1) {
     rows_times_inputs_tiles(w, N, K, s0 * 16, std::min(N, s1 * 16), reinterpret_cast<const uint16_t*>(xv), M, ln,
                             y, N);
