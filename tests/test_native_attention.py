@@ -18,7 +18,7 @@ from gigadecode import native
 from gigadecode.kv.cache import FP8, token_major_to_packed
 from gigadecode.native import twins
 
-from native_cases import (BF16, F32, KV_FORMS, OPS, assert_rounded, bits, gen, kv_views, make_kv, num_threads,
+from native_cases import (AMX, BF16, F32, KV_FORMS, OPS, assert_rounded, bits, gen, kv_views, make_kv, num_threads,
                           randn)
 
 if OPS is None:
@@ -390,6 +390,49 @@ def test_paged_decode_attention_split_long_context(form, threads):
                 table = make_tables(g, nb, B, pos, active, extra=0)
                 for window in (0, 8 * B + 1, 100):
                     check_attention(g, form, K, V, table, pos, active, 4, window)
+
+
+@pytest.mark.skipif(not AMX, reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize("form", ["fp8-packed", "fp8"])
+@pytest.mark.parametrize("B,d,kv,rep", [(16, 64, 2, 8), (2, 18, 1, 3), (64, 128, 1, 16), (2, 48, 3, 5),
+                                        (32, 200, 2, 7), (4, 130, 2, 1), (8, 16, 1, 2), (256, 32, 1, 4),
+                                        (1, 40, 2, 17)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_decode_attention_fp8_on_amx_tiles(form, B, d, kv, rep, threads):
+    """FP8 KV on AMX tiles (attention_tiles.cpp: up to 16 q heads a kv head; 17 takes the fp32 form) against the
+    twin at the fp32 form's tolerance, and against that form itself, tighter: the same values up to the order of
+    the sums, which differs, so the bits do too (the tiles ran). Head dims 16..200 (padded to 32, several passes of
+    four 16-dim blocks), spans of one block larger than 128 tokens, odd visible counts and windows, block-range
+    splits (one thread and two)."""
+    if form == "fp8-packed" and B % 2:
+        B += 1
+    g = gen("tiles", form, B, d, kv, rep, threads)
+    long = max(700, 3 * B) + int(torch.randint(0, B, (1,), generator=g))
+    pos = [0, B - 1, long, B + 6, 130, 3]
+    active = [True, True, True, True, True, False]
+    nb = sum(p // B + 2 for p in pos) + 4
+    buf, K, V = make_kv(g, form, nb, kv, B, d)
+    table = make_tables(g, nb, B, pos, active)
+    q, sinks = randn(g, len(pos), kv * rep, d, scale=2.0), randn(g, kv * rep)
+    with num_threads(threads):
+        for window in (0, 5, 100):
+            args = (q, K, V, table, torch.tensor(pos), torch.tensor(active), sinks, window, 1 / math.sqrt(d), KS,
+                    VS, F32)
+            outs, before = {}, native.amx_tiles()
+            for mode in ("on", "off"):
+                native.amx_tiles(mode)
+                try:
+                    outs[mode] = OPS.paged_decode_attention(*args)
+                finally:
+                    native.amx_tiles(before)
+            ref = twins.paged_decode_attention(*args)
+            atol = 2e-5 * max(1.0, ref.abs().max().item())
+            for out in outs.values():
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=atol)
+            # closer to each other than to the twin's (its own fp32 order): the parts lose nothing (without
+            # q's or P's last 8 bits the tiles land ~1e-5 away)
+            torch.testing.assert_close(outs["on"], outs["off"], rtol=4e-6, atol=atol / 5)
+            assert torch.equal(outs["on"], outs["off"]) == (rep > 16)
 
 
 @pytest.mark.parametrize("form", KV_FORMS)

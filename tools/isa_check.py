@@ -53,7 +53,9 @@ EMULATED_MACROS = {"__AVX512F__": "GD_EMULATED_AVX512F", "__AVX512BW__": "GD_EMU
                    "__AVX512BF16__": "GD_EMULATED_AVX512BF16"}
 # the AMX build's changes to the sources, each required to apply: AMX present without asking Linux for the tile
 # data (a CPU without AMX refuses), then every PyTorch GEMM call the emulation's
-AMX_PRESENT = ("product_form.cpp", "could_pack(at::kBFloat16) && tile_data_permitted()", "could_pack(at::kBFloat16)")
+AMX_PRESENT = ("product_form.cpp",
+               'could_pack(at::kBFloat16) && tile_data_permitted() &&\n         __builtin_cpu_supports("avx512vbmi")',
+               "could_pack(at::kBFloat16)")
 AMX_RENAME = ("at::native::cpublas::", "gd_amx_emu::")
 # written beside an emulated library once it built and loaded. Its presence, not the library's, says the slot is
 # done: `gigadecode.native` builds a library that does not load (a link cut short by a kill) again itself, from

@@ -83,7 +83,8 @@ def product_form(form: str = "") -> str:
 def amx_tiles(mode: str = "") -> str:
     """Whether bf16 products run on AMX tiles (our own tile code or oneDNN's batch-reduce GEMM, fp32 sums):
     `moe_mxfp4`'s experts with 5 or more bf16 inputs, `linear`'s bf16 weights at 5 rows or more,
-    `prefill_attention`'s scores and P·V: 'on' where the CPU has AMX-BF16 (GIGADECODE_AMX=0 turns it off), 'off',
+    `prefill_attention`'s scores and P·V, `paged_decode_attention`'s over FP8 KV (fp32 values split into three
+    exact bf16 parts): 'on' where the CPU has AMX-BF16 (GIGADECODE_AMX=0 turns it off), 'off',
     or 'unavailable' (no AMX, or a build without bf16 dot products; the twins). `mode` ('auto', 'on' or 'off')
     sets it first; '' only asks."""
     ops = load()

@@ -25,8 +25,8 @@ import torch
 log = logging.getLogger("gigadecode.native")
 
 SRC = Path(__file__).with_name("csrc")
-SOURCES = ("ops.cpp", "moe.cpp", "dequant.cpp", "linear.cpp", "attention.cpp", "rope_norm.cpp", "prefill_attention.cpp",
-           "prefill_attention_f32.cpp", "gk_program.cpp", "product_form.cpp")
+SOURCES = ("ops.cpp", "moe.cpp", "dequant.cpp", "linear.cpp", "attention.cpp", "attention_tiles.cpp", "rope_norm.cpp",
+           "prefill_attention.cpp", "prefill_attention_f32.cpp", "gk_program.cpp", "product_form.cpp")
 ISA_FLAGS = {
     "avx512-bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],

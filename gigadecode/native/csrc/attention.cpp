@@ -12,17 +12,13 @@
 // context parallelism) the merge also gives lse = M + log Σ_s l_s e^{m_s-M}, so ranks holding disjoint
 // parts of a sequence merge their partials exactly, adding the sink once.
 #include "common.h"
+#include "decode_span.h"
 #include "kv_layout.h"
 
 namespace gd {
 
 namespace {
 
-
-struct AttnShape {
-  int64_t Bt, nh, kv, rep, d, B, n_table;
-  bool packed;
-};
 
 // heads one pass of accumulate_v holds in its ACC accumulator registers, at NV = d / W vectors a row
 constexpr int ACC = W == 16 ? 16 : 8;
@@ -104,49 +100,6 @@ void block_scores(const KT* Kb, const float* qs, int64_t t0, int64_t t1, int64_t
       } else {
         for (int i = 0; i < nr; ++i) sc[r * ld + q0 + i - t0] = tok[2 * i] + tok[2 * i + 1];
       }
-    }
-  }
-}
-
-// Tokens scored before one softmax update: the blocks of a span are scored into one row of scores per head,
-// so the update's fixed cost (maxima, a scalar exp, rescaling o) is paid once per ~128 tokens, not per block.
-constexpr int64_t SPAN_TOKENS = 128;
-
-// online softmax over a span's scores sc[r * ld + t] (t < n): e^(s - m) in place, m and l of each head
-// updated in o ([rep][d + 2]: o, m, l) and o rescaled where the maximum moved
-inline void softmax_update(float* sc, int64_t ld, int64_t n, int64_t rep, int64_t d, float* o) {
-  for (int64_t r = 0; r < rep; ++r) {
-    float* sr = sc + r * ld;
-    float* orow = o + r * (d + 2);
-    const float m_old = orow[d];
-    int64_t t = 0;
-    VF mx = vset1(-INFINITY);
-    for (; t + W <= n; t += W) mx = vmax(mx, vload(sr + t));
-    float m_new = std::max(m_old, vmaxall(mx));
-    for (; t < n; ++t) m_new = std::max(m_new, sr[t]);
-    if (m_new == -INFINITY && std::none_of(sr, sr + n, [](float x) { return x != x; })) {
-      // every score so far -inf (an infinite q or k): no key weighs, as in the twin's softmax (the sink, or
-      // nothing, takes it all), not e^(-inf - -inf) = NaN. A NaN score (the maxima drop it) goes on to NaN.
-      std::fill(sr, sr + n, 0.f);
-      continue;
-    }
-    const float corr = std::exp(m_old - m_new);     // 0 on the first span (m_old = -inf)
-    const VF nm = vset1(-m_new);
-    VF ls = vzero();                                // the span's sum of e^(s - m), vector lanes first
-    for (t = 0; t + W <= n; t += W) {
-      const VF e = vexp(vadd(vload(sr + t), nm));
-      vstore(sr + t, e);
-      ls = vadd(ls, e);
-    }
-    float l = vsum(ls);
-    for (; t < n; ++t) l += sr[t] = std::exp(sr[t] - m_new);
-    orow[d] = m_new;
-    orow[d + 1] = orow[d + 1] * corr + l;
-    if (corr != 1.f) {
-      const VF cv = vset1(corr);
-      int64_t j = 0;
-      for (; j + W <= d; j += W) vstore(orow + j, vmul(vload(orow + j), cv));
-      for (; j < d; ++j) orow[j] *= corr;
     }
   }
 }
@@ -264,6 +217,8 @@ void attention_impl(const AttnShape& s, const float* q, const KT* K, const VT* V
   if (groups < 2 * nthreads && max_blocks >= 8) S = std::max<int64_t>(1, std::min((2 * nthreads + groups - 1) / groups, max_blocks / 4));
   const int64_t stride = s.rep * (s.d + 2);
   float* part = shared_scratch(0, base * S * stride);   // [Bt][kv][S] partials
+  // FP8 KV on AMX tiles where the CPU has them (attention_tiles.cpp)
+  const bool tiles = std::is_same_v<KT, uint8_t> && std::is_same_v<VT, uint8_t> && decode_tiles_take(s);
   at::parallel_for(0, groups * S, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (S * (s.kv / G)), h0 = (i / S) % (s.kv / G) * G, sp = i % S;
@@ -278,6 +233,12 @@ void attention_impl(const AttnShape& s, const float* q, const KT* K, const VT* V
             pr[h * S * stride + r * (s.d + 2) + s.d + 1] = 0.f;
           }
         continue;
+      }
+      if constexpr (std::is_same_v<KT, uint8_t> && std::is_same_v<VT, uint8_t>) {
+        if (tiles) {
+          attend_range_tiles(s, q, K, V, table, l0, p, a, e, b, h0, h0 + G, qmul, pr, S * stride);
+          continue;
+        }
       }
       attend_range<KT, VT>(s, q, K, V, table, l0, p, a, e, b, h0, h0 + G, qmul, pr, S * stride);
     }

@@ -85,8 +85,13 @@ bool tile_data_permitted() {
   return ok;
 }
 
-// PyTorch packs bf16 GEMM operands for its batch-reduce GEMM exactly where that GEMM runs on AMX tiles
-bool amx_present() { return at::native::cpublas::could_pack(at::kBFloat16) && tile_data_permitted(); }
+// PyTorch packs bf16 GEMM operands for its batch-reduce GEMM exactly where that GEMM runs on AMX tiles. Our tile
+// code also takes AVX512-VBMI's byte permutes (decode attention's FP8 -> bf16, attention_tiles.cpp), which every
+// CPU with AMX has; a CPU (or VM) that hid them gets the forms without tiles.
+bool amx_present() {
+  return at::native::cpublas::could_pack(at::kBFloat16) && tile_data_permitted() &&
+         __builtin_cpu_supports("avx512vbmi");
+}
 
 std::atomic<int> amx_state{-1};                   // -1: not decided yet; 0 / 1: off / on
 }  // namespace

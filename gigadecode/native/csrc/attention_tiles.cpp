@@ -1,0 +1,376 @@
+// Decode attention's two products on AMX tiles, for FP8 KV (packed or plain K, plain V) on CPUs with AMX-BF16:
+// the form attention.cpp's items take where `decode_tiles_take` says so. The fp32 form spends ~90 instructions
+// a token and kv head (FP8 widened to fp32, an FMA a vector per q head, the score sums reduced across lanes);
+// here tile multiplies do a span's products, and the same values come out:
+// - FP8 -> bf16 is exact (e4m3's 3-bit significand fits bf16's 8; the values / 256, as `kvload`'s), by a
+//   128-entry table of each bf16 byte (`vpermi2b`, two instructions for 64 values);
+// - q · qmul and the probabilities are fp32: each goes on the tiles as three bf16 parts, hi + mid + lo = the
+//   fp32 value exactly (truncations: hi takes the top 8 significant bits, mid the next 8, lo the last 8), so
+//   each product is exact in fp32 and the sums are the fp32 form's up to their order. (bf16 subnormals count
+//   as 0 on the tiles: a part below 2^-126, which weighs nothing beside the scores and P's 1 a span.)
+// Per span of blocks (`SPAN_TOKENS`) and kv head:
+// - scores: the span's visible K rows, one token a row ([n][dp] bf16, dp = d padded to 32; packed K's token
+//   pairs split by a byte permute), times the q parts laid out [dp/2][16 heads][2] -> [16 tokens][16 heads]
+//   sum tiles (two groups of 16 tokens at a time: independent sums), each transposed to the [head][token] rows
+//   `softmax_update` reads;
+// - P · V: the probabilities' parts [16 heads][np] (np = n padded to 32) times the visible V rows
+//   pair-interleaved [np/2][dp][2] -> [16 heads][16 dims] sum tiles, added to o.
+// Only visible tokens enter a tile (a NaN in a row no one sees stays out, as in the fp32 form); padding is
+// zeros. Tiles, all 16 rows x 64 bytes: scores' sums 0 and 5, K rows 1 and 6, q parts 2-4; P·V's sums 0-3
+// (four blocks of 16 dims a pass), P parts 4-6, V 7.
+// The op is bound by fetching the scattered blocks more than by its products: `20b-shape`'s attention alone
+// (8 kv heads of 64 dims, 8 q heads each, blocks of 16, 2 threads) at 4,096 tokens ran 1.16x (batch 32) /
+// 1.21x (batch 8) / 1.20x (batch 1) the fp32 form; without its scores and P · V (the K rows still converted,
+// V still fetched) a batch-32 call took 7.4 of its 15.9 ms. Fetching the next span's blocks a few lines at a
+// time while the tiles work, in place of two blocks ahead: 0.85x (the prefetches wait for fill buffers and
+// hold the tile work behind them); a span's K rows of every kv head at once, read in memory order: no gain
+// (1.05x against 1.10x that hour; the rows of 8 heads no longer stay in L1).
+#include <cstring>
+#include <vector>
+
+#include "amx_tiles.h"
+#include "decode_span.h"
+
+namespace gd {
+
+#if defined(GD_BF16DOT) && defined(GD_AMX_OWN_TILES)
+#define GD_DECODE_TILES 1
+#endif
+
+#ifdef GD_DECODE_TILES
+namespace {
+
+#define GD_TILES_TARGET __attribute__((target("amx-tile,amx-bf16,avx512vbmi")))
+
+// the bf16 bits of e4m3 magnitude code m (0..127) / 256; 127 is NaN
+uint16_t fp8_div256_bf16(int m) {
+  if (m == 127) return 0x7FC0;
+  const int e = m >> 3, f = m & 7;
+  const float v = e ? std::ldexp(1.f + f / 8.f, e - 7 - 8) : std::ldexp(float(f), -9 - 8);
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return uint16_t(u >> 16);                            // exact: at most 4 significant bits
+}
+
+struct Fp8Table {                                      // by magnitude code: high bytes [128], low bytes [128]
+  __m512i hi0, hi1, lo0, lo1;
+};
+const Fp8Table& fp8_table() {
+  static const Fp8Table t = [] {
+    alignas(64) uint8_t hi[128], lo[128];
+    for (int m = 0; m < 128; ++m) {
+      hi[m] = uint8_t(fp8_div256_bf16(m) >> 8);
+      lo[m] = uint8_t(fp8_div256_bf16(m) & 0xFF);
+    }
+    return Fp8Table{_mm512_load_si512(hi), _mm512_load_si512(hi + 64), _mm512_load_si512(lo),
+                    _mm512_load_si512(lo + 64)};
+  }();
+  return t;
+}
+
+// The byte permute that puts 64 values (value u at byte src(u)) where `fp8_words` turns them into words u in
+// order: its unpacks interleave within 128-bit lanes, so lane L's low 8 bytes become words 8L..8L+7 of the first
+// vector and its high 8 bytes words 8L..8L+7 of the second (32 + 8L..)
+template <typename F>
+__m512i unpack_order(F src) {
+  alignas(64) uint8_t idx[64];
+  for (int L = 0; L < 4; ++L)
+    for (int k = 0; k < 8; ++k) {
+      idx[16 * L + k] = uint8_t(src(8 * L + k));
+      idx[16 * L + 8 + k] = uint8_t(src(32 + 8 * L + k));
+    }
+  return _mm512_load_si512(idx);
+}
+
+struct Orders {
+  __m512i plain, pairs, vnni;
+};
+const Orders& orders() {
+  static const Orders o{
+      unpack_order([](int u) { return u; }),                                  // 64 dims of one token
+      unpack_order([](int u) { return u < 32 ? 2 * u : 2 * (u - 32) + 1; }),  // packed [32 dims][2 tokens] -> two rows
+      unpack_order([](int u) { return (u & 1) * 32 + u / 2; })};              // rows a, b (32 dims each) -> [dim][2]
+  return o;
+}
+
+// 64 FP8 bytes, permuted by an `unpack_order` -> 64 bf16 words (w0: words 0..31, w1: 32..63)
+GD_TILES_TARGET inline void fp8_words(__m512i raw, __m512i order, const Fp8Table& t, __m512i& w0, __m512i& w1) {
+  const __m512i x = _mm512_permutexvar_epi8(order, raw);
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, x, t.hi1), x,
+                                               _mm512_set1_epi8(char(0x80)), 0xF8);   // table | sign
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, x, t.lo1);
+  w0 = _mm512_unpacklo_epi8(lo, hi);
+  w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+inline __mmask64 first_bytes(int64_t n) { return n >= 64 ? ~__mmask64(0) : (__mmask64(1) << std::max<int64_t>(n, 0)) - 1; }
+inline __mmask32 first_bytes32(int64_t n) { return n >= 32 ? ~__mmask32(0) : (__mmask32(1) << std::max<int64_t>(n, 0)) - 1; }
+inline __mmask16 first_floats(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1); }
+
+// 16 fp32 -> three bf16 parts whose sum is each value exactly (an infinity: itself, then 0, 0; a NaN: NaN)
+GD_TILES_TARGET inline void split3(__m512 x, __m256i parts[3]) {
+  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
+  const __mmask16 special = _mm512_fpclass_ps_mask(x, 0x99);   // NaN or infinite
+  const __mmask16 nan = _mm512_fpclass_ps_mask(x, 0x81);
+  __m512i hi = _mm512_and_si512(_mm512_castps_si512(x), top);
+  hi = _mm512_mask_mov_epi32(hi, nan, _mm512_set1_epi32(0x7FC00000));   // a truncated NaN could read as inf
+  const __m512 r1 = _mm512_maskz_sub_ps(__mmask16(~special), x, _mm512_castsi512_ps(hi));   // exact
+  const __m512i mid = _mm512_and_si512(_mm512_castps_si512(r1), top);
+  const __m512 lo = _mm512_sub_ps(r1, _mm512_castsi512_ps(mid));         // exact, and exactly a bf16
+  parts[0] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(hi, 16));
+  parts[1] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(mid, 16));
+  parts[2] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16));
+}
+
+// in [16][16] fp32 (64-byte rows) -> out[c] = column c
+GD_TILES_TARGET inline void transpose16(const float* in, __m512 out[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = _mm512_load_ps(in + 32 * i), b = _mm512_load_ps(in + 32 * i + 16);
+    t[2 * i] = _mm512_unpacklo_ps(a, b);              // lane L: a0 b0 a1 b1
+    t[2 * i + 1] = _mm512_unpackhi_ps(a, b);          //         a2 b2 a3 b3
+  }
+  for (int i = 0; i < 4; ++i) {                       // u[4i + k] lane L: column 4L + k of rows 4i..4i+3
+    const __m512d t0 = _mm512_castps_pd(t[4 * i]), t1 = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d t2 = _mm512_castps_pd(t[4 * i + 2]), t3 = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+  }
+  for (int k = 0; k < 4; ++k) {                       // column 4L + k = lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+    const __m512 v0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), v1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88), w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+    out[k] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+    out[8 + k] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
+    out[4 + k] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+    out[12 + k] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
+  }
+}
+
+// one kv head's q · qmul (rep rows of d) -> its three parts as the scores' second operand: part p, K step ks at
+// qh + (p * steps + ks) * 512 words, laid out [16 dim pairs][16 heads][2] (heads >= rep and dims >= d: 0)
+GD_TILES_TARGET void q_parts(const float* qk, int64_t rep, int64_t d, int64_t dp, float qmul, uint16_t* qh) {
+  const int64_t steps = dp / 32;
+  alignas(32) uint32_t pairs[3][8];
+  for (int64_t r = 0; r < 16; ++r)
+    for (int64_t j0 = 0; j0 < dp; j0 += 16) {
+      const __m512 x = r < rep ? _mm512_mul_ps(_mm512_maskz_loadu_ps(first_floats(d - j0), qk + r * d + j0),
+                                               _mm512_set1_ps(qmul))
+                               : _mm512_setzero_ps();
+      __m256i parts[3];
+      split3(x, parts);
+      const int64_t ks = j0 / 32, p0 = (j0 % 32) / 2;   // dims j0 + 2m, + 1 are pair p0 + m of step ks
+      for (int p = 0; p < 3; ++p) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[p]), parts[p]);
+        uint32_t* tile = reinterpret_cast<uint32_t*>(qh + (p * steps + ks) * 512);
+        for (int m = 0; m < 8; ++m) tile[(p0 + m) * 16 + r] = pairs[p][m];
+      }
+    }
+}
+
+// visible tokens [t0, t1] of one block's K (kb: the block's rows of this kv head) -> bf16 rows at `ab` (dp words
+// a row)
+GD_TILES_TARGET void k_rows(const uint8_t* kb, bool packed, int64_t t0, int64_t t1, int64_t d, int64_t dp,
+                            const Fp8Table& tb, const Orders& od, uint16_t* ab) {
+  __m512i w0, w1;
+  if (packed) {                                        // [B/2][d][2]: a pair row of 2d bytes
+    for (int64_t p = t0 / 2; p <= t1 / 2; ++p)
+      for (int64_t c = 0; c < d; c += 32) {            // dims c.. of tokens 2p (w0) and 2p + 1 (w1)
+        fp8_words(_mm512_maskz_loadu_epi8(first_bytes(2 * (d - c)), kb + p * 2 * d + 2 * c), od.pairs, tb, w0, w1);
+        if (2 * p >= t0) _mm512_storeu_si512(ab + (2 * p - t0) * dp + c, w0);
+        if (2 * p + 1 <= t1) _mm512_storeu_si512(ab + (2 * p + 1 - t0) * dp + c, w1);
+      }
+    return;
+  }
+  for (int64_t t = t0; t <= t1; ++t)
+    for (int64_t c = 0; c < d; c += 64) {
+      fp8_words(_mm512_maskz_loadu_epi8(first_bytes(d - c), kb + t * d + c), od.plain, tb, w0, w1);
+      _mm512_storeu_si512(ab + (t - t0) * dp + c, w0);
+      if (c + 32 < dp) _mm512_storeu_si512(ab + (t - t0) * dp + c + 32, w1);
+    }
+}
+
+// V rows a, b (either null: zeros) -> one pair row [dp][2] of bf16 words
+GD_TILES_TARGET void v_pair(const uint8_t* a, const uint8_t* b, int64_t d, int64_t dp, const Fp8Table& tb,
+                            const Orders& od, uint16_t* row) {
+  __m512i w0, w1;
+  for (int64_t c = 0; c < dp; c += 32) {
+    const __mmask32 m = first_bytes32(d - c);
+    const __m256i x = a ? _mm256_maskz_loadu_epi8(m, a + c) : _mm256_setzero_si256();
+    const __m256i y = b ? _mm256_maskz_loadu_epi8(m, b + c) : _mm256_setzero_si256();
+    fp8_words(_mm512_inserti64x4(_mm512_castsi256_si512(x), y, 1), od.vnni, tb, w0, w1);
+    _mm512_storeu_si512(row + 2 * c, w0);
+    _mm512_storeu_si512(row + 2 * c + 32, w1);
+  }
+}
+
+// sums of one pass of P · V: tiles 0..nb-1 (nb <= 4) += P parts (tiles 4-6) times V's 16-dim blocks cb0..
+#define GD_PV_BLOCK(T)                                                         \
+  if (nb > T) {                                                                \
+    _tile_loadd(7, vk + (cb0 + T) * 32, vstride);                              \
+    _tile_dpbf16ps(T, 4, 7);                                                   \
+    _tile_dpbf16ps(T, 5, 7);                                                   \
+    _tile_dpbf16ps(T, 6, 7);                                                   \
+  }
+
+}  // namespace
+
+// up to 16 q heads a kv head (the score tile's columns, the P tile's rows); AMX tiles on (product_form.cpp: the
+// CPU has AMX-BF16 and VBMI, and GIGADECODE_AMX is not 0)
+bool decode_tiles_take(const AttnShape& s) { return s.rep <= 16 && amx_tiles_on(); }
+
+GD_TILES_TARGET
+void attend_range_tiles(const AttnShape& s, const float* q, const uint8_t* K, const uint8_t* V, const int64_t* table,
+                        int64_t lo, int64_t pos, int64_t jb0, int64_t jb1, int64_t b, int64_t h0, int64_t h1,
+                        float qmul, float* part, int64_t stride) {
+  const int64_t rep = s.rep, d = s.d, B = s.B, kv = s.kv, G = h1 - h0;
+  const int64_t dp = (d + 31) / 32 * 32, steps = dp / 32, qwords = 3 * steps * 512;
+  const int64_t span_blocks = std::max<int64_t>(1, SPAN_TOKENS / B), cap = span_blocks * B;
+  const int64_t ld = (cap + 31) / 32 * 32, npmax = ld;
+  const Fp8Table& tb = fp8_table();
+  const Orders& od = orders();
+  uint16_t* qb = reinterpret_cast<uint16_t*>(scratch(0, G * qwords / 2));
+  float* sc = scratch(1, rep * ld);                                 // scores, then P, of a span [rep][ld]
+  const int64_t ab_words = ld * dp, pb_words = 3 * 16 * npmax, vb_words = npmax * dp;   // multiples of 32
+  uint16_t* ab = reinterpret_cast<uint16_t*>(scratch(3, (ab_words + pb_words + vb_words) / 2 + 512 + 16 * dp));
+  uint16_t* pb = ab + ab_words;                                     // P parts [3][16][np]
+  uint16_t* vb = pb + pb_words;                                     // V pairs [np/2][dp][2]
+  float* cbuf = reinterpret_cast<float*>(vb + vb_words);            // two score tiles [2][16][16]
+  float* obuf = cbuf + 512;                                         // a span's P · V [16][dp]
+  thread_local std::vector<const uint8_t*> vrow_buf;                // the span's visible V rows
+  if (int64_t(vrow_buf.size()) < cap) vrow_buf.resize(cap);
+  const uint8_t** vrows = vrow_buf.data();
+
+  for (int64_t h = h0; h < h1; ++h) {
+    q_parts(q + (b * s.nh + h * rep) * d, rep, d, dp, qmul, qb + (h - h0) * qwords);
+    float* o = part + (h - h0) * stride;                            // [rep][d + 2]: o, then m, l
+    for (int64_t r = 0; r < rep; ++r) {
+      std::fill(o + r * (d + 2), o + r * (d + 2) + d, 0.f);
+      o[r * (d + 2) + d] = -INFINITY;
+      o[r * (d + 2) + d + 1] = 0.f;
+    }
+  }
+  for (int p = 0; p < 3; ++p) std::fill(pb + (p * 16 + rep) * npmax, pb + (p + 1) * 16 * npmax, uint16_t(0));
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  auto in_block = [&](int64_t jb, int64_t& t0, int64_t& t1) {   // block jb's visible in-block range [t0, t1]
+    t0 = std::max(lo, jb * B) - jb * B;
+    t1 = std::min(pos, jb * B + B - 1) - jb * B;
+    return t1 - t0 + 1;
+  };
+  const int64_t cblocks = (d + 15) / 16;
+  for (int64_t j0 = jb0; j0 <= jb1; j0 += span_blocks) {
+    const int64_t j1 = std::min(jb1, j0 + span_blocks - 1);
+    for (int64_t h = h0; h < h1; ++h) {
+      const uint16_t* qh = qb + (h - h0) * qwords;
+      float* o = part + (h - h0) * stride;
+      int64_t n = 0;                                                // the span's visible tokens
+      for (int64_t jb = j0; jb <= j1; ++jb) {
+        int64_t t0, t1;
+        const int64_t nt = in_block(jb, t0, t1);
+        if (nt <= 0) continue;
+        if (jb + 2 <= jb1) {                                        // blocks are scattered: fetch two ahead
+          const int64_t nxt = table[b * s.n_table + jb + 2];
+          prefetch_rows(K + (nxt * kv + h) * B * d, B * d);
+          prefetch_rows(V + (nxt * kv + h) * B * d, B * d);
+        }
+        const int64_t bid = table[b * s.n_table + jb];
+        k_rows(K + (bid * kv + h) * B * d, s.packed, t0, t1, d, dp, tb, od, ab + n * dp);
+        const uint8_t* vr = V + (bid * kv + h) * B * d;
+        for (int64_t t = t0; t <= t1; ++t) vrows[n + t - t0] = vr + t * d;
+        n += nt;
+      }
+      if (n == 0) continue;
+      // scores: the (hi + mid + lo) parts of q summed in the tiles
+      for (int64_t g0 = 0; g0 < n; g0 += 32) {       // two groups of 16 tokens: two independent sums
+        const bool two = g0 + 16 < n;
+        _tile_zero(0);
+        _tile_zero(5);
+        for (int64_t ks = 0; ks < steps; ++ks) {
+          _tile_loadd(1, ab + g0 * dp + ks * 32, dp * 2);
+          _tile_loadd(6, ab + (g0 + 16) * dp + ks * 32, dp * 2);
+          _tile_loadd(2, qh + ks * 512, 64);
+          _tile_dpbf16ps(0, 1, 2);
+          if (two) _tile_dpbf16ps(5, 6, 2);
+          _tile_loadd(3, qh + (steps + ks) * 512, 64);
+          _tile_dpbf16ps(0, 1, 3);
+          if (two) _tile_dpbf16ps(5, 6, 3);
+          _tile_loadd(4, qh + (2 * steps + ks) * 512, 64);
+          _tile_dpbf16ps(0, 1, 4);
+          if (two) _tile_dpbf16ps(5, 6, 4);
+        }
+        _tile_stored(0, cbuf, 64);
+        if (two) _tile_stored(5, cbuf + 256, 64);
+        for (int g = 0; g < (two ? 2 : 1); ++g) {
+          __m512 cols[16];
+          transpose16(cbuf + 256 * g, cols);
+          for (int64_t r = 0; r < rep; ++r) _mm512_storeu_ps(sc + r * ld + g0 + 16 * g, cols[r]);   // ld: whole 16s
+        }
+      }
+      softmax_update(sc, ld, n, rep, d, o);
+      // P's parts [3][16][npmax] (rows past rep: zeros since the item's start) and V's pairs
+      const int64_t np = (n + 31) / 32 * 32;
+      for (int64_t r = 0; r < rep; ++r)
+        for (int64_t t = 0; t < np; t += 16) {
+          __m256i parts[3];
+          split3(_mm512_maskz_loadu_ps(first_floats(n - t), sc + r * ld + t), parts);
+          for (int p = 0; p < 3; ++p)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(pb + (p * 16 + r) * npmax + t), parts[p]);
+        }
+      for (int64_t i = 0; i < np / 2; ++i)
+        v_pair(2 * i < n ? vrows[2 * i] : nullptr, 2 * i + 1 < n ? vrows[2 * i + 1] : nullptr, d, dp, tb, od,
+               vb + i * dp * 2);
+      // P · V in passes of four 16-dim blocks
+      const int64_t vstride = dp * 4;                               // bytes a V pair row
+      for (int64_t cb0 = 0; cb0 < cblocks; cb0 += 4) {
+        const int64_t nb = std::min<int64_t>(4, cblocks - cb0);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t ks = 0; ks < np / 32; ++ks) {
+          _tile_loadd(4, pb + ks * 32, npmax * 2);
+          _tile_loadd(5, pb + 16 * npmax + ks * 32, npmax * 2);
+          _tile_loadd(6, pb + 32 * npmax + ks * 32, npmax * 2);
+          const uint16_t* vk = vb + ks * 16 * dp * 2;
+          GD_PV_BLOCK(0)
+          GD_PV_BLOCK(1)
+          GD_PV_BLOCK(2)
+          GD_PV_BLOCK(3)
+        }
+        _tile_stored(0, obuf + cb0 * 16, dp * 4);
+        if (nb > 1) _tile_stored(1, obuf + cb0 * 16 + 16, dp * 4);
+        if (nb > 2) _tile_stored(2, obuf + cb0 * 16 + 32, dp * 4);
+        if (nb > 3) _tile_stored(3, obuf + cb0 * 16 + 48, dp * 4);
+      }
+      for (int64_t r = 0; r < rep; ++r) {
+        float* orow = o + r * (d + 2);
+        const float* src = obuf + r * dp;
+        for (int64_t j = 0; j < d; j += 16) {
+          const __mmask16 m = first_floats(d - j);
+          _mm512_mask_storeu_ps(orow + j, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, orow + j),
+                                                           _mm512_maskz_loadu_ps(m, src + j)));
+        }
+      }
+    }
+  }
+  _tile_release();
+  at::native::cpublas::brgemm_release();   // the next oneDNN GEMM of this thread configures its tiles again
+}
+
+#else   // no tile code in this build
+
+bool decode_tiles_take(const AttnShape&) { return false; }
+void attend_range_tiles(const AttnShape&, const float*, const uint8_t*, const uint8_t*, const int64_t*, int64_t,
+                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, int64_t) {
+  TORCH_CHECK(false, "attend_range_tiles: not in this build");
+}
+
+#endif
+
+}  // namespace gd
