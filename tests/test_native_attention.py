@@ -394,16 +394,17 @@ def test_paged_decode_attention_split_long_context(form, threads):
 
 @pytest.mark.skipif(not AMX, reason="no AMX tiles on this CPU")
 @pytest.mark.parametrize("form", ["fp8-packed", "fp8"])
-@pytest.mark.parametrize("B,d,kv,rep", [(16, 64, 2, 8), (2, 18, 1, 3), (64, 128, 1, 16), (2, 48, 3, 5),
-                                        (32, 200, 2, 7), (4, 130, 2, 1), (8, 16, 1, 2), (256, 32, 1, 4),
-                                        (1, 40, 2, 17)])
+@pytest.mark.parametrize("B,d,kv,rep", [(16, 64, 2, 8), (2, 18, 1, 3), (64, 128, 1, 8), (2, 48, 3, 5),
+                                        (32, 100, 2, 7), (8, 16, 1, 2), (256, 32, 1, 4), (4, 130, 2, 1),
+                                        (1, 40, 2, 9)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_paged_decode_attention_fp8_on_amx_tiles(form, B, d, kv, rep, threads):
-    """FP8 KV on AMX tiles (attention_tiles.cpp: up to 16 q heads a kv head; 17 takes the fp32 form) against the
-    twin at the fp32 form's tolerance, and against that form itself, tighter: the same values up to the order of
-    the sums, which differs, so the bits do too (the tiles ran). Head dims 16..200 (padded to 32, several passes of
-    four 16-dim blocks), spans of one block larger than 128 tokens, odd visible counts and windows, block-range
-    splits (one thread and two)."""
+    """FP8 KV on AMX tiles (attention_tiles.cpp: up to 8 q heads a kv head; the last shape takes the fp32 form)
+    against the twin at the fp32 form's tolerance, and against that form itself, tighter: the scores are its
+    values up to the order of the sums and P carries 17 significant bits, so the two differ by at most ~2^-17 of
+    the output's size, and the bits differ (the tiles ran). Head dims 16..130 (padded to 32; 130: nine 16-dim
+    blocks, three passes of P · V), spans of one block larger than 128 tokens, odd visible counts and windows,
+    block-range splits (one thread and two)."""
     if form == "fp8-packed" and B % 2:
         B += 1
     g = gen("tiles", form, B, d, kv, rep, threads)
@@ -426,13 +427,24 @@ def test_paged_decode_attention_fp8_on_amx_tiles(form, B, d, kv, rep, threads):
                 finally:
                     native.amx_tiles(before)
             ref = twins.paged_decode_attention(*args)
-            atol = 2e-5 * max(1.0, ref.abs().max().item())
+            size = max(1.0, ref.abs().max().item())
             for out in outs.values():
-                torch.testing.assert_close(out, ref, rtol=1e-5, atol=atol)
-            # closer to each other than to the twin's (its own fp32 order): the parts lose nothing (without
-            # q's or P's last 8 bits the tiles land ~1e-5 away)
-            torch.testing.assert_close(outs["on"], outs["off"], rtol=4e-6, atol=atol / 5)
-            assert torch.equal(outs["on"], outs["off"]) == (rep > 16)
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5 * size)
+            # without P's last 8 of its 17 bits, the tiles land ~1e-3 of the size away
+            torch.testing.assert_close(outs["on"], outs["off"], rtol=0, atol=2.0 ** -16 * size)
+            assert torch.equal(outs["on"], outs["off"]) == (rep > 8)
+        # the scores themselves, through the partial op's log-sum-exp: the same up to fp32 rounding (q's parts
+        # without its last 8 bits move it ~1e-5)
+        first = torch.tensor([0, 0, long // 3, 2, 0, 0])
+        lses = {}
+        for mode in ("on", "off"):
+            native.amx_tiles(mode)
+            try:
+                lses[mode] = OPS.paged_decode_attention_partial(q, K, V, table, torch.tensor(pos), first,
+                                                                 torch.tensor(active), 1 / math.sqrt(d), KS, VS)[1]
+            finally:
+                native.amx_tiles(before)
+        torch.testing.assert_close(lses["on"], lses["off"], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("form", KV_FORMS)

@@ -1,30 +1,34 @@
 // Decode attention's two products on AMX tiles, for FP8 KV (packed or plain K, plain V) on CPUs with AMX-BF16:
-// the form attention.cpp's items take where `decode_tiles_take` says so. The fp32 form spends ~90 instructions
-// a token and kv head (FP8 widened to fp32, an FMA a vector per q head, the score sums reduced across lanes);
-// here tile multiplies do a span's products, and the same values come out:
+// the form attention.cpp's items take where `decode_tiles_take` says so (up to 8 q heads a kv head). The fp32
+// form spends ~90 instructions a token and kv head (FP8 widened to fp32, an FMA a vector per q head, the score
+// sums reduced across lanes); here tile multiplies do a span's products:
 // - FP8 -> bf16 is exact (e4m3's 3-bit significand fits bf16's 8; the values / 256, as `kvload`'s), by a
 //   128-entry table of each bf16 byte (`vpermi2b`, two instructions for 64 values);
-// - q · qmul and the probabilities are fp32: each goes on the tiles as three bf16 parts, hi + mid + lo = the
-//   fp32 value exactly (truncations: hi takes the top 8 significant bits, mid the next 8, lo the last 8), so
-//   each product is exact in fp32 and the sums are the fp32 form's up to their order. (bf16 subnormals count
-//   as 0 on the tiles: a part below 2^-126, which weighs nothing beside the scores and P's 1 a span.)
+// - q · qmul goes on the tiles as three bf16 parts, hi + mid + lo = the fp32 value exactly (truncations: hi the
+//   top 8 significant bits, mid the next 8, lo the last 8), so each product is exact in fp32 and the scores are
+//   the fp32 form's up to the order of their sums;
+// - the probabilities as two parts, hi (truncated) + mid (the rest rounded): 17 significant bits, so P · V is
+//   within ~2^-17 of the output's size of the fp32 form's (the FP8 values P weighs carry 4);
+// - bf16 subnormals count as 0 on the tiles: a part below 2^-126, which weighs nothing beside the rest.
 // Per span of blocks (`SPAN_TOKENS`) and kv head:
 // - scores: the span's visible K rows, one token a row ([n][dp] bf16, dp = d padded to 32; packed K's token
-//   pairs split by a byte permute), times the q parts laid out [dp/2][16 heads][2] -> [16 tokens][16 heads]
-//   sum tiles (two groups of 16 tokens at a time: independent sums), each transposed to the [head][token] rows
-//   `softmax_update` reads;
-// - P · V: the probabilities' parts [16 heads][np] (np = n padded to 32) times the visible V rows
-//   pair-interleaved [np/2][dp][2] -> [16 heads][16 dims] sum tiles, added to o.
+//   pairs split by a byte permute), times q's parts laid out [dp/2][16][2] (hi in column r, mid in 8 + r, lo
+//   in a second tile's column r) -> [16 tokens][16] sum tiles, two groups of 16 tokens at a time (independent
+//   sums), each transposed to the [head][token] rows `softmax_update` reads, columns r and 8 + r added;
+// - P · V: P's parts [16][np] (hi in row r, mid in row 8 + r; np = n padded to 32) times the visible V rows
+//   pair-interleaved [np/2][dp][2] -> [16][16 dims] sum tiles, rows r and 8 + r added into o.
 // Only visible tokens enter a tile (a NaN in a row no one sees stays out, as in the fp32 form); padding is
-// zeros. Tiles, all 16 rows x 64 bytes: scores' sums 0 and 5, K rows 1 and 6, q parts 2-4; P·V's sums 0-3
-// (four blocks of 16 dims a pass), P parts 4-6, V 7.
-// The op is bound by fetching the scattered blocks more than by its products: `20b-shape`'s attention alone
-// (8 kv heads of 64 dims, 8 q heads each, blocks of 16, 2 threads) at 4,096 tokens ran 1.16x (batch 32) /
-// 1.21x (batch 8) / 1.20x (batch 1) the fp32 form; without its scores and P · V (the K rows still converted,
-// V still fetched) a batch-32 call took 7.4 of its 15.9 ms. Fetching the next span's blocks a few lines at a
-// time while the tiles work, in place of two blocks ahead: 0.85x (the prefetches wait for fill buffers and
-// hold the tile work behind them); a span's K rows of every kv head at once, read in memory order: no gain
-// (1.05x against 1.10x that hour; the rows of 8 heads no longer stay in L1).
+// zeros. A tile load waits for the stores that wrote its rows, so the (span, kv head) steps are pipelined: the
+// next step's K rows and V pairs are written (into the other of two buffers) while this step's tiles work.
+// `20b-shape`'s attention alone (8 kv heads of 64 dims, 8 q heads each, blocks of 16, 2 threads, random
+// blocks), against the fp32 form in the same process: 4,096 tokens at batch 32 / 8 / 1 1.21 / 1.29 / 1.32x,
+// 256 tokens at batch 32 / 8 1.28 / 1.26x, a 128-token window 1.17x; over 64 blocks in cache 1.40x. Measured
+// and dropped: this file's first form (three parts for P too, each part a product of its own into the same sums,
+// no pipeline: 1.16 / 1.21x at 4,096 tokens);
+// the next span's blocks fetched a few lines at a time while the tiles work, in place of two blocks ahead
+// (0.85x: the prefetches wait for fill buffers and hold the tile work behind them); a span's K rows of every
+// kv head at once, read in memory order (no gain: the rows of 8 heads no longer stay in L1); P · V in passes
+// of two 16-dim blocks with their own V tiles (1.00x).
 #include <cstring>
 #include <vector>
 
@@ -103,23 +107,27 @@ GD_TILES_TARGET inline void fp8_words(__m512i raw, __m512i order, const Fp8Table
   w1 = _mm512_unpackhi_epi8(lo, hi);
 }
 
-inline __mmask64 first_bytes(int64_t n) { return n >= 64 ? ~__mmask64(0) : (__mmask64(1) << std::max<int64_t>(n, 0)) - 1; }
-inline __mmask32 first_bytes32(int64_t n) { return n >= 32 ? ~__mmask32(0) : (__mmask32(1) << std::max<int64_t>(n, 0)) - 1; }
-inline __mmask16 first_floats(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1); }
+// masks of the first n lanes (n <= 0: none)
+inline __mmask64 first_bytes(int64_t n) {
+  return n >= 64 ? ~__mmask64(0) : (__mmask64(1) << std::max<int64_t>(n, 0)) - 1;
+}
+inline __mmask32 first_bytes32(int64_t n) {
+  return n >= 32 ? ~__mmask32(0) : (__mmask32(1) << std::max<int64_t>(n, 0)) - 1;
+}
+inline __mmask16 first_floats(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1);
+}
 
-// 16 fp32 -> three bf16 parts whose sum is each value exactly (an infinity: itself, then 0, 0; a NaN: NaN)
-GD_TILES_TARGET inline void split3(__m512 x, __m256i parts[3]) {
-  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
+// 16 fp32 -> two bf16 parts, hi (the value truncated to bf16) and mid (the rest rounded to bf16): hi + mid is
+// the value to 17 significant bits (an infinity: itself, then 0; a NaN: NaN)
+GD_TILES_TARGET inline void split2(__m512 x, __m256i& hi16, __m256i& mid16) {
   const __mmask16 special = _mm512_fpclass_ps_mask(x, 0x99);   // NaN or infinite
   const __mmask16 nan = _mm512_fpclass_ps_mask(x, 0x81);
-  __m512i hi = _mm512_and_si512(_mm512_castps_si512(x), top);
+  __m512i hi = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int(0xFFFF0000u)));
   hi = _mm512_mask_mov_epi32(hi, nan, _mm512_set1_epi32(0x7FC00000));   // a truncated NaN could read as inf
-  const __m512 r1 = _mm512_maskz_sub_ps(__mmask16(~special), x, _mm512_castsi512_ps(hi));   // exact
-  const __m512i mid = _mm512_and_si512(_mm512_castps_si512(r1), top);
-  const __m512 lo = _mm512_sub_ps(r1, _mm512_castsi512_ps(mid));         // exact, and exactly a bf16
-  parts[0] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(hi, 16));
-  parts[1] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(mid, 16));
-  parts[2] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16));
+  const __m512 rest = _mm512_maskz_sub_ps(__mmask16(~special), x, _mm512_castsi512_ps(hi));   // exact
+  hi16 = _mm512_cvtepi32_epi16(_mm512_srli_epi32(hi, 16));
+  mid16 = (__m256i)_mm512_cvtneps_pbh(rest);
 }
 
 // in [16][16] fp32 (64-byte rows) -> out[c] = column c
@@ -140,7 +148,8 @@ GD_TILES_TARGET inline void transpose16(const float* in, __m512 out[16]) {
   }
   for (int k = 0; k < 4; ++k) {                       // column 4L + k = lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
     const __m512 v0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), v1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
-    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88), w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
     out[k] = _mm512_shuffle_f32x4(v0, w0, 0x88);
     out[8 + k] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
     out[4 + k] = _mm512_shuffle_f32x4(v1, w1, 0x88);
@@ -148,23 +157,34 @@ GD_TILES_TARGET inline void transpose16(const float* in, __m512 out[16]) {
   }
 }
 
-// one kv head's q · qmul (rep rows of d) -> its three parts as the scores' second operand: part p, K step ks at
-// qh + (p * steps + ks) * 512 words, laid out [16 dim pairs][16 heads][2] (heads >= rep and dims >= d: 0)
+// one kv head's q · qmul (rep <= 8 rows of d) as three bf16 parts whose sum is each value exactly -> the
+// scores' second operands, two tiles a K step ks at qh + ks * 1024 words, each [16 dim pairs][16 columns][2]:
+// the first with the hi part of head r in column r and its mid part in column 8 + r, the second with its lo part
+// in column r (others and dims >= d: 0), so a score tile's columns r and 8 + r add up to head r's scores
 GD_TILES_TARGET void q_parts(const float* qk, int64_t rep, int64_t d, int64_t dp, float qmul, uint16_t* qh) {
-  const int64_t steps = dp / 32;
+  std::fill(qh, qh + dp / 32 * 1024, uint16_t(0));
+  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
   alignas(32) uint32_t pairs[3][8];
-  for (int64_t r = 0; r < 16; ++r)
-    for (int64_t j0 = 0; j0 < dp; j0 += 16) {
-      const __m512 x = r < rep ? _mm512_mul_ps(_mm512_maskz_loadu_ps(first_floats(d - j0), qk + r * d + j0),
-                                               _mm512_set1_ps(qmul))
-                               : _mm512_setzero_ps();
-      __m256i parts[3];
-      split3(x, parts);
-      const int64_t ks = j0 / 32, p0 = (j0 % 32) / 2;   // dims j0 + 2m, + 1 are pair p0 + m of step ks
-      for (int p = 0; p < 3; ++p) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[p]), parts[p]);
-        uint32_t* tile = reinterpret_cast<uint32_t*>(qh + (p * steps + ks) * 512);
-        for (int m = 0; m < 8; ++m) tile[(p0 + m) * 16 + r] = pairs[p][m];
+  for (int64_t r = 0; r < rep; ++r)
+    for (int64_t j0 = 0; j0 < d; j0 += 16) {
+      const __m512 x =
+          _mm512_mul_ps(_mm512_maskz_loadu_ps(first_floats(d - j0), qk + r * d + j0), _mm512_set1_ps(qmul));
+      const __mmask16 special = _mm512_fpclass_ps_mask(x, 0x99), nan = _mm512_fpclass_ps_mask(x, 0x81);
+      __m512i hi = _mm512_and_si512(_mm512_castps_si512(x), top);   // truncations: exact remainders
+      hi = _mm512_mask_mov_epi32(hi, nan, _mm512_set1_epi32(0x7FC00000));
+      const __m512 r1 = _mm512_maskz_sub_ps(__mmask16(~special), x, _mm512_castsi512_ps(hi));
+      const __m512i mid = _mm512_and_si512(_mm512_castps_si512(r1), top);
+      const __m512 lo = _mm512_sub_ps(r1, _mm512_castsi512_ps(mid));   // exactly a bf16
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[0]), _mm512_cvtepi32_epi16(_mm512_srli_epi32(hi, 16)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[1]), _mm512_cvtepi32_epi16(_mm512_srli_epi32(mid, 16)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[2]),
+                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16)));
+      uint32_t* tile = reinterpret_cast<uint32_t*>(qh + j0 / 32 * 1024);
+      const int64_t p0 = (j0 % 32) / 2;                 // dims j0 + 2i, + 1: pair p0 + i of the step
+      for (int i = 0; i < 8; ++i) {
+        tile[(p0 + i) * 16 + r] = pairs[0][i];
+        tile[(p0 + i) * 16 + 8 + r] = pairs[1][i];
+        tile[256 + (p0 + i) * 16 + r] = pairs[2][i];
       }
     }
 }
@@ -205,38 +225,31 @@ GD_TILES_TARGET void v_pair(const uint8_t* a, const uint8_t* b, int64_t d, int64
   }
 }
 
-// sums of one pass of P · V: tiles 0..nb-1 (nb <= 4) += P parts (tiles 4-6) times V's 16-dim blocks cb0..
-#define GD_PV_BLOCK(T)                                                         \
-  if (nb > T) {                                                                \
-    _tile_loadd(7, vk + (cb0 + T) * 32, vstride);                              \
-    _tile_dpbf16ps(T, 4, 7);                                                   \
-    _tile_dpbf16ps(T, 5, 7);                                                   \
-    _tile_dpbf16ps(T, 6, 7);                                                   \
-  }
-
 }  // namespace
 
-// up to 16 q heads a kv head (the score tile's columns, the P tile's rows); AMX tiles on (product_form.cpp: the
-// CPU has AMX-BF16 and VBMI, and GIGADECODE_AMX is not 0)
-bool decode_tiles_take(const AttnShape& s) { return s.rep <= 16 && amx_tiles_on(); }
+// up to 8 q heads a kv head (two parts each: the score tile's 16 columns, the P tile's 16 rows); AMX tiles on
+// (product_form.cpp: the CPU has AMX-BF16 and VBMI, and GIGADECODE_AMX is not 0)
+bool decode_tiles_take(const AttnShape& s) { return s.rep <= 8 && amx_tiles_on(); }
 
 GD_TILES_TARGET
 void attend_range_tiles(const AttnShape& s, const float* q, const uint8_t* K, const uint8_t* V, const int64_t* table,
                         int64_t lo, int64_t pos, int64_t jb0, int64_t jb1, int64_t b, int64_t h0, int64_t h1,
                         float qmul, float* part, int64_t stride) {
   const int64_t rep = s.rep, d = s.d, B = s.B, kv = s.kv, G = h1 - h0;
-  const int64_t dp = (d + 31) / 32 * 32, steps = dp / 32, qwords = 3 * steps * 512;
+  const int64_t dp = (d + 31) / 32 * 32, steps = dp / 32, qwords = steps * 1024;
   const int64_t span_blocks = std::max<int64_t>(1, SPAN_TOKENS / B), cap = span_blocks * B;
   const int64_t ld = (cap + 31) / 32 * 32, npmax = ld;
   const Fp8Table& tb = fp8_table();
   const Orders& od = orders();
   uint16_t* qb = reinterpret_cast<uint16_t*>(scratch(0, G * qwords / 2));
   float* sc = scratch(1, rep * ld);                                 // scores, then P, of a span [rep][ld]
-  const int64_t ab_words = ld * dp, pb_words = 3 * 16 * npmax, vb_words = npmax * dp;   // multiples of 32
-  uint16_t* ab = reinterpret_cast<uint16_t*>(scratch(3, (ab_words + pb_words + vb_words) / 2 + 512 + 16 * dp));
-  uint16_t* pb = ab + ab_words;                                     // P parts [3][16][np]
-  uint16_t* vb = pb + pb_words;                                     // V pairs [np/2][dp][2]
-  float* cbuf = reinterpret_cast<float*>(vb + vb_words);            // two score tiles [2][16][16]
+  const int64_t ab_words = ld * dp, pb_words = 16 * npmax, vb_words = npmax * dp;   // multiples of 32
+  // two of each buffer a head writes before its tiles read them: a tile load waits for the stores that wrote
+  // its rows, so one head's rows are written while the tiles of the head before work
+  uint16_t* ab2 = reinterpret_cast<uint16_t*>(scratch(3, ab_words + pb_words + vb_words + 512 + 16 * dp));
+  uint16_t* pb2 = ab2 + 2 * ab_words;                               // P parts [16][npmax]: hi rows 0.., mid 8..
+  uint16_t* vb2 = pb2 + 2 * pb_words;                               // V pairs [np/2][dp][2]
+  float* cbuf = reinterpret_cast<float*>(vb2 + 2 * vb_words);       // two score tiles [2][16][16]
   float* obuf = cbuf + 512;                                         // a span's P · V [16][dp]
   thread_local std::vector<const uint8_t*> vrow_buf;                // the span's visible V rows
   if (int64_t(vrow_buf.size()) < cap) vrow_buf.resize(cap);
@@ -251,7 +264,8 @@ void attend_range_tiles(const AttnShape& s, const float* q, const uint8_t* K, co
       o[r * (d + 2) + d + 1] = 0.f;
     }
   }
-  for (int p = 0; p < 3; ++p) std::fill(pb + (p * 16 + rep) * npmax, pb + (p + 1) * 16 * npmax, uint16_t(0));
+  for (int64_t half = 0; half < 4; ++half)                          // P rows of no head: 0
+    std::fill(pb2 + (8 * half + rep) * npmax, pb2 + 8 * (half + 1) * npmax, uint16_t(0));
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
@@ -264,98 +278,132 @@ void attend_range_tiles(const AttnShape& s, const float* q, const uint8_t* K, co
     return t1 - t0 + 1;
   };
   const int64_t cblocks = (d + 15) / 16;
-  for (int64_t j0 = jb0; j0 <= jb1; j0 += span_blocks) {
-    const int64_t j1 = std::min(jb1, j0 + span_blocks - 1);
-    for (int64_t h = h0; h < h1; ++h) {
-      const uint16_t* qh = qb + (h - h0) * qwords;
-      float* o = part + (h - h0) * stride;
-      int64_t n = 0;                                                // the span's visible tokens
-      for (int64_t jb = j0; jb <= j1; ++jb) {
-        int64_t t0, t1;
-        const int64_t nt = in_block(jb, t0, t1);
-        if (nt <= 0) continue;
-        if (jb + 2 <= jb1) {                                        // blocks are scattered: fetch two ahead
-          const int64_t nxt = table[b * s.n_table + jb + 2];
-          prefetch_rows(K + (nxt * kv + h) * B * d, B * d);
-          prefetch_rows(V + (nxt * kv + h) * B * d, B * d);
-        }
-        const int64_t bid = table[b * s.n_table + jb];
-        k_rows(K + (bid * kv + h) * B * d, s.packed, t0, t1, d, dp, tb, od, ab + n * dp);
-        const uint8_t* vr = V + (bid * kv + h) * B * d;
-        for (int64_t t = t0; t <= t1; ++t) vrows[n + t - t0] = vr + t * d;
-        n += nt;
+  // head h's K rows and V pairs of the span [j0, j1] into buffer set `set`; -> the span's visible tokens
+  auto rows_of = [&](int64_t h, int64_t j0, int64_t j1, int set) {
+    uint16_t* ab = ab2 + set * ab_words;
+    int64_t n = 0;
+    for (int64_t jb = j0; jb <= j1; ++jb) {
+      int64_t t0, t1;
+      const int64_t nt = in_block(jb, t0, t1);
+      if (nt <= 0) continue;
+      if (jb + 2 <= jb1) {                                          // blocks are scattered: fetch two ahead
+        const int64_t nxt = table[b * s.n_table + jb + 2];
+        prefetch_rows(K + (nxt * kv + h) * B * d, B * d);
+        prefetch_rows(V + (nxt * kv + h) * B * d, B * d);
       }
-      if (n == 0) continue;
-      // scores: the (hi + mid + lo) parts of q summed in the tiles
-      for (int64_t g0 = 0; g0 < n; g0 += 32) {       // two groups of 16 tokens: two independent sums
-        const bool two = g0 + 16 < n;
-        _tile_zero(0);
-        _tile_zero(5);
-        for (int64_t ks = 0; ks < steps; ++ks) {
-          _tile_loadd(1, ab + g0 * dp + ks * 32, dp * 2);
-          _tile_loadd(6, ab + (g0 + 16) * dp + ks * 32, dp * 2);
-          _tile_loadd(2, qh + ks * 512, 64);
-          _tile_dpbf16ps(0, 1, 2);
-          if (two) _tile_dpbf16ps(5, 6, 2);
-          _tile_loadd(3, qh + (steps + ks) * 512, 64);
-          _tile_dpbf16ps(0, 1, 3);
-          if (two) _tile_dpbf16ps(5, 6, 3);
-          _tile_loadd(4, qh + (2 * steps + ks) * 512, 64);
-          _tile_dpbf16ps(0, 1, 4);
-          if (two) _tile_dpbf16ps(5, 6, 4);
-        }
-        _tile_stored(0, cbuf, 64);
-        if (two) _tile_stored(5, cbuf + 256, 64);
-        for (int g = 0; g < (two ? 2 : 1); ++g) {
-          __m512 cols[16];
-          transpose16(cbuf + 256 * g, cols);
-          for (int64_t r = 0; r < rep; ++r) _mm512_storeu_ps(sc + r * ld + g0 + 16 * g, cols[r]);   // ld: whole 16s
-        }
+      const int64_t bid = table[b * s.n_table + jb];
+      k_rows(K + (bid * kv + h) * B * d, s.packed, t0, t1, d, dp, tb, od, ab + n * dp);
+      const uint8_t* vr = V + (bid * kv + h) * B * d;
+      for (int64_t t = t0; t <= t1; ++t) vrows[n + t - t0] = vr + t * d;
+      n += nt;
+    }
+    uint16_t* vb = vb2 + set * vb_words;
+    for (int64_t i = 0; i < (n + 31) / 32 * 16; ++i)
+      v_pair(2 * i < n ? vrows[2 * i] : nullptr, 2 * i + 1 < n ? vrows[2 * i + 1] : nullptr, d, dp, tb, od,
+             vb + i * dp * 2);
+    return n;
+  };
+  // items of the pipeline: (span, head), each one's rows written while the tiles of the one before work
+  const int64_t heads = h1 - h0, nspans = (jb1 - jb0) / span_blocks + 1, items = nspans * heads;
+  auto span_of = [&](int64_t it, int64_t& j0, int64_t& j1) {
+    j0 = jb0 + it / heads * span_blocks;
+    j1 = std::min(jb1, j0 + span_blocks - 1);
+  };
+  int64_t j0, j1;
+  span_of(0, j0, j1);
+  int64_t n_next = rows_of(h0, j0, j1, 0);
+  for (int64_t it = 0; it < items; ++it) {
+    const int set = int(it & 1), h = h0 + it % heads;
+    const int64_t n = n_next;
+    if (n == 0) {                                                   // nothing visible in this span
+      if (it + 1 < items) {
+        span_of(it + 1, j0, j1);
+        n_next = rows_of(h0 + (it + 1) % heads, j0, j1, 1 - set);
       }
-      softmax_update(sc, ld, n, rep, d, o);
-      // P's parts [3][16][npmax] (rows past rep: zeros since the item's start) and V's pairs
-      const int64_t np = (n + 31) / 32 * 32;
-      for (int64_t r = 0; r < rep; ++r)
-        for (int64_t t = 0; t < np; t += 16) {
-          __m256i parts[3];
-          split3(_mm512_maskz_loadu_ps(first_floats(n - t), sc + r * ld + t), parts);
-          for (int p = 0; p < 3; ++p)
-            _mm256_store_si256(reinterpret_cast<__m256i*>(pb + (p * 16 + r) * npmax + t), parts[p]);
-        }
-      for (int64_t i = 0; i < np / 2; ++i)
-        v_pair(2 * i < n ? vrows[2 * i] : nullptr, 2 * i + 1 < n ? vrows[2 * i + 1] : nullptr, d, dp, tb, od,
-               vb + i * dp * 2);
-      // P · V in passes of four 16-dim blocks
-      const int64_t vstride = dp * 4;                               // bytes a V pair row
-      for (int64_t cb0 = 0; cb0 < cblocks; cb0 += 4) {
-        const int64_t nb = std::min<int64_t>(4, cblocks - cb0);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t ks = 0; ks < np / 32; ++ks) {
-          _tile_loadd(4, pb + ks * 32, npmax * 2);
-          _tile_loadd(5, pb + 16 * npmax + ks * 32, npmax * 2);
-          _tile_loadd(6, pb + 32 * npmax + ks * 32, npmax * 2);
-          const uint16_t* vk = vb + ks * 16 * dp * 2;
-          GD_PV_BLOCK(0)
-          GD_PV_BLOCK(1)
-          GD_PV_BLOCK(2)
-          GD_PV_BLOCK(3)
-        }
-        _tile_stored(0, obuf + cb0 * 16, dp * 4);
-        if (nb > 1) _tile_stored(1, obuf + cb0 * 16 + 16, dp * 4);
-        if (nb > 2) _tile_stored(2, obuf + cb0 * 16 + 32, dp * 4);
-        if (nb > 3) _tile_stored(3, obuf + cb0 * 16 + 48, dp * 4);
+      continue;
+    }
+    const uint16_t* qh = qb + (h - h0) * qwords;
+    const uint16_t* ab = ab2 + set * ab_words;
+    uint16_t* pb = pb2 + set * pb_words;
+    const uint16_t* vb = vb2 + set * vb_words;
+    float* o = part + (h - h0) * stride;
+    // scores, 32 tokens at a time: two sum tiles 0, 1 on K rows 2, 3; a step's q tiles in 4, 5 (even steps) or
+    // 6, 7 (odd), loaded from L1 again each time (no step waits for the tiles the one before still reads)
+#define GD_SCORE_STEP(QA, QB)                                                   \
+    {                                                                           \
+      _tile_loadd(2, ah + ks * 32, dp * 2);                                     \
+      _tile_loadd(3, ah + 16 * dp + ks * 32, dp * 2);                           \
+      _tile_loadd(QA, qh + ks * 1024, 64);                                      \
+      _tile_loadd(QB, qh + ks * 1024 + 512, 64);                                \
+      _tile_dpbf16ps(0, 2, QA);                                                 \
+      _tile_dpbf16ps(1, 3, QA);                                                 \
+      _tile_dpbf16ps(0, 2, QB);                                                 \
+      _tile_dpbf16ps(1, 3, QB);                                                 \
+    }
+    for (int64_t g0 = 0; g0 < n; g0 += 32) {
+      const uint16_t* ah = ab + g0 * dp;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t ks = 0; ks < steps; ++ks) {
+        if (ks & 1) GD_SCORE_STEP(6, 7) else GD_SCORE_STEP(4, 5)
       }
-      for (int64_t r = 0; r < rep; ++r) {
-        float* orow = o + r * (d + 2);
-        const float* src = obuf + r * dp;
-        for (int64_t j = 0; j < d; j += 16) {
-          const __mmask16 m = first_floats(d - j);
-          _mm512_mask_storeu_ps(orow + j, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, orow + j),
-                                                           _mm512_maskz_loadu_ps(m, src + j)));
-        }
+      _tile_stored(0, cbuf, 64);
+      _tile_stored(1, cbuf + 256, 64);
+      for (int g = 0; g < (g0 + 16 < n ? 2 : 1); ++g) {
+        __m512 cols[16];
+        transpose16(cbuf + 256 * g, cols);
+        for (int64_t r = 0; r < rep; ++r)                           // ld: whole 32s
+          _mm512_storeu_ps(sc + r * ld + g0 + 16 * g, _mm512_add_ps(cols[r], cols[8 + r]));
+      }
+    }
+#undef GD_SCORE_STEP
+    softmax_update(sc, ld, n, rep, d, o);
+    const int64_t np = (n + 31) / 32 * 32;
+    for (int64_t r = 0; r < rep; ++r)                               // P's parts: hi rows r, mid rows 8 + r
+      for (int64_t t = 0; t < np; t += 16) {
+        __m256i hi, mid;
+        split2(_mm512_maskz_loadu_ps(first_floats(n - t), sc + r * ld + t), hi, mid);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * npmax + t), hi);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pb + (8 + r) * npmax + t), mid);
+      }
+    if (it + 1 < items) {                                           // the next item's rows
+      span_of(it + 1, j0, j1);
+      n_next = rows_of(h0 + (it + 1) % heads, j0, j1, 1 - set);
+    }
+    // P · V: sums 0..3 (four 16-dim blocks a pass), P in tiles 4 / 5 by step, V blocks in 6 / 7 in turn
+    const int64_t vstride = dp * 4;                                 // bytes a V pair row
+#define GD_PV_STEP(PT)                                                          \
+    {                                                                           \
+      _tile_loadd(PT, pb + ks * 32, npmax * 2);                                 \
+      const uint16_t* vk = vb + ks * 16 * dp * 2 + cb0 * 32;                    \
+      _tile_loadd(6, vk, vstride);                                              \
+      _tile_dpbf16ps(0, PT, 6);                                                 \
+      if (nb > 1) { _tile_loadd(7, vk + 32, vstride); _tile_dpbf16ps(1, PT, 7); } \
+      if (nb > 2) { _tile_loadd(6, vk + 64, vstride); _tile_dpbf16ps(2, PT, 6); } \
+      if (nb > 3) { _tile_loadd(7, vk + 96, vstride); _tile_dpbf16ps(3, PT, 7); } \
+    }
+    for (int64_t cb0 = 0; cb0 < cblocks; cb0 += 4) {
+      const int64_t nb = std::min<int64_t>(4, cblocks - cb0);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t ks = 0; ks < np / 32; ++ks) {
+        if (ks & 1) GD_PV_STEP(5) else GD_PV_STEP(4)
+      }
+      _tile_stored(0, obuf + cb0 * 16, dp * 4);
+      if (nb > 1) _tile_stored(1, obuf + cb0 * 16 + 16, dp * 4);
+      if (nb > 2) _tile_stored(2, obuf + cb0 * 16 + 32, dp * 4);
+      if (nb > 3) _tile_stored(3, obuf + cb0 * 16 + 48, dp * 4);
+    }
+#undef GD_PV_STEP
+    for (int64_t r = 0; r < rep; ++r) {                             // o += hi row r + mid row 8 + r
+      float* orow = o + r * (d + 2);
+      for (int64_t j = 0; j < d; j += 16) {
+        const __mmask16 m = first_floats(d - j);
+        const __m512 pv = _mm512_add_ps(_mm512_maskz_loadu_ps(m, obuf + r * dp + j),
+                                        _mm512_maskz_loadu_ps(m, obuf + (8 + r) * dp + j));
+        _mm512_mask_storeu_ps(orow + j, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, orow + j), pv));
       }
     }
   }
