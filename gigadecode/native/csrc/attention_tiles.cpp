@@ -44,7 +44,11 @@ namespace gd {
 #ifdef GD_DECODE_TILES
 namespace {
 
+#ifdef SIMDE_VERSION   // tools/isa_check.py's emulated builds: SIMDe supplies VBMI, and no AVX-512 code may be emitted
+#define GD_TILES_TARGET __attribute__((target("amx-tile,amx-bf16")))
+#else
 #define GD_TILES_TARGET __attribute__((target("amx-tile,amx-bf16,avx512vbmi")))
+#endif
 
 // the bf16 bits of e4m3 magnitude code m (0..127) / 256; 127 is NaN
 uint16_t fp8_div256_bf16(int m) {
@@ -111,18 +115,20 @@ GD_TILES_TARGET inline void fp8_words(__m512i raw, __m512i order, const Fp8Table
 inline __mmask64 first_bytes(int64_t n) {
   return n >= 64 ? ~__mmask64(0) : (__mmask64(1) << std::max<int64_t>(n, 0)) - 1;
 }
-inline __mmask32 first_bytes32(int64_t n) {
-  return n >= 32 ? ~__mmask32(0) : (__mmask32(1) << std::max<int64_t>(n, 0)) - 1;
-}
 inline __mmask16 first_floats(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1);
+}
+
+// lanes holding an infinity or a NaN (exponent all ones)
+inline __mmask16 not_finite(__m512 x) {
+  const __m512i e = _mm512_set1_epi32(0x7F800000);
+  return _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), e), e);
 }
 
 // 16 fp32 -> two bf16 parts, hi (the value truncated to bf16) and mid (the rest rounded to bf16): hi + mid is
 // the value to 17 significant bits (an infinity: itself, then 0; a NaN: NaN)
 GD_TILES_TARGET inline void split2(__m512 x, __m256i& hi16, __m256i& mid16) {
-  const __mmask16 special = _mm512_fpclass_ps_mask(x, 0x99);   // NaN or infinite
-  const __mmask16 nan = _mm512_fpclass_ps_mask(x, 0x81);
+  const __mmask16 special = not_finite(x), nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   __m512i hi = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int(0xFFFF0000u)));
   hi = _mm512_mask_mov_epi32(hi, nan, _mm512_set1_epi32(0x7FC00000));   // a truncated NaN could read as inf
   const __m512 rest = _mm512_maskz_sub_ps(__mmask16(~special), x, _mm512_castsi512_ps(hi));   // exact
@@ -169,7 +175,7 @@ GD_TILES_TARGET void q_parts(const float* qk, int64_t rep, int64_t d, int64_t dp
     for (int64_t j0 = 0; j0 < d; j0 += 16) {
       const __m512 x =
           _mm512_mul_ps(_mm512_maskz_loadu_ps(first_floats(d - j0), qk + r * d + j0), _mm512_set1_ps(qmul));
-      const __mmask16 special = _mm512_fpclass_ps_mask(x, 0x99), nan = _mm512_fpclass_ps_mask(x, 0x81);
+      const __mmask16 special = not_finite(x), nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
       __m512i hi = _mm512_and_si512(_mm512_castps_si512(x), top);   // truncations: exact remainders
       hi = _mm512_mask_mov_epi32(hi, nan, _mm512_set1_epi32(0x7FC00000));
       const __m512 r1 = _mm512_maskz_sub_ps(__mmask16(~special), x, _mm512_castsi512_ps(hi));
@@ -216,10 +222,10 @@ GD_TILES_TARGET void v_pair(const uint8_t* a, const uint8_t* b, int64_t d, int64
                             const Orders& od, uint16_t* row) {
   __m512i w0, w1;
   for (int64_t c = 0; c < dp; c += 32) {
-    const __mmask32 m = first_bytes32(d - c);
-    const __m256i x = a ? _mm256_maskz_loadu_epi8(m, a + c) : _mm256_setzero_si256();
-    const __m256i y = b ? _mm256_maskz_loadu_epi8(m, b + c) : _mm256_setzero_si256();
-    fp8_words(_mm512_inserti64x4(_mm512_castsi256_si512(x), y, 1), od.vnni, tb, w0, w1);
+    const __mmask64 m = first_bytes(std::min<int64_t>(32, d - c));
+    const __m512i x = a ? _mm512_maskz_loadu_epi8(m, a + c) : _mm512_setzero_si512();   // 32 bytes each
+    const __m512i y = b ? _mm512_maskz_loadu_epi8(m, b + c) : _mm512_setzero_si512();
+    fp8_words(_mm512_inserti64x4(x, _mm512_castsi512_si256(y), 1), od.vnni, tb, w0, w1);
     _mm512_storeu_si512(row + 2 * c, w0);
     _mm512_storeu_si512(row + 2 * c + 32, w1);
   }
