@@ -403,14 +403,15 @@ void attend_range_tiles(const AttnShape& s, const float* q, const uint8_t* K, co
       if (nb > 3) _tile_stored(3, obuf + cb0 * 16 + 48, dp * 4);
     }
 #undef GD_PV_STEP
-    for (int64_t r = 0; r < rep; ++r) {                             // o += hi row r + mid row 8 + r
+    // o += hi row r + mid row 8 + r (the tail without a masked store: the ISA check's SIMDe writes 0 past the mask)
+    for (int64_t r = 0; r < rep; ++r) {
       float* orow = o + r * (d + 2);
-      for (int64_t j = 0; j < d; j += 16) {
-        const __mmask16 m = first_floats(d - j);
-        const __m512 pv = _mm512_add_ps(_mm512_maskz_loadu_ps(m, obuf + r * dp + j),
-                                        _mm512_maskz_loadu_ps(m, obuf + (8 + r) * dp + j));
-        _mm512_mask_storeu_ps(orow + j, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, orow + j), pv));
-      }
+      const float *hi = obuf + r * dp, *mid = obuf + (8 + r) * dp;
+      int64_t j = 0;
+      for (; j + 16 <= d; j += 16)
+        _mm512_storeu_ps(orow + j, _mm512_add_ps(_mm512_loadu_ps(orow + j),
+                                                 _mm512_add_ps(_mm512_loadu_ps(hi + j), _mm512_loadu_ps(mid + j))));
+      for (; j < d; ++j) orow[j] += hi[j] + mid[j];
     }
   }
   _tile_release();
