@@ -1,5 +1,5 @@
 // Decode attention's two products on AMX tiles, for FP8 KV (packed or plain K, plain V) on CPUs with AMX-BF16:
-// the form attention.cpp's items take where `decode_tiles_take` says so (up to 8 q heads a kv head). The fp32
+// the form attention.cpp's items take where `decode_tiles_take` says so (5 to 8 q heads a kv head). The fp32
 // form spends ~90 instructions a token and kv head (FP8 widened to fp32, an FMA a vector per q head, the score
 // sums reduced across lanes); here tile multiplies do a span's products:
 // - FP8 -> bf16 is exact (e4m3's 3-bit significand fits bf16's 8; the values / 256, as `kvload`'s), by a
@@ -233,9 +233,11 @@ GD_TILES_TARGET void v_pair(const uint8_t* a, const uint8_t* b, int64_t d, int64
 
 }  // namespace
 
-// up to 8 q heads a kv head (two parts each: the score tile's 16 columns, the P tile's 16 rows); AMX tiles on
-// (product_form.cpp: the CPU has AMX-BF16 and VBMI, and GIGADECODE_AMX is not 0)
-bool decode_tiles_take(const AttnShape& s) { return s.rep <= 8 && amx_tiles_on(); }
+// 5 to 8 q heads a kv head: at most 8 (two parts each: the score tile's 16 columns, the P tile's 16 rows); at
+// least 5, as the tiles cost the same for any count and the fp32 form's cost grows with it (4 kv heads of 64
+// dims, batch 32, 4,096 tokens: 1 / 2 / 4 / 6 q heads a kv head 0.81 / 0.88 / 1.01 / 1.14x the fp32 form);
+// AMX tiles on (product_form.cpp: the CPU has AMX-BF16 and VBMI, and GIGADECODE_AMX is not 0)
+bool decode_tiles_take(const AttnShape& s) { return s.rep >= 5 && s.rep <= 8 && amx_tiles_on(); }
 
 GD_TILES_TARGET
 void attend_range_tiles(const AttnShape& s, const float* q, const uint8_t* K, const uint8_t* V, const int64_t* table,
