@@ -19,7 +19,6 @@ namespace gd {
 
 namespace {
 
-
 // heads one pass of accumulate_v holds in its ACC accumulator registers, at NV = d / W vectors a row
 constexpr int ACC = W == 16 ? 16 : 8;
 constexpr int heads_per_pass(int NV) { return NV >= ACC ? 1 : ACC / NV; }
