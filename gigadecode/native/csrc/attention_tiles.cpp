@@ -50,11 +50,9 @@ namespace {
 #define GD_TILES_TARGET __attribute__((target("amx-tile,amx-bf16,avx512vbmi")))
 #endif
 
-// the bf16 bits of e4m3 magnitude code m (0..127) / 256; 127 is NaN
+// the bf16 bits of e4m3 magnitude code m (0..127) / 256 (`fp8_to_f32`'s value; 127 is NaN)
 uint16_t fp8_div256_bf16(int m) {
-  if (m == 127) return 0x7FC0;
-  const int e = m >> 3, f = m & 7;
-  const float v = e ? std::ldexp(1.f + f / 8.f, e - 7 - 8) : std::ldexp(float(f), -9 - 8);
+  const float v = fp8_to_f32(uint8_t(m)) * (1.f / 256.f);
   uint32_t u;
   std::memcpy(&u, &v, 4);
   return uint16_t(u >> 16);                            // exact: at most 4 significant bits
@@ -125,14 +123,23 @@ inline __mmask16 not_finite(__m512 x) {
   return _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), e), e);
 }
 
-// 16 fp32 -> two bf16 parts, hi (the value truncated to bf16) and mid (the rest rounded to bf16): hi + mid is
-// the value to 17 significant bits (an infinity: itself, then 0; a NaN: NaN)
-GD_TILES_TARGET inline void split2(__m512 x, __m256i& hi16, __m256i& mid16) {
+// 16 fp32 -> their bf16 truncations (as fp32 bits) and the exact rests x - hi (an infinity: itself, then 0; a NaN:
+// NaN, then 0)
+GD_TILES_TARGET inline __m512 split_hi(__m512 x, __m512i& hi) {
   const __mmask16 special = not_finite(x), nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  __m512i hi = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int(0xFFFF0000u)));
+  hi = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int(0xFFFF0000u)));
   hi = _mm512_mask_mov_epi32(hi, nan, _mm512_set1_epi32(0x7FC00000));   // a truncated NaN could read as inf
-  const __m512 rest = _mm512_maskz_sub_ps(__mmask16(~special), x, _mm512_castsi512_ps(hi));   // exact
-  hi16 = _mm512_cvtepi32_epi16(_mm512_srli_epi32(hi, 16));
+  return _mm512_maskz_sub_ps(__mmask16(~special), x, _mm512_castsi512_ps(hi));
+}
+// the bf16 words of 16 values held as fp32 bits whose low 16 bits are 0
+GD_TILES_TARGET inline __m256i bf16_words(__m512i bits) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)); }
+
+// 16 fp32 -> two bf16 parts, hi (the value truncated to bf16) and mid (the rest rounded to bf16): hi + mid is
+// the value to 17 significant bits
+GD_TILES_TARGET inline void split2(__m512 x, __m256i& hi16, __m256i& mid16) {
+  __m512i hi;
+  const __m512 rest = split_hi(x, hi);
+  hi16 = bf16_words(hi);
   mid16 = (__m256i)_mm512_cvtneps_pbh(rest);
 }
 
@@ -169,22 +176,16 @@ GD_TILES_TARGET inline void transpose16(const float* in, __m512 out[16]) {
 // in column r (others and dims >= d: 0), so a score tile's columns r and 8 + r add up to head r's scores
 GD_TILES_TARGET void q_parts(const float* qk, int64_t rep, int64_t d, int64_t dp, float qmul, uint16_t* qh) {
   std::fill(qh, qh + dp / 32 * 1024, uint16_t(0));
-  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
   alignas(32) uint32_t pairs[3][8];
   for (int64_t r = 0; r < rep; ++r)
     for (int64_t j0 = 0; j0 < d; j0 += 16) {
       const __m512 x =
           _mm512_mul_ps(_mm512_maskz_loadu_ps(first_floats(d - j0), qk + r * d + j0), _mm512_set1_ps(qmul));
-      const __mmask16 special = not_finite(x), nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-      __m512i hi = _mm512_and_si512(_mm512_castps_si512(x), top);   // truncations: exact remainders
-      hi = _mm512_mask_mov_epi32(hi, nan, _mm512_set1_epi32(0x7FC00000));
-      const __m512 r1 = _mm512_maskz_sub_ps(__mmask16(~special), x, _mm512_castsi512_ps(hi));
-      const __m512i mid = _mm512_and_si512(_mm512_castps_si512(r1), top);
-      const __m512 lo = _mm512_sub_ps(r1, _mm512_castsi512_ps(mid));   // exactly a bf16
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[0]), _mm512_cvtepi32_epi16(_mm512_srli_epi32(hi, 16)));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[1]), _mm512_cvtepi32_epi16(_mm512_srli_epi32(mid, 16)));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[2]),
-                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16)));
+      __m512i hi, mid;                                  // truncations: exact rests
+      const __m512 lo = split_hi(split_hi(x, hi), mid);  // exactly a bf16
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[0]), bf16_words(hi));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[1]), bf16_words(mid));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[2]), bf16_words(_mm512_castps_si512(lo)));
       uint32_t* tile = reinterpret_cast<uint32_t*>(qh + j0 / 32 * 1024);
       const int64_t p0 = (j0 % 32) / 2;                 // dims j0 + 2i, + 1: pair p0 + i of the step
       for (int i = 0; i < 8; ++i) {
