@@ -133,12 +133,6 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
       o[r * (d + 2) + d + 1] = 0.f;
     }
   }
-  // block jb's visible in-block range [t0, t1]
-  auto in_block = [&](int64_t jb, int64_t& t0, int64_t& t1) {
-    t0 = std::max(lo, jb * B) - jb * B;
-    t1 = std::min(pos, jb * B + B - 1) - jb * B;
-    return t1 - t0 + 1;
-  };
   const int64_t nv = d % W ? 0 : d / W;
   const bool vector_rows = nv >= 1 && nv <= 8;       // accumulate_v's sizes; else the scalar loop
   for (int64_t j0 = jb0; j0 <= jb1; j0 += span_blocks) {
@@ -150,7 +144,7 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
       int64_t n = 0;
       for (int64_t jb = j0; jb <= j1; ++jb) {
         int64_t t0, t1;
-        const int64_t nt = in_block(jb, t0, t1);
+        const int64_t nt = visible_in_block(jb, B, lo, pos, t0, t1);
         if (nt <= 0) continue;
         if (jb + 2 <= jb1) {                            // blocks are scattered: fetch two ahead by hand
           const int64_t nxt = table[b * s.n_table + jb + 2];
@@ -168,7 +162,7 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
       n = 0;
       for (int64_t jb = j0; jb <= j1; ++jb) {
         int64_t t0, t1;
-        const int64_t nt = in_block(jb, t0, t1);
+        const int64_t nt = visible_in_block(jb, B, lo, pos, t0, t1);
         if (nt <= 0) continue;
         const VT* Vr = V + (table[b * s.n_table + jb] * kv + h) * B * d + t0 * d;
         const float* p = sc + n;

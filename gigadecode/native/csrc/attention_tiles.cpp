@@ -281,11 +281,6 @@ void attend_range_tiles(const AttnShape& s, const float* q, const uint8_t* K, co
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
-  auto in_block = [&](int64_t jb, int64_t& t0, int64_t& t1) {   // block jb's visible in-block range [t0, t1]
-    t0 = std::max(lo, jb * B) - jb * B;
-    t1 = std::min(pos, jb * B + B - 1) - jb * B;
-    return t1 - t0 + 1;
-  };
   const int64_t cblocks = (d + 15) / 16;
   // head h's K rows and V pairs of the span [j0, j1] into buffer set `set`; -> the span's visible tokens
   auto rows_of = [&](int64_t h, int64_t j0, int64_t j1, int set) {
@@ -293,7 +288,7 @@ void attend_range_tiles(const AttnShape& s, const float* q, const uint8_t* K, co
     int64_t n = 0;
     for (int64_t jb = j0; jb <= j1; ++jb) {
       int64_t t0, t1;
-      const int64_t nt = in_block(jb, t0, t1);
+      const int64_t nt = visible_in_block(jb, B, lo, pos, t0, t1);
       if (nt <= 0) continue;
       if (jb + 2 <= jb1) {                                          // blocks are scattered: fetch two ahead
         const int64_t nxt = table[b * s.n_table + jb + 2];

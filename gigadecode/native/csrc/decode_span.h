@@ -18,6 +18,14 @@ struct AttnShape {
 // so the update's fixed cost (maxima, a scalar exp, rescaling o) is paid once per ~128 tokens, not per block.
 constexpr int64_t SPAN_TOKENS = 128;
 
+// block jb's visible in-block range [t0, t1] of frame positions [lo, pos] (blocks of B) -> its token count
+// (<= 0: none)
+inline int64_t visible_in_block(int64_t jb, int64_t B, int64_t lo, int64_t pos, int64_t& t0, int64_t& t1) {
+  t0 = std::max(lo, jb * B) - jb * B;
+  t1 = std::min(pos, jb * B + B - 1) - jb * B;
+  return t1 - t0 + 1;
+}
+
 // online softmax over a span's scores sc[r * ld + t] (t < n): e^(s - m) in place, m and l of each head
 // updated in o ([rep][d + 2]: o, m, l) and o rescaled where the maximum moved
 inline void softmax_update(float* sc, int64_t ld, int64_t n, int64_t rep, int64_t d, float* o) {
