@@ -47,6 +47,47 @@ inline void put_vnni(const uint16_t* row, int64_t K, int64_t j, int64_t n, uint1
   for (int64_t k = 0; k < K / 2; ++k) d[k * nb] = bf16_pair_bits(row + 2 * k);   // `row` may be 2-byte aligned
 }
 
+// in [16][16] fp32 (row r at in + r * ld) -> out[c] = column c
+inline void transpose16(const float* in, int64_t ld, __m512 out[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = _mm512_loadu_ps(in + 2 * i * ld), b = _mm512_loadu_ps(in + (2 * i + 1) * ld);
+    t[2 * i] = _mm512_unpacklo_ps(a, b);              // lane L: a0 b0 a1 b1
+    t[2 * i + 1] = _mm512_unpackhi_ps(a, b);          //         a2 b2 a3 b3
+  }
+  for (int i = 0; i < 4; ++i) {                       // u[4i + k] lane L: column 4L + k of rows 4i..4i+3
+    const __m512d t0 = _mm512_castps_pd(t[4 * i]), t1 = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d t2 = _mm512_castps_pd(t[4 * i + 2]), t3 = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+  }
+  for (int k = 0; k < 4; ++k) {                       // column 4L + k = lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+    const __m512 v0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), v1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+    out[k] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+    out[8 + k] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
+    out[4 + k] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+    out[12 + k] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
+  }
+}
+
+// c [rows][nb] fp32 (row-major) -> o[j * ldo + i] = c[i][j]: 16 x 16 blocks through registers, the edges one by
+// one (against a strided scalar copy: 512-token prefill 1.03x on `small`, 1.04x on `20b-shape`)
+inline void transpose_to(const float* c, int64_t rows, int64_t nb, float* o, int64_t ldo) {
+  const int64_t rows16 = rows / 16 * 16, nb16 = nb / 16 * 16;
+  for (int64_t i0 = 0; i0 < rows16; i0 += 16)
+    for (int64_t j0 = 0; j0 < nb16; j0 += 16) {
+      __m512 col[16];
+      transpose16(c + i0 * nb + j0, nb, col);
+      for (int k = 0; k < 16; ++k) _mm512_storeu_ps(o + (j0 + k) * ldo + i0, col[k]);
+    }
+  for (int64_t j = 0; j < nb; ++j)
+    for (int64_t i = j < nb16 ? rows16 : 0; i < rows; ++i) o[j * ldo + i] = c[i * nb + j];
+}
+
 // a [rows, K] bf16 (row-major) times n inputs in `put_vnni`'s layout -> out[i * ldo + r] = row r · input i,
 // block by block of AMX_BLOCK inputs through an fp32 [rows, nb] tile buffer (rows <= AMX_STRIP)
 inline void rows_times_inputs_amx(const uint16_t* a, int64_t rows, int64_t K, const uint16_t* vnni, int64_t n,
@@ -56,9 +97,7 @@ inline void rows_times_inputs_amx(const uint16_t* a, int64_t rows, int64_t K, co
     const int64_t nb = std::min(AMX_BLOCK, n - b * AMX_BLOCK);
     at::native::cpublas::brgemm(rows, nb, K, K, nb, nb, false, reinterpret_cast<const at::BFloat16*>(a),
                                 reinterpret_cast<const at::BFloat16*>(vnni + b * AMX_BLOCK * K), c, true);
-    float* o = out + b * AMX_BLOCK * ldo;
-    for (int64_t j = 0; j < nb; ++j)
-      for (int64_t i = 0; i < rows; ++i) o[j * ldo + i] = c[i * nb + j];
+    transpose_to(c, rows, nb, out + b * AMX_BLOCK * ldo, ldo);
   }
 }
 

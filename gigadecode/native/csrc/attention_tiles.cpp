@@ -143,33 +143,6 @@ GD_TILES_TARGET inline void split2(__m512 x, __m256i& hi16, __m256i& mid16) {
   mid16 = (__m256i)_mm512_cvtneps_pbh(rest);
 }
 
-// in [16][16] fp32 (64-byte rows) -> out[c] = column c
-GD_TILES_TARGET inline void transpose16(const float* in, __m512 out[16]) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    const __m512 a = _mm512_load_ps(in + 32 * i), b = _mm512_load_ps(in + 32 * i + 16);
-    t[2 * i] = _mm512_unpacklo_ps(a, b);              // lane L: a0 b0 a1 b1
-    t[2 * i + 1] = _mm512_unpackhi_ps(a, b);          //         a2 b2 a3 b3
-  }
-  for (int i = 0; i < 4; ++i) {                       // u[4i + k] lane L: column 4L + k of rows 4i..4i+3
-    const __m512d t0 = _mm512_castps_pd(t[4 * i]), t1 = _mm512_castps_pd(t[4 * i + 1]);
-    const __m512d t2 = _mm512_castps_pd(t[4 * i + 2]), t3 = _mm512_castps_pd(t[4 * i + 3]);
-    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
-    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
-    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
-    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
-  }
-  for (int k = 0; k < 4; ++k) {                       // column 4L + k = lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
-    const __m512 v0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), v1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
-    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
-    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
-    out[k] = _mm512_shuffle_f32x4(v0, w0, 0x88);
-    out[8 + k] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
-    out[4 + k] = _mm512_shuffle_f32x4(v1, w1, 0x88);
-    out[12 + k] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
-  }
-}
-
 // one kv head's q · qmul (rep <= 8 rows of d) as three bf16 parts whose sum is each value exactly -> the
 // scores' second operands, two tiles a K step ks at qh + ks * 1024 words, each [16 dim pairs][16 columns][2]:
 // the first with the hi part of head r in column r and its mid part in column 8 + r, the second with its lo part
@@ -355,7 +328,7 @@ void attend_range_tiles(const AttnShape& s, const float* q, const uint8_t* K, co
       _tile_stored(1, cbuf + 256, 64);
       for (int g = 0; g < (g0 + 16 < n ? 2 : 1); ++g) {
         __m512 cols[16];
-        transpose16(cbuf + 256 * g, cols);
+        transpose16(cbuf + 256 * g, 16, cols);
         for (int64_t r = 0; r < rep; ++r)                           // ld: whole 32s
           _mm512_storeu_ps(sc + r * ld + g0 + 16 * g, _mm512_add_ps(cols[r], cols[8 + r]));
       }
