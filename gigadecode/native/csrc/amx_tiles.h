@@ -74,6 +74,27 @@ inline void transpose16(const float* in, int64_t ld, __m512 out[16]) {
   }
 }
 
+// The inputs [j0, j0 + m) of an expert's block b (at most AMX_BLOCK, row j at rows[j], K even), as `put_vnni` puts
+// them one by one: 16 inputs' 16 pairs at a time through a register transpose (one 64-byte store a pair row,
+// not 16 scattered 4-byte ones), the rest one by one
+inline void put_vnni_block(const uint16_t* const* rows, int64_t K, int64_t j0, int64_t m, int64_t n, uint16_t* dst) {
+  const int64_t b = j0 / AMX_BLOCK, nb = std::min(AMX_BLOCK, n - b * AMX_BLOCK), pairs = K / 2;
+  float* d = reinterpret_cast<float*>(dst + b * AMX_BLOCK * K);    // [pairs][nb] 4-byte pairs, as bits
+  const int64_t jj0 = j0 % AMX_BLOCK, m16 = m / 16 * 16, p16 = pairs / 16 * 16;
+  alignas(64) float tile[16][16];
+  for (int64_t j = 0; j < m16; j += 16)
+    for (int64_t k = 0; k < p16; k += 16) {
+      for (int r = 0; r < 16; ++r)                  // input j + r's pairs k.. (rows may be 2-byte aligned)
+        _mm512_store_ps(tile[r], _mm512_castsi512_ps(_mm512_loadu_si512(rows[j + r] + 2 * k)));
+      __m512 col[16];
+      transpose16(tile[0], 16, col);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(d + (k + c) * nb + jj0 + j, col[c]);
+    }
+  for (int64_t j = 0; j < m; ++j)                   // inputs past the 16s, pairs past the 16s of the others
+    for (int64_t k = j < m16 ? p16 : 0; k < pairs; ++k)
+      reinterpret_cast<uint32_t*>(d)[k * nb + jj0 + j] = bf16_pair_bits(rows[j] + 2 * k);
+}
+
 // c [rows][nb] fp32 (row-major) -> o[j * ldo + i] = c[i][j]: 16 x 16 blocks through registers, the edges one by
 // one (against a strided scalar copy: 512-token prefill 1.03x on `small`, 1.04x on `20b-shape`)
 inline void transpose_to(const float* c, int64_t rows, int64_t nb, float* o, int64_t ldo) {

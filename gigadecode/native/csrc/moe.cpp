@@ -164,17 +164,23 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   for (int64_t e : rt.active)
     for (int64_t p = rt.expert_start[e]; p < rt.expert_start[e + 1]; ++p) pair_expert[p] = e;
 #ifdef GD_BF16DOT
-  const auto pair_count = [&](int64_t p) {
-    const int64_t e = pair_expert[p];
-    return rt.expert_start[e + 1] - rt.expert_start[e];
-  };
-  if (amx_inputs)                                  // the AMX experts' inputs, pair-interleaved per expert
-    at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t first = rt.expert_start[pair_expert[p]];
-        if (amx_expert(pair_count(p))) put_vnni(xin16[p], H64, p - first, pair_count(p), xv + first * H64);
+  // the AMX experts' blocks of inputs (expert, first input of the block), pair-interleaved a block at a time
+  std::vector<std::pair<int64_t, int64_t>> amx_blocks;
+  for (int64_t e : rt.active) {
+    const int64_t n = rt.expert_start[e + 1] - rt.expert_start[e];
+    if (amx_expert(n))
+      for (int64_t j = 0; j < n; j += AMX_BLOCK) amx_blocks.emplace_back(e, j);
+  }
+  const auto put_blocks = [&](const std::vector<const uint16_t*>& rows, int64_t K, uint16_t* dst) {
+    at::parallel_for(0, int64_t(amx_blocks.size()), 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const auto [e, j] = amx_blocks[i];
+        const int64_t first = rt.expert_start[e], n = rt.expert_start[e + 1] - first;
+        put_vnni_block(rows.data() + first + j, K, j, std::min(AMX_BLOCK, n - j), n, dst + first * K);
       }
     });
+  };
+  if (amx_inputs) put_blocks(xin16, H64, xv);
 #endif
   const uint8_t* gub = gu_blocks.data_ptr<uint8_t>();
   const uint8_t* gus = gu_scales.data_ptr<uint8_t>();
@@ -266,8 +272,6 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 #ifdef GD_BF16DOT
       if (bf) {
         deinterleave_bf16(act, I, ad16 + p * I64);
-        const int64_t first = rt.expert_start[e];
-        if (amx_expert(pair_count(p))) put_vnni(ad16 + p * I64, I64, p - first, pair_count(p), av + first * I64);
         if (!f32_inputs) continue;
       }
 #endif
@@ -281,6 +285,9 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
       arrange_inputs(act, I, ad + p * IS);
     }
   });
+#ifdef GD_BF16DOT
+  if (amx_inputs) put_blocks(ain16, I64, av);
+#endif
   run(dnb, dns, H, G2, ain, ain16, ainq, av, y);
 
   // out[t] = sum of its pairs (expert order) gate · (y + b2)
