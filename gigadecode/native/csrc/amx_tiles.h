@@ -13,8 +13,9 @@
 //   tiles with a prefetch oneDNN's GEMM does not make.
 // A dot product may take its terms in any order as long as both sides use the same one, so the inputs stay in
 // the chunk order too. The tiles want the second operand pair-interleaved ("VNNI": [K/2][n][2]): that operand
-// is the inputs, which `put_vnni` lays out once per expert (or call), so no weight is repacked. Products are
-// exact, sums fp32 in the tiles' order: the same values as the other forms up to fp32 rounding.
+// is the inputs, which `put_vnni_block` (an expert's) or `put_vnni` (a call's) lays out once, so no weight is
+// repacked. Products are exact, sums fp32 in the tiles' order: the same values as the other forms up to fp32
+// rounding.
 #pragma once
 
 #include <ATen/native/CPUBlas.h>
