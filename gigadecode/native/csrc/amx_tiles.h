@@ -13,9 +13,8 @@
 //   tiles with a prefetch oneDNN's GEMM does not make.
 // A dot product may take its terms in any order as long as both sides use the same one, so the inputs stay in
 // the chunk order too. The tiles want the second operand pair-interleaved ("VNNI": [K/2][n][2]): that operand
-// is the inputs, which `put_vnni_block` (an expert's) or `put_vnni` (a call's) lays out once, so no weight is
-// repacked. Products are exact, sums fp32 in the tiles' order: the same values as the other forms up to fp32
-// rounding.
+// is the inputs, which `put_vnni_block` lays out once per expert (or call), so no weight is repacked. Products
+// are exact, sums fp32 in the tiles' order: the same values as the other forms up to fp32 rounding.
 #pragma once
 
 #include <ATen/native/CPUBlas.h>
@@ -39,15 +38,6 @@ constexpr int64_t AMX_STRIP = 64;      // rows a work item (its M): 4 x 2 tiles 
                                        // loaded once for four tiles of rows
 
 #ifdef GD_BF16DOT
-// Input j of an expert with n inputs, a row of K bf16 values (K even), into the expert's pair-interleaved
-// inputs at `dst`: blocks of AMX_BLOCK inputs, block b at dst + b * AMX_BLOCK * K laid out [K/2][nb][2]
-// (nb: the inputs in that block).
-inline void put_vnni(const uint16_t* row, int64_t K, int64_t j, int64_t n, uint16_t* dst) {
-  const int64_t b = j / AMX_BLOCK, jj = j % AMX_BLOCK, nb = std::min(AMX_BLOCK, n - b * AMX_BLOCK);
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst + b * AMX_BLOCK * K) + jj;
-  for (int64_t k = 0; k < K / 2; ++k) d[k * nb] = bf16_pair_bits(row + 2 * k);   // `row` may be 2-byte aligned
-}
-
 // in [16][16] fp32 (row r at in + r * ld) -> out[c] = column c
 inline void transpose16(const float* in, int64_t ld, __m512 out[16]) {
   __m512 t[16], u[16];
@@ -75,25 +65,26 @@ inline void transpose16(const float* in, int64_t ld, __m512 out[16]) {
   }
 }
 
-// The inputs [j0, j0 + m) of an expert's block b (at most AMX_BLOCK, row j at rows[j], K even), as `put_vnni` puts
-// them one by one: 16 inputs' 16 pairs at a time through a register transpose (one 64-byte store a pair row,
-// not 16 scattered 4-byte ones), the rest one by one
-inline void put_vnni_block(const uint16_t* const* rows, int64_t K, int64_t j0, int64_t m, int64_t n, uint16_t* dst) {
-  const int64_t b = j0 / AMX_BLOCK, nb = std::min(AMX_BLOCK, n - b * AMX_BLOCK), pairs = K / 2;
+// Block b of n inputs (rows[j]: input b * AMX_BLOCK + j, a row of K bf16 values, K even) into the inputs'
+// pair-interleaved layout at `dst`: blocks of AMX_BLOCK inputs, block b at dst + b * AMX_BLOCK * K laid out
+// [K/2][nb][2] (nb: the inputs in that block). 16 inputs' 16 pairs at a time through a register transpose (one
+// 64-byte store a pair row, not 16 scattered 4-byte ones), the rest one by one.
+inline void put_vnni_block(const uint16_t* const* rows, int64_t K, int64_t b, int64_t n, uint16_t* dst) {
+  const int64_t nb = std::min(AMX_BLOCK, n - b * AMX_BLOCK), pairs = K / 2;
   float* d = reinterpret_cast<float*>(dst + b * AMX_BLOCK * K);    // [pairs][nb] 4-byte pairs, as bits
-  const int64_t jj0 = j0 % AMX_BLOCK, m16 = m / 16 * 16, p16 = pairs / 16 * 16;
+  const int64_t nb16 = nb / 16 * 16, p16 = pairs / 16 * 16;
   alignas(64) float tile[16][16];
-  for (int64_t j = 0; j < m16; j += 16)
+  for (int64_t j = 0; j < nb16; j += 16)
     for (int64_t k = 0; k < p16; k += 16) {
       for (int r = 0; r < 16; ++r)                  // input j + r's pairs k.. (rows may be 2-byte aligned)
         _mm512_store_ps(tile[r], _mm512_castsi512_ps(_mm512_loadu_si512(rows[j + r] + 2 * k)));
       __m512 col[16];
       transpose16(tile[0], 16, col);
-      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(d + (k + c) * nb + jj0 + j, col[c]);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(d + (k + c) * nb + j, col[c]);
     }
-  for (int64_t j = 0; j < m; ++j)                   // inputs past the 16s, pairs past the 16s of the others
-    for (int64_t k = j < m16 ? p16 : 0; k < pairs; ++k)
-      reinterpret_cast<uint32_t*>(d)[k * nb + jj0 + j] = bf16_pair_bits(rows[j] + 2 * k);
+  for (int64_t j = 0; j < nb; ++j)                  // inputs past the 16s, pairs past the 16s of the others
+    for (int64_t k = j < nb16 ? p16 : 0; k < pairs; ++k)
+      reinterpret_cast<uint32_t*>(d)[k * nb + j] = bf16_pair_bits(rows[j] + 2 * k);
 }
 
 // c [rows][nb] fp32 (row-major) -> o[j * ldo + i] = c[i][j]: 16 x 16 blocks through registers, the edges one by
@@ -110,7 +101,7 @@ inline void transpose_to(const float* c, int64_t rows, int64_t nb, float* o, int
     for (int64_t i = j < nb16 ? rows16 : 0; i < rows; ++i) o[j * ldo + i] = c[i * nb + j];
 }
 
-// a [rows, K] bf16 (row-major) times n inputs in `put_vnni`'s layout -> out[i * ldo + r] = row r · input i,
+// a [rows, K] bf16 (row-major) times n inputs in `put_vnni_block`'s layout -> out[i * ldo + r] = row r · input i,
 // block by block of AMX_BLOCK inputs through an fp32 [rows, nb] tile buffer (rows <= AMX_STRIP)
 inline void rows_times_inputs_amx(const uint16_t* a, int64_t rows, int64_t K, const uint16_t* vnni, int64_t n,
                                   float* out, int64_t ldo) {
@@ -124,7 +115,7 @@ inline void rows_times_inputs_amx(const uint16_t* a, int64_t rows, int64_t K, co
 }
 
 // rows [r0, r1) of an expert matrix (blk, scl: its first row; G groups a row) times its n inputs in
-// `put_vnni`'s layout (K = the inputs' chunk-padded length, (G + 3) / 4 * 128) -> out[i * ldo + r] for i < n.
+// `put_vnni_block`'s layout (K = the inputs' chunk-padded length, (G + 3) / 4 * 128) -> out[i * ldo + r] for i < n.
 // False (nothing written) when a scale of the strip leaves the bf16 values subnormal or infinite.
 inline bool expert_rows_amx(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
                             const uint16_t* vnni, int64_t n, float* out, int64_t ldo) {
@@ -181,10 +172,10 @@ GD_CHUNK_PRODUCTS(chunk_products_even, 0, 1)
 GD_CHUNK_PRODUCTS(chunk_products_odd, 6, 7)
 #undef GD_CHUNK_PRODUCTS
 
-// rows [r0, r1) (at most AMX_STRIP) of an expert matrix times its n <= AMX_TILE_INPUTS inputs in `put_vnni`'s
-// layout -> out[i * ldo + r], as `expert_rows_amx`. Groups of 16 rows alternate between two pairs of sum tiles
-// (0, 1 and 6, 7), so a group's sums are stored once the next group's first chunk is under way and the store
-// does not wait for the last products of its own group.
+// rows [r0, r1) (at most AMX_STRIP) of an expert matrix times its n <= AMX_TILE_INPUTS inputs in
+// `put_vnni_block`'s layout -> out[i * ldo + r], as `expert_rows_amx`. Groups of 16 rows alternate between two
+// pairs of sum tiles (0, 1 and 6, 7), so a group's sums are stored once the next group's first chunk is under way
+// and the store does not wait for the last products of its own group.
 __attribute__((target("amx-tile,amx-bf16")))
 inline bool expert_rows_amx_l1(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
                                const uint16_t* vnni, int64_t n, float* out, int64_t ldo) {
@@ -237,7 +228,7 @@ inline bool expert_rows_amx_l1(const uint8_t* blk, const uint8_t* scl, int64_t G
 }
 #endif  // GD_AMX_OWN_TILES
 
-// An AMX expert's rows [r0, r1) times its n inputs in `put_vnni`'s layout: our own tile code up to
+// An AMX expert's rows [r0, r1) times its n inputs in `put_vnni_block`'s layout: our own tile code up to
 // AMX_TILE_INPUTS inputs, oneDNN's GEMM over decoded strips beyond. False as those are.
 inline bool expert_rows_on_tiles(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
                                  const uint16_t* vnni, int64_t n, float* out, int64_t ldo) {

@@ -236,7 +236,9 @@ void linear_strips_bf16(const uint16_t* w, int64_t N, int64_t K, const float* x,
 constexpr int64_t LINEAR_AMX_MIN_ROWS = 5;
 void linear_amx(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int64_t M, float* y) {
   uint16_t* xv = reinterpret_cast<uint16_t*>(shared_scratch(8, M * K / 2 + 16));
-  for (int64_t t = 0; t < M; ++t) put_vnni(x + t * K, K, t, M, xv);
+  std::vector<const uint16_t*> rows(M);
+  for (int64_t t = 0; t < M; ++t) rows[t] = x + t * K;
+  for (int64_t b = 0; b * AMX_BLOCK < M; ++b) put_vnni_block(rows.data() + b * AMX_BLOCK, K, b, M, xv);
   at::parallel_for(0, (N + AMX_STRIP - 1) / AMX_STRIP, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t r0 = s * AMX_STRIP;

@@ -176,7 +176,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
       for (int64_t i = i0; i < i1; ++i) {
         const auto [e, j] = amx_blocks[i];
         const int64_t first = rt.expert_start[e], n = rt.expert_start[e + 1] - first;
-        put_vnni_block(rows.data() + first + j, K, j, std::min(AMX_BLOCK, n - j), n, dst + first * K);
+        put_vnni_block(rows.data() + first + j, K, j / AMX_BLOCK, n, dst + first * K);
       }
     });
   };
