@@ -38,13 +38,12 @@ constexpr int64_t AMX_STRIP = 64;      // rows a work item (its M): 4 x 2 tiles 
                                        // loaded once for four tiles of rows
 
 #ifdef GD_BF16DOT
-// in [16][16] fp32 (row r at in + r * ld) -> out[c] = column c
-inline void transpose16(const float* in, int64_t ld, __m512 out[16]) {
+// rows[r] (16 of 16 fp32) -> out[c] = column c
+inline void transpose16(const __m512 rows[16], __m512 out[16]) {
   __m512 t[16], u[16];
   for (int i = 0; i < 8; ++i) {
-    const __m512 a = _mm512_loadu_ps(in + 2 * i * ld), b = _mm512_loadu_ps(in + (2 * i + 1) * ld);
-    t[2 * i] = _mm512_unpacklo_ps(a, b);              // lane L: a0 b0 a1 b1
-    t[2 * i + 1] = _mm512_unpackhi_ps(a, b);          //         a2 b2 a3 b3
+    t[2 * i] = _mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);   // lane L: a0 b0 a1 b1 (a, b: rows 2i, 2i + 1)
+    t[2 * i + 1] = _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);   //      a2 b2 a3 b3
   }
   for (int i = 0; i < 4; ++i) {                       // u[4i + k] lane L: column 4L + k of rows 4i..4i+3
     const __m512d t0 = _mm512_castps_pd(t[4 * i]), t1 = _mm512_castps_pd(t[4 * i + 1]);
@@ -64,6 +63,12 @@ inline void transpose16(const float* in, int64_t ld, __m512 out[16]) {
     out[12 + k] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
   }
 }
+// in [16][16] fp32 (row r at in + r * ld) -> out[c] = column c
+inline void transpose16(const float* in, int64_t ld, __m512 out[16]) {
+  __m512 rows[16];
+  for (int r = 0; r < 16; ++r) rows[r] = _mm512_loadu_ps(in + r * ld);
+  transpose16(rows, out);
+}
 
 // Block b of n inputs (rows[j]: input b * AMX_BLOCK + j, a row of K bf16 values, K even) into the inputs'
 // pair-interleaved layout at `dst`: blocks of AMX_BLOCK inputs, block b at dst + b * AMX_BLOCK * K laid out
@@ -73,13 +78,12 @@ inline void put_vnni_block(const uint16_t* const* rows, int64_t K, int64_t b, in
   const int64_t nb = std::min(AMX_BLOCK, n - b * AMX_BLOCK), pairs = K / 2;
   float* d = reinterpret_cast<float*>(dst + b * AMX_BLOCK * K);    // [pairs][nb] 4-byte pairs, as bits
   const int64_t nb16 = nb / 16 * 16, p16 = pairs / 16 * 16;
-  alignas(64) float tile[16][16];
   for (int64_t j = 0; j < nb16; j += 16)
     for (int64_t k = 0; k < p16; k += 16) {
+      __m512 in[16], col[16];
       for (int r = 0; r < 16; ++r)                  // input j + r's pairs k.. (rows may be 2-byte aligned)
-        _mm512_store_ps(tile[r], _mm512_castsi512_ps(_mm512_loadu_si512(rows[j + r] + 2 * k)));
-      __m512 col[16];
-      transpose16(tile[0], 16, col);
+        in[r] = _mm512_castsi512_ps(_mm512_loadu_si512(rows[j + r] + 2 * k));
+      transpose16(in, col);
       for (int c = 0; c < 16; ++c) _mm512_storeu_ps(d + (k + c) * nb + j, col[c]);
     }
   for (int64_t j = 0; j < nb; ++j)                  // inputs past the 16s, pairs past the 16s of the others
