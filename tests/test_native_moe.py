@@ -239,6 +239,28 @@ def test_moe_mxfp4_amx_form(H, I, offset):
         native.amx_tiles("int8")
 
 
+@pytest.mark.skipif(not AMX, reason="the CPU has no AMX-BF16 tiles (or the build no bf16 dot products)")
+def test_moe_mxfp4_amx_activation_padding():
+    """The AMX experts' activations go straight from the gate_up sums into the down projection's tile layout
+    (moe.cpp `SwigluToVnni`), whose positions past I up to the next 128 are zero: a call that leaves NaN
+    activations in the (reused) layout buffer, then one with I = 96 (a quarter chunk of padding) whose experts
+    take both AMX forms: its output is finite and the twin's, as on a fresh buffer."""
+    g = gen(7)
+    H = 160
+    big = moe_weights(g, 4, H, 1024, BF16)
+    T = 40
+    idx = torch.stack([torch.arange(T) % 4, (torch.arange(T) + 1) % 4], 1)      # 20 inputs an expert: all AMX
+    x = torch.full((T, H), float("nan"), dtype=BF16)
+    with products("amx"), num_threads(1):
+        assert OPS.moe_mxfp4(x, idx, torch.full((T, 2), 0.5), *big, 1.702, 7.0, 0).isnan().all()
+        counts = [6, 17, 12, 40]                         # our tile code, oneDNN's GEMM, ours, oneDNN's
+        idx = torch.tensor([e for e, c in enumerate(counts) for _ in range(c)])[:, None]
+        gate_w = torch.ones(len(idx), 1)
+        weights = moe_weights(g, len(counts), H, 96, BF16)
+        out, _ = _check_moe(randn(g, len(idx), H, dtype=BF16), idx, gate_w, weights, 1.702, 7.0, 0)
+    assert out.isfinite().all()
+
+
 def test_moe_mxfp4_bf16_wide_range_and_nan():
     """Groups whose values span 2^12 (one value far above the rest), all-zero groups and an odd group count (the
     tail chunk) stay within the bf16 bound of the twin — on AVX2, of the twin on the int16-quantized inputs the

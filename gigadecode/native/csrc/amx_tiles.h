@@ -91,42 +91,66 @@ inline void put_vnni_block(const uint16_t* const* rows, int64_t K, int64_t b, in
       reinterpret_cast<uint32_t*>(d)[k * nb + j] = bf16_pair_bits(rows[j] + 2 * k);
 }
 
-// c [rows][nb] fp32 (row-major) -> o[j * ldo + i] = c[i][j]: 16 x 16 blocks through registers, the edges one by
-// one (against a strided scalar copy: 512-token prefill 1.03x on `small`, 1.04x on `20b-shape`)
-inline void transpose_to(const float* c, int64_t rows, int64_t nb, float* o, int64_t ldo) {
+// `put_vnni_block`'s layout of n inputs back to rows: rows[j * K ..] = input j's K values (for a rare fallback)
+inline void vnni_to_rows(const uint16_t* src, int64_t K, int64_t n, uint16_t* rows) {
+  for (int64_t b = 0; b * AMX_BLOCK < n; ++b) {
+    const int64_t nb = std::min(AMX_BLOCK, n - b * AMX_BLOCK);
+    const uint16_t* d = src + b * AMX_BLOCK * K;                    // [K/2][nb][2]
+    for (int64_t j = 0; j < nb; ++j)
+      for (int64_t k = 0; k < K / 2; ++k) std::memcpy(rows + (b * AMX_BLOCK + j) * K + 2 * k, d + (k * nb + j) * 2, 4);
+  }
+}
+
+// c [rows][nb] fp32 (row i at c + i * ldc) -> o[j * ldo + i] = c[i][j]: 16 x 16 blocks through registers, the
+// edges one by one (against a strided scalar copy: 512-token prefill 1.03x on `small`, 1.04x on `20b-shape`)
+inline void transpose_to(const float* c, int64_t ldc, int64_t rows, int64_t nb, float* o, int64_t ldo) {
   const int64_t rows16 = rows / 16 * 16, nb16 = nb / 16 * 16;
   for (int64_t i0 = 0; i0 < rows16; i0 += 16)
     for (int64_t j0 = 0; j0 < nb16; j0 += 16) {
       __m512 col[16];
-      transpose16(c + i0 * nb + j0, nb, col);
+      transpose16(c + i0 * ldc + j0, ldc, col);
       for (int k = 0; k < 16; ++k) _mm512_storeu_ps(o + (j0 + k) * ldo + i0, col[k]);
     }
   for (int64_t j = 0; j < nb; ++j)
-    for (int64_t i = j < nb16 ? rows16 : 0; i < rows; ++i) o[j * ldo + i] = c[i * nb + j];
+    for (int64_t i = j < nb16 ? rows16 : 0; i < rows; ++i) o[j * ldo + i] = c[i * ldc + j];
 }
 
-// a [rows, K] bf16 (row-major) times n inputs in `put_vnni_block`'s layout -> out[i * ldo + r] = row r · input i,
+// Where the AMX forms put their sums: a sink takes a block c [rows][nb] fp32 (row i at c + i * ldc) holding
+// rows [g0, g0 + rows) of the matrix times inputs [j0, j0 + nb) (g0 a multiple of 16, j0 of AMX_BLOCK, nb at
+// most AMX_BLOCK). `SumsToOut` writes them as the other forms do, out[input * ldo + row]; the MoE's gate_up
+// has its own (moe.cpp `SwigluToVnni`: the SwiGLU straight into the down projection's inputs).
+struct SumsToOut {
+  float* out;
+  int64_t ldo;
+  void operator()(const float* c, int64_t ldc, int64_t g0, int64_t rows, int64_t j0, int64_t nb) const {
+    transpose_to(c, ldc, rows, nb, out + j0 * ldo + g0, ldo);
+  }
+};
+
+// a [rows, K] bf16 (row-major: rows g0.. of a matrix) times n inputs in `put_vnni_block`'s layout -> sink,
 // block by block of AMX_BLOCK inputs through an fp32 [rows, nb] tile buffer (rows <= AMX_STRIP)
-inline void rows_times_inputs_amx(const uint16_t* a, int64_t rows, int64_t K, const uint16_t* vnni, int64_t n,
-                                  float* out, int64_t ldo) {
+template <typename Sink>
+inline void rows_times_inputs_amx(const uint16_t* a, int64_t g0, int64_t rows, int64_t K, const uint16_t* vnni,
+                                  int64_t n, const Sink& sink) {
   float* c = scratch(4, rows * AMX_BLOCK);
   for (int64_t b = 0; b * AMX_BLOCK < n; ++b) {
     const int64_t nb = std::min(AMX_BLOCK, n - b * AMX_BLOCK);
     at::native::cpublas::brgemm(rows, nb, K, K, nb, nb, false, reinterpret_cast<const at::BFloat16*>(a),
                                 reinterpret_cast<const at::BFloat16*>(vnni + b * AMX_BLOCK * K), c, true);
-    transpose_to(c, rows, nb, out + b * AMX_BLOCK * ldo, ldo);
+    sink(c, nb, g0, rows, b * AMX_BLOCK, nb);
   }
 }
 
 // rows [r0, r1) of an expert matrix (blk, scl: its first row; G groups a row) times its n inputs in
-// `put_vnni_block`'s layout (K = the inputs' chunk-padded length, (G + 3) / 4 * 128) -> out[i * ldo + r] for i < n.
+// `put_vnni_block`'s layout (K = the inputs' chunk-padded length, (G + 3) / 4 * 128) -> sink.
 // False (nothing written) when a scale of the strip leaves the bf16 values subnormal or infinite.
+template <typename Sink>
 inline bool expert_rows_amx(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
-                            const uint16_t* vnni, int64_t n, float* out, int64_t ldo) {
+                            const uint16_t* vnni, int64_t n, const Sink& sink) {
   const int64_t K = (G + 3) / 4 * 128, rows = r1 - r0;
   uint16_t* wb = reinterpret_cast<uint16_t*>(scratch(0, rows * K / 2 + 16));   // A [rows, K]
   if (!decode_rows_scaled_bf16(blk + r0 * G * 16, scl + r0 * G, G, rows, wb, K)) return false;
-  rows_times_inputs_amx(wb, rows, K, vnni, n, out + r0, ldo);
+  rows_times_inputs_amx(wb, r0, rows, K, vnni, n, sink);
   return true;
 }
 
@@ -177,12 +201,13 @@ GD_CHUNK_PRODUCTS(chunk_products_odd, 6, 7)
 #undef GD_CHUNK_PRODUCTS
 
 // rows [r0, r1) (at most AMX_STRIP) of an expert matrix times its n <= AMX_TILE_INPUTS inputs in
-// `put_vnni_block`'s layout -> out[i * ldo + r], as `expert_rows_amx`. Groups of 16 rows alternate between two
+// `put_vnni_block`'s layout -> sink, as `expert_rows_amx`. Groups of 16 rows alternate between two
 // pairs of sum tiles (0, 1 and 6, 7), so a group's sums are stored once the next group's first chunk is under way
 // and the store does not wait for the last products of its own group.
+template <typename Sink>
 __attribute__((target("amx-tile,amx-bf16")))
 inline bool expert_rows_amx_l1(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
-                               const uint16_t* vnni, int64_t n, float* out, int64_t ldo) {
+                               const uint16_t* vnni, int64_t n, const Sink& sink) {
   if (!scales_fit_bf16(scl + r0 * G, (r1 - r0) * G)) return false;
   TileConfig cfg;                    // sums [16 rows][n] fp32, rows [16][32 values], inputs [16 pairs][n][2]
   for (int t = 0; t < 8; ++t) {
@@ -194,12 +219,12 @@ inline bool expert_rows_amx_l1(const uint8_t* blk, const uint8_t* scl, int64_t G
   const int64_t chunks = (G + 3) / 4;
   uint16_t* abuf = reinterpret_cast<uint16_t*>(scratch(0, 2 * 16 * 128 / 2));   // two [16][128] chunk buffers
   float* cbuf = scratch(4, 2 * 16 * 16);                                       // [2][16][16] sums of a group
-  const auto store = [&](int64_t g0, bool odd) {        // the finished group at row g0 -> out
+  const auto store = [&](int64_t g0, bool odd) {        // the finished group at row g0 -> sink
     if (odd) { _tile_stored(6, cbuf, 64); _tile_stored(7, cbuf + 256, 64); }
     else { _tile_stored(0, cbuf, 64); _tile_stored(1, cbuf + 256, 64); }
-    const int64_t rows = std::min<int64_t>(16, r1 - g0);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t r = 0; r < rows; ++r) out[i * ldo + g0 + r] = cbuf[r * 16 + i] + cbuf[256 + r * 16 + i];
+    for (int r = 0; r < 16; ++r)                        // the two sums' halves of K
+      _mm512_store_ps(cbuf + r * 16, _mm512_add_ps(_mm512_load_ps(cbuf + r * 16), _mm512_load_ps(cbuf + 256 + r * 16)));
+    sink(cbuf, 16, g0, std::min<int64_t>(16, r1 - g0), 0, n);
   };
   // step s = (group k, chunk c): decode step s + 1 into the other buffer before step s's products load
   // theirs, so a tile load never waits for the stores that just wrote its rows
@@ -234,12 +259,13 @@ inline bool expert_rows_amx_l1(const uint8_t* blk, const uint8_t* scl, int64_t G
 
 // An AMX expert's rows [r0, r1) times its n inputs in `put_vnni_block`'s layout: our own tile code up to
 // AMX_TILE_INPUTS inputs, oneDNN's GEMM over decoded strips beyond. False as those are.
+template <typename Sink>
 inline bool expert_rows_on_tiles(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
-                                 const uint16_t* vnni, int64_t n, float* out, int64_t ldo) {
+                                 const uint16_t* vnni, int64_t n, const Sink& sink) {
 #ifdef GD_AMX_OWN_TILES
-  if (n <= AMX_TILE_INPUTS) return expert_rows_amx_l1(blk, scl, G, r0, r1, vnni, n, out, ldo);
+  if (n <= AMX_TILE_INPUTS) return expert_rows_amx_l1(blk, scl, G, r0, r1, vnni, n, sink);
 #endif
-  return expert_rows_amx(blk, scl, G, r0, r1, vnni, n, out, ldo);
+  return expert_rows_amx(blk, scl, G, r0, r1, vnni, n, sink);
 }
 
 #endif

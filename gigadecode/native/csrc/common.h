@@ -137,15 +137,25 @@ inline void prefetch_rows(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
+// the fast SwiGLU of a clamped gate g and up u: (u + 1) · g · sigmoid(alpha · g), na = -alpha
+inline VF vswiglu(VF g, VF u, VF na) {
+  const VF one = vset1(1.f);
+  const VF sig = vdiv(one, vadd(one, vexp_or_inf(vmul(na, g))));
+  return vmul(vadd(u, one), vmul(g, sig));
+}
 // act[i] <- (up[i] + 1) · g · sigmoid(alpha · g), g = act[i] (already clamped). `fast`: vectorized (`vexp`,
 // within a few ulp), for bf16 activations that round it away; else std::exp, as the fp32 model computes it
 inline void swiglu_inplace(float* act, const float* up, int64_t n, float alpha, bool fast) {
-  const VF one = vset1(1.f), na = vset1(-alpha);
+  const VF na = vset1(-alpha);
   int64_t i = 0;
-  for (; fast && i + W <= n; i += W) {
-    const VF g = vload(act + i);
-    const VF sig = vdiv(one, vadd(one, vexp_or_inf(vmul(na, g))));
-    vstore(act + i, vmul(vadd(vload(up + i), one), vmul(g, sig)));
+  for (; fast && i + W <= n; i += W) vstore(act + i, vswiglu(vload(act + i), vload(up + i), na));
+  if (fast && i < n) {                             // the tail the same way (as the MoE's AMX experts take every value)
+    alignas(64) float g[W] = {}, u[W] = {};
+    std::copy(act + i, act + n, g);
+    std::copy(up + i, up + n, u);
+    vstore(g, vswiglu(vload(g), vload(u), na));
+    std::copy(g, g + (n - i), act + i);
+    return;
   }
   for (; i < n; ++i) act[i] = (up[i] + 1.f) * (act[i] / (1.f + std::exp(-alpha * act[i])));
 }

@@ -242,7 +242,7 @@ void linear_amx(const uint16_t* w, int64_t N, int64_t K, const uint16_t* x, int6
   at::parallel_for(0, (N + AMX_STRIP - 1) / AMX_STRIP, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t r0 = s * AMX_STRIP;
-      rows_times_inputs_amx(w + r0 * K, std::min(AMX_STRIP, N - r0), K, xv, M, y + r0, N);
+      rows_times_inputs_amx(w + r0 * K, r0, std::min(AMX_STRIP, N - r0), K, xv, M, SumsToOut{y, N});
     }
     at::native::cpublas::brgemm_release();
   });
