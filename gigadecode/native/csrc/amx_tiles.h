@@ -36,6 +36,12 @@ constexpr int64_t AMX_MIN_INPUTS = 5;
 constexpr int64_t AMX_BLOCK = 32;      // inputs per GEMM call (its N): two 16-column tiles
 constexpr int64_t AMX_STRIP = 64;      // rows a work item (its M): 4 x 2 tiles of fp32 sums, each input tile
                                        // loaded once for four tiles of rows
+// An expert with more than AMX_TILE_INPUTS inputs (oneDNN's GEMM over a decoded strip) takes strips of up to
+// this many bytes of bf16 rows (AMX_STRIP to 4 AMX_STRIP rows): half the GEMM calls (and their sums' sinks)
+// where rows are short. 512-token prefill of `small` (K = 1,024: 128-row strips) 1.055x (median pair 1.058, 12
+// pairs; 256 rows 1.066x, median 1.041); `20b-shape` with 128-row strips (K = 2,880: 737 KB) 0.972x (median
+// pair 1.019), so it keeps 64
+constexpr int64_t AMX_GEMM_STRIP_BYTES = 256 * 1024;
 
 #ifdef GD_BF16DOT
 // rows[r] (16 of 16 fp32) -> out[c] = column c
@@ -269,4 +275,12 @@ inline bool expert_rows_on_tiles(const uint8_t* blk, const uint8_t* scl, int64_t
 }
 
 #endif
+
+// rows a work item of an AMX expert with n inputs of K values: our own tile code's strips, or oneDNN's taller ones
+inline int64_t amx_strip_rows(int64_t n, int64_t K) {
+#ifdef GD_AMX_OWN_TILES
+  if (n <= AMX_TILE_INPUTS) return AMX_STRIP;
+#endif
+  return std::clamp(AMX_GEMM_STRIP_BYTES / (2 * K) / AMX_STRIP * AMX_STRIP, AMX_STRIP, 4 * AMX_STRIP);
+}
 }  // namespace gd

@@ -243,7 +243,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   const uint8_t* dnb = dn_blocks.data_ptr<uint8_t>();
   const uint8_t* dns = dn_scales.data_ptr<uint8_t>();
 
-  // one work item = a strip of rows of one active expert (RT_MAX * 4 rows; AMX_STRIP on AMX tiles, where
+  // one work item = a strip of rows of one active expert (RT_MAX * 4 rows; on AMX tiles `amx_strip_rows`, where
   // taller strips reuse each tile of inputs for more rows), for all of that expert's pairs
   struct Item { int64_t e, r0, r1; };
   auto run = [&](const uint8_t* blk, const uint8_t* scl, int64_t R, int64_t G, const std::vector<const float*>& in,
@@ -260,7 +260,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
     std::vector<int64_t> done(1, 0);                          // cumulative cost before item i
     for (int64_t e : rt.active) {
       const int64_t n = rt.expert_start[e + 1] - rt.expert_start[e];
-      const int64_t strip = amx_expert(n) ? AMX_STRIP : RT_MAX * 4;
+      const int64_t strip = amx_expert(n) ? amx_strip_rows(n, G * 32) : RT_MAX * 4;
       for (int64_t r0 = 0; r0 < R; r0 += strip) {
         items.push_back({e, r0, std::min(R, r0 + strip)});
         done.push_back(done.back() + (items.back().r1 - r0) * item_cost(n));
