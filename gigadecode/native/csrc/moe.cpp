@@ -76,9 +76,11 @@ void check_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, const char*
 struct SwigluToVnni {
   const FloatView& bias;   // gate_up's [E, 2I]
   int64_t bias0;           // the expert's first
-  int64_t R1, I64, n;      // 2I; I in whole 128-value chunks; the expert's inputs
+  int64_t R1, I64;         // 2I; I in whole 128-value chunks
   uint16_t* av;            // the expert's activations, blocks of AMX_BLOCK inputs [I64 / 2][nb][2]
   float alpha, limit;
+  // the pair holding activations a0 and a0 + 4 (a0 a multiple of 8); a0 + q and a0 + q + 4 are 16 q pairs on
+  static int64_t first_pair(int64_t a0) { return a0 / 128 * 64 + a0 % 128 / 32 * 4 + a0 % 32 / 8; }
   void operator()(const float* c, int64_t ldc, int64_t g0, int64_t rows, int64_t j0, int64_t nb) const {
     uint32_t* d = reinterpret_cast<uint32_t*>(av + j0 * I64);   // the block's pairs [I64 / 2][nb]
     const VF na = vset1(-alpha), lim = vset1(limit), nlim = vset1(-limit);
@@ -91,7 +93,7 @@ struct SwigluToVnni {
       return (__m256i)_mm512_cvtneps_pbh(vswiglu(gate, vmin(lim, vmax(nlim, up)), na).v);
     };
     for (int64_t u = 0; u < rows; u += 16) {
-      const int64_t a0 = (g0 + u) / 2, pair0 = a0 / 128 * 64 + a0 % 128 / 32 * 4 + a0 % 32 / 8;
+      const int64_t pair0 = first_pair((g0 + u) / 2);
       for (int q = 0; q < 4; ++q)
         for (int64_t j = 0; j < nb; j += 16) {
           const __mmask16 m = nb - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - j)) - 1);
@@ -101,10 +103,8 @@ struct SwigluToVnni {
         }
     }
     if (g0 + rows == R1)                              // the last chunk's activations past I: zeros (as the pass
-      for (int64_t a0 = R1 / 2; a0 < I64; a0 += 8) {  // pads them), which no group of rows writes
-        const int64_t pair0 = a0 / 128 * 64 + a0 % 128 / 32 * 4 + a0 % 32 / 8;
-        for (int q = 0; q < 4; ++q) std::fill_n(d + (pair0 + 16 * q) * nb, nb, 0u);
-      }
+      for (int64_t a0 = R1 / 2; a0 < I64; a0 += 8)   // pads them), which no group of rows writes
+        for (int q = 0; q < 4; ++q) std::fill_n(d + (first_pair(a0) + 16 * q) * nb, nb, 0u);
   }
 };
 
@@ -291,7 +291,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
             expert_rows_bf16(eb, es, G, r0, r1, xs.data(), n, out, R);
             if (swiglu) rows_to_sink(out, R, r0, r1, n, sink);
           };
-          if (swiglu) on_tiles(SwigluToVnni{gu_bias_view, e * R1, R1, I64, n, av + p0 * I64, a, lim});
+          if (swiglu) on_tiles(SwigluToVnni{gu_bias_view, e * R1, R1, I64, av + p0 * I64, a, lim});
           else on_tiles(SumsToOut{out, R});
           used_amx = true;
           continue;
