@@ -83,14 +83,15 @@ struct SwigluToVnni {
   static int64_t first_pair(int64_t a0) { return a0 / 128 * 64 + a0 % 128 / 32 * 4 + a0 % 32 / 8; }
   void operator()(const float* c, int64_t ldc, int64_t g0, int64_t rows, int64_t j0, int64_t nb) const {
     uint32_t* d = reinterpret_cast<uint32_t*>(av + j0 * I64);   // the block's pairs [I64 / 2][nb]
-    const VF na = vset1(-alpha), lim = vset1(limit), nlim = vset1(-limit);
+    const VF na = vset1(-alpha);
     // activations of row pair (r, r + 1) of c (gate, up) for inputs j.. (m: those < nb), rounded to bf16. (2I
     // is a multiple of 64, so every strip and group of rows is whole.)
     const auto act = [&](int64_t r, int64_t j, __mmask16 m) {
       const int64_t g = g0 + r;
-      const VF gate = vmin(lim, VF{_mm512_add_ps(_mm512_maskz_loadu_ps(m, c + r * ldc + j), _mm512_set1_ps(bias[bias0 + g]))});
-      const VF up = VF{_mm512_add_ps(_mm512_maskz_loadu_ps(m, c + (r + 1) * ldc + j), _mm512_set1_ps(bias[bias0 + g + 1]))};
-      return (__m256i)_mm512_cvtneps_pbh(vswiglu(gate, vmin(lim, vmax(nlim, up)), na).v);
+      VF gate{_mm512_add_ps(_mm512_maskz_loadu_ps(m, c + r * ldc + j), _mm512_set1_ps(bias[bias0 + g]))};
+      VF up{_mm512_add_ps(_mm512_maskz_loadu_ps(m, c + (r + 1) * ldc + j), _mm512_set1_ps(bias[bias0 + g + 1]))};
+      vclamp_gate_up(gate, up, limit);
+      return (__m256i)_mm512_cvtneps_pbh(vswiglu(gate, up, na).v);
     };
     for (int64_t u = 0; u < rows; u += 16) {
       const int64_t pair0 = first_pair((g0 + u) / 2);
@@ -108,15 +109,15 @@ struct SwigluToVnni {
   }
 };
 
-// rows [r0, r1) of sums written out[i * R + r] (`expert_rows_bf16`, where a scale keeps an expert off the tiles)
-// -> sink, a block of AMX_BLOCK inputs at a time
+// sums of rows [r0, r0 + rows) of n inputs, sums[i * rows + r] (`expert_rows_bf16`, where a scale keeps an
+// expert off the tiles) -> sink, a block of AMX_BLOCK inputs at a time
 template <typename Sink>
-void rows_to_sink(const float* out, int64_t R, int64_t r0, int64_t r1, int64_t n, const Sink& sink) {
-  float* c = scratch(5, (r1 - r0) * AMX_BLOCK);
+void rows_to_sink(const float* sums, int64_t r0, int64_t rows, int64_t n, const Sink& sink) {
+  float* c = scratch(5, rows * AMX_BLOCK);
   for (int64_t j0 = 0; j0 < n; j0 += AMX_BLOCK) {
     const int64_t nb = std::min(AMX_BLOCK, n - j0);
-    transpose_to(out + j0 * R + r0, R, nb, r1 - r0, c, nb);   // c[r * nb + i] = out[(j0 + i) * R + r0 + r]
-    sink(c, nb, r0, r1 - r0, j0, nb);
+    transpose_to(sums + j0 * rows, rows, nb, rows, c, nb);   // c[r * nb + i] = sums[(j0 + i) * rows + r]
+    sink(c, nb, r0, rows, j0, nb);
   }
 }
 #endif
@@ -170,23 +171,32 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 #endif
   const auto amx_expert = [&](int64_t n) { return amx && n >= AMX_MIN_INPUTS; };   // `amx_tiles.h`
   bool f32_inputs = false, amx_inputs = false;    // fp32 / pair-interleaved copies of the inputs: if some expert
-  for (int64_t e : rt.active) {                   // takes that form
+  // takes that form. The pairs of the other experts go through the SwiGLU pass, which keeps their gate_up
+  // outputs and activations in rows of its own: pass_first[e] = the pass row of e's first pair (the AMX
+  // experts' SwiGLU runs on their sums in L1, `SwigluToVnni`, so they take no rows)
+  std::vector<int64_t> pass_first(E, 0);
+  int64_t pass_pairs = 0;
+  for (int64_t e : rt.active) {
     const int64_t n = rt.expert_start[e + 1] - rt.expert_start[e];
     f32_inputs |= fp32_expert(n) && !amx_expert(n);
     amx_inputs |= amx_expert(n);
+    if (amx_expert(n)) continue;
+    pass_first[e] = pass_pairs;
+    pass_pairs += n;
   }
   const int64_t H64 = (H + 127) / 128 * 128, I64 = (I + 127) / 128 * 128;   // bf16 inputs: whole chunks
   const int64_t HS = input_stride(H), IS = input_stride(I);                 // fp32 inputs
   float* xd = shared_scratch(0, f32_inputs ? T * HS : 0);         // [T, H] fp32 inputs in the tiles' order
-  float* gu = shared_scratch(1, P * R1);                           // [P, 2I] gate_up outputs
-  float* ad = shared_scratch(2, f32_inputs ? P * IS : 0);          // [P, I] activations, likewise
+  const int64_t PP = pass_pairs;
+  float* gu = shared_scratch(1, PP * R1);                          // [PP, 2I] gate_up outputs of the pass's pairs
+  float* ad = shared_scratch(2, f32_inputs ? PP * IS : 0);         // [PP, I] their activations, likewise
   float* y = shared_scratch(3, P * H);                             // [P, H] down outputs
   uint16_t* xd16 = reinterpret_cast<uint16_t*>(shared_scratch(6, bf ? T * H64 / 2 : 0));   // bf16 inputs
-  uint16_t* ad16 = reinterpret_cast<uint16_t*>(shared_scratch(7, bf ? P * I64 / 2 : 0));
+  uint16_t* ad16 = reinterpret_cast<uint16_t*>(shared_scratch(7, bf ? PP * I64 / 2 : 0));
   constexpr int64_t QF = sizeof(QChunk) / sizeof(float);
   const int64_t HQ = (H + 63) / 64, IQ = (I + 63) / 64;           // int16 inputs: chunks a row
   QChunk* xq = reinterpret_cast<QChunk*>(shared_scratch(4, q16 ? T * HQ * QF : 0));
-  QChunk* aq = reinterpret_cast<QChunk*>(shared_scratch(5, q16 ? P * IQ * QF : 0));
+  QChunk* aq = reinterpret_cast<QChunk*>(shared_scratch(5, q16 ? PP * IQ * QF : 0));
   uint16_t* xv = reinterpret_cast<uint16_t*>(shared_scratch(8, amx_inputs ? P * H64 / 2 : 0));   // [P, H64] and
   uint16_t* av = reinterpret_cast<uint16_t*>(shared_scratch(9, amx_inputs ? P * I64 / 2 : 0));   // [P, I64], VNNI
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
@@ -210,16 +220,22 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   std::vector<const float*> xin(P), ain(P);
   std::vector<const uint16_t*> xin16(P), ain16(P);
   std::vector<const QChunk*> xinq(q16 ? P : 0), ainq(q16 ? P : 0);
-  for (int64_t p = 0; p < P; ++p) {
-    xin[p] = xd + rt.pair_token[p] * HS;
-    ain[p] = ad + p * IS;
-    xin16[p] = xd16 + rt.pair_token[p] * H64;
-    ain16[p] = ad16 + p * I64;
-    if (q16) xinq[p] = xq + rt.pair_token[p] * HQ, ainq[p] = aq + p * IQ;
+  std::vector<int64_t> pair_expert(P), pass_row(P, -1);   // pass_row: -1 for the AMX experts' pairs
+  for (int64_t e : rt.active) {
+    const bool pass = !amx_expert(rt.expert_start[e + 1] - rt.expert_start[e]);
+    for (int64_t p = rt.expert_start[e]; p < rt.expert_start[e + 1]; ++p) {
+      pair_expert[p] = e;
+      if (pass) pass_row[p] = pass_first[e] + p - rt.expert_start[e];
+    }
   }
-  std::vector<int64_t> pair_expert(P);
-  for (int64_t e : rt.active)
-    for (int64_t p = rt.expert_start[e]; p < rt.expert_start[e + 1]; ++p) pair_expert[p] = e;
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t q = std::max<int64_t>(pass_row[p], 0);   // (an AMX pair's activations: `av`, below)
+    xin[p] = xd + rt.pair_token[p] * HS;
+    ain[p] = ad + q * IS;
+    xin16[p] = xd16 + rt.pair_token[p] * H64;
+    ain16[p] = ad16 + q * I64;
+    if (q16) xinq[p] = xq + rt.pair_token[p] * HQ, ainq[p] = aq + q * IQ;
+  }
 #ifdef GD_BF16DOT
   // the AMX experts' blocks of inputs (expert, first input of the block), pair-interleaved a block at a time
   std::vector<std::pair<int64_t, int64_t>> amx_blocks;
@@ -248,7 +264,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   struct Item { int64_t e, r0, r1; };
   auto run = [&](const uint8_t* blk, const uint8_t* scl, int64_t R, int64_t G, const std::vector<const float*>& in,
                  const std::vector<const uint16_t*>& in16, const std::vector<const QChunk*>& inq,
-                 const uint16_t* vnni, float* dst, bool swiglu) {
+                 const uint16_t* vnni, float* dst, const int64_t* dst_first, bool swiglu) {
     // threads take contiguous runs of work items of about equal cost (an item's cost: its expert's inputs
     // times its rows, plus some for streaming its bytes), so one expert with many tokens does not leave a
     // thread idle
@@ -276,7 +292,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
         const int64_t p0 = rt.expert_start[e], n = rt.expert_start[e + 1] - p0;
         const uint8_t* eb = blk + e * R * G * 16;                 // the expert's MXFP4 rows and scales
         const uint8_t* es = scl + e * R * G;
-        float* out = dst + p0 * R;                                // its pairs' output rows
+        float* out = dst + dst_first[e] * R;                      // its pairs' output rows
 #ifdef GD_BF16DOT
         if (amx_expert(n)) {     // a scale outside the bf16 range: the bf16 tiles (which scale each group's sums)
           const uint16_t* v = vnni + p0 * ((G + 3) / 4 * 128);
@@ -288,8 +304,12 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
             vnni_to_rows(v, K, n, rows);
             std::vector<const uint16_t*> xs(n);
             for (int64_t j = 0; j < n; ++j) xs[j] = rows + j * K;
-            expert_rows_bf16(eb, es, G, r0, r1, xs.data(), n, out, R);
-            if (swiglu) rows_to_sink(out, R, r0, r1, n, sink);
+            if (!swiglu) return expert_rows_bf16(eb, es, G, r0, r1, xs.data(), n, out, R);
+            // gate_up: the strip's sums [n, r1 - r0] in the thread's scratch (an AMX expert has no pass rows;
+            // slot 1 is free once the inputs are laid out), then the same sink
+            float* sums = scratch(1, n * (r1 - r0));         // sums[i * (r1 - r0) + r]: row r0 + r
+            expert_rows_bf16(eb + r0 * G * 16, es + r0 * G, G, 0, r1 - r0, xs.data(), n, sums, r1 - r0);
+            rows_to_sink(sums, r0, r1 - r0, n, sink);
           };
           if (swiglu) on_tiles(SwigluToVnni{gu_bias_view, e * R1, R1, I64, av + p0 * I64, a, lim});
           else on_tiles(SumsToOut{out, R});
@@ -312,7 +332,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
       if (used_amx) at::native::cpublas::brgemm_release();   // the thread's AMX tile state
     });
   };
-  run(gub, gus, R1, G1, xin, xin16, xinq, xv, gu, true);
+  run(gub, gus, R1, G1, xin, xin16, xinq, xv, gu, pass_first.data(), true);
 
   // swiglu on (gate, up) = (even, odd) columns with the gate_up bias, written deinterleaved for `down` (the AMX
   // experts' went straight to `av`: SwigluToVnni)
@@ -322,15 +342,17 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t e = pair_expert[p];
       if (amx_expert(rt.expert_start[e + 1] - rt.expert_start[e])) continue;
-      const float* g = gu + p * R1;
+      const int64_t q = pass_row[p];                   // its row of gu, ad, ad16, aq
+      const float* g = gu + q * R1;
       int64_t i = 0;                                   // gate clamped above, up both ways, bias added
       for (; i + W <= I; i += W) {
         VF gate, upv;
         const int64_t o = e * R1 + 2 * i;
         vdeinterleave(vadd(vload(g + 2 * i), bias_vec(b1, o)), vadd(vload(g + 2 * i + W), bias_vec(b1, o + W)),
                       gate, upv);
-        vstore(act + i, vmin(vset1(lim), gate));
-        vstore(up + i, vmin(vset1(lim), vmax(vset1(-lim), upv)));
+        vclamp_gate_up(gate, upv, lim);
+        vstore(act + i, gate);
+        vstore(up + i, upv);
       }
       for (; i < I; ++i) {
         act[i] = std::min(g[2 * i] + b1[e * R1 + 2 * i], lim);
@@ -339,21 +361,21 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
       swiglu_inplace(act, up, I, a, x.scalar_type() == at::kBFloat16);
 #ifdef GD_BF16DOT
       if (bf) {
-        deinterleave_bf16(act, I, ad16 + p * I64);
+        deinterleave_bf16(act, I, ad16 + q * I64);
         if (!f32_inputs) continue;
       }
 #endif
       if (x.scalar_type() == at::kBFloat16)            // bf16 activations, as on the bf16 dot-product path
         for (int64_t i = 0; i < I; ++i) act[i] = bf16_to_f32(f32_to_bf16(act[i]));
       if (q16) {
-        quantize_x64(act, I, aq + p * IQ);
+        quantize_x64(act, I, aq + q * IQ);
         if (!f32_inputs) continue;
-        dequantize_x64(aq + p * IQ, I, act);
+        dequantize_x64(aq + q * IQ, I, act);
       }
-      arrange_inputs(act, I, ad + p * IS);
+      arrange_inputs(act, I, ad + q * IS);
     }
   });
-  run(dnb, dns, H, G2, ain, ain16, ainq, av, y, false);
+  run(dnb, dns, H, G2, ain, ain16, ainq, av, y, rt.expert_start.data(), false);
 
   // out[t] = sum of its pairs (expert order) gate · (y + b2)
   std::vector<std::vector<int64_t>> tok_pairs(T);
