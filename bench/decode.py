@@ -13,7 +13,8 @@ batches and prefill meet it first.
 `ceiling` is the step's limit on this machine from those two measurements (its weight bytes at the bandwidth
 or its multiply-adds at the GEMM peak, whichever is slower) and `of it` the share of it reached: a batch-B
 speedup over batch 1 can be no larger than the ratio of the two ceilings.
-Prefill: tokens/s of a 512- and a 4096-token prompt through the engine's chunked prefill (512 per chunk)
+Prefill: tokens/s of a 512- and a 4096-token prompt through the engine's chunked prefill (`--prefill-chunk`,
+default the engine's `--max-prefill-tokens`)
 against transformers' `GptOssForCausalLM` forward on the same checkpoint, when it fits in memory: in bf16
 where the CPU has bf16 GEMMs, else in fp32 (what a transformers user runs there).
 Peak RSS is reported against the checkpoint's bytes.
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gigadecode import native  # noqa: E402
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
 from gigadecode.config import GptOssConfig  # noqa: E402
-from gigadecode.engine_config import EngineConfig  # noqa: E402
+from gigadecode.engine_config import DEFAULT_MAX_PREFILL_TOKENS, EngineConfig  # noqa: E402
 from gigadecode.gemm import bf16_gemm_in_hardware, product_dtype  # noqa: E402
 from gigadecode.gk.attn_control import build_attention_control  # noqa: E402
 from gigadecode.gk.model import GptOssGKDecodeModel  # noqa: E402
@@ -144,8 +145,8 @@ class DecodeBench:
         self.gk[decoder].decode(torch.tensor(ids), ctl)
 
 
-def prefill_tok_s(cfg, w, model, dtype: str, n: int, reps: int) -> float:
-    """Chunked prefill (512 tokens a chunk) of an n-token prompt through the per-layer model, median."""
+def prefill_tok_s(cfg, w, model, dtype: str, n: int, reps: int, chunk: int = DEFAULT_MAX_PREFILL_TOKENS) -> float:
+    """Chunked prefill (`chunk` tokens a chunk) of an n-token prompt through the per-layer model, median."""
     ecfg = EngineConfig(dtype=dtype, kv_dtype="fp8", block_size=16)
     kv = KVCache(cfg, ecfg, -(-n // 16) * 2 + 2)
     mgr = KVCacheManager(kv.config, 16)
@@ -155,8 +156,8 @@ def prefill_tok_s(cfg, w, model, dtype: str, n: int, reps: int) -> float:
         rid = f"p{rep}"
         assert mgr.allocate(rid, n, 0)
         t0 = time.perf_counter()
-        for s in range(0, n, 512):
-            model.forward([SeqChunk(prompt[s: s + 512], s, mgr.block_tables(rid), "last")], kv)
+        for s in range(0, n, chunk):
+            model.forward([SeqChunk(prompt[s: s + chunk], s, mgr.block_tables(rid), "last")], kv)
         times.append(time.perf_counter() - t0)
         mgr.free(rid)
     return n / statistics.median(times)
@@ -200,6 +201,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--prefill", type=int, nargs="*", default=[512, 4096])
+    ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
+                    help=f"prompt tokens a prefill step (default {DEFAULT_MAX_PREFILL_TOKENS}, the engine's)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers prefill baseline")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -248,9 +251,9 @@ def main() -> int:
             gc.collect()
 
     for n in args.prefill:
-        ours = prefill_tok_s(cfg, w, model, args.dtype, n, reps=3)
-        row = dict(tokens=n, gigadecode_tok_s=ours)
-        print(f"prefill {n:>5} tokens: gigadecode {ours:8.1f} tok/s", end="", flush=True)
+        ours = prefill_tok_s(cfg, w, model, args.dtype, n, reps=3, chunk=args.prefill_chunk)
+        row = dict(tokens=n, chunk=args.prefill_chunk, gigadecode_tok_s=ours)
+        print(f"prefill {n:>5} tokens ({args.prefill_chunk} a chunk): gigadecode {ours:8.1f} tok/s", end="", flush=True)
         results["prefill"].append(row)
         print()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # before transformers loads its copy

@@ -42,10 +42,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "max_position_embeddings, or what the KV pool holds if less); the default pool is sized "
                         "for it")
     g.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=int,
-                   default=512,
-                   help="prompt tokens one step prefills at most (chunked prefill; default 512). Also taken as "
-                        "vLLM's --max-num-batched-tokens, whose budget counts the step's decode tokens too; here "
-                        "it bounds the prompt tokens alone")
+                   default=1024,
+                   help="prompt tokens one step prefills at most (chunked prefill; default 1024: each chunk "
+                        "decodes the experts it uses once, so longer chunks prefill long prompts faster, while "
+                        "the decodes sharing a step with a chunk wait for it). Also taken as vLLM's "
+                        "--max-num-batched-tokens, whose budget counts the step's decode tokens too; here it "
+                        "bounds the prompt tokens alone")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the kernels (default: $OMP_NUM_THREADS when set, else the cores this process "
                         "may use; under torchrun, those cores divided among the local ranks, torchrun's own "
@@ -153,7 +155,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                             json=False, max_tokens=args.max_tokens, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
                             seed=None, ignore_eos=False, dtype="auto", kv_dtype="fp8", block_size=16,
                             num_blocks=None, kv_budget_gib=None, decoder="gk-native", max_num_seqs=64,
-                            max_prefill_tokens=512, tp=1, dp=1, ep=1)
+                            max_prefill_tokens=1024, tp=1, dp=1, ep=1)
     print(f"generate on the demo model ({d}): GK decode program, packed-FP8 KV cache")
     return cmd_generate(ns)
 

@@ -153,7 +153,7 @@ class LLM:
 
     def __init__(self, model: str, *, dtype: str = "auto", kv_cache_dtype: str | None = None,
                  block_size: int = 16, num_blocks: int | None = None, kv_budget_gib: float | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  enable_prefix_caching: bool = False, speculative_config: Mapping | str | None = None,
                  scheduling_policy: str = "fcfs", decoder: str = "gk-native", threads: int | None = None,
                  chat_template: str | None = None, warmup: bool = True, tensor_parallel_size: int = 1,

@@ -73,6 +73,7 @@ from .config import GptOssConfig
 from .kv.dcp import TokenShard
 from .kv.spec import cdiv, get_kv_spec, group_kv_specs
 from .distributed.mesh import build_layout
+from .engine_config import DEFAULT_MAX_PREFILL_TOKENS
 from .weights import Shard, build_stacked_weight_specs, local_heads
 
 GIB = 1024**3
@@ -80,7 +81,7 @@ UINT32_OFFSET_LIMIT = 2**32
 KV_ITEMSIZE = {"fp8": 1, "bf16": 2}
 ACT_BYTES = 4                 # activations counted in fp32
 DEFAULT_MAX_NUM_SEQS = 64     # EngineConfig.max_num_seqs
-DEFAULT_PREFILL_CHUNK = 512   # EngineConfig.max_prefill_tokens: prefill tokens a step, for `blocks_per_seq`
+DEFAULT_PREFILL_CHUNK = DEFAULT_MAX_PREFILL_TOKENS   # prefill tokens a step, for `blocks_per_seq`
 
 REQUIRED_KEYS = ("num_blocks", "kv_bytes", "kv_tokens", "bytes_per_block", "weight_bytes_per_rank",
                  "max_buffer_offset")
@@ -122,12 +123,15 @@ def plan_memory(cfg: GptOssConfig, *, tp: int = 1, dp: int = 1, ep: int = 1, blo
                 kv_dtype: str = "fp8", device_memory_gib: float | None = None, memory_utilization: float = 0.9,
                 kv_budget_gib: float | None = None, activation_gib: float | None = None,
                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, dcp: int = 1, dcp_interleave: int | None = None,
-                context: int | None = None) -> dict[str, Any]:
+                context: int | None = None, max_prefill_tokens: int = DEFAULT_PREFILL_CHUNK) -> dict[str, Any]:
     """The KV plan of one rank (see the module docstring). Raises ValueError on an impossible layout/budget.
 
     `dcp`: decode context parallel size; `dcp_interleave`: tokens per round-robin chunk (None: block_size);
-    `context`: the sequence length of `blocks_per_seq` / `max_concurrent_seqs` (None: max_position_embeddings).
+    `context`: the sequence length of `blocks_per_seq` / `max_concurrent_seqs` (None: max_position_embeddings);
+    `max_prefill_tokens`: the engine's prefill chunk (a sliding-window group holds a chunk and the window before it).
     """
+    if not isinstance(max_prefill_tokens, int) or max_prefill_tokens <= 0:
+        raise ValueError(f"--max-prefill-tokens must be a positive integer (got {max_prefill_tokens!r})")
     if kv_dtype not in KV_ITEMSIZE:
         raise ValueError(f"--kv-dtype must be one of {sorted(KV_ITEMSIZE)} (got {kv_dtype!r})")
     if not isinstance(block_size, int) or block_size <= 0 or (kv_dtype == "fp8" and block_size % 2):
@@ -197,7 +201,7 @@ def plan_memory(cfg: GptOssConfig, *, tp: int = 1, dp: int = 1, ep: int = 1, blo
     tokens = TokenShard(dcp, 0, interleave) if dcp > 1 else None
     shard0 = tokens or TokenShard()
     kv_context = shard0.position((num_blocks - 1) * block_size)   # largest T: cdiv(most(T), B) <= num_blocks - 1
-    blocks_per_seq = sum(g.spec.peak_blocks(context, min(context, DEFAULT_PREFILL_CHUNK), tokens) for g in groups)
+    blocks_per_seq = sum(g.spec.peak_blocks(context, min(context, max_prefill_tokens), tokens) for g in groups)
     max_seqs = (num_blocks - 1) // blocks_per_seq
     dcp_numbers = {"kv_heads_per_rank": kv, "num_blocks": num_blocks, "kv_tokens_per_rank": num_blocks * block_size,
                    "blocks_per_seq": blocks_per_seq, "max_concurrent_seqs": max_seqs}
@@ -205,7 +209,7 @@ def plan_memory(cfg: GptOssConfig, *, tp: int = 1, dp: int = 1, ep: int = 1, blo
         base = plan_memory(cfg, tp=tp, dp=dp, ep=ep, block_size=block_size, kv_dtype=kv_dtype,
                            device_memory_gib=device_memory_gib, memory_utilization=memory_utilization,
                            kv_budget_gib=kv_budget_gib, activation_gib=activation_gib, max_num_seqs=max_num_seqs,
-                           context=context)["baseline_dcp1"]
+                           context=context, max_prefill_tokens=max_prefill_tokens)["baseline_dcp1"]
     else:
         base = dict(dcp_numbers)
 
@@ -315,7 +319,7 @@ def format_plan(d: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------------
 def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """`plan (--model DIR | --preset NAME) [--tp N --dp N --ep N] [--dcp N [--dcp-interleave I]] [--context T]
-    [--block-size B] [--kv-dtype fp8|bf16] (--device-memory-gib G [--memory-utilization U] | --kv-budget-gib G)
+    [--max-prefill-tokens N] [--block-size B] [--kv-dtype fp8|bf16] (--device-memory-gib G [--memory-utilization U] | --kv-budget-gib G)
     [--json]`."""
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="DIR", help="model directory (its config.json)")
@@ -332,6 +336,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--context", type=int, default=None, metavar="T",
                         help="sequence length for blocks per sequence and concurrent sequences "
                              "(default: the model's max_position_embeddings)")
+    parser.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=int,
+                        default=DEFAULT_PREFILL_CHUNK,
+                        help=f"the engine's prefill chunk, for the blocks a sliding-window layer holds "
+                             f"(default {DEFAULT_PREFILL_CHUNK}, the engine's)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     parser.add_argument("--kv-dtype", choices=sorted(KV_ITEMSIZE), default="fp8", help="KV storage dtype (default fp8)")
     mem = parser.add_mutually_exclusive_group(required=True)
@@ -357,7 +365,8 @@ def run_plan(args: argparse.Namespace) -> int:
                            kv_dtype=args.kv_dtype, device_memory_gib=args.device_memory_gib,
                            memory_utilization=0.9 if args.memory_utilization is None else args.memory_utilization,
                            kv_budget_gib=args.kv_budget_gib, activation_gib=args.activation_gib,
-                           dcp=args.dcp, dcp_interleave=args.dcp_interleave, context=args.context)
+                           dcp=args.dcp, dcp_interleave=args.dcp_interleave, context=args.context,
+                           max_prefill_tokens=args.max_prefill_tokens)
     except ValueError as e:
         print(f"gigadecode plan: error: {e}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@ KV, all cores), the per-request timing fields of `--json`, a chat message (`--ch
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -10,7 +11,10 @@ import sys
 
 import pytest
 
+from gigadecode import plan
 from gigadecode.cli import build_parser, engine_config, main
+from gigadecode.engine_config import EngineConfig
+from gigadecode.llm import LLM
 from gigadecode.generate import _codec_and_requests, _read_requests, _run_generate
 from gigadecode.config import ConfigError
 from gigadecode.engine import LLMEngine
@@ -27,6 +31,9 @@ def test_defaults_are_the_fast_decoder_fp8_kv_and_all_cores(tiny_ckpt, monkeypat
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     ecfg = engine_config(build_parser().parse_args(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1"]))
     assert ecfg.decoder == "gk-native" and ecfg.kv_dtype == "fp8"
+    # one prefill budget everywhere: the command line's, EngineConfig's, `LLM`'s and the memory plan's
+    assert ecfg.max_prefill_tokens == EngineConfig().max_prefill_tokens == plan.DEFAULT_PREFILL_CHUNK == 1024
+    assert inspect.signature(LLM).parameters["max_num_batched_tokens"].default == 1024
     assert ecfg.threads == len(os.sched_getaffinity(0))
     ref = engine_config(build_parser().parse_args(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "1",
                                                    "--decoder", "reference"]))

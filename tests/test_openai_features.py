@@ -22,7 +22,9 @@ from gigadecode.tokenizer import TextCodec
 from .helpers import random_prompt
 from .test_server import ServerThread
 
-FLAGS = ["--num-blocks", "128", "--block-size", "16", "--kv-dtype", "fp8", "--max-num-seqs", "16"]
+# 160 blocks: one request of ~1,400 tokens (88 full-attention blocks, and the sliding ones of a 1,024-token
+# prefill chunk, 65 + 1) fits the pool
+FLAGS = ["--num-blocks", "160", "--block-size", "16", "--kv-dtype", "fp8", "--max-num-seqs", "16"]
 EXTRA = {"ignore_eos": True, "return_token_ids": True}
 
 

@@ -10,14 +10,14 @@ import pytest
 
 from gigadecode.checkpoint import make_checkpoint, preset_config
 from gigadecode.plan import (
-    GIB, REQUIRED_KEYS, add_plan_arguments, estimate_activation_bytes, format_plan, plan_memory, run_plan,
+    DEFAULT_PREFILL_CHUNK, GIB, REQUIRED_KEYS, add_plan_arguments, estimate_activation_bytes, format_plan, plan_memory, run_plan,
     weight_breakdown,
 )
 
 # The seed's 120B decode rank: Trainium2 has 96 GiB HBM per chip for 8 NeuronCores -> 12 GiB per lnc1
 # rank; gpu_memory_utilization 0.99; TP8 x DP16 x EP128, block 128, packed FP8.
 SEED_120B = dict(tp=8, dp=16, ep=128, block_size=128, kv_dtype="fp8", device_memory_gib=12.0,
-                 memory_utilization=0.99)
+                 memory_utilization=0.99, max_prefill_tokens=512)   # (the numbers below: 512-token chunks)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -115,7 +115,8 @@ def test_errors(kw, match):
 
 def test_run_plan_json(capsys):
     args = parse(["--preset", "120b-shape", "--tp", "8", "--dp", "16", "--ep", "128", "--block-size", "128",
-                  "--kv-dtype", "fp8", "--device-memory-gib", "12", "--memory-utilization", "0.99", "--json"])
+                  "--kv-dtype", "fp8", "--device-memory-gib", "12", "--memory-utilization", "0.99",
+                  "--max-prefill-tokens", "512", "--json"])
     assert run_plan(args) == 0
     out = json.loads(capsys.readouterr().out)
     for key in REQUIRED_KEYS:
@@ -150,7 +151,8 @@ def test_run_plan_errors(capsys):
 # 120B at TP16 x DP8 x EP128, block 128, fp8, a 10 GiB KV budget, 128K context. 8 kv heads over 16 ranks: without
 # DCP every kv head is held by 2 ranks; with --dcp 2 the kv heads split over 16/2 = 8 shards (still 1 per rank)
 # and each rank of a DCP pair holds half of every sequence's tokens.
-TP16 = dict(tp=16, dp=8, ep=128, block_size=128, kv_dtype="fp8", kv_budget_gib=10, context=131072)
+TP16 = dict(tp=16, dp=8, ep=128, block_size=128, kv_dtype="fp8", kv_budget_gib=10, context=131072,
+            max_prefill_tokens=512)
 
 
 def test_dcp1_baseline_is_the_plan_itself():
@@ -166,6 +168,16 @@ def test_dcp1_baseline_is_the_plan_itself():
                                   "max_concurrent_seqs": p["max_concurrent_seqs"]}
     assert p["dcp_seqs_ratio"] == 1.0
     assert "DCP 1 vs 1" not in format_plan(p)
+    # the engine's default chunk (1,024 tokens) unless told: the sliding group cdiv(127 + 1024, 128) + 1 = 10
+    default = plan_memory(preset_config("120b-shape"), **{**SEED_120B, "max_prefill_tokens": DEFAULT_PREFILL_CHUNK})
+    assert DEFAULT_PREFILL_CHUNK == 1024 and default["blocks_per_seq"] == 1024 + 10
+    assert plan_memory(preset_config("120b-shape"), **{k: v for k, v in SEED_120B.items()
+                                                       if k != "max_prefill_tokens"}) == default
+    parse = add_plan_arguments(argparse.ArgumentParser()).parse_args
+    assert parse(["--preset", "tiny", "--kv-budget-gib", "1"]).max_prefill_tokens == DEFAULT_PREFILL_CHUNK
+    assert parse(["--preset", "tiny", "--kv-budget-gib", "1", "--max-num-batched-tokens", "512"]).max_prefill_tokens == 512
+    with pytest.raises(ValueError, match="--max-prefill-tokens must be a positive integer"):
+        plan_memory(preset_config("tiny"), kv_budget_gib=1, max_prefill_tokens=0)
 
 
 def test_dcp2_tp16_doubles_the_sequences():
@@ -195,7 +207,7 @@ def test_dcp2_tp16_doubles_the_sequences():
 def test_dcp2_tp8_splits_blocks_not_sequences():
     # TP8 holds each of the 8 kv heads once: with --dcp 2 a rank holds 2 heads (8/(8/2)) of half the tokens
     cfg = preset_config("120b-shape")
-    p = plan_memory(cfg, tp=8, block_size=128, kv_budget_gib=10, dcp=2)
+    p = plan_memory(cfg, tp=8, block_size=128, kv_budget_gib=10, dcp=2, max_prefill_tokens=512)
     assert p["kv_heads_per_rank"] == 2
     assert p["bytes_per_block"] == 18 * 2 * 2 * 128 * 64 == 589_824
     assert p["num_blocks"] == 10 * 2**30 // 589_824 == 18_204

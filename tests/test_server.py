@@ -318,7 +318,9 @@ def test_16_concurrent_streams(oracle_server, tiny_ckpt):
 def test_client_disconnect_frees_kv(server):
     before = metrics(server).get('gigadecode_requests_total{finish_reason="abort"}', 0.0)
     headers = {"Authorization": f"Bearer {KEY}"}
-    body = {"prompt": random_prompt(40, 1024, seed=7), "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    # long enough not to finish before the client leaves; short enough for one request in the pool (40 + 2,500
+    # tokens: 159 full-attention blocks and a 1,024-token prefill chunk's 65 + 1 sliding ones of 255)
+    body = {"prompt": random_prompt(40, 1024, seed=7), "max_tokens": 2500, "temperature": 0, "ignore_eos": True}
 
     async def cancel_streams():
         async with httpx.AsyncClient(base_url=server, headers=headers, timeout=30) as hc:
