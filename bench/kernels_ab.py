@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from decode import CACHE, DecodeBench  # noqa: E402
 from gigadecode.config import GptOssConfig  # noqa: E402
-from gigadecode.engine_config import EngineConfig  # noqa: E402
+from gigadecode.engine_config import DEFAULT_MAX_PREFILL_TOKENS, EngineConfig  # noqa: E402
 from gigadecode.gk import model as gk_model  # noqa: E402
 from gigadecode.gk.native_blocks import NATIVE_BLOCKS_PER_OP  # noqa: E402
 from gigadecode.kv.cache import KVCache  # noqa: E402
@@ -129,6 +129,8 @@ def main() -> int:
     dec.add_argument("--context", type=int, default=256)
     pre = sub.add_parser("prefill", help="a prompt's chunked prefill through the per-layer model")
     pre.add_argument("--tokens", type=int, default=512)
+    pre.add_argument("--chunk", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
+                     help=f"prompt tokens a prefill step (default {DEFAULT_MAX_PREFILL_TOKENS}, the engine's)")
     args = ap.parse_args()
 
     kernels = {"A": build_as(args.a, "gigadecode_ab_a", args.isa_a),
@@ -159,8 +161,8 @@ def main() -> int:
 
         def prefill() -> None:
             assert mgr.allocate("p", n, 0)
-            for s in range(0, n, 512):
-                model.forward([SeqChunk(prompt[s: s + 512], s, mgr.block_tables("p"), "last")], kv)
+            for s in range(0, n, args.chunk):
+                model.forward([SeqChunk(prompt[s: s + args.chunk], s, mgr.block_tables("p"), "last")], kv)
             mgr.free("p")
         times = alternate(kernels, prefill, max(3, args.rounds // 4), bf16_gemm)
         report(f"prefill of {n} tokens", times, 1e3, "ms")
