@@ -36,7 +36,7 @@ def warm_up(engine: Any) -> float | None:
     t0 = time.perf_counter()
     try:
         tables = engine.kv_manager.block_tables(rid)
-        engine.runner.prefill([SeqChunk([0] * n, 0, tables, "last")])
+        engine.runner.prefill([SeqChunk(spread_tokens(n, engine.cfg.vocab_size), 0, tables, "last")])
         if engine.ecfg.kv_role != "kv_producer":
             engine.runner.decode([DecodeSeq(0, n, tables)], pad_to=1)
             measure_draft_rows(engine, n, tables)
@@ -53,6 +53,14 @@ def warm_up(engine: Any) -> float | None:
     return took
 
 
+def spread_tokens(n: int, vocab_size: int) -> list[int]:
+    """n distinct-looking token ids (a stride through the vocabulary), so the warm-up chunk routes like a prompt:
+    over many experts with uneven token counts, whose GEMM calls then take (and oneDNN compiles once) the
+    partial blocks of inputs a request's experts will. One token repeated would send the whole chunk to the
+    same few experts in whole blocks."""
+    return [(1 + 7919 * i) % vocab_size for i in range(n)]
+
+
 def measure_draft_rows(engine: Any, n: int, tables: list[list[int]]) -> None:
     """Speculative decoding, adaptive: what a draft row costs here (`speculative.measure_row_cost`), on the
     warm-up's borrowed blocks at position n - k - 1 (their KV is garbage and never named). Distinct tokens:
@@ -63,7 +71,7 @@ def measure_draft_rows(engine: Any, n: int, tables: list[list[int]]) -> None:
     k = min(spec.num_speculative_tokens, n - 1)
     if k < 1 or engine.runner.parallel is not None:      # a parallel engine's replicas would time apart
         return
-    ids = [(1 + 7919 * i) % engine.cfg.vocab_size for i in range(k + 1)]
+    ids = spread_tokens(k + 1, engine.cfg.vocab_size)
     proposer.row_cost = measure_row_cost(
         lambda d: engine.runner.decode([DecodeSeq(ids[0], n - k - 1, tables, tuple(ids[1: 1 + d]))], pad_to=1), k)
     log.info("speculative decoding: a draft row costs %.2f of a 1-row decode step", proposer.row_cost)
