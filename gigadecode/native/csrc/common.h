@@ -137,12 +137,12 @@ inline void prefetch_rows(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
-// the fast SwiGLU of a clamped gate g and up u: (u + 1) · g · sigmoid(alpha · g), na = -alpha
 // GPT-OSS's clamps on the gate_up sums (bias added) before the SwiGLU: the gate from above, the up both ways
 inline void vclamp_gate_up(VF& gate, VF& up, float limit) {
   gate = vmin(vset1(limit), gate);
   up = vmin(vset1(limit), vmax(vset1(-limit), up));
 }
+// the fast SwiGLU of a clamped gate g and up u: (u + 1) · g · sigmoid(alpha · g), na = -alpha
 inline VF vswiglu(VF g, VF u, VF na) {
   const VF one = vset1(1.f);
   const VF sig = vdiv(one, vadd(one, vexp_or_inf(vmul(na, g))));

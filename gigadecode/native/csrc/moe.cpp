@@ -340,9 +340,8 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
     float* act = scratch(2, 2 * I + W);
     float* up = act + I;
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t e = pair_expert[p];
-      if (amx_expert(rt.expert_start[e + 1] - rt.expert_start[e])) continue;
-      const int64_t q = pass_row[p];                   // its row of gu, ad, ad16, aq
+      const int64_t e = pair_expert[p], q = pass_row[p];   // q: its row of gu, ad, ad16, aq
+      if (q < 0) continue;                             // an AMX expert's pair
       const float* g = gu + q * R1;
       int64_t i = 0;                                   // gate clamped above, up both ways, bias added
       for (; i + W <= I; i += W) {
