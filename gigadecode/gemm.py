@@ -7,6 +7,10 @@ half the rate of their fp32 FMAs (an Intel Xeon without AMX: oneDNN's bf16 GEMM 
 100-115 on a prefill-size projection). There the bf16 products below run in fp32 instead: bf16 × bf16
 products are exact in fp32 and the sums are fp32 either way, so the result is what a bf16 GEMM with fp32
 accumulation gives, rounded once to bf16 at the end.
+
+And where oneDNN does multiply bf16, it builds a GEMM for every row count it meets: `linear` runs those of many
+rows at a bounded set of row counts (`padded_rows`), which the start-up warm-up builds ahead
+(`prime_row_counts`), so a prompt of a new length compiles nothing.
 """
 
 from __future__ import annotations
@@ -67,9 +71,55 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     through `linear_fp32_blocks`, or straight in fp32 when the weight is already fp32 (a decoded expert)."""
     if weight.dtype != x.dtype and weight.dtype == product_dtype(x.dtype):
         return F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype)).to(x.dtype)
+    if (x.dtype == weight.dtype == torch.bfloat16 and product_dtype(x.dtype) == x.dtype and x.dim() == 2
+            and not torch.compiler.is_compiling()):       # a compiled program's shapes are its own
+        return _linear_padded_rows(x, weight, bias)
     if product_dtype(x.dtype) == x.dtype or weight.dtype != x.dtype:
         return F.linear(x, weight, bias)
     return linear_fp32_blocks(x, weight, bias)
+
+
+# oneDNN builds and JIT-compiles a bf16 GEMM for each new row count, on its first call (~3 ms for a 1024 x 1536
+# projection, ~7 ms for 2880 x 5120, 2 cores; then cached), so every prompt length a process had not seen paid
+# it on each projection shape of its prefill (and again once oneDNN's cache of 1,024 GEMMs had dropped it). Past
+# ROW_GRANULE rows a bf16 GEMM runs at its rows rounded up to a multiple of ROW_GRANULE (x ceil(rows / 1024) past
+# 1,024 rows): fewer than 32 rows more up to 1,024 rows, under 6.25% more past them, and 31 row counts up to
+# 1,024 rows, which the start-up warm-up builds ahead (`prime_row_counts`).
+ROW_GRANULE = 32
+
+
+def padded_rows(m: int) -> int:
+    """The row count a bf16 oneDNN GEMM of m rows runs at: m up to ROW_GRANULE, else rounded up as above."""
+    if m <= ROW_GRANULE:
+        return m
+    g = ROW_GRANULE * -(-m // 1024)
+    return -(-m // g) * g
+
+
+def _linear_padded_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear of x [M, K] at `padded_rows(M)` rows (zeros below x's), its first M rows returned (a view)."""
+    m, mp = x.shape[0], padded_rows(x.shape[0])
+    if mp == m:
+        return F.linear(x, weight, bias)
+    xp = x.new_empty(mp, x.shape[1])
+    xp[:m] = x
+    xp[m:] = 0
+    return F.linear(xp, weight, bias)[:m]
+
+
+def prime_row_counts(projections: list[tuple[torch.Tensor, torch.Tensor | None]], max_rows: int) -> int:
+    """Build oneDNN's GEMMs for every padded row count past ROW_GRANULE up to `padded_rows(max_rows)`, for each
+    distinct (weight shape, bias or not) of `projections` [(weight [N, K], bias)]; only where `linear` takes
+    the padded bf16 path. -> how many GEMMs were called."""
+    shapes = {}
+    for w, b in projections:
+        if w.dtype == torch.bfloat16 and product_dtype(w.dtype) == w.dtype:
+            shapes.setdefault((tuple(w.shape), b is not None), (w, b))
+    counts = sorted({padded_rows(m) for m in range(ROW_GRANULE + 1, max_rows + 1)})
+    for w, b in shapes.values():
+        for m in counts:
+            F.linear(torch.zeros(m, w.shape[1], dtype=w.dtype), w, b)
+    return len(shapes) * len(counts)
 
 
 def linear_fp32_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

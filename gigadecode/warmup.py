@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Any
 
+from .gemm import prime_row_counts
 from .model import SeqChunk
 from .runner import DecodeSeq
 from .speculative import measure_row_cost
@@ -35,6 +36,7 @@ def warm_up(engine: Any) -> float | None:
         return None
     t0 = time.perf_counter()
     try:
+        prime_projections(engine)
         tables = engine.kv_manager.block_tables(rid)
         engine.runner.prefill([SeqChunk(spread_tokens(n, engine.cfg.vocab_size), 0, tables, "last")])
         if engine.ecfg.kv_role != "kv_producer":
@@ -51,6 +53,15 @@ def warm_up(engine: Any) -> float | None:
     log.info("warm-up: a %d-token prefill chunk%s in %.2f s", n,
              "" if engine.ecfg.kv_role == "kv_producer" else " and a decode step", took)
     return took
+
+
+def prime_projections(engine: Any) -> None:
+    """oneDNN's bf16 GEMMs of the prefill projections (qkv, o, router; the same shapes in every layer) built for
+    each row count a chunk of up to `max_prefill_tokens` tokens runs them at (`gemm.prime_row_counts`), so a
+    prompt of a length not seen before builds none."""
+    lw = engine.runner.weights.layers[0]
+    prime_row_counts([(lw.qkv_w, lw.qkv_b), (lw.o_w, lw.o_b), (lw.router_w, lw.router_b)],
+                     engine.ecfg.max_prefill_tokens)
 
 
 def spread_tokens(n: int, vocab_size: int) -> list[int]:

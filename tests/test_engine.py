@@ -10,6 +10,7 @@ import torch
 
 from gigadecode.config import ConfigError
 from gigadecode.engine_config import EngineConfig
+from gigadecode import warmup
 from gigadecode.engine import LLMEngine, RequestError
 from gigadecode.kv.spec import SlidingWindowSpec
 from gigadecode.runner import ModelRunner
@@ -213,11 +214,15 @@ def test_prefix_hit_admitted_with_one_token_of_budget_prefills_it(tiny_ckpt, hf_
 
 
 @pytest.mark.parametrize("num_blocks, max_prefill_tokens", [(600, 64), (100, 512)])
-def test_warm_up_runs_the_model_and_leaves_nothing_behind(tiny_ckpt, prompts, alone, num_blocks, max_prefill_tokens):
-    """`warm_up` runs a prefill chunk and a decode step on borrowed blocks (a pool too small for a whole
-    chunk gets a shorter one) and changes nothing a request sees: the pool is free again, nothing is counted,
-    and the tokens are those of an engine that never warmed up."""
+def test_warm_up_runs_the_model_and_leaves_nothing_behind(tiny_ckpt, prompts, alone, num_blocks, max_prefill_tokens,
+                                                          monkeypatch):
+    """`warm_up` builds the prefill projections' GEMMs for a chunk's row counts, runs a prefill chunk and a
+    decode step on borrowed blocks (a pool too small for a whole chunk gets a shorter one) and changes nothing
+    a request sees: the pool is free again, nothing is counted, and the tokens are those of an engine that
+    never warmed up."""
     eng = make_engine(tiny_ckpt, num_blocks=num_blocks, max_prefill_tokens=max_prefill_tokens)
+    primed = []
+    monkeypatch.setattr(warmup, "prime_row_counts", lambda p, rows: primed.append((p, rows)))
     kv_before = [b.clone() for b in eng.runner.kv.group_bufs]
     calls = []
     for name in ("prefill", "decode"):                      # the runner's two programs, each called once
@@ -226,6 +231,11 @@ def test_warm_up_runs_the_model_and_leaves_nothing_behind(tiny_ckpt, prompts, al
     took = eng.warm_up()
     assert took is not None and took > 0
     assert [c[0] for c in calls] == ["prefill", "decode"]
+    lw = eng.runner.weights.layers[0]
+    assert len(primed) == 1 and primed[0][1] == max_prefill_tokens
+    same = lambda a, b: a.data_ptr() == b.data_ptr() and a.shape == b.shape     # noqa: E731 - the same view
+    want = [lw.qkv_w, lw.qkv_b, lw.o_w, lw.o_b, lw.router_w, lw.router_b]
+    assert len(primed[0][0]) == 3 and all(map(same, [t for p in primed[0][0] for t in p], want))
     n = len(calls[0][1][0][0].token_ids)
     # many distinct tokens, so the chunk routes over many experts with uneven counts (as a prompt does)
     assert len(set(calls[0][1][0][0].token_ids)) > n // 2

@@ -132,3 +132,59 @@ def test_flash_attention_products_in_either_dtype(monkeypatch, hardware):
         assert off.float().mean() > 0.05
     else:
         assert not off.any()
+
+
+def test_padded_rows_are_few_and_close_above_the_granule():
+    """Past ROW_GRANULE rows a bf16 GEMM runs at a bounded set of row counts (31 up to 1,024 rows, fewer than
+    16 more for each 1,024 after), fewer than 32 rows above the rows asked for up to 1,024, under 6.25% past."""
+    g = gemm.ROW_GRANULE
+    seen = []
+    for m in range(1, 4097):
+        p = gemm.padded_rows(m)
+        if m <= g:
+            assert p == m
+            continue
+        assert m <= p < m + g * -(-m // 1024) and p % g == 0
+        assert p - m < max(g, m / 16)
+        seen.append(p)
+    assert seen == sorted(seen)
+    assert len(set(p for p in seen if p <= 1024)) == 1024 // g - 1
+    assert len(set(seen)) < 70
+
+
+@pytest.mark.parametrize("M", [33, 70, 96, 1000, 1030])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_runs_at_padded_rows_and_returns_its_own(monkeypatch, M, bias):
+    """With bf16 GEMMs in bf16 a bf16 linear of M rows runs oneDNN at `padded_rows(M)` rows and returns M rows
+    equal (within one bf16 rounding) to the fp32 product of its operands: the padding rows, zeros, never
+    reach the result. fp32 and 3-D inputs run as they are."""
+    monkeypatch.setattr(gemm, "BF16_GEMM_IN_BF16", True)
+    g = torch.Generator().manual_seed(M)
+    K, N = 72, 40
+    x = torch.randn(M + 3, K, generator=g).to(BF16)[3:]          # a row slice (storage offset), as a chunk's
+    w = torch.randn(N, K, generator=g).to(BF16)
+    b = torch.randn(N, generator=g).to(BF16) if bias else None
+    rows, real = [], F.linear
+    monkeypatch.setattr(gemm.F, "linear", lambda a, *r: rows.append(a.shape[0]) or real(a, *r))
+    out = gemm.linear(x, w, b)
+    assert rows == [gemm.padded_rows(M)] and out.shape == (M, N) and out.dtype == BF16 and out.is_contiguous()
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+    rows.clear()
+    gemm.linear(x.float(), w.float())
+    gemm.linear(x.view(1, M, K), w)
+    assert rows == [M, 1]
+
+
+def test_prime_row_counts_builds_each_shape_once_per_padded_row_count(monkeypatch):
+    monkeypatch.setattr(gemm, "BF16_GEMM_IN_BF16", True)
+    calls, real = [], F.linear
+    monkeypatch.setattr(gemm.F, "linear", lambda a, w, b=None: calls.append((a.shape[0], tuple(w.shape), b is None))
+                        or real(a, w, b))
+    qkv, o = torch.zeros(48, 16, dtype=BF16), torch.zeros(16, 32, dtype=BF16)
+    bias = torch.zeros(48, dtype=BF16)
+    n = gemm.prime_row_counts([(qkv, bias), (qkv.clone(), bias), (o, None), (torch.zeros(8, 16), None)], 100)
+    counts = [64, 96, 128]                                       # padded_rows(100) = 128
+    assert n == 6 and sorted(calls) == sorted([(m, (48, 16), False) for m in counts] + [(m, (16, 32), True) for m in counts])
+    monkeypatch.setattr(gemm, "BF16_GEMM_IN_BF16", False)        # bf16 products in fp32: nothing to build
+    assert gemm.prime_row_counts([(qkv, bias)], 100) == 0
