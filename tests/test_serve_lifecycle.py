@@ -132,3 +132,48 @@ def test_the_api_socket_takes_the_address_family_uvicorn_took(monkeypatch):
         assert sock.family == socket.AF_INET and sock.getsockname()[0] == "0.0.0.0"
     finally:
         sock.close()
+
+
+def test_the_startup_heap_is_frozen_and_new_garbage_still_collected():
+    """`freeze_startup_heap` (in a process of its own: freezing is process-wide) moves what start-up made out of
+    the collector's generations, a start-up cycle included, while a cycle made afterwards is still collected."""
+    import subprocess
+    import sys
+    code = """
+import gc, weakref
+from gigadecode.server.gc_heap import freeze_startup_heap
+class Node: pass
+kept = Node(); kept.me = kept                           # start-up's: a live cycle
+n = freeze_startup_heap()
+assert n > 1000 and n == gc.get_freeze_count(), n
+assert not any(o is kept for o in gc.get_objects())     # out of the collector's sight
+late = Node(); late.me = late; ref = weakref.ref(late); del late   # a request's garbage cycle
+gc.collect()
+assert ref() is None
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_serve_freezes_the_startup_heap_before_it_serves(tiny_ckpt, monkeypatch):
+    """`serve` freezes the start-up heap (model loaded, app built) before uvicorn takes a request."""
+    import gc
+
+    from gigadecode.cli import build_parser
+    from gigadecode.server import api
+    seen = []
+
+    def run(self, sockets=None):
+        seen.append(gc.get_freeze_count())
+        self.started = True
+
+    monkeypatch.setattr(api.DrainingServer, "run", run)
+    args = build_parser().parse_args(["serve", "--model", str(tiny_ckpt), "--port", "0", "--no-warmup"])
+    sock = api.listen_socket("127.0.0.1", 0)
+    try:
+        assert api._serve_engine(args, api.engine_from_args(args, "both"), time.perf_counter(), sock) == 0
+    finally:
+        gc.unfreeze()                            # this test process goes on as it was
+        sock.close()
+    assert len(seen) == 1 and seen[0] > 1000

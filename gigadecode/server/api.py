@@ -57,6 +57,7 @@ from .async_engine import AsyncEngine
 from .body import BodyLimit
 from .deps import ServerSettings
 from .disconnect import answer_clients_that_leave
+from .gc_heap import freeze_startup_heap
 from .http_options import add_cors, check_http_options, scheme, uvicorn_options
 from .protocol import APIError, error_body, error_response, validation_error
 
@@ -221,6 +222,7 @@ def _serve_engine(args: Any, engine: Any, t0: float, sock: socket.socket) -> int
     # an engine that can serve no more (a parallel rank failed) shuts the server down: the process exits with
     # the reason, and its end frees the other ranks (a health check would only see 503 while it lingered)
     aeng.on_dead = lambda why: setattr(server, "should_exit", True)
+    freeze_startup_heap()
     try:
         server.run(sockets=[sock])
     finally:
@@ -282,6 +284,7 @@ def _serve_parallel(args: Any) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN if ctx.rank != 0 else lambda *_: None)
         if ctx.rank != 0:
+            freeze_startup_heap()            # a full collection here would hold up every rank's collectives
             run_worker(replica, ctx)
             return 0
         with DistributedEngine(replica, ctx) as engine:

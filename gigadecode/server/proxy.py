@@ -58,6 +58,7 @@ from fastapi.responses import JSONResponse, Response
 from .body import BodyError, BodyLimit, load_object
 from .deps import HANDOFF_HEADER
 from .disconnect import CLIENT_CLOSED, ClientGone, answer_clients_that_leave, unless_disconnected
+from .gc_heap import freeze_startup_heap
 from .http_options import add_cors, check_http_options, scheme, uvicorn_options
 from .proxy_health import health_report, metrics_text, probe_servers
 from .proxy_decode import (RELEASE_TIMEOUT_S, background, decode_stream, decode_whole, in_background, proxy_error,
@@ -361,6 +362,7 @@ def run_proxy(args: Any) -> int:
     add_cors(app, args)
     print(f"gigadecode proxy: prefill {args.prefill or vllm}{' (vLLM)' if vllm else ''} -> decode {args.decode}; listening on "
           f"{scheme(args)}://{args.host}:{args.port}{uvicorn_options(args)['root_path']}", flush=True)
+    freeze_startup_heap()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
                 timeout_graceful_shutdown=5, **uvicorn_options(args))
     return 0
