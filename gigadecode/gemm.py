@@ -71,7 +71,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     through `linear_fp32_blocks`, or straight in fp32 when the weight is already fp32 (a decoded expert)."""
     if weight.dtype != x.dtype and weight.dtype == product_dtype(x.dtype):
         return F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype)).to(x.dtype)
-    if (x.dtype == weight.dtype == torch.bfloat16 and product_dtype(x.dtype) == x.dtype and x.dim() == 2
+    if (x.dtype == weight.dtype and _padded_dtype(x.dtype) and x.dim() == 2
             and not torch.compiler.is_compiling()):       # a compiled program's shapes are its own
         return _linear_padded_rows(x, weight, bias)
     if product_dtype(x.dtype) == x.dtype or weight.dtype != x.dtype:
@@ -86,6 +86,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # 1,024 rows): fewer than 32 rows more up to 1,024 rows, under 6.25% more past them, and 31 row counts up to
 # 1,024 rows, which the start-up warm-up builds ahead (`prime_row_counts`).
 ROW_GRANULE = 32
+
+
+def _padded_dtype(dtype: torch.dtype) -> bool:
+    """Whether `linear` multiplies operands of `dtype` in oneDNN's bf16 GEMM, at padded row counts."""
+    return dtype == torch.bfloat16 and product_dtype(dtype) == dtype
 
 
 def padded_rows(m: int) -> int:
@@ -113,7 +118,7 @@ def prime_row_counts(projections: list[tuple[torch.Tensor, torch.Tensor | None]]
     the padded bf16 path. -> how many GEMMs were called."""
     shapes = {}
     for w, b in projections:
-        if w.dtype == torch.bfloat16 and product_dtype(w.dtype) == w.dtype:
+        if _padded_dtype(w.dtype):
             shapes.setdefault((tuple(w.shape), b is not None), (w, b))
     counts = sorted({padded_rows(m) for m in range(ROW_GRANULE + 1, max_rows + 1)})
     for w, b in shapes.values():

@@ -19,7 +19,8 @@ log = logging.getLogger("gigadecode.engine")
 
 
 def warm_up(engine: Any) -> float | None:
-    """One prefill chunk (`max_prefill_tokens` tokens, fewer where the context or the pool holds less) and,
+    """oneDNN's GEMMs of the prefill projections for every row count a chunk runs them at (`prime_projections`),
+    one prefill chunk (`max_prefill_tokens` tokens, fewer where the context or the pool holds less) and,
     unless this engine only prefills (kv_producer), one decode step after it, on KV blocks borrowed from
     the pool and given back. What a first chunk pays once (memory touched for the first time, oneDNN's
     kernels for its shapes) is paid here, so the first request runs at full speed. Nothing else changes:
