@@ -173,15 +173,18 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   bool f32_inputs = false, amx_inputs = false;    // fp32 / pair-interleaved copies of the inputs: if some expert
   // takes that form. The pairs of the other experts go through the SwiGLU pass, which keeps their gate_up
   // outputs and activations in rows of its own: pass_first[e] = the pass row of e's first pair (the AMX
-  // experts' SwiGLU runs on their sums in L1, `SwigluToVnni`, so they take no rows)
-  std::vector<int64_t> pass_first(E, 0);
+  // experts' SwiGLU runs on their sums in L1, `SwigluToVnni`, so they take no rows); pass_row[p] = pair p's
+  // row there, -1 for the AMX experts' pairs
+  std::vector<int64_t> pass_first(E, 0), pair_expert(P), pass_row(P, -1);
   int64_t pass_pairs = 0;
   for (int64_t e : rt.active) {
     const int64_t n = rt.expert_start[e + 1] - rt.expert_start[e];
     f32_inputs |= fp32_expert(n) && !amx_expert(n);
     amx_inputs |= amx_expert(n);
+    for (int64_t p = rt.expert_start[e]; p < rt.expert_start[e + 1]; ++p) pair_expert[p] = e;
     if (amx_expert(n)) continue;
     pass_first[e] = pass_pairs;
+    for (int64_t i = 0; i < n; ++i) pass_row[rt.expert_start[e] + i] = pass_pairs + i;
     pass_pairs += n;
   }
   const int64_t H64 = (H + 127) / 128 * 128, I64 = (I + 127) / 128 * 128;   // bf16 inputs: whole chunks
@@ -220,14 +223,6 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   std::vector<const float*> xin(P), ain(P);
   std::vector<const uint16_t*> xin16(P), ain16(P);
   std::vector<const QChunk*> xinq(q16 ? P : 0), ainq(q16 ? P : 0);
-  std::vector<int64_t> pair_expert(P), pass_row(P, -1);   // pass_row: -1 for the AMX experts' pairs
-  for (int64_t e : rt.active) {
-    const bool pass = !amx_expert(rt.expert_start[e + 1] - rt.expert_start[e]);
-    for (int64_t p = rt.expert_start[e]; p < rt.expert_start[e + 1]; ++p) {
-      pair_expert[p] = e;
-      if (pass) pass_row[p] = pass_first[e] + p - rt.expert_start[e];
-    }
-  }
   for (int64_t p = 0; p < P; ++p) {
     const int64_t q = std::max<int64_t>(pass_row[p], 0);   // (an AMX pair's activations: `av`, below)
     xin[p] = xd + rt.pair_token[p] * HS;
