@@ -1,6 +1,7 @@
 // The AVX-512 (F/BW/VL/DQ/BF16) intrinsics the native kernels use, for a build that runs on an AVX2 CPU
 // (tools/isa_check.py): GCC's own vector types first, then SIMDe's portable implementations under the
-// intrinsics' names, then the few SIMDe 0.8.2 lacks, written here after the instructions' definitions.
+// intrinsics' names, then the few SIMDe 0.8.2 lacks or gets wrong, written here after the instructions'
+// definitions (its masked loads read, and its masked stores write zeros over, the lanes a mask leaves out).
 // For checking the AVX-512 code paths' results where no AVX-512 CPU is at hand; never for speed.
 #pragma once
 #include <x86intrin.h>
@@ -35,6 +36,17 @@ inline __m128i maskz_loadu_epi8_128(uint16_t k, const void* p) {
   U8x16 b{};
   for (int i = 0; i < 16; ++i) if ((k >> i) & 1) b.v[i] = static_cast<const uint8_t*>(p)[i];
   return bits<__m128i>(b);
+}
+// vmovups / vmovdqu32 with a mask: lanes whose mask bit is clear are neither read (zeros) nor written (memory
+// keeps them: a block's last inputs must not clear the next block's, which another thread may be writing)
+inline __m512 maskz_loadu_ps(uint16_t k, const void* p) {
+  F32x16 f{};
+  for (int i = 0; i < 16; ++i) if ((k >> i) & 1) f.v[i] = static_cast<const float*>(p)[i];
+  return bits<__m512>(f);
+}
+inline void mask_storeu_epi32(void* p, uint16_t k, __m512i a) {
+  const I32x16 v = bits<I32x16>(a);
+  for (int i = 0; i < 16; ++i) if ((k >> i) & 1) static_cast<int32_t*>(p)[i] = v.v[i];
 }
 // GCC's order: the 256-bit halves, then the 128-bit halves, then pairs
 inline float reduce_add_ps(__m512 a) {
@@ -98,6 +110,10 @@ inline __m512bh cvtne2ps_pbh(__m512 a, __m512 b) {                   // low half
 
 #define _mm512_maskz_loadu_epi8(k, p) gd_emu::maskz_loadu_epi8_512((k), (p))
 #define _mm_maskz_loadu_epi8(k, p) gd_emu::maskz_loadu_epi8_128((k), (p))
+#undef _mm512_maskz_loadu_ps                                        // SIMDe's (see the top)
+#undef _mm512_mask_storeu_epi32
+#define _mm512_maskz_loadu_ps(k, p) gd_emu::maskz_loadu_ps((k), (p))
+#define _mm512_mask_storeu_epi32(p, k, a) gd_emu::mask_storeu_epi32((p), (k), (a))
 #define _mm512_reduce_add_ps(a) gd_emu::reduce_add_ps(a)
 #define _mm512_cvtepi32_epi16(a) gd_emu::cvtepi32_epi16(a)
 #define _mm512_cvtepu8_epi32(a) gd_emu::cvtepu8_epi32(a)
