@@ -16,7 +16,7 @@ speedup over batch 1 can be no larger than the ratio of the two ceilings.
 Prefill: tokens/s of a 512- and a 4096-token prompt through the engine's chunked prefill (`--prefill-chunk`,
 default the engine's `--max-prefill-tokens`)
 against transformers' `GptOssForCausalLM` forward on the same checkpoint, when it fits in memory: in bf16
-where the CPU has bf16 GEMMs, else in fp32 (what a transformers user runs there).
+where the CPU's bf16 GEMMs are as fast as its fp32 ones, else in fp32 (what a transformers user runs there).
 Peak RSS is reported against the checkpoint's bytes.
 
     .venv/bin/python bench/decode.py [--preset small] [--batch 1 8 32] [--context 256 4096] [--dtype bfloat16]
@@ -41,7 +41,7 @@ from gigadecode import native  # noqa: E402
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
 from gigadecode.config import GptOssConfig  # noqa: E402
 from gigadecode.engine_config import DEFAULT_MAX_PREFILL_TOKENS, EngineConfig  # noqa: E402
-from gigadecode.gemm import bf16_gemm_in_hardware, product_dtype  # noqa: E402
+from gigadecode.gemm import product_dtype  # noqa: E402
 from gigadecode.gk.attn_control import build_attention_control  # noqa: E402
 from gigadecode.gk.model import GptOssGKDecodeModel  # noqa: E402
 from gigadecode.kv.cache import KVCache  # noqa: E402
@@ -164,9 +164,12 @@ def prefill_tok_s(cfg, w, model, dtype: str, n: int, reps: int, chunk: int = DEF
 
 
 def transformers_dtype() -> torch.dtype:
-    """What a transformers user runs on this CPU: bf16 where it has bf16 GEMMs; fp32 where it has not (AVX2,
-    say: torch's bf16 matmul there is ~100x slower than its fp32 one, so nobody would)."""
-    return torch.bfloat16 if bf16_gemm_in_hardware() else torch.float32
+    """What a transformers user runs on this CPU, the faster of its two forwards: bf16 where bf16 GEMMs are as
+    fast as fp32 ones (AMX, AVX512-BF16 on a Zen 4: the probe our own projections choose by, `product_dtype`);
+    fp32 where they are not (AVX2: torch's bf16 matmul ~100x slower than its fp32 one; an Ice Lake Xeon, whose
+    oneDNN runs bf16 GEMMs without bf16 instructions at a fourth of its fp32 GEMM's rate: transformers' fp32
+    forward there prefilled `small` 2.2x faster than its bf16 one)."""
+    return product_dtype(torch.bfloat16)
 
 
 def transformers_prefill_tok_s(model_dir: Path, cfg, n: int, reps: int, budget_s: float = 60.0) -> float | None:
