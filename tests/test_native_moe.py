@@ -166,6 +166,25 @@ def test_moe_mxfp4_many_tokens_per_expert(H, I, xdt, form):
         _check_moe(x, idx, gate_w, (gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias), 1.702, 7.0, 0)
 
 
+@pytest.mark.parametrize("form", ALL_FORMS)
+@pytest.mark.parametrize("xdt", [BF16, F32])
+def test_moe_mxfp4_strip_input_blocks(xdt, form):
+    """An expert's strip meets its inputs a block of ~256 KB at a time (`strip_input_block`: 18 to 44 inputs of
+    2,880 values, by the ISA and the inputs' dtype), every row of the strip passing over one block before the
+    next: experts of 50, 37 and 13 inputs (whole blocks, a last short block, a short tile in it; one block),
+    against the twin."""
+    g = gen(17)
+    E, H, I = 3, 2880, 32
+    weights = moe_weights(g, E, H, I, BF16)
+    T = 50
+    idx = torch.stack([torch.tensor([0, 1]) if t < 37 else torch.tensor([0, 2]) for t in range(T)])
+    # expert 0: 50 tokens, 1: 37, 2: 13
+    gate_w = torch.softmax(torch.randn(T, 2, generator=g), -1)
+    x = randn(g, T, H, dtype=xdt, scale=2.0)
+    with products(form):
+        _check_moe(x, idx, gate_w, weights, 1.702, 7.0, 0)
+
+
 def test_moe_product_forms_agree():
     """The product forms multiply the same exact products (bf16 values, MXFP4 values times a power of two) and
     sum them in fp32 in different orders: their outputs agree to a bf16 rounding, with 1, 2, 5 and 12 tokens an
