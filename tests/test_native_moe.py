@@ -169,7 +169,7 @@ def test_moe_mxfp4_many_tokens_per_expert(H, I, xdt, form):
 @pytest.mark.parametrize("form", ALL_FORMS)
 @pytest.mark.parametrize("xdt", [BF16, F32])
 def test_moe_mxfp4_strip_input_blocks(xdt, form):
-    """An expert's strip meets its inputs a block of ~256 KB at a time (`strip_input_block`: 18 to 44 inputs of
+    """An expert's strip meets its inputs a block of ~256 KB at a time (`for_strip_tiles`: 18 to 44 inputs of
     2,880 values, by the ISA and the inputs' dtype), every row of the strip passing over one block before the
     next: experts of 50, 37 and 13 inputs (whole blocks, a last short block, a short tile in it; one block),
     against the twin."""

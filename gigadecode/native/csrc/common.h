@@ -209,14 +209,24 @@ static void run(const float* w, int64_t ldw, int64_t K, const float* const* xs, 
 // at once, a 20b-shape expert's ~128 inputs of a 1,024-token prefill chunk (1.5 MB in fp32) missed an Ice Lake
 // Xeon's 1.25 MB L2 on every tile of rows: its MoE ran at 41 GMAC/s against 85 at 512 tokens.
 constexpr int64_t STRIP_INPUT_BLOCK_BYTES = 256 * 1024;
-// inputs a block (a multiple of the tile's tt, at least one tile) for inputs of `input_bytes` each
-inline int64_t strip_input_block(int64_t input_bytes, int tt) {
-  return std::max<int64_t>(tt, STRIP_INPUT_BLOCK_BYTES / std::max<int64_t>(1, input_bytes) / tt * tt);
+// The tiles of a strip of `rows` rows times n inputs of `input_bytes` each: tile(r, rt, t, tt) for rt <= RT rows
+// from r and tt <= TT inputs from t, the inputs a block at a time (a multiple of TT inputs of about
+// STRIP_INPUT_BLOCK_BYTES), every tile of rows meeting a block before the next block; each tile's rows stay in
+// L1 while a block passes
+template <int RT, int TT, typename Tile>
+inline void for_strip_tiles(int64_t rows, int64_t n, int64_t input_bytes, const Tile& tile) {
+  const int64_t tb = std::max<int64_t>(TT, STRIP_INPUT_BLOCK_BYTES / std::max<int64_t>(1, input_bytes) / TT * TT);
+  for (int64_t t0 = 0; t0 < n; t0 += tb) {
+    const int64_t t1 = std::min(n, t0 + tb);
+    for (int64_t r = 0; r < rows; r += RT)
+      for (int64_t t = t0; t < t1; t += TT)
+        tile(r, int(std::min<int64_t>(RT, rows - r)), t, int(std::min<int64_t>(TT, t1 - t)));
+  }
 }
 
 // out[t * ldo + r] = row r · input t for `rows` fp32 rows of K values (row r at w + r*ld; K a multiple of W,
-// zero-padded) and n inputs of K values, in DotTileF32 tiles, each tile's rows staying in L1 while a block of
-// inputs passes (`strip_input_block`: the block stays in L2 for all the rows). The
+// zero-padded) and n inputs of K values, in DotTileF32 tiles (`for_strip_tiles`: a block of inputs stays in L2
+// for all the rows). The
 // strip paths (decoded MXFP4 expert rows, bf16 weight rows converted once) run on it. AVX2: 4 rows × 3 inputs
 // (12 accumulators + 3 inputs + the row being read: all 16 registers; 1.2x the 3 x 3 tile alone on a Zen 3);
 // AVX-512: 4 × 6 (24 + 6 + 1 of the 32). Each sum is one tile's, over all K: the blocks change no result.
@@ -225,15 +235,9 @@ inline void dot_rows_f32(const float* w, int64_t ld, int64_t K, int64_t rows, co
   constexpr int RT = 4, TT = W == 16 ? 6 : 3;
   static const auto tiles = make_tiles<void (*)(const float*, int64_t, int64_t, const float* const*, float*,
                                                 int64_t), DotTileF32, RT, TT>();
-  const int64_t tb = strip_input_block(K * int64_t(sizeof(float)), TT);
-  for (int64_t t0 = 0; t0 < n; t0 += tb) {
-    const int64_t t1 = std::min(n, t0 + tb);
-    for (int64_t r = 0; r < rows; r += RT) {
-      const int rt = int(std::min<int64_t>(RT, rows - r));
-      for (int64_t t = t0; t < t1; t += TT)
-        tiles[rt - 1][int(std::min<int64_t>(TT, t1 - t)) - 1](w + r * ld, ld, K, xs + t, out + t * ldo + r, ldo);
-    }
-  }
+  for_strip_tiles<RT, TT>(rows, n, K * int64_t(sizeof(float)), [&](int64_t r, int rt, int64_t t, int tt) {
+    tiles[rt - 1][tt - 1](w + r * ld, ld, K, xs + t, out + t * ldo + r, ldo);
+  });
 }
 
 inline void check_float_like(const at::Tensor& t, const char* name) {

@@ -250,16 +250,9 @@ inline void expert_rows_bf16(const uint8_t* blk, const uint8_t* scl, int64_t G, 
   if (n >= STRIP_MIN_INPUTS) {
     uint16_t* wb = reinterpret_cast<uint16_t*>(scratch(0, (r1 - r0) * ld / 2 + 16));
     if (decode_rows_scaled_bf16(blk + r0 * G * 16, scl + r0 * G, G, r1 - r0, wb, ld)) {
-      const int64_t tb = strip_input_block(ld * 2, TT_MAX);   // a block of inputs stays in L2 (dot_rows_f32)
-      for (int64_t t0 = 0; t0 < n; t0 += tb) {
-        const int64_t t1 = std::min(n, t0 + tb);
-        for (int64_t r = 0; r < r1 - r0; r += RT_MAX) {  // a tile's rows stay in L1 while the block passes
-          const int rt = int(std::min<int64_t>(RT_MAX, r1 - r0 - r));
-          for (int64_t t = t0; t < t1; t += TT_MAX)
-            TILES_DOT[rt - 1][int(std::min<int64_t>(TT_MAX, t1 - t)) - 1](wb + r * ld, ld, ld, xs + t,
-                                                                         out + t * ldo + r0 + r, ldo, 0);
-        }
-      }
+      for_strip_tiles<RT_MAX, TT_MAX>(r1 - r0, n, ld * 2, [&](int64_t r, int rt, int64_t t, int tt) {
+        TILES_DOT[rt - 1][tt - 1](wb + r * ld, ld, ld, xs + t, out + t * ldo + r0 + r, ldo, 0);
+      });
       return;
     }
   }
