@@ -461,6 +461,21 @@ def test_paged_decode_attention_v_paths(form, rep, d):
         check_attention(g, form, K, V, table, pos, active, 2 * rep, window)
 
 
+@pytest.mark.parametrize("rep,B,d", [(8, 16, 64), (8, 2, 64), (7, 32, 18), (6, 8, 64), (3, 16, 96), (12, 4, 32),
+                                     (16, 64, 64), (2, 16, 64)])
+def test_paged_decode_attention_score_lanes(rep, B, d):
+    """Packed K scored with the heads in the vector lanes (a token pair per lane pair; two dims a lane group
+    where fewer heads fill a vector; partly filled last groups; blocks of fewer than 16 tokens, cut by a window
+    at an odd position, and of several 16-token rows) against the twin."""
+    g = gen("lanes", rep, B, d)
+    pos, active = [0, 3 * B + 1, 200, 77], [True, True, True, True]
+    nb = 200 // B + 16
+    buf, K, V = make_kv(g, "fp8-packed", nb, 2, B, d)
+    table = make_tables(g, nb, B, pos, active)
+    for window in (0, 13, 64):
+        check_attention(g, "fp8-packed", K, V, table, pos, active, 2 * rep, window)
+
+
 def test_paged_decode_attention_sliding_window_null_blocks():
     """Blocks wholly before a sliding window may be freed (table entry 0): no error, same result."""
     g = gen(13)

@@ -103,6 +103,73 @@ void block_scores(const KT* Kb, const float* qs, int64_t t0, int64_t t1, int64_t
   }
 }
 
+// The lanes form of packed K's scores: a vector holds lane_heads(D) heads × D dims × a token pair, so one FMA
+// scores a token pair for several heads at once and the sums need no lane reductions. D = 1 (W / 2 heads) where
+// the group's heads fill its vectors at least 3/4 (GPT-OSS's 8 q heads a kv head on AVX-512), else D = 2 (W / 4
+// heads; d even) where they fill those, else 0: the dot-product form (block_scores).
+constexpr int lane_heads(int D) { return W / (2 * D); }
+inline int64_t lane_groups(int64_t rep, int D) { return (rep + lane_heads(D) - 1) / lane_heads(D); }
+inline int lanes_dims(int64_t rep, int64_t d) {
+  if (4 * rep >= 3 * lane_groups(rep, 1) * lane_heads(1)) return 1;
+  if (d % 2 == 0 && 4 * rep >= 3 * lane_groups(rep, 2) * lane_heads(2)) return 2;
+  return 0;
+}
+
+// The q vectors of the lanes form for D dims a lane group: qh [lane_groups][d / D][W], lane 2D·i + 2m + s of
+// vector jj = q head g·lane_heads + i's dim jj·D + m (each twice: s = token 0 / 1 of a pair; zero past rep)
+template <int D>
+void lanes_q(const float* q, int64_t rep, int64_t d, float qmul, float* qh) {
+  constexpr int LH = lane_heads(D);
+  std::fill(qh, qh + lane_groups(rep, D) * (d / D) * W, 0.f);
+  for (int64_t r = 0; r < rep; ++r)
+    for (int64_t j = 0; j < d; ++j) {
+      float* lane = qh + ((r / LH) * (d / D) + j / D) * W + 2 * D * (r % LH) + 2 * (j % D);
+      lane[0] = lane[1] = q[r * d + j] * qmul;
+    }
+}
+
+// block_scores' lanes form (packed K, qh from lanes_q). Eight token pairs are converted (kf [8][2d]); for each
+// D dims the q vector meets each pair's D × (k[2p][j], k[2p+1][j]) broadcast to every lane group, so acc[i] lane
+// 2D·h + 2m + s sums head h's products of token 2(q0 + i) + s over dims ≡ m (mod D); one transpose a group
+// (adding the D sums) puts each head's 16 scores in a row of sc (through `tmp` where the visible range cuts them).
+template <int D, typename KT>
+void block_scores_lanes(const KT* Kb, const float* qh, int64_t t0, int64_t t1, int64_t d, int64_t rep, int64_t ld,
+                        float* kf, float* sc) {
+  constexpr int LH = lane_heads(D);
+  const int64_t n = 2 * d, r0 = t0 / 2, r1 = t1 / 2;
+  alignas(64) float tmp[LH * 16];
+  for (int64_t q0 = r0; q0 <= r1; q0 += 8) {
+    const int nr = int(std::min<int64_t>(8, r1 - q0 + 1));
+    for (int i = 0; i < nr; ++i) convert_row(Kb + (q0 + i) * n, n, kf + i * n);
+    if (nr < 8) std::fill(kf + nr * n, kf + 8 * n, 0.f);   // a block's last pairs: all 8 are dotted
+    const int64_t a = std::max(t0, 2 * q0), e = std::min(t1, 2 * q0 + 2 * nr - 1);   // tokens kept
+    const bool whole = a == 2 * q0 && e == 2 * q0 + 15;
+    for (int64_t g = 0; g * LH < rep; ++g) {
+      const float* qg = qh + g * (d / D) * W;
+      VF acc[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) acc[i] = vzero();
+      for (int64_t jj = 0; jj < d / D; ++jj) {
+        const VF qv = vload(qg + jj * W);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          const float* k = kf + i * n + 2 * D * jj;
+          acc[i] = vfma(qv, D == 1 ? vbroadcast_pair(k) : vbroadcast_quad(k), acc[i]);
+        }
+      }
+      const int nh = int(std::min<int64_t>(LH, rep - g * LH));
+      float* rows = sc + g * LH * ld;
+      float* out = whole ? rows + 2 * q0 - t0 : tmp;
+      const int64_t out_ld = whole ? ld : 16;
+      if constexpr (D == 1) vstore_pairs_transposed(acc, out, out_ld, nh);
+      else vstore_quads_summed_transposed(acc, out, out_ld, nh);
+      if (!whole)
+        for (int h = 0; h < nh; ++h)
+          for (int64_t t = a; t <= e; ++t) rows[h * ld + t - t0] = tmp[h * 16 + t - 2 * q0];
+    }
+  }
+}
+
 // One (slot, kv heads [h0, h1), block range) item: partials (o [rep, d] unnormalized, m [rep], l [rep]) of
 // head h into part + (h - h0) * stride. The range is read in spans of blocks (`SPAN_TOKENS`); within a span the
 // heads take turns (K of each block scored, one softmax update, then o += p · V block by block), so a block's
@@ -113,19 +180,23 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
                   int64_t stride) {
   const int64_t rep = s.rep, d = s.d, B = s.B, kv = s.kv;
   const int64_t span_blocks = std::max<int64_t>(1, SPAN_TOKENS / B), ld = span_blocks * B;
-  float* qs_all = scratch(0, (h1 - h0) * rep * 2 * d);   // q · scale · k multiplier (packed: each dim twice), a head
+  const int lanes = s.packed ? lanes_dims(rep, d) : 0;   // D of the lanes form, 0: the dot-product form
+  const int64_t q_floats = lanes ? lane_groups(rep, lanes) * (d / lanes) * W : rep * 2 * d;   // a kv head's qs
+  float* qs_all = scratch(0, (h1 - h0) * q_floats);  // q · scale · k multiplier (packed: each dim twice), a head
   float* sc = scratch(1, rep * ld + W);              // scores of one span [rep][ld]
   float* kf = scratch(3, 16 * d);                     // 8 rows of K (token pairs or tokens) in fp32
   float* vf = scratch(2, B * d);                      // a block's V rows in fp32 (slot 2: free until the merge)
   for (int64_t h = h0; h < h1; ++h) {
-    float* qs = qs_all + (h - h0) * rep * 2 * d;
-    for (int64_t r = 0; r < rep; ++r) {
-      const float* qr = q + (b * s.nh + h * rep + r) * d;
-      for (int64_t j = 0; j < d; ++j) {
-        if (s.packed) qs[r * 2 * d + 2 * j] = qs[r * 2 * d + 2 * j + 1] = qr[j] * qmul;
-        else qs[r * 2 * d + j] = qr[j] * qmul;
-      }
-    }
+    float* qs = qs_all + (h - h0) * q_floats;
+    const float* qh = q + (b * s.nh + h * rep) * d;    // the group's rep heads [rep][d]
+    if (lanes == 1) lanes_q<1>(qh, rep, d, qmul, qs);
+    else if (lanes == 2) lanes_q<2>(qh, rep, d, qmul, qs);
+    else
+      for (int64_t r = 0; r < rep; ++r)
+        for (int64_t j = 0; j < d; ++j) {
+          if (s.packed) qs[r * 2 * d + 2 * j] = qs[r * 2 * d + 2 * j + 1] = qh[r * d + j] * qmul;
+          else qs[r * 2 * d + j] = qh[r * d + j] * qmul;
+        }
     float* o = part + (h - h0) * stride;                // [rep][d + 2]: o, then m, l
     for (int64_t r = 0; r < rep; ++r) {
       std::fill(o + r * (d + 2), o + r * (d + 2) + d, 0.f);
@@ -138,7 +209,7 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
   for (int64_t j0 = jb0; j0 <= jb1; j0 += span_blocks) {
     const int64_t j1 = std::min(jb1, j0 + span_blocks - 1);
     for (int64_t h = h0; h < h1; ++h) {
-      const float* qs = qs_all + (h - h0) * rep * 2 * d;
+      const float* qs = qs_all + (h - h0) * q_floats;
       float* o = part + (h - h0) * stride;
       // scores sc[r][n ..): each K element converted once, then dotted with every q head of the group
       int64_t n = 0;
@@ -152,7 +223,10 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
           prefetch_rows(V + (nxt * kv + h) * B * d, B * d * int64_t(sizeof(VT)));
         }
         const int64_t bid = table[b * s.n_table + jb];
-        block_scores(K + (bid * kv + h) * B * d, qs, t0, t1, d, rep, ld, s.packed, kf, sc + n);
+        const KT* Kb = K + (bid * kv + h) * B * d;
+        if (lanes == 1) block_scores_lanes<1>(Kb, qs, t0, t1, d, rep, ld, kf, sc + n);
+        else if (lanes == 2) block_scores_lanes<2>(Kb, qs, t0, t1, d, rep, ld, kf, sc + n);
+        else block_scores(Kb, qs, t0, t1, d, rep, ld, s.packed, kf, sc + n);
         n += nt;
       }
       if (n == 0) continue;
