@@ -415,9 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     for note in notes:
         print(f"gigadecode serve: note: {note}", file=sys.stderr)
-    from .config import ConfigError
     from .hub import resolve_model
-    from .weights import CheckpointError
     if args.command == "serve":
         tag = args.__dict__.pop("model_tag")
         if tag is not None and args.model is not None and tag != args.model:
@@ -438,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "model", None) and args.command not in ("demo",):
             args.model = str(resolve_model(args.model))
         return int(args.func(args) or 0)
-    except (ConfigError, CheckpointError, ValueError) as e:
+    except ValueError as e:                # ConfigError, CheckpointError, a layout's: a bad model or flag
         print(f"gigadecode {args.command}: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:

@@ -7,9 +7,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError, GptOssConfig
 from .speculative import SpeculativeConfig
@@ -20,7 +18,12 @@ from .speculative import SpeculativeConfig
 # chunk wait for all of it: 1,024 takes most of the gain at half of 2,048's step.
 DEFAULT_MAX_PREFILL_TOKENS = 1024
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}   # the kernels compute in these two
+# torch is imported where a dtype is asked for: the command line builds its flags from this module for every
+# command, the DI proxy's included, which runs without torch
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("bfloat16", "float32")     # the kernels compute in these two (torch.<name>)
 KV_DTYPES = ("auto", "bf16", "fp8")
 
 
@@ -164,7 +167,8 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+        return getattr(torch, self.dtype)
 
     @property
     def dcp_chunk(self) -> int:
@@ -172,6 +176,7 @@ class EngineConfig:
         return self.dcp_interleave or self.block_size
 
     def kv_storage_dtype(self) -> torch.dtype:
+        import torch
         if self.kv_dtype == "fp8":
             return torch.float8_e4m3fn
         if self.kv_dtype == "bf16":

@@ -65,16 +65,17 @@ import argparse
 import json
 import math
 import sys
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .config import GptOssConfig
 from .kv.dcp import TokenShard
 from .kv.spec import cdiv, get_kv_spec, group_kv_specs
-from .distributed.mesh import build_layout
 from .engine_config import DEFAULT_MAX_PREFILL_TOKENS
-from .weights import Shard, build_stacked_weight_specs, local_heads
+
+# torch, the mesh and the weights' specs are imported where they are used: the command line builds this
+# command's flags whatever the command, the DI proxy's included, which runs without torch
+if TYPE_CHECKING:
+    import torch
 
 GIB = 1024**3
 UINT32_OFFSET_LIMIT = 2**32
@@ -92,14 +93,19 @@ def check_layout(cfg: GptOssConfig, tp: int, dp: int, ep: int, dcp: int = 1) -> 
 
     The engine's checks (`build_layout`, with the messages a world would give: heads and experts divide over
     TP and EP, EP groups line up with TP groups, `dcp` divides tp and tp/dcp divides the kv heads)."""
+    from .distributed.mesh import build_layout
+    from .weights import Shard, local_heads
     build_layout(tp, dp, ep, None, cfg, dcp)                 # LayoutError (a ValueError) says why
     return local_heads(cfg, Shard(0, tp, 0, ep, dcp))
 
 
-def weight_breakdown(cfg: GptOssConfig, *, tp: int = 1, ep: int = 1, dtype: torch.dtype = torch.bfloat16,
+def weight_breakdown(cfg: GptOssConfig, *, tp: int = 1, ep: int = 1, dtype: torch.dtype | None = None,
                      dcp: int = 1) -> dict[str, int]:
     """Bytes of each weight stack one rank holds (MXFP4 experts as blocks + scales; with DCP the k/v rows of
-    this rank's tp/dcp kv shard)."""
+    this rank's tp/dcp kv shard), non-expert weights in `dtype` (default bf16)."""
+    import torch
+    from .weights import Shard, build_stacked_weight_specs
+    dtype = torch.bfloat16 if dtype is None else dtype
     layout = "mxfp4" if cfg.experts_mxfp4 else "bf16"
     specs = build_stacked_weight_specs(cfg, dtype, layout, Shard(0, tp, 0, ep, dcp))
     return {s.name: math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in specs}
@@ -113,6 +119,7 @@ def estimate_activation_bytes(cfg: GptOssConfig, *, tp: int = 1, ep: int = 1,
     buffers), this rank's fused qkv row, top_k expert `gate_up` rows (2·I each) and this rank's
     vocabulary shard of logits. Attention scores are not counted (the decode program streams them).
     """
+    from .weights import Shard, local_heads
     nh, kv = local_heads(cfg, Shard(0, tp, 0, ep, dcp))
     per_token = (8 * cfg.hidden_size + (nh + 2 * kv) * cfg.head_dim
                  + cfg.num_experts_per_tok * 2 * cfg.intermediate_size + cdiv(cfg.vocab_size, tp))

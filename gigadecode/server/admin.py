@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..connector.params import AUTH_HEADER, check_handshake_token
-from . import deps
+from . import deps, handoff
 from .protocol import APIError, error_body
 from .vllm_metrics import vllm_metrics_text
 
@@ -90,7 +90,7 @@ async def kv_release(request: Request) -> JSONResponse:
     """A prefill server: {"kv_transfer_params": params it answered} -> {"released": bool}. The router calls it
     when the decode side will never read them (it refused the request, or the client left), so the leased
     blocks are freed at once instead of when the lease runs out. Only signed params naming this engine.
-    {"handoff": name}: the router's client left while the prefill it named so (`deps.HANDOFF_HEADER`) ran; the
+    {"handoff": name}: the router's client left while the prefill it named so (`handoff.HANDOFF_HEADER`) ran; the
     router never got its answer, so the request ends here: aborted if it runs, its lease ended if it answered,
     refused if it arrives later (`AsyncEngine.give_up`)."""
     from ..request import RequestError
@@ -101,10 +101,10 @@ async def kv_release(request: Request) -> JSONResponse:
     except BodyError as e:
         raise APIError(400, str(e), code="invalid_json") from None
     if "handoff" in raw:
-        if not deps.valid_handoff(raw["handoff"]):
+        if not handoff.valid_handoff(raw["handoff"]):
             raise APIError(400, "handoff: expected the 32 hex digits the router named its prefill with",
                            param="handoff")
-        rids = deps.handoff_ids(raw["handoff"])
+        rids = handoff.handoff_ids(raw["handoff"])
         aeng.give_up(rids)                # a running request first: it then never leases (the engine's order)
         released = await aeng.call(lambda e: any([e.release_lease(rid) for rid in rids]))
         return JSONResponse({"released": bool(released)})

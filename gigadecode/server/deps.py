@@ -1,7 +1,7 @@
 """What every route of the API server needs from the app: its settings (`ServerSettings`, on
 `app.state.settings`), the engine (`engine`), the API-key check (`check_key`), the model-name check and a
 generation route's prologue (`open_generation`), and the id of a DI prefill the proxy named
-(`handoff_request_id`)."""
+(`handoff_request_id`; the naming itself is handoff.py's)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from ..connector.params import KVTransferParams
 from .async_engine import AsyncEngine
+from .handoff import HANDOFF_HEADER, valid_handoff
 from .protocol import APIError, read_body
 
 
@@ -88,18 +89,6 @@ def advertised(request: Request, kv: KVTransferParams | None) -> KVTransferParam
     return kv.model_copy(update={"remote_host": settings(request).kv_advertise_host or server[0] or None})
 
 
-# The DI proxy names each prefill it sends (32 hex digits, fresh for each): if its own client leaves before the
-# answer reaches it, it cannot know whether the prefill answered (and leased its KV), so it asks /kv/release to
-# end the request of that name, running or leased (`handoff_ids`)
-HANDOFF_HEADER = "x-gigadecode-handoff"
-_HANDOFF = re.compile(r"[0-9a-f]{32}")
-HANDOFF_PREFIXES = ("cmpl", "chatcmpl", "resp")       # the generation routes' request id prefixes
-
-
-def valid_handoff(handoff: Any) -> bool:
-    return isinstance(handoff, str) and _HANDOFF.fullmatch(handoff) is not None
-
-
 def handoff_request_id(request: Request, prefix: str, kv: KVTransferParams | None) -> str | None:
     """A prefill request's id when the proxy named it (HANDOFF_HEADER): `{prefix}-handoff-{name}`; None (a fresh
     id) for every other request. A header that is not 32 hex digits is a 400."""
@@ -109,11 +98,6 @@ def handoff_request_id(request: Request, prefix: str, kv: KVTransferParams | Non
     if not valid_handoff(handoff):
         raise APIError(400, f"{HANDOFF_HEADER}: expected 32 hex digits", param=HANDOFF_HEADER)
     return f"{prefix}-handoff-{handoff}"
-
-
-def handoff_ids(handoff: str) -> list[str]:
-    """The request ids a prefill named `handoff` may have (one per generation route)."""
-    return [f"{p}-handoff-{handoff}" for p in HANDOFF_PREFIXES]
 
 
 def sampling_defaults(aeng: AsyncEngine) -> tuple:

@@ -18,13 +18,13 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from ..connector.params import KVTransferParams
 from ..sampling import SamplingError, SamplingParams
 from .async_engine import EngineDeadError
 from .body import BodyError, load_object
+from .errors import APIError, error_body, error_response  # noqa: F401  (the routes import them from here too)
 
 #: sampling fields read from the body as they are (SamplingParams checks types and ranges)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "ignore_eos",
@@ -33,30 +33,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16          # OpenAI's default for /v1/completio
 MAX_N = 16                                  # choices per request
 MAX_SEQUENCES = 1024                        # prompts × n per request (a bound on what one body can queue)
 MAX_STOP_STRINGS = 16
-
-
-# --------------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------------
-class APIError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
 
 
 _UNION_MEMBER = re.compile(r"(str|int|float|bool|[a-z_]+\[.*\]|[A-Z]\w*)")

@@ -14,7 +14,7 @@ For each POST /v1/completions, /v1/chat/completions or /v1/responses:
 3. if the decode side will never read those params (it refused the request, none was reachable, or the
    client left before it had them), POST them to the prefill server's `/kv/release`, which frees the
    leased blocks at once instead of when the lease runs out. Each prefill is sent under a fresh name
-   (`deps.HANDOFF_HEADER`): when the client leaves, or the prefill times out, before its answer came, the
+   (`handoff.HANDOFF_HEADER`): when the client leaves, or the prefill times out, before its answer came, the
    proxy cannot know whether the server answered (leasing the KV) just then, so it asks `/kv/release` to end
    the request of that name, running or leased.
 Behind stock vLLM prefill servers (`--prefill-vllm`, /v1/completions): the proxy has the prompt's token ids
@@ -56,7 +56,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from .body import BodyError, BodyLimit, load_object
-from .deps import HANDOFF_HEADER
+from .handoff import HANDOFF_HEADER
 from .disconnect import CLIENT_CLOSED, ClientGone, answer_clients_that_leave, unless_disconnected
 from .gc_heap import freeze_startup_heap
 from .http_options import add_cors, check_http_options, scheme, uvicorn_options

@@ -28,7 +28,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .disconnect import CLIENT_CLOSED, ClientGone, unless_disconnected
-from .protocol import error_body
+from .errors import error_body
 from .proxy_pool import Pool, Upstream
 from .proxy_tls import failure
 
