@@ -36,7 +36,12 @@ void accumulate_v(const VT* vr, int64_t nt, int64_t d, const float* sc, int64_t 
         for (int c = 0; c < NV; ++c) acc[i][c] = vload(o + (r0 + i) * (d + 2) + c * W);
     for (int64_t t = 0; t < nt; ++t) {
       VF v[NV];
-      for (int c = 0; c < NV; ++c) v[c] = kvload(vr + t * d + c * W);
+      int c = 0;
+      if constexpr (std::is_same_v<VT, uint8_t>) {   // FP8 rows: four or two vectors' bytes at once (convert_row's)
+        for (; c + 4 <= NV; c += 4) vload4_fp8_div256(vr + t * d + c * W, v + c);
+        for (; c + 2 <= NV; c += 2) vload2_fp8_div256(vr + t * d + c * W, v[c], v[c + 1]);
+      }
+      for (; c < NV; ++c) v[c] = kvload(vr + t * d + c * W);
       for (int i = 0; i < RG; ++i)
         if (i < rn) {
           const VF p = vset1(sc[(r0 + i) * ld + t]);
