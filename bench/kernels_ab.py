@@ -10,6 +10,10 @@ weights, KV) is the working tree's and shared.
 
     .venv/bin/python bench/kernels_ab.py --a HEAD~1 --b worktree decode --preset small --batch 8 --context 4096
     .venv/bin/python bench/kernels_ab.py --a HEAD~1 --b worktree prefill --preset small --tokens 512
+    .venv/bin/python bench/kernels_ab.py --a HEAD~1 --b worktree attention --batch 8 --context 4096
+
+(`attention`: the decode-attention op alone over packed-FP8 KV in blocks placed at random, `bench/decode_attention.py`'s
+case; no checkpoint.)
 
 `--isa-a` / `--isa-b` build a side for another ISA this CPU runs (one revision's AVX-512 build against its
 AVX512-BF16 one, say), and `--bf16-gemm-a` / `--bf16-gemm-b` run that side's bf16 prefill projections in
@@ -110,6 +114,24 @@ def report(what: str, times: dict[str, list[float]], unit: float, per: str) -> N
           f"{len(a)} pairs)")
 
 
+def attention(kernels: dict, args: argparse.Namespace) -> int:
+    """The decode-attention op of each build on the same arguments: outputs compared, then alternated."""
+    from decode_attention import case
+    g = torch.Generator().manual_seed(0)
+    op_args, _ = case(args.batch, args.context, 0, args.kv_heads, args.q_per_kv, args.head_dim, args.block, True, 0, g)
+    outs = [ops.paged_decode_attention(*op_args).float() for ops in kernels.values()]
+    print(f"A = {args.a} ({kernels['A'].isa()}), B = {args.b} ({kernels['B'].isa()}); {args.kv_heads} kv x "
+          f"{args.q_per_kv} q heads of {args.head_dim}, blocks of {args.block}, threads {torch.get_num_threads()}; "
+          f"outputs differ by at most {(outs[0] - outs[1]).abs().max().item():.2e}")
+
+    def run() -> None:
+        for _ in range(args.calls):
+            build._state["ops"].paged_decode_attention(*op_args)
+    times = alternate(kernels, run, args.rounds)
+    report(f"attention batch {args.batch} context {args.context}", times, 1e3 / args.calls, "ms")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--a", default="HEAD", help="git revision of the baseline kernels (or 'worktree')")
@@ -131,12 +153,22 @@ def main() -> int:
     pre.add_argument("--tokens", type=int, default=512)
     pre.add_argument("--chunk", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
                      help=f"prompt tokens a prefill step (default {DEFAULT_MAX_PREFILL_TOKENS}, the engine's)")
+    att = sub.add_parser("attention", help="the decode-attention op alone (packed-FP8 KV, random blocks)")
+    att.add_argument("--batch", type=int, default=8)
+    att.add_argument("--context", type=int, default=4096)
+    att.add_argument("--kv-heads", type=int, default=8)
+    att.add_argument("--q-per-kv", type=int, default=8)
+    att.add_argument("--head-dim", type=int, default=64)
+    att.add_argument("--block", type=int, default=16)
+    att.add_argument("--calls", type=int, default=4, help="calls timed per round and build")
     args = ap.parse_args()
 
     kernels = {"A": build_as(args.a, "gigadecode_ab_a", args.isa_a),
                "B": build_as(args.b, "gigadecode_ab_b", args.isa_b)}
     bf16_gemm = {k: {"auto": None, "bf16": True, "fp32": False}[v]
                  for k, v in (("A", args.bf16_gemm_a), ("B", args.bf16_gemm_b))}
+    if args.what == "attention":
+        return attention(kernels, args)
     model_dir = CACHE / args.preset
     if not (model_dir / "config.json").exists():
         raise SystemExit(f"no checkpoint at {model_dir}: run bench/decode.py --preset {args.preset} once")
