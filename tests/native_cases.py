@@ -50,8 +50,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # the forms the products of bf16 inputs and bf16-exact weights (experts, dense bf16 weights) can take on this
-# build (`native.product_form`)
-PRODUCT_FORMS = ["bf16", "fp32"] if native.isa() == "avx512-bf16" else ["fp32"]
+# build (`native.product_form`): the AVX-512 build's 'int16' (the MoE's experts on int16-quantized inputs) where
+# the CPU has AVX512-VNNI, which is its default there
+PRODUCT_FORMS = (["bf16", "fp32"] if native.isa() == "avx512-bf16" else
+                 ["int16", "fp32"] if native.isa() == "avx512" and native.product_form() == "int16" else ["fp32"])
 
 
 # ... those, each with AMX tiles off, plus 'amx' where the CPU has AMX-BF16 (`native.amx_tiles`): the MoE's

@@ -55,11 +55,15 @@ def _routing(g, T, E, k, offset, n_global):
     return idx, gate_w
 
 
-# The AVX2 build's MoE takes bf16 activations as int16 per group of 32 (mxfp4_avx2.h `QChunk`); fp32
-# activations and the AVX-512 builds compute on the exact values.
-QUANTIZED_BF16_MOE = native.isa() == "avx2"
+def quantized_bf16_moe() -> bool:
+    """Whether the MoE takes bf16 activations as int16 per group of 32: the AVX2 build (mxfp4_avx2.h `QChunk`), the
+    AVX-512 build in its 'int16' product form (mxfp4_vnni.h `QChunk128`, CPUs with AVX512-VNNI); fp32 activations
+    and the other forms compute on the exact values."""
+    return native.isa() == "avx2" or (native.isa() == "avx512" and native.product_form() == "int16")
+
+
 def quantize_groups_i16(x: torch.Tensor) -> torch.Tensor:
-    """x [n, K] fp32 -> the values the AVX2 kernel multiplies: per group of 32 (the last one short), q = round(x ·
+    """x [n, K] fp32 -> the values the int16 forms multiply: per group of 32 (the last one short), q = round(x ·
     32767 / m) (m = the group's max |x|), times m / 32767."""
     n, K = x.shape
     xp = torch.nn.functional.pad(x, (0, -K % 32)).view(n, -1, 32)
@@ -70,7 +74,7 @@ def quantize_groups_i16(x: torch.Tensor) -> torch.Tensor:
 
 def moe_reference_quantized(x, idx, gate_w, weights, alpha, limit, offset, quantize=True):
     """The twin's math in fp32 on the inputs and the (bf16-rounded) activations through `quantize_groups_i16`,
-    as the AVX2 kernel computes bf16 activations (`quantize=False`: on the values as they are). Also returns, per
+    as the int16 forms compute bf16 activations (`quantize=False`: on the values as they are). Also returns, per
     output, what one activation's bf16 rounding going the other way moves it by at most (2^-8 of the largest
     |gate · w2[h, j] · a_j|): the kernel's SwiGLU (a vectorized exp within a few ulp) and its fp32 sums (in the
     order of its form: register tiles, AMX tiles) can round an activation to the neighbouring bf16 value."""
@@ -102,14 +106,14 @@ def _check_moe(x, idx, gate_w, weights, alpha, limit, offset):
     if x.dtype == F32:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=atol)
         return out, ref
-    ref_q, flip = moe_reference_quantized(x, idx, gate_w, weights, alpha, limit, offset, QUANTIZED_BF16_MOE)
-    if QUANTIZED_BF16_MOE:
+    ref_q, flip = moe_reference_quantized(x, idx, gate_w, weights, alpha, limit, offset, quantized_bf16_moe())
+    if quantized_bf16_moe():
         ref = ref_q
     # both round once at the end (two bf16 steps apart at most) and the activations once (an activation's
     # rounding may go the other way: `flip`, twice for two of them)
     err = (out.float() - ref.float()).abs()
     assert (err <= 2 * BF16_RTOL * ref.float().abs() + 8 * atol + 2 * flip).all(), err.max()
-    if QUANTIZED_BF16_MOE:   # and most outputs are the reference's to the bit (the flips are rare)
+    if quantized_bf16_moe():   # and most outputs are the reference's to the bit (the flips are rare)
         assert (err == 0).float().mean() >= 0.8, (err == 0).float().mean()
     return out, ref
 
@@ -147,8 +151,8 @@ def test_moe_mxfp4_edge_routing():
 @pytest.mark.parametrize("H,I,xdt", [(160, 96, BF16), (256, 128, BF16), (32, 288, BF16), (1024, 64, BF16),
                                      (160, 96, F32), (1024, 64, F32)])
 def test_moe_mxfp4_many_tokens_per_expert(H, I, xdt, form):
-    """Experts hit by >= 8 tokens take the strip path (rows decoded once, scaled, then dense tiles: bf16 dot
-    products or fp32 FMAs for bf16 inputs, `form`; fp32 FMAs for fp32 inputs, whose fp32 inputs and decoded rows
+    """Experts hit by >= 8 tokens (32 in the AVX-512 int16 form) take the strip path (rows decoded once, scaled,
+    then dense tiles: bf16 dot products or fp32 FMAs for bf16 inputs, `form`; fp32 FMAs for fp32 inputs, whose fp32 inputs and decoded rows
     are padded so that rows of 1024 values do not fall in the same cache sets); a strip with a scale outside
     [2, 252] (whose scaled values cannot all be normal numbers) falls back to the register tiles. Both against
     the twin, with a few tokens per expert (register tiles) alongside."""
@@ -157,9 +161,9 @@ def test_moe_mxfp4_many_tokens_per_expert(H, I, xdt, form):
     gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias = moe_weights(g, E, H, I, BF16)
     gu_s[1, :5] = 1                                    # expert 1: gate_up rows 0..4 scaled 2^-126 …
     dn_s[2, 7, 0] = 0                                  # … expert 2: one group of a down row 2^-127 (subnormal)
-    T = 29
+    T = 35
     idx = torch.stack([torch.tensor([0, 1]) if t % 2 else torch.tensor([1, 2]) for t in range(T)])
-    idx[:3] = torch.tensor([2, 0])                      # expert 0: 17 tokens, 1: 29, 2: 15
+    idx[:3] = torch.tensor([2, 0])                      # expert 0: 19 tokens, 1: 32, 2: 19
     gate_w = torch.softmax(torch.randn(T, 2, generator=g), -1)
     x = randn(g, T, H, dtype=xdt, scale=2.0)
     with products(form):
@@ -186,10 +190,11 @@ def test_moe_mxfp4_strip_input_blocks(xdt, form):
 
 
 def test_moe_product_forms_agree():
-    """The product forms multiply the same exact products (bf16 values, MXFP4 values times a power of two) and
-    sum them in fp32 in different orders: their outputs agree to a bf16 rounding, with 1, 2, 5 and 12 tokens an
-    expert (the bf16 tile of one input; fp32 register tiles; strips); the form can be set, asked and measured
-    again ('auto'), and anything else is refused."""
+    """The exact product forms multiply the same exact products (bf16 values, MXFP4 values times a power of two)
+    and sum them in fp32 in different orders: their outputs agree to a bf16 rounding, with 1, 2, 5 and 12 tokens an
+    expert (the bf16 tile of one input; fp32 register tiles; strips); the int16 form (int16-quantized inputs) is
+    within its bound of the twin on the quantized inputs; the form can be set, asked and measured again ('auto'),
+    and anything else is refused."""
     g = gen(13)
     E, H, I = 4, 256, 160
     weights = moe_weights(g, E, H, I, BF16)
@@ -201,7 +206,11 @@ def test_moe_product_forms_agree():
         with products(form):
             assert form == "amx" and native.amx_tiles() == "on" or native.product_form() == form
             outs[form] = OPS.moe_mxfp4(x, idx, torch.ones(T, 1), *weights, 1.702, 7.0, 0)
+            if form == "int16":
+                _check_moe(x, idx, torch.ones(T, 1), weights, 1.702, 7.0, 0)
     for form in ALL_FORMS:
+        if form == "int16":
+            continue
         torch.testing.assert_close(outs["fp32"].float(), outs[form].float(), rtol=2 * BF16_RTOL, atol=1e-4)
     before = native.product_form()
     assert native.product_form("auto") in PRODUCT_FORMS
@@ -282,7 +291,7 @@ def test_moe_mxfp4_amx_activation_padding():
 
 def test_moe_mxfp4_bf16_wide_range_and_nan():
     """Groups whose values span 2^12 (one value far above the rest), all-zero groups and an odd group count (the
-    tail chunk) stay within the bf16 bound of the twin — on AVX2, of the twin on the int16-quantized inputs the
+    tail chunk) stay within the bf16 bound of the twin — in the int16 forms, of the twin on the quantized inputs the
     kernel multiplies, which round the small values of such a group to 2^-16 of its largest: that rounding is
     bounded here against the exact values; a NaN in one token's input makes that token's output NaN and leaves
     the others as they were without it."""
@@ -358,10 +367,12 @@ def test_moe_mxfp4_long_rows_scales(xdt):
 
 
 def test_moe_mxfp4_batch_invariant():
-    """On AVX2 a bf16 token's output is the same to the bit whatever else its expert is given up to 7 tokens (the
-    one- and two-input tiles and the 2 x 4 tiles: one int16 arithmetic) and whichever thread computes it; from 8
-    tokens (the strip path, fp32 products of the same quantized values), elsewhere and in fp32, sums in another
-    order: equal up to rounding."""
+    """In an int16 form a bf16 token's output is the same to the bit whatever else its expert is given below the
+    strips (AVX2: up to 7 tokens, its one- and two-input tiles and the 2 x 4 tiles; AVX-512 VNNI: up to 31, its
+    4 x 1-4 and 2 x 8 tiles: one int16 arithmetic each) and whichever thread computes it; from there (the strip
+    path, fp32 products of the same quantized values), elsewhere and in fp32, sums in another order: equal up to
+    rounding."""
+    int16_tiles_below = 8 if native.isa() == "avx2" else 32
     g = gen(31)
     for H, I, xdt in [(96, 160, BF16), (64, 128, BF16), (160, 96, F32)]:
         weights = moe_weights(g, 1, H, I, BF16)
@@ -372,7 +383,7 @@ def test_moe_mxfp4_batch_invariant():
         for n in (2, 3, 7, 8, 11):
             with num_threads(1 + n % 3):
                 together = one(x[:n])
-            if xdt == BF16 and QUANTIZED_BF16_MOE and n < 8:
+            if xdt == BF16 and quantized_bf16_moe() and n < int16_tiles_below:
                 assert torch.equal(together, alone[:n]), (H, I, n)
             else:
                 torch.testing.assert_close(together.float(), alone[:n].float(), rtol=2 * BF16_RTOL, atol=1e-4)

@@ -9,8 +9,9 @@ and its twin (`twins.py`, same signature) otherwise.
   alpha, limit, expert_offset) -> [T, H]`: the routed MXFP4 MoE, each selected expert read once for all of
   its tokens (a decode batch or a prefill chunk); global expert ids outside [expert_offset, expert_offset + E) contribute nothing (EP).
   On the AVX2 build, bf16 x (and the bf16 activations between the matmuls) of experts with fewer than 8 tokens
-  are quantized to int16 per group of 32 (within 2^-16 of the group's largest |value|) before the products.
-  Experts with 8 tokens or more decode each strip of rows once and multiply it in dense tiles. On the
+  are quantized to int16 per group of 32 (within 2^-16 of the group's largest |value|) before the products;
+  on the AVX-512 build in its 'int16' product form (CPUs with AVX512-VNNI), of experts with fewer than 32
+  tokens. Experts with more tokens decode each strip of rows once and multiply it in dense tiles. On the
   AVX512-BF16 build, `product_form` says (or sets) whether bf16 inputs meet the experts as bf16 dot products or,
   for experts with 2 tokens or more, as fp32 FMAs (the same exact products, summed in another order).
 - `mxfp4_dequant(blocks [..., R, G, 16], scales [..., R, G], dtype) -> [..., R, G*32]` (exact);
@@ -72,8 +73,11 @@ def product_form(form: str = "") -> str:
     """How bf16 inputs meet bf16-exact weights: 'bf16' (`vdpbf16ps`) or 'fp32' (FMAs on the same exact
     values: `moe_mxfp4` for experts with 2 tokens or more, `linear` for 4 rows or more). The AVX512-BF16 build
     measures which multiplies faster on this CPU at first use (GIGADECODE_BF16_PRODUCTS=bf16|fp32 chooses
-    instead); other builds multiply in fp32 only, and the twins have no such choice ('none'). `form` ('auto',
-    'bf16' or 'fp32') sets it first; '' only asks."""
+    instead). The AVX-512 build has 'int16' where the CPU has AVX512-VNNI, its default there (fp32 FMAs
+    otherwise, or with GIGADECODE_BF16_PRODUCTS=fp32): `moe_mxfp4`'s experts with fewer than 32 tokens
+    multiply int16-quantized inputs (`vpdpwssd`; 1.1-2x the fp32 tiles on an Ice Lake Xeon), `linear` stays
+    fp32. The AVX2 build multiplies as it does (fp32, its MoE on int16 inputs), and the twins have no such
+    choice ('none'). `form` ('auto', 'bf16', 'fp32' or 'int16') sets it first; '' only asks."""
     ops = load()
     if ops is None:
         return "none"

@@ -172,6 +172,6 @@ def status() -> str:
     ops = load()
     if ops is None:
         return f"torch twins ({_state.get('reason')})"
-    form = f", bf16 products in {ops.product_form('')}" if _state["isa"] == "avx512-bf16" else ""
+    form = f", bf16 products in {ops.product_form('')}" if _state["isa"] in ("avx512-bf16", "avx512") else ""
     amx = {"on": ", AMX tiles", "off": ", AMX tiles off"}.get(str(ops.amx_tiles("")), "")
     return f"native ({_state['isa']}{form}{amx})"

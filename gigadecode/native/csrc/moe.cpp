@@ -157,12 +157,13 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
 #else
   const bool bf = false, bf_f32 = false;
 #endif
-  // bf16 activations on AVX2: the experts run on int16-quantized inputs (`expert_rows_i16`; strips on their values)
-  const bool q16 = X64_DECODE && x.scalar_type() == at::kBFloat16;
+  // bf16 activations on AVX2 and where AVX512-VNNI's int16 form is on: the experts run on int16-quantized inputs
+  // (`expert_rows_i16`; strips on their values)
+  const bool q16 = x.scalar_type() == at::kBFloat16 && int16_inputs();
   // whether an expert with n inputs multiplies fp32 inputs: every expert of fp32 activations; of bf16 ones,
-  // those the fp32 form takes (AVX512-BF16) or the strips (AVX2's int16 inputs); the rest bf16 or int16 inputs
+  // those the fp32 form takes (AVX512-BF16) or the strips (the int16 forms'); the rest bf16 or int16 inputs
   const auto fp32_expert = [&](int64_t n) {
-    return q16 ? n >= STRIP_MIN_INPUTS : bf ? bf_f32 && n >= F32_FORM_MIN_INPUTS : true;
+    return q16 ? n >= Q_STRIP_MIN_INPUTS : bf ? bf_f32 && n >= F32_FORM_MIN_INPUTS : true;
   };
 #ifdef GD_BF16DOT
   const bool amx = bf && amx_tiles_on();
@@ -196,10 +197,10 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   float* y = shared_scratch(3, P * H);                             // [P, H] down outputs
   uint16_t* xd16 = reinterpret_cast<uint16_t*>(shared_scratch(6, bf ? T * H64 / 2 : 0));   // bf16 inputs
   uint16_t* ad16 = reinterpret_cast<uint16_t*>(shared_scratch(7, bf ? PP * I64 / 2 : 0));
-  constexpr int64_t QF = sizeof(QChunk) / sizeof(float);
-  const int64_t HQ = (H + 63) / 64, IQ = (I + 63) / 64;           // int16 inputs: chunks a row
-  QChunk* xq = reinterpret_cast<QChunk*>(shared_scratch(4, q16 ? T * HQ * QF : 0));
-  QChunk* aq = reinterpret_cast<QChunk*>(shared_scratch(5, q16 ? PP * IQ * QF : 0));
+  constexpr int64_t QF = sizeof(QInput) / sizeof(float);
+  const int64_t HQ = (H + Q_CHUNK - 1) / Q_CHUNK, IQ = (I + Q_CHUNK - 1) / Q_CHUNK;   // int16 inputs: chunks a row
+  QInput* xq = reinterpret_cast<QInput*>(shared_scratch(4, q16 ? T * HQ * QF : 0));
+  QInput* aq = reinterpret_cast<QInput*>(shared_scratch(5, q16 ? PP * IQ * QF : 0));
   uint16_t* xv = reinterpret_cast<uint16_t*>(shared_scratch(8, amx_inputs ? P * H64 / 2 : 0));   // [P, H64] and
   uint16_t* av = reinterpret_cast<uint16_t*>(shared_scratch(9, amx_inputs ? P * I64 / 2 : 0));   // [P, I64], VNNI
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
@@ -212,9 +213,9 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
       }
 #endif
       if (q16) {
-        quantize_x64(xf + t * H, H, xq + t * HQ);
         float* v = f32_inputs ? scratch(1, H) : nullptr;   // the values, for the strips
-        if (v) { dequantize_x64(xq + t * HQ, H, v); arrange_inputs(v, H, xd + t * HS); }
+        quantize_inputs(xf + t * H, H, xq + t * HQ, v);
+        if (v) arrange_inputs(v, H, xd + t * HS);
         continue;
       }
       arrange_inputs(xf + t * H, H, xd + t * HS);
@@ -222,7 +223,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   });
   std::vector<const float*> xin(P), ain(P);
   std::vector<const uint16_t*> xin16(P), ain16(P);
-  std::vector<const QChunk*> xinq(q16 ? P : 0), ainq(q16 ? P : 0);
+  std::vector<const QInput*> xinq(q16 ? P : 0), ainq(q16 ? P : 0);
   for (int64_t p = 0; p < P; ++p) {
     const int64_t q = std::max<int64_t>(pass_row[p], 0);   // (an AMX pair's activations: `av`, below)
     xin[p] = xd + rt.pair_token[p] * HS;
@@ -258,7 +259,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   // taller strips reuse each tile of inputs for more rows), for all of that expert's pairs
   struct Item { int64_t e, r0, r1; };
   auto run = [&](const uint8_t* blk, const uint8_t* scl, int64_t R, int64_t G, const std::vector<const float*>& in,
-                 const std::vector<const uint16_t*>& in16, const std::vector<const QChunk*>& inq,
+                 const std::vector<const uint16_t*>& in16, const std::vector<const QInput*>& inq,
                  const uint16_t* vnni, float* dst, const int64_t* dst_first, bool swiglu) {
     // threads take contiguous runs of work items of about equal cost (an item's cost: its expert's inputs
     // times its rows, plus some for streaming its bytes), so one expert with many tokens does not leave a
@@ -316,7 +317,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
           continue;
         }
 #endif
-#ifdef GD_X64_DECODE
+#if defined(GD_X64_DECODE) || defined(GD_VNNI_FORM)
         if (q16 && !fp32_expert(n)) {
           expert_rows_i16(eb, es, G, r0, r1, inq.data() + p0, n, out, R);
           continue;
@@ -362,9 +363,8 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
       if (x.scalar_type() == at::kBFloat16)            // bf16 activations, as on the bf16 dot-product path
         for (int64_t i = 0; i < I; ++i) act[i] = bf16_to_f32(f32_to_bf16(act[i]));
       if (q16) {
-        quantize_x64(act, I, aq + q * IQ);
+        quantize_inputs(act, I, aq + q * IQ, f32_inputs ? act : nullptr);   // (in place: a group at a time)
         if (!f32_inputs) continue;
-        dequantize_x64(aq + q * IQ, I, act);
       }
       arrange_inputs(act, I, ad + q * IS);
     }

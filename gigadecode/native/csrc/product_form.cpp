@@ -24,6 +24,7 @@
 #include "bf16dot.h"
 #include "common.h"
 #include "kernels.h"
+#include "mxfp4_vnni.h"
 
 namespace gd {
 
@@ -121,8 +122,33 @@ std::string amx_tiles_mode(const std::string& mode) {
 #endif
 }
 
+#ifdef GD_VNNI_FORM
+namespace {
+std::atomic<int> int16_state{-1};                 // -1: not decided yet; 0 / 1: fp32 / int16
+}  // namespace
+
+// 'int16' where the CPU has AVX512-VNNI (GIGADECODE_BF16_PRODUCTS=fp32 keeps the fp32 tiles)
+bool int16_products() {
+  int s = int16_state.load(std::memory_order_relaxed);
+  if (s < 0) {
+    const char* env = std::getenv("GIGADECODE_BF16_PRODUCTS");
+    s = env != nullptr && std::strcmp(env, "fp32") == 0 ? 0 : int(__builtin_cpu_supports("avx512vnni") != 0);
+    int16_state.store(s, std::memory_order_relaxed);
+  }
+  return s == 1;
+}
+#endif
+
 std::string product_form(const std::string& form) {
-#ifdef GD_BF16DOT
+#ifdef GD_VNNI_FORM
+  TORCH_CHECK(form != "bf16", "product_form: this build (", GD_ISA, ") has no bf16 dot products; its forms are "
+              "'fp32' and, on CPUs with AVX512-VNNI, 'int16'");
+  TORCH_CHECK(form.empty() || form == "auto" || form == "fp32" || form == "int16",
+              "product_form: expected '', 'auto', 'fp32' or 'int16', got '", form, "'");
+  if (form == "int16") TORCH_CHECK(__builtin_cpu_supports("avx512vnni"), "product_form: this CPU has no AVX512-VNNI");
+  if (!form.empty()) int16_state.store(form == "auto" ? -1 : form == "int16" ? 1 : 0);
+  return int16_products() ? "int16" : "fp32";
+#elif defined(GD_BF16DOT)
   TORCH_CHECK(form.empty() || form == "auto" || form == "bf16" || form == "fp32",
               "product_form: expected '', 'auto', 'bf16' or 'fp32', got '", form, "'");
   if (!form.empty())

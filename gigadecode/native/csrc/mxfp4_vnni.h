@@ -1,0 +1,155 @@
+// The int16 form of the AVX-512 build (no bf16 arithmetic: Skylake-SP to Ice Lake Xeons) on CPUs with
+// AVX512-VNNI: bf16 activations meet the experts with few inputs as int16, quantized per group of 32 as the AVX2
+// build's (`QChunk`, mxfp4_avx2.h: 2^-16 of the group's largest value), and the codes as int16 words, multiplied
+// by `vpdpwssd` (32 products an instruction, exact int32 sums). On an Ice Lake Xeon that issues as often as an
+// fp32 FMA (two a cycle), so each instruction does twice the products, and the codes become words by two byte
+// shuffles and four shifts or masks a 128 values instead of the fp32 table form's ~20 instructions.
+//
+// A chunk is 128 values of a row: four groups, group L in 128-bit lane L (its 16 code bytes as stored). The
+// nibbles' table lookups (`vpshufb`: 2 · value as int8) go to the high byte of a word, so each word is 512 ·
+// value; word k of lane L in vector v holds element 32L + 4k + VNNI_ELEM[v], and the inputs are stored in the
+// same order (`QChunk128`), so they meet without shuffles.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "bf16dot.h"
+#include "common.h"
+
+#if defined(__AVX512F__) && !defined(GD_BF16DOT)
+#define GD_VNNI_FORM 1
+
+namespace gd {
+
+// Whether bf16 activations take this form: the CPU has AVX512-VNNI and `product_form` is 'int16' (its default
+// there; 'fp32' keeps the exact fp32 tiles). Defined in product_form.cpp.
+bool int16_products();
+
+// word k of lane L of a decoded vector v: element 32L + 4k + VNNI_ELEM[v] of the chunk
+constexpr int VNNI_ELEM[4] = {0, 2, 1, 3};
+
+// One input's chunk of 128 values: q[v][8L + k] = round(x[32L + 4k + VNNI_ELEM[v]] · 32767 / m_L) (m_L: the
+// group's largest |x|, zero past the row's end) and s[4L .. 4L + 3] = m_L / 32767 / 512 (the words are 512 ·
+// value); a group holding a NaN or an infinity: q 0, s NaN (every sum it enters NaN, as with the exact values)
+struct alignas(64) QChunk128 {
+  int16_t q[4][32];
+  float s[16];
+};
+
+// x [K] -> (K + 127) / 128 chunks; `values` (or null): the values they stand for, x [K] rounded so (the inputs of
+// the fp32 strips). A group at a time: its 32 values (zero past K) scaled, rounded to int32 (to nearest, even on
+// ties: the CPU's default rounding) and narrowed to words, whose element order becomes the chunk's by one
+// permute (word 8v + k = element 4k + VNNI_ELEM[v]) and four 16-byte stores.
+inline void quantize_x128(const float* x, int64_t K, QChunk128* out, float* values = nullptr) {
+  const __m512i order = _mm512_set_epi16(31, 27, 23, 19, 15, 11, 7, 3, 29, 25, 21, 17, 13, 9, 5, 1,
+                                         30, 26, 22, 18, 14, 10, 6, 2, 28, 24, 20, 16, 12, 8, 4, 0);
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  for (int64_t c = 0; c < (K + 127) / 128; ++c) {
+    QChunk128& o = out[c];
+    for (int L = 0; L < 4; ++L) {
+      const int64_t g0 = c * 128 + 32 * L, n = std::max<int64_t>(0, std::min<int64_t>(32, K - g0));
+      const __mmask16 m0 = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+      const __mmask16 m1 = n >= 32 ? __mmask16(0xFFFF) : n > 16 ? __mmask16((1u << (n - 16)) - 1) : __mmask16(0);
+      const __m512 a = _mm512_maskz_loadu_ps(m0, x + g0), b = _mm512_maskz_loadu_ps(m1, x + g0 + 16);
+      const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign), _mm512_and_ps(b, sign)));
+      // a NaN or an infinity in the group (max drops a NaN operand of either side: test the values)
+      const bool finite = m <= std::numeric_limits<float>::max() &&
+                          !_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) && !_mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+      const float inv = finite && m > 0.f ? 32767.f / m : 0.f;
+      const __mmask16 keep = finite ? __mmask16(0xFFFF) : __mmask16(0);   // such a group: q 0
+      const __m512i qa = _mm512_maskz_cvtps_epi32(keep, _mm512_mul_ps(a, _mm512_set1_ps(inv)));
+      const __m512i qb = _mm512_maskz_cvtps_epi32(keep, _mm512_mul_ps(b, _mm512_set1_ps(inv)));
+      const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(qa)),
+                                               _mm512_cvtsepi32_epi16(qb), 1);
+      const __m512i q = _mm512_permutexvar_epi16(order, words);
+      _mm_store_si128(reinterpret_cast<__m128i*>(o.q[0] + 8 * L), _mm512_castsi512_si128(q));
+      _mm_store_si128(reinterpret_cast<__m128i*>(o.q[1] + 8 * L), _mm512_extracti32x4_epi32(q, 1));
+      _mm_store_si128(reinterpret_cast<__m128i*>(o.q[2] + 8 * L), _mm512_extracti32x4_epi32(q, 2));
+      _mm_store_si128(reinterpret_cast<__m128i*>(o.q[3] + 8 * L), _mm512_extracti32x4_epi32(q, 3));
+      const float s = !finite ? std::numeric_limits<float>::quiet_NaN() : m > 0.f ? m / 32767.f / 512.f : 0.f;
+      _mm_store_ps(o.s + 4 * L, _mm_set1_ps(s));
+      if (values) {                                   // q · m / 32767, in element order
+        const __m512 back = _mm512_set1_ps(512.f * s);
+        _mm512_mask_storeu_ps(values + g0, m0, _mm512_mul_ps(_mm512_cvtepi32_ps(qa), back));
+        _mm512_mask_storeu_ps(values + g0 + 16, m1, _mm512_mul_ps(_mm512_cvtepi32_ps(qb), back));
+      }
+    }
+  }
+}
+
+// A row's chunk (nbytes = 16 · groups <= 64 of codes) -> its words w[v] (lanes past nbytes zero)
+inline void decode_e2m1_words512(const uint8_t* p, int nbytes, __m512i w[4]) {
+  const __m512i raw = nbytes == 64 ? _mm512_loadu_si512(p)
+                                   : _mm512_maskz_loadu_epi8(nbytes >= 64 ? ~0ull : (1ull << nbytes) - 1, p);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+  const __m512i nib = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi16(short(0xFF00));
+  const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(raw, nib));                          // elements 2i
+  const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib));    // 2i + 1
+  w[0] = _mm512_slli_epi16(lo, 8);             // byte 2k of lo: element 4k
+  w[1] = _mm512_and_si512(lo, high);           // byte 2k + 1: element 4k + 2
+  w[2] = _mm512_slli_epi16(hi, 8);             // element 4k + 1
+  w[3] = _mm512_and_si512(hi, high);           // element 4k + 3
+}
+
+// The powers of two of a row's chunk (ng <= 4 scale bytes): lanes of group L = 2^(s_L - 127) (byte 255: inf,
+// as e8m0_table; lanes past ng: 1, their words and inputs are zero)
+inline __m512 e8m0_lanes(const uint8_t* s, int ng) {
+  const __m128i bytes = _mm_mask_loadu_epi8(_mm_set1_epi8(0x7F), __mmask16((1u << ng) - 1), s);   // past ng: 2^0
+  // lane L's dwords <- byte L (the byte shuffle works within 128-bit lanes; every lane holds `bits`)
+  const __m512i ctl = _mm512_set_epi32(0x80808003, 0x80808003, 0x80808003, 0x80808003, 0x80808002, 0x80808002,
+                                       0x80808002, 0x80808002, 0x80808001, 0x80808001, 0x80808001, 0x80808001,
+                                       0x80808000, 0x80808000, 0x80808000, 0x80808000);
+  const __m512i e = _mm512_shuffle_epi8(_mm512_broadcastd_epi32(bytes), ctl);
+  return _mm512_scalef_ps(_mm512_set1_ps(1.f), _mm512_sub_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(127.f)));
+}
+
+// out[t * ldo + r] = row r · input t for RT rows (row r at blk + r*G*16, scales at scl + r*G) and TT int16
+// inputs, a chunk at a time: each row's chunk decoded once for the TT inputs (one row's words live at a time:
+// the 16 accumulators and 4 words fit the registers). Every (row, input, chunk) takes the same arithmetic —
+// the int32 sum of its 128 products, times the input's scales, times the row's powers of two (that order keeps
+// the scaled sum normal where the fp32 form's is), added to the lane sums — so a token's result does not depend
+// on the tile its expert took.
+template <int RT, int TT>
+struct MxTileVnni {
+__attribute__((target("avx512vnni")))
+static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const QChunk128* const* xs, float* out,
+                int64_t ldo) {
+  __m512 acc[RT][TT];
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < (G + 3) / 4; ++c) {
+    const int ng = int(std::min<int64_t>(4, G - 4 * c));
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; ++r) {
+      const uint8_t* p = blk + r * G * 16 + c * 64;
+      prefetch_l2(p, MOE_PREFETCH_ROWS * G * 16);
+      __m512i w[4];
+      decode_e2m1_words512(p, ng * 16, w);
+      const __m512 sw = e8m0_lanes(scl + r * G + 4 * c, ng);
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t) {
+        const QChunk128& x = xs[t][c];
+        const __m512i* q = reinterpret_cast<const __m512i*>(x.q);
+        __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w[0], _mm512_load_si512(q));
+        sum = _mm512_dpwssd_epi32(sum, w[1], _mm512_load_si512(q + 1));
+        sum = _mm512_dpwssd_epi32(sum, w[2], _mm512_load_si512(q + 2));
+        sum = _mm512_dpwssd_epi32(sum, w[3], _mm512_load_si512(q + 3));
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_load_ps(x.s));
+        acc[r][t] = _mm512_fmadd_ps(f, sw, acc[r][t]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+};
+
+}  // namespace gd
+#endif
