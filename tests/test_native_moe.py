@@ -151,7 +151,7 @@ def test_moe_mxfp4_edge_routing():
 @pytest.mark.parametrize("H,I,xdt", [(160, 96, BF16), (256, 128, BF16), (32, 288, BF16), (1024, 64, BF16),
                                      (160, 96, F32), (1024, 64, F32)])
 def test_moe_mxfp4_many_tokens_per_expert(H, I, xdt, form):
-    """Experts hit by >= 8 tokens (32 in the AVX-512 int16 form) take the strip path (rows decoded once, scaled,
+    """Experts hit by >= 8 tokens (in the AVX-512 build: 24 in fp32, 32 in the int16 form) take the strip path (rows decoded once, scaled,
     then dense tiles: bf16 dot products or fp32 FMAs for bf16 inputs, `form`; fp32 FMAs for fp32 inputs, whose fp32 inputs and decoded rows
     are padded so that rows of 1024 values do not fall in the same cache sets); a strip with a scale outside
     [2, 252] (whose scaled values cannot all be normal numbers) falls back to the register tiles. Both against

@@ -11,7 +11,8 @@ and its twin (`twins.py`, same signature) otherwise.
   On the AVX2 build, bf16 x (and the bf16 activations between the matmuls) of experts with fewer than 8 tokens
   are quantized to int16 per group of 32 (within 2^-16 of the group's largest |value|) before the products;
   on the AVX-512 build in its 'int16' product form (CPUs with AVX512-VNNI), of experts with fewer than 32
-  tokens. Experts with more tokens decode each strip of rows once and multiply it in dense tiles. On the
+  tokens. Experts with more tokens (8; 24 in fp32 on the AVX-512 build) decode each strip of rows once and
+  multiply it in dense tiles. On the
   AVX512-BF16 build, `product_form` says (or sets) whether bf16 inputs meet the experts as bf16 dot products or,
   for experts with 2 tokens or more, as fp32 FMAs (the same exact products, summed in another order).
 - `mxfp4_dequant(blocks [..., R, G, 16], scales [..., R, G], dtype) -> [..., R, G*32]` (exact);
