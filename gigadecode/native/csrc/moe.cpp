@@ -8,6 +8,7 @@
 // work split over threads by measured cost, the SwiGLU between the two projections (for the AMX experts on their
 // gate_up sums as the tiles hand them over: `SwigluToVnni`) and the gate-weighted sums.
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -17,6 +18,9 @@
 namespace gd {
 
 namespace {
+
+// runs of work items a thread of the experts' products, taken one at a time (`run` in moe_mxfp4)
+constexpr int64_t MOE_CHUNKS_PER_THREAD = 8;
 
 struct Routing {
   std::vector<int64_t> expert_start;   // [n_local + 1] first pair of each local expert (pairs sorted by expert)
@@ -261,7 +265,7 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   auto run = [&](const uint8_t* blk, const uint8_t* scl, int64_t R, int64_t G, const std::vector<const float*>& in,
                  const std::vector<const uint16_t*>& in16, const std::vector<const QInput*>& inq,
                  const uint16_t* vnni, float* dst, const int64_t* dst_first, bool swiglu) {
-    // threads take contiguous runs of work items of about equal cost (an item's cost: its expert's inputs
+    // threads take runs of work items of about equal cost (an item's cost: its expert's inputs
     // times its rows, plus some for streaming its bytes), so one expert with many tokens does not leave a
     // thread idle
     // an item's cost a row, in the time measured for experts of n inputs (`small` and 20b shapes, one form at a
@@ -278,52 +282,61 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
         done.push_back(done.back() + (items.back().r1 - r0) * item_cost(n));
       }
     }
-    const int64_t parts = at::get_num_threads(), total = done.back(), n_items = items.size();
-    at::parallel_for(0, parts, 1, [&](int64_t b0, int64_t b1) {
-      const int64_t i0 = std::lower_bound(done.begin(), done.end(), total * b0 / parts) - done.begin();
-      const int64_t i1 = std::lower_bound(done.begin(), done.end(), total * b1 / parts) - done.begin();
+    // The runs are cut finer than the threads (MOE_CHUNKS_PER_THREAD a thread) and each thread takes the next
+    // free one (an atomic counter), so neither a misjudged cost nor a core slowed by something else (a VM's
+    // other tenants) leaves the other threads waiting at the join.
+    const int64_t threads = at::get_num_threads(), parts = threads * MOE_CHUNKS_PER_THREAD;
+    const int64_t total = done.back(), n_items = items.size();
+    const auto item_at = [&](int64_t c) {                 // first item of run c
+      return std::lower_bound(done.begin(), done.end(), total * c / parts) - done.begin();
+    };
+    std::atomic<int64_t> next_run{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       bool used_amx = false;
-      for (int64_t i = i0; i < std::min(i1, n_items); ++i) {
-        const int64_t e = items[i].e, r0 = items[i].r0, r1 = items[i].r1;
-        const int64_t p0 = rt.expert_start[e], n = rt.expert_start[e + 1] - p0;
-        const uint8_t* eb = blk + e * R * G * 16;                 // the expert's MXFP4 rows and scales
-        const uint8_t* es = scl + e * R * G;
-        float* out = dst + dst_first[e] * R;                      // its pairs' output rows
+      for (int64_t c; (c = next_run.fetch_add(1, std::memory_order_relaxed)) < parts;) {
+        const int64_t i1 = std::min(item_at(c + 1), n_items);
+        for (int64_t i = item_at(c); i < i1; ++i) {
+          const int64_t e = items[i].e, r0 = items[i].r0, r1 = items[i].r1;
+          const int64_t p0 = rt.expert_start[e], n = rt.expert_start[e + 1] - p0;
+          const uint8_t* eb = blk + e * R * G * 16;                 // the expert's MXFP4 rows and scales
+          const uint8_t* es = scl + e * R * G;
+          float* out = dst + dst_first[e] * R;                      // its pairs' output rows
 #ifdef GD_BF16DOT
-        if (amx_expert(n)) {     // a scale outside the bf16 range: the bf16 tiles (which scale each group's sums)
-          const uint16_t* v = vnni + p0 * ((G + 3) / 4 * 128);
-          const auto on_tiles = [&](const auto& sink) {
-            if (expert_rows_on_tiles(eb, es, G, r0, r1, v, n, sink)) return;
-            // the bf16 tiles on the inputs as the tiles have them (the down projection's exist only there)
-            const int64_t K = (G + 3) / 4 * 128;
-            uint16_t* rows = reinterpret_cast<uint16_t*>(scratch(5, n * K / 2 + 16));
-            vnni_to_rows(v, K, n, rows);
-            std::vector<const uint16_t*> xs(n);
-            for (int64_t j = 0; j < n; ++j) xs[j] = rows + j * K;
-            if (!swiglu) return expert_rows_bf16(eb, es, G, r0, r1, xs.data(), n, out, R);
-            // gate_up: the strip's sums [n, r1 - r0] in the thread's scratch (an AMX expert has no pass rows;
-            // slot 1 is free once the inputs are laid out), then the same sink
-            float* sums = scratch(1, n * (r1 - r0));         // sums[i * (r1 - r0) + r]: row r0 + r
-            expert_rows_bf16(eb + r0 * G * 16, es + r0 * G, G, 0, r1 - r0, xs.data(), n, sums, r1 - r0);
-            rows_to_sink(sums, r0, r1 - r0, n, sink);
-          };
-          if (swiglu) on_tiles(SwigluToVnni{gu_bias_view, e * R1, R1, I64, av + p0 * I64, a, lim});
-          else on_tiles(SumsToOut{out, R});
-          used_amx = true;
-          continue;
-        }
-        if (bf && !fp32_expert(n)) {
-          expert_rows_bf16(eb, es, G, r0, r1, in16.data() + p0, n, out, R);
-          continue;
-        }
+          if (amx_expert(n)) {     // a scale outside the bf16 range: the bf16 tiles (which scale each group's sums)
+            const uint16_t* v = vnni + p0 * ((G + 3) / 4 * 128);
+            const auto on_tiles = [&](const auto& sink) {
+              if (expert_rows_on_tiles(eb, es, G, r0, r1, v, n, sink)) return;
+              // the bf16 tiles on the inputs as the tiles have them (the down projection's exist only there)
+              const int64_t K = (G + 3) / 4 * 128;
+              uint16_t* rows = reinterpret_cast<uint16_t*>(scratch(5, n * K / 2 + 16));
+              vnni_to_rows(v, K, n, rows);
+              std::vector<const uint16_t*> xs(n);
+              for (int64_t j = 0; j < n; ++j) xs[j] = rows + j * K;
+              if (!swiglu) return expert_rows_bf16(eb, es, G, r0, r1, xs.data(), n, out, R);
+              // gate_up: the strip's sums [n, r1 - r0] in the thread's scratch (an AMX expert has no pass rows;
+              // slot 1 is free once the inputs are laid out), then the same sink
+              float* sums = scratch(1, n * (r1 - r0));         // sums[i * (r1 - r0) + r]: row r0 + r
+              expert_rows_bf16(eb + r0 * G * 16, es + r0 * G, G, 0, r1 - r0, xs.data(), n, sums, r1 - r0);
+              rows_to_sink(sums, r0, r1 - r0, n, sink);
+            };
+            if (swiglu) on_tiles(SwigluToVnni{gu_bias_view, e * R1, R1, I64, av + p0 * I64, a, lim});
+            else on_tiles(SumsToOut{out, R});
+            used_amx = true;
+            continue;
+          }
+          if (bf && !fp32_expert(n)) {
+            expert_rows_bf16(eb, es, G, r0, r1, in16.data() + p0, n, out, R);
+            continue;
+          }
 #endif
 #if defined(GD_X64_DECODE) || defined(GD_VNNI_FORM)
-        if (q16 && !fp32_expert(n)) {
-          expert_rows_i16(eb, es, G, r0, r1, inq.data() + p0, n, out, R);
-          continue;
-        }
+          if (q16 && !fp32_expert(n)) {
+            expert_rows_i16(eb, es, G, r0, r1, inq.data() + p0, n, out, R);
+            continue;
+          }
 #endif
-        expert_rows_f32(eb, es, G, r0, r1, in.data() + p0, n, out, R);
+          expert_rows_f32(eb, es, G, r0, r1, in.data() + p0, n, out, R);
+        }
       }
       if (used_amx) at::native::cpublas::brgemm_release();   // the thread's AMX tile state
     });
