@@ -5,11 +5,12 @@ Every system is started as separate processes on free loopback ports (as `gigade
 
   DI    serve --role prefill + serve --role decode + proxy   (kv_producer -> NIXL -> kv_consumer)
   both  serve --role both                                     (kv_both, single node)
-  vLLM  python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32   (only if importable)
+  vLLM  python -m vllm.entrypoints.openai.api_server --model DIR --dtype DTYPE     (only if importable)
 
-with the same engine flags for every gigadecode server (--kv-dtype fp8 by default, --decoder gk,
---block-size, --num-blocks, --max-num-seqs) and OMP_NUM_THREADS=--threads per server process (DI runs two
-engine processes, so it may use twice the cores of `both`: that is what disaggregation buys).
+with the same engine flags for every gigadecode server (the servers' defaults unless told: --dtype bfloat16,
+--kv-dtype fp8, --decoder gk-native; --block-size, --num-blocks, --max-num-seqs) and OMP_NUM_THREADS=--threads
+per server process (DI runs two engine processes, so it may use twice the cores of `both`: that is what
+disaggregation buys).
 
 Load: at each concurrency C, C closed-loop clients each send streaming `/v1/completions` requests back to
 back (a prompt of --prompt-len random token ids, distinct per request, the same prompts for every
@@ -24,12 +25,12 @@ concurrency level (order alternating) so each DI/both ratio shares the machine's
 system (one request, then max(C) concurrent ones, 2 output tokens each: this includes DI's first KV
 handshake) runs first and is excluded.
 
-The default (tiny, C = 1 4 16) takes ~2.5 minutes on 2 shared cores. `--preset small` is slow on CPU here
-(~15 s per 64-token prefill and ~2 s per decode step on one thread), so keep its load small, e.g.
-`--preset small --concurrency 1 4 --output-len 8 --requests 1` (~17 minutes on a busy 2-core machine).
+The default (tiny, C = 1 4 16) takes a few minutes on 2 cores, most of it the servers' start-up; `--preset
+small` a few more (its decode steps take ~15-20 ms at batch 1 on one thread a server there).
 
     .venv/bin/python bench/serve.py [--preset small] [--concurrency 1 4 16] [--prompt-len 64]
-        [--output-len 32] [--requests N] [--duration 60] [--kv-dtype fp8] [--threads 1] [--no-vllm] [--quick]
+        [--output-len 32] [--requests N] [--duration 60] [--dtype bfloat16] [--kv-dtype fp8]
+        [--decoder gk-native] [--threads 1] [--no-vllm] [--quick]
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import json
 import os
 import random
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -57,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gigadecode.checkpoint import make_checkpoint  # noqa: E402
 from gigadecode.demo import free_port, wait_healthy  # noqa: E402
+from gigadecode.engine_config import DECODERS  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "gigadecode"
 
@@ -68,10 +71,13 @@ class Procs:
     def __init__(self, log_dir: Path, threads: int) -> None:
         self.log_dir, self.threads = log_dir, threads
         self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+        # the DI servers sign and check kv_transfer_params with a shared secret: a fresh one per run
+        self.kv_secret = os.environ.get("GIGADECODE_KV_SECRET") or secrets.token_hex(32)
 
     def start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         log = self.log_dir / f"{name}.log"
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "GIGADECODE_API_KEY": "", **(extra_env or {})}
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "GIGADECODE_API_KEY": "",
+               "GIGADECODE_KV_SECRET": self.kv_secret, **(extra_env or {})}
         with open(log, "wb") as f:
             p = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.procs.append((name, p, log))
@@ -115,7 +121,7 @@ class System:
 
 
 def engine_flags(args: argparse.Namespace, num_blocks: int, max_seqs: int) -> list[str]:
-    return ["--served-model-name", args.model_name, "--dtype", "float32", "--kv-dtype", args.kv_dtype,
+    return ["--served-model-name", args.model_name, "--dtype", args.dtype, "--kv-dtype", args.kv_dtype,
             "--decoder", args.decoder, "--block-size", str(args.block_size), "--num-blocks", str(num_blocks),
             "--max-num-seqs", str(max_seqs), "--log-level", "warning"]
 
@@ -150,7 +156,7 @@ def start_gigadecode(procs: Procs, args: argparse.Namespace, model_dir: Path, fl
 def start_vllm(procs: Procs, args: argparse.Namespace, model_dir: Path, max_seqs: int) -> System | None:
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", args.model_name, "--max-model-len", str(args.prompt_len + args.output_len + 64),
             "--max-num-seqs", str(max_seqs)]
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
@@ -299,7 +305,8 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=60.0, help="per system and level: stop sending after this")
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--kv-dtype", default="fp8", choices=["auto", "bf16", "fp8"])
-    ap.add_argument("--decoder", default="gk", choices=["reference", "gk", "gk-compiled"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--decoder", default="gk-native", choices=DECODERS)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each server process")
     ap.add_argument("--startup-timeout", type=float, default=300.0)

@@ -371,7 +371,7 @@ class LLMEngine:
         req.prompt_logprobs += token_logprobs(raw, tokens, [req.params.prompt_logprobs] * len(targets))
 
     def _run_decode(self, decodes: list[Request], outputs: dict[str, RequestOutput], pad_to: int = 0) -> None:
-        seqs = [DecodeSeq(r.all_ids[-1], r.num_computed, self.kv_manager.block_tables(r.request_id),
+        seqs = [DecodeSeq(r.last_id, r.num_computed, self.kv_manager.block_tables(r.request_id),
                           tuple(r.draft_ids)) for r in decodes]
         logits = self.runner.decode(seqs, pad_to)
         if not decodes:                        # an all-padding step (other DP groups of the EP group decode)
@@ -422,8 +422,10 @@ class LLMEngine:
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, outputs: dict[str, RequestOutput]) -> None:
         allowed = [r.guide.allowed() if r.guide is not None else None for r in reqs]
+        # the whole history (a copy of prompt + output) only where the repetition penalty reads it
+        histories = [r.all_ids if r.params.repetition_penalty != 1.0 else () for r in reqs]
         res = self.runner.sample(self.sampler, logits, [r.params for r in reqs], [r.generator for r in reqs],
-                                 [r.all_ids for r in reqs], [r.output_ids for r in reqs],
+                                 histories, [r.output_ids for r in reqs],
                                  allowed if any(a is not None for a in allowed) else None)
         now = time.monotonic()
         for i, req in enumerate(reqs):

@@ -50,7 +50,7 @@ FINISH_REASONS = {Status.FINISHED_STOPPED: "stop", Status.FINISHED_LENGTH: "leng
 _FINISHED = {v: k for k, v in FINISH_REASONS.items()}
 
 
-@dataclass
+@dataclass(eq=False)       # a request is itself: the scheduler's `in` / `remove` compare identities, not fields
 class Request:
     request_id: str
     prompt_ids: list[int]
@@ -81,6 +81,11 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def last_id(self) -> int:
+        """all_ids[-1], without the copy."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def num_tokens(self) -> int:

@@ -145,13 +145,6 @@ def context_length(cfg: GptOssConfig, ecfg: EngineConfig) -> int:
     return n
 
 
-def _plain_greedy(p: SamplingParams, num_output: int) -> bool:
-    """True when the token is the argmax of the raw logits (nothing masks, penalizes or reports them)."""
-    return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and not p.logit_bias and num_output >= p.min_tokens
-            and p.allowed_token_ids is None and not p.bad_words_token_ids)
-
-
 class ModelRunner:
     def __init__(self, model_dir: str | Path, ecfg: EngineConfig, cfg: GptOssConfig | None = None,
                  weights: ModelWeights | None = None, progress: bool = False,
@@ -225,7 +218,7 @@ class ModelRunner:
         par = self.parallel
         if par is not None:
             if not any(a is not None for a in allowed or ()) and all(
-                    _plain_greedy(p, len(o)) for p, o in zip(params, outputs)):
+                    p.takes_raw_argmax(len(o)) for p, o in zip(params, outputs)):
                 ids, best = par.greedy_with_values(logits)
                 return SampleResult(ids, failed={i: NO_TOKEN_LEFT if float(best[i]) == -math.inf else NON_FINITE
                                                  for i in (~torch.isfinite(best)).nonzero().flatten().tolist()})

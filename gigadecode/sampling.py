@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .argmax import greedy
+from .argmax import greedy, shard_argmax
 from .token_masks import check_allowed, check_bad_words, constrain, forbids_every_allowed, out_of_vocab
 
 #: Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by a smaller one
@@ -236,6 +236,15 @@ class SamplingParams:
         """Argmax decoding: temperature below `GREEDY_EPS`, or top_k == 1."""
         return self.temperature < GREEDY_EPS or self.top_k == 1
 
+    def takes_raw_argmax(self, num_output: int) -> bool:
+        """True when, with `num_output` tokens generated, the next token is the argmax of the raw logits:
+        greedy, and nothing masks, penalizes or reports them (no logprobs, penalties, logit bias, token
+        allow / ban lists, and min_tokens reached)."""
+        return (self.is_greedy and self.logprobs is None and self.repetition_penalty == 1.0
+                and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0 and not self.logit_bias
+                and num_output >= self.min_tokens and self.allowed_token_ids is None
+                and not self.bad_words_token_ids)
+
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """The request's own generator (None for an unseeded request, which draws from torch's default
@@ -326,6 +335,9 @@ class Sampler:
         bad_eos = [t for t in self.eos_token_ids if not 0 <= t < v]
         if bad_eos:
             raise SamplingError("eos_token_ids", f"must be in [0, {v}) (got {bad_eos})")
+        if (allowed is None or all(a is None for a in allowed)) and all(
+                p.takes_raw_argmax(len(o)) for p, o in zip(params, output_ids)):
+            return self._raw_argmax(logits)
 
         raw = logits
         x = logits.float()                                                   # [B, V] working copy
@@ -361,6 +373,17 @@ class Sampler:
             tokens[ri] = self._sample_random(x[ri], [params[i] for i in random_rows],
                                              [generators[i] for i in random_rows], random_rows, failed)
         return SampleResult(tokens, self._logprobs(raw, params, tokens, skip=failed), failed)
+
+    @staticmethod
+    def _raw_argmax(logits: torch.Tensor) -> SampleResult:
+        """A batch of rows that all take the argmax of their raw logits [B, V]: one pass, no working copy (a
+        decode step's common case). The same tokens and failures as the general path: torch.argmax picks a
+        NaN wherever a row holds one, so the winning logit is NaN or +inf exactly for the rows that path calls
+        non-finite, and -inf exactly for rows with no token left."""
+        best, tokens = shard_argmax(logits, 0)                               # [B], [B]
+        failed = {i: NO_TOKEN_LEFT if float(best[i]) == -math.inf else NON_FINITE
+                  for i in (~torch.isfinite(best)).nonzero().flatten().tolist()}
+        return SampleResult(tokens, [None] * logits.shape[0], failed)
 
     # ----------------------------------------------------------------------------------------------
     def _mask_min_tokens(self, x: torch.Tensor, params: Sequence[SamplingParams],

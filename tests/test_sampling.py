@@ -292,6 +292,34 @@ def test_nan_logits_fail_their_row():
     assert Sampler().sample(x, [SamplingParams()] * 2).failed == {1: NON_FINITE}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_raw_argmax_batch_equals_the_general_path(dtype):
+    """A batch of plain greedy rows takes the one-pass argmax; the same rows with logprobs asked (which the
+    sampler's general path serves: working copy, non-finite scan, masks, greedy) give the same tokens and
+    the same failures — ties, NaN anywhere, +inf, -inf rows, -inf but one."""
+    inf, v = math.inf, 37
+    rows = _tie_rows(v, 8)
+    extra = torch.randn(6, v)
+    extra[0, 5] = math.nan                                         # NaN among finite values
+    extra[1, 3] = inf                                              # +inf
+    extra[2, 4], extra[2, 9] = inf, math.nan                       # both
+    extra[3, :] = -inf
+    extra[3, 0] = inf                                              # +inf among -inf
+    extra[4, 2] = -inf                                             # one -inf
+    extra[5, 7] = extra[5, 11] = 1e30                              # finite ties
+    x = torch.cat([rows, extra]).to(dtype)                         # [B, V]
+    b = x.shape[0]
+    plain = Sampler(eos_token_ids=[1]).sample(x, [SamplingParams(temperature=0.0)] * b)
+    general = Sampler(eos_token_ids=[1]).sample(x, [SamplingParams(temperature=0.0, logprobs=0)] * b)
+    assert plain.failed == general.failed
+    assert set(plain.failed) == {1, b - 6, b - 5, b - 4, b - 3}
+    assert plain.failed[1] == NO_TOKEN_LEFT and plain.failed[b - 6] == NON_FINITE
+    ok = [i for i in range(b) if i not in plain.failed]
+    assert torch.equal(plain.token_ids[ok], general.token_ids[ok])
+    assert torch.equal(plain.token_ids[ok], torch.argmax(x[ok].float(), dim=-1))
+    assert plain.logprobs == [None] * b
+
+
 def test_stop_ids_outside_vocab():
     p = SamplingParams(stop_token_ids=[3, 100])
     p.validate(101)

@@ -194,6 +194,9 @@ class SingleTypeManager:
         self.remove_skipped_blocks(req_id, num_computed_tokens)
         table = self.tables.get(req_id, [])
         target = self._target(num_tokens)
+        if target <= len(table):                       # covered already (most decode steps)
+            self.tables[req_id] = table
+            return []
         first_real = max(len(table), self.num_skipped_blocks(num_computed_tokens))
         new = self.pool.allocate(max(0, target - first_real))      # raises before any change
         if target > len(table):
@@ -210,6 +213,8 @@ class SingleTypeManager:
         if table is None:
             return 0
         dead = self._newly_dead(req_id, num_computed_tokens)
+        if not dead:                                   # most steps of most requests
+            return 0
         ids = [table[i] for i in dead]
         for i in dead:
             table[i] = NULL_BLOCK
