@@ -26,7 +26,8 @@ if OPS is None:
 
 # ---- linear ------------------------------------------------------------------------------------------
 
-# 40, 95, 130: past 32, where CPUs without bf16 GEMMs still take it (AVX2: strips of rows converted once from 40)
+# 40, 95, 130: past 32, where CPUs without bf16 GEMMs still take it (strips of rows converted once: AVX2 from 40,
+# AVX-512 without BF16 from 48)
 LIN_M = (1, 2, 3, 5, 8, 16, 17, 32, 33, 40, 48, 64, 95, 130)
 LIN_N = (1, 3, 33, 130)
 
@@ -67,7 +68,7 @@ def check_linear(xdt, wdt, K):
 def test_linear_multithreaded_and_empty():
     g = gen(1)
     w, b = randn(g, 130, 200, dtype=BF16), randn(g, 130)
-    for M in (5, 41):                                 # 41: AVX2's strips of rows, over 4 threads
+    for M in (5, 41, 49):                             # 41 / 49: the strips of rows (AVX2 / AVX-512), 4 threads
         x = randn(g, M, 200)
         with num_threads(4):
             out = OPS.linear(x, w, b)
@@ -80,7 +81,7 @@ def test_linear_row_limit_follows_the_bf16_gemm(monkeypatch, bf16_gemm):
     """`native.linear` hands rows past its limit to `gemm.linear`: past 32 where the CPU has bf16 GEMMs (or
     the weight is fp32), past 64 there for bf16 weights and inputs on AMX tiles (our own tile code), past 96
     for a bf16 weight where it has none (its GEMM converts the weight first), past 256 there on the AVX2 build
-    (which converts the weight's rows once per strip itself)."""
+    and the AVX-512 build without BF16 (which convert the weight's rows once per strip themselves)."""
     from gigadecode import gemm
     monkeypatch.setattr(gemm, "BF16_GEMM_IN_BF16", bf16_gemm)
     to_gemm = []
@@ -92,7 +93,8 @@ def test_linear_row_limit_follows_the_bf16_gemm(monkeypatch, bf16_gemm):
         x = randn(g, M, 40, dtype=BF16)
         for w in (w16, w32):
             assert_rounded(native.linear(x, w), twins.linear(x.float(), w), 1e-5 * math.sqrt(40))
-    past = (64 if native.amx_tiles() == "on" else 32) if bf16_gemm else 256 if native.isa() == "avx2" else 96
+    past = ((64 if native.amx_tiles() == "on" else 32) if bf16_gemm
+            else 256 if native.isa() in ("avx2", "avx512") else 96)
     assert to_gemm == [M for M in rows for w_is_16 in (True, False) if M > (past if w_is_16 else 32)]
 
 

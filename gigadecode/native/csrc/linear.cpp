@@ -178,46 +178,55 @@ const auto TILES_BF16 = make_tiles<DotFnBf16, DotTileBf16, RT_MAX, TT_MAX>();
 // (`DenseTile`: 1.05-1.2x at 4-32 inputs, AVX-512 build, Intel Xeon) or vdpbf16ps where the CPU's FMAs
 // multiply faster (`bf16_products()`; 1.2-1.4x on `small`'s qkv, o and lm_head, 1.0-1.35x on a 20b-shape qkv
 // and o: the same exact products, other sums). One input (or two) reads the bf16 bytes faster as they are.
+#if defined(GD_X64_DECODE) || (defined(__AVX512F__) && !defined(GD_BF16DOT))
+#define GD_LINEAR_STRIPS 1
+// Builds without bf16 products (AVX2; AVX-512 without BF16), bf16 weights, at least LINEAR_STRIP_MIN_ROWS
+// inputs: each strip of 16 weight rows is converted to fp32 once into a per-thread buffer and multiplied in the
+// MoE strip path's dense fp32 tiles (`dot_rows_f32`), instead of converting every row again for each tile of
+// inputs (AVX2: 1.1-1.3x the 2 x 4 tiles at 48-96 rows on a Zen 3, the op alone; even at 40, slower below.
+// AVX-512 without BF16, against the pair tiles, an Ice Lake Xeon, 2 threads, `small`'s lm_head and qkv and
+// 20b-shape's qkv and o alternated: 0.82-1.02x at 32 rows, 0.99-1.08x at 48, 0.97-1.2x at 64, 1.1-1.45x at 96;
+// and against `gemm.linear` (MKL's fp32 GEMM on the weight converted block by block), which Python gives more
+// rows: 1.04-1.78x at 64-256 rows, 0.95-1.17x at 384, 0.69-0.97x at 512-1,024)
+constexpr int64_t LINEAR_STRIP_MIN_ROWS = W == 8 ? 40 : 48;
+#endif
+
 constexpr int64_t PAIR_MIN_INPUTS = 4;
 bool pair_tiles(bool bf16_inputs, int64_t M) {
   if (W != 16 || M < PAIR_MIN_INPUTS) return false;   // AVX2 keeps the tiles and strips measured on a Zen 3
 #ifdef GD_BF16DOT
   return !bf16_inputs || bf16_products() == PRODUCTS_F32;
 #else
-  return true;
+  return M < LINEAR_STRIP_MIN_ROWS;
 #endif
 }
 
-#ifdef GD_X64_DECODE
-// AVX2, bf16 weights, at least LINEAR_STRIP_MIN_ROWS inputs: each strip of 16 weight rows is converted to fp32
-// once into a per-thread buffer and multiplied in the MoE strip path's dense fp32 tiles (`dot_rows_f32`),
-// instead of converting every row again for each tile of inputs (1.1-1.3x the 2 x 4 tiles at 48-96 rows on a
-// Zen 3, the op alone; even at 40, slower below)
-constexpr int64_t LINEAR_STRIP_MIN_ROWS = 40;
-
+#ifdef GD_LINEAR_STRIPS
 // y [M, N] = x [M, K] · w [N, K]^T for bf16 w: the rows' and the inputs' fp32 copies padded to whole vectors
 void linear_strips_bf16(const uint16_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
-  const int64_t K8 = (K + 7) / 8 * 8, strip = 16;
+  const int64_t Kw = (K + W - 1) / W * W, strip = 16;
+  // AVX-512: rows a vector past a multiple of 4 KB apart (rows 4 KB apart would share L1 sets)
+  const int64_t ld = W == 16 && Kw % 1024 == 0 ? Kw + W : Kw;
   const float* xs = x;
-  if (K8 != K) {                                      // zero-padded inputs (the padded weights are zero too)
-    float* xp = shared_scratch(1, M * K8);
+  if (ld != K) {                                      // zero-padded inputs (the padded weights are zero too)
+    float* xp = shared_scratch(1, M * ld);
     for (int64_t t = 0; t < M; ++t) {
-      std::copy(x + t * K, x + t * K + K, xp + t * K8);
-      std::fill(xp + t * K8 + K, xp + t * K8 + K8, 0.f);
+      std::copy(x + t * K, x + t * K + K, xp + t * ld);
+      std::fill(xp + t * ld + K, xp + t * ld + Kw, 0.f);
     }
     xs = xp;
   }
   std::vector<const float*> xr(M);
-  for (int64_t t = 0; t < M; ++t) xr[t] = xs + t * K8;
+  for (int64_t t = 0; t < M; ++t) xr[t] = xs + t * ld;
   at::parallel_for(0, (N + strip - 1) / strip, 1, [&](int64_t s0, int64_t s1) {
-    float* wf = scratch(2, strip * K8);
+    float* wf = scratch(2, strip * ld);
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t r0 = s * strip, nr = std::min(strip, N - r0);
       for (int64_t r = 0; r < nr; ++r) {
-        bf16_to_f32_row(w + (r0 + r) * K, K, wf + r * K8);
-        std::fill(wf + r * K8 + K, wf + r * K8 + K8, 0.f);
+        bf16_to_f32_row(w + (r0 + r) * K, K, wf + r * ld);
+        std::fill(wf + r * ld + K, wf + r * ld + Kw, 0.f);
       }
-      dot_rows_f32(wf, K8, K8, nr, xr.data(), M, y + r0, N);
+      dot_rows_f32(wf, ld, Kw, nr, xr.data(), M, y + r0, N);
     }
   });
 }
@@ -409,7 +418,7 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w, const c10::opt
     };
     const uint16_t* wp16 = reinterpret_cast<const uint16_t*>(w.data_ptr());
     if (w.scalar_type() == at::kFloat) rows(TILES_F32, w.data_ptr<float>());
-#ifdef GD_X64_DECODE
+#ifdef GD_LINEAR_STRIPS
     else if (M >= LINEAR_STRIP_MIN_ROWS) linear_strips_bf16(wp16, N, K, xf, M, y);
 #endif
     else if (W == 8 && M > 2) rows(TILES_BF16W_WIDE, wp16, RT_WIDE, TT_WIDE);   // 1.06-1.17x at 4-16 rows
