@@ -14,7 +14,6 @@ prefill forward and how many decode rows it pads to — is settled by `agree_ste
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -31,7 +30,7 @@ from .kv.cache import KVCache
 from .kv.dcp import TokenShard
 from .kv.spec import SlidingWindowSpec, get_kv_spec, make_kv_cache_config
 from .model import GptOssModel, SeqChunk
-from .sampling import NO_TOKEN_LEFT, NON_FINITE, Sampler, SampleResult, SamplingParams
+from .sampling import Sampler, SampleResult, SamplingParams, argmax_failures
 from .weights import ModelWeights, Shard, load_weights
 
 
@@ -220,7 +219,6 @@ class ModelRunner:
             if not any(a is not None for a in allowed or ()) and all(
                     p.takes_raw_argmax(len(o)) for p, o in zip(params, outputs)):
                 ids, best = par.greedy_with_values(logits)
-                return SampleResult(ids, failed={i: NO_TOKEN_LEFT if float(best[i]) == -math.inf else NON_FINITE
-                                                 for i in (~torch.isfinite(best)).nonzero().flatten().tolist()})
+                return SampleResult(ids, failed=argmax_failures(best))
             logits = par.gather_logits(logits)
         return sampler.sample(logits.float(), params, generators, histories, outputs, allowed)

@@ -263,6 +263,13 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 NON_FINITE = "the model's logits for this request hold NaN or +inf (a corrupt checkpoint, or values past its dtype)"
 NO_TOKEN_LEFT = "no token is left to sample: every logit is -inf"
 
+def argmax_failures(best: torch.Tensor) -> dict[int, str]:
+    """The rows a raw argmax cannot serve, from each row's winning logit best [B] (NaN wherever the row holds
+    one, as torch.argmax picks it): NaN / +inf -> NON_FINITE, -inf (nothing left) -> NO_TOKEN_LEFT."""
+    return {i: NO_TOKEN_LEFT if float(best[i]) == -math.inf else NON_FINITE
+            for i in (~torch.isfinite(best)).nonzero().flatten().tolist()}
+
+
 @dataclass(frozen=True)
 class TokenLogprobs:
     """Raw logprobs (log_softmax of the model's logits, before penalties and temperature) for one
@@ -381,9 +388,7 @@ class Sampler:
         NaN wherever a row holds one, so the winning logit is NaN or +inf exactly for the rows that path calls
         non-finite, and -inf exactly for rows with no token left."""
         best, tokens = shard_argmax(logits, 0)                               # [B], [B]
-        failed = {i: NO_TOKEN_LEFT if float(best[i]) == -math.inf else NON_FINITE
-                  for i in (~torch.isfinite(best)).nonzero().flatten().tolist()}
-        return SampleResult(tokens, [None] * logits.shape[0], failed)
+        return SampleResult(tokens, [None] * logits.shape[0], argmax_failures(best))
 
     # ----------------------------------------------------------------------------------------------
     def _mask_min_tokens(self, x: torch.Tensor, params: Sequence[SamplingParams],
