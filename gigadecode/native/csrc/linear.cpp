@@ -143,19 +143,25 @@ template <typename WT, typename XT>
 using DenseFn = void (*)(const WT*, int64_t, const XT*, int64_t, float*, int64_t, int64_t);
 
 // y [M, N] = x [M, K] · w [N, K]^T: strips of 16 rows over the threads; `tile(rt, tt, r, t, lead)` computes
-// the register tile of rt rows from row r and tt inputs from input t, prefetching `lead` bytes ahead (only
-// the first tile of inputs streams the rows from memory; the others find them in cache)
+// the register tile of rt rows from row r and tt inputs from input t, prefetching `lead` bytes ahead. A strip
+// is walked a tile of inputs at a time, each over all the strip's rows: the first tile of inputs streams the
+// rows from memory, the others find them in L2 (16 rows: 32-128 KB of bf16), while a tile's inputs (4 × K
+// fp32, twice a row's bytes) stay in L1 for the strip's four row tiles. Walked the other way (each row tile
+// through every tile of inputs), every input vector came from L2 again for each row tile: twice the L2 reads
+// a multiply-add. Each tile's sums are the same either way. (An Ice Lake Xeon, 2 threads: the op at 32 rows
+// 1.05-1.08x on 20b-shape's qkv, o and lm_head; a 20b-shape decode step at batch 32 1.03-1.08x, batch 8 and
+// `small`'s steps unchanged; alternated in one process.)
 template <typename TileCall>
 void dense_rows(int64_t N, int64_t M, const TileCall& tile, int rt_max = RT_MAX, int tt_max = TT_MAX) {
   const int64_t strip = 16, strips = (N + strip - 1) / strip;
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t r1 = std::min(N, (s + 1) * strip);
-      for (int64_t r = s * strip; r < r1; r += rt_max) {
-        const int rt = int(std::min<int64_t>(rt_max, r1 - r));
-        for (int64_t t = 0; t < M; t += tt_max)
+      for (int64_t t = 0; t < M; t += tt_max)
+        for (int64_t r = s * strip; r < r1; r += rt_max) {
+          const int rt = int(std::min<int64_t>(rt_max, r1 - r));
           tile(rt, int(std::min<int64_t>(tt_max, M - t)), r, t, t == 0 ? LINEAR_PREFETCH_LEAD : 0);
-      }
+        }
     }
   });
 }
