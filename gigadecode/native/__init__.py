@@ -126,7 +126,7 @@ LINEAR_MAX_ROWS_BF16_IN_FP32 = 96
 # The AVX2 build converts a bf16 weight to fp32 once per strip of rows for 40 rows or more (linear.cpp) and
 # stays level with or ahead of that GEMM up to ~256 rows (2-core Zen 3, the `small` lm_head and qkv and a
 # 20b-shape qkv: 1.19-1.59x at 96 rows, 1.05-1.21x at 128, 1.00-1.15x at 192, 0.99-1.02x at 256, 0.78-0.97x
-# at 384-512); so does the AVX-512 build without BF16 from 48 rows (an Ice Lake Xeon, the same shapes and
+# at 384-512); so does the AVX-512 build without BF16 from 64 rows (an Ice Lake Xeon, the same shapes and
 # 20b-shape's o: 1.04-1.78x at 64-256 rows, 0.95-1.17x at 384, 0.69-0.97x at 512-1,024).
 LINEAR_MAX_ROWS_BF16_STRIPS = 256
 

@@ -192,9 +192,11 @@ const auto TILES_BF16 = make_tiles<DotFnBf16, DotTileBf16, RT_MAX, TT_MAX>();
 // inputs (AVX2: 1.1-1.3x the 2 x 4 tiles at 48-96 rows on a Zen 3, the op alone; even at 40, slower below.
 // AVX-512 without BF16, against the pair tiles, an Ice Lake Xeon, 2 threads, `small`'s lm_head and qkv and
 // 20b-shape's qkv and o alternated: 0.82-1.02x at 32 rows, 0.99-1.08x at 48, 0.97-1.2x at 64, 1.1-1.45x at 96;
-// and against `gemm.linear` (MKL's fp32 GEMM on the weight converted block by block), which Python gives more
-// rows: 1.04-1.78x at 64-256 rows, 0.95-1.17x at 384, 0.69-0.97x at 512-1,024)
-constexpr int64_t LINEAR_STRIP_MIN_ROWS = W == 8 ? 40 : 48;
+// since the pair tiles walk a strip a tile of inputs at a time (`dense_rows`), 0.89-1.03x at 48, 0.94-1.04x at
+// 64, 0.98-1.04x at 96 (with `small`'s and 20b-shape's lm_head too): from 64; and against `gemm.linear` (MKL's
+// fp32 GEMM on the weight converted block by block), which Python gives more rows: 1.04-1.78x at 64-256 rows,
+// 0.95-1.17x at 384, 0.69-0.97x at 512-1,024)
+constexpr int64_t LINEAR_STRIP_MIN_ROWS = W == 8 ? 40 : 64;
 #endif
 
 constexpr int64_t PAIR_MIN_INPUTS = 4;
