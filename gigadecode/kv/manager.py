@@ -168,6 +168,11 @@ class SingleTypeManager:
         target = self._target(num_tokens)
         return max(0, target - min(self.num_skipped_blocks(num_computed_tokens), target))
 
+    def covers(self, req_id: str, num_tokens: int) -> bool:
+        """Whether the request's table already covers num_tokens tokens (`allocate_for` would add nothing)."""
+        table = self.tables.get(req_id)
+        return table is not None and self._target(num_tokens) <= len(table)
+
     def num_new_blocks(self, req_id: str, num_tokens: int, num_computed_tokens: int) -> int:
         """Real blocks `allocate_for(req_id, num_tokens, num_computed_tokens)` would take from the pool."""
         table = self.tables.get(req_id, [])
@@ -244,6 +249,14 @@ class FullAttentionManager(SingleTypeManager):
     """Full attention: every token stays visible, so nothing is ever skipped."""
 
     spec_type = FullAttentionSpec
+
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        return 0
+
+    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> int:
+        if num_computed_tokens < 0:
+            raise ValueError(f"num_computed_tokens must be >= 0 (got {num_computed_tokens})")
+        return 0
 
 
 class SlidingWindowManager(SingleTypeManager):
@@ -327,6 +340,8 @@ class KVCacheManager:
         if num_computed_tokens > num_tokens:
             raise ValueError(f"num_computed_tokens {num_computed_tokens} > num_tokens {num_tokens}")
         self.remove_skipped_blocks(req_id, num_computed_tokens)
+        if all(m.covers(req_id, num_tokens) for m in self.managers):    # most decode steps
+            return True
         need = sum(m.num_new_blocks(req_id, num_tokens, num_computed_tokens) for m in self.managers)
         if need > self.pool.num_free:
             return False
