@@ -428,15 +428,13 @@ class LLMEngine:
                                  histories, [r.output_ids for r in reqs],
                                  allowed if any(a is not None for a in allowed) else None)
         now = time.monotonic()
-        token_ids = res.token_ids.tolist()      # one conversion, not a tensor index per request
-        for i, req in enumerate(reqs):
+        for i, (req, tok) in enumerate(zip(reqs, res.token_ids.tolist())):   # one conversion, not an index each
             if req.guide is not None and req.guide.error is not None:     # its grammar broke down
                 self.fail(req, req.guide.error, outputs)
                 continue
             if i in res.failed:            # its logits, or its token masks left nothing: its failure alone
                 self.fail(req, f"sampling failed: {res.failed[i]}", outputs)
                 continue
-            tok = token_ids[i]
             req.output_ids.append(tok)
             if req.guide is not None:
                 req.guide.accept(tok)
