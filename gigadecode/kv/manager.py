@@ -251,12 +251,7 @@ class FullAttentionManager(SingleTypeManager):
     spec_type = FullAttentionSpec
 
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
-        return 0
-
-    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> int:
-        if num_computed_tokens < 0:
-            raise ValueError(f"num_computed_tokens must be >= 0 (got {num_computed_tokens})")
-        return 0
+        return 0                                       # so `_newly_dead` finds nothing at once
 
 
 class SlidingWindowManager(SingleTypeManager):
