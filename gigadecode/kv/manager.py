@@ -197,11 +197,10 @@ class SingleTypeManager:
         blocks already dead get the null block. Raises NoFreeBlocks (and changes nothing beyond that
         release) when the pool is short."""
         self.remove_skipped_blocks(req_id, num_computed_tokens)
+        if self.covers(req_id, num_tokens):            # covered already (most decode steps)
+            return []
         table = self.tables.get(req_id, [])
         target = self._target(num_tokens)
-        if target <= len(table):                       # covered already (most decode steps)
-            self.tables[req_id] = table
-            return []
         first_real = max(len(table), self.num_skipped_blocks(num_computed_tokens))
         new = self.pool.allocate(max(0, target - first_real))      # raises before any change
         if target > len(table):
