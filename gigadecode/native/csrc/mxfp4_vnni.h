@@ -158,49 +158,49 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const QChunk1
 #pragma GCC unroll 16
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
   const int64_t chunks = (G + 3) / 4;
-  for (int64_t c = 0; c < chunks; c += 2) {
-    const bool pair = c + 1 < chunks;
-    const int ng = int(std::min<int64_t>(pair ? 8 : 4, G - 4 * c));   // groups of the pair (or last chunk)
+  for (int64_t c = 0; c + 1 < chunks; c += 2) {      // pairs
+    const int ng = int(std::min<int64_t>(8, G - 4 * c));
 #pragma GCC unroll 16
     for (int r = 0; r < RT; ++r) {
       const uint8_t* p = blk + r * G * 16 + c * 64;
       prefetch_l2(p, MOE_PREFETCH_ROWS * G * 16);
+      prefetch_l2(p + 64, MOE_PREFETCH_ROWS * G * 16);
+      const __m512i ra = _mm512_loadu_si512(p), rb = load_codes(p + 64, (ng - 4) * 16);
       __m512i sum[TT];
-      __m512 sw;
-      if (pair) {
-        prefetch_l2(p + 64, MOE_PREFETCH_ROWS * G * 16);
-        const __m512i ra = _mm512_loadu_si512(p), rb = load_codes(p + 64, (ng - 4) * 16);
-        sw = e8m0_pair_lanes(scl + r * G + 4 * c, ng);
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          __m512i w[4];
-          decode_e2m1_words512(h == 0 ? _mm512_unpacklo_epi64(ra, rb) : _mm512_unpackhi_epi64(ra, rb), w);
-#pragma GCC unroll 16
-          for (int t = 0; t < TT; ++t) {
-            const __m512i* q = reinterpret_cast<const __m512i*>(xs[t][c + h].q);
-            __m512i s = h == 0 ? _mm512_setzero_si512() : sum[t];
-#pragma GCC unroll 4
-            for (int v = 0; v < 4; ++v) s = _mm512_dpwssd_epi32(s, w[v], _mm512_load_si512(q + v));
-            sum[t] = s;
-          }
-        }
-      } else {
+      for (int h = 0; h < 2; ++h) {
         __m512i w[4];
-        decode_e2m1_words512(load_codes(p, ng * 16), w);
-        sw = e8m0_lanes(scl + r * G + 4 * c, ng);
+        decode_e2m1_words512(h == 0 ? _mm512_unpacklo_epi64(ra, rb) : _mm512_unpackhi_epi64(ra, rb), w);
 #pragma GCC unroll 16
         for (int t = 0; t < TT; ++t) {
-          const __m512i* q = reinterpret_cast<const __m512i*>(xs[t][c].q);
-          __m512i s = _mm512_setzero_si512();
+          const __m512i* q = reinterpret_cast<const __m512i*>(xs[t][c + h].q);
+          __m512i s = h == 0 ? _mm512_setzero_si512() : sum[t];
 #pragma GCC unroll 4
           for (int v = 0; v < 4; ++v) s = _mm512_dpwssd_epi32(s, w[v], _mm512_load_si512(q + v));
           sum[t] = s;
         }
       }
+      const __m512 sw = e8m0_pair_lanes(scl + r * G + 4 * c, ng);   // (after the codes: fewer live registers)
+#pragma GCC unroll 16
+      for (int t = 0; t < TT; ++t)
+        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_load_ps(xs[t][c].s)), sw, acc[r][t]);
+    }
+  }
+  if (chunks % 2) {                                    // an odd last chunk, alone
+    const int64_t c = chunks - 1;
+    const int ng = int(G - 4 * c);
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; ++r) {
+      __m512i w[4];
+      decode_e2m1_words512(load_codes(blk + r * G * 16 + c * 64, ng * 16), w);
+      const __m512 sw = e8m0_lanes(scl + r * G + 4 * c, ng);
 #pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) {
-        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_load_ps(xs[t][c].s));
-        acc[r][t] = _mm512_fmadd_ps(f, sw, acc[r][t]);
+        const __m512i* q = reinterpret_cast<const __m512i*>(xs[t][c].q);
+        __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) s = _mm512_dpwssd_epi32(s, w[v], _mm512_load_si512(q + v));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_load_ps(xs[t][c].s)), sw, acc[r][t]);
       }
     }
   }
