@@ -263,6 +263,7 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 NON_FINITE = "the model's logits for this request hold NaN or +inf (a corrupt checkpoint, or values past its dtype)"
 NO_TOKEN_LEFT = "no token is left to sample: every logit is -inf"
 
+
 def argmax_failures(best: torch.Tensor) -> dict[int, str]:
     """The rows a raw argmax cannot serve, from each row's winning logit best [B] (NaN wherever the row holds
     one, as torch.argmax picks it): NaN / +inf -> NON_FINITE, -inf (nothing left) -> NO_TOKEN_LEFT."""
