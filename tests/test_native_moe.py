@@ -15,6 +15,7 @@ import torch
 from gigadecode import native
 from gigadecode.native import twins
 
+from gigadecode.mxfp4 import encode_mxfp4
 from native_cases import (ALL_FORMS, AMX, BF16, BF16_RTOL, F32, NAMES, OPS, PRODUCT_FORMS, gen, moe_weights,
                           num_threads, products, randn)
 
@@ -187,6 +188,29 @@ def test_moe_mxfp4_strip_input_blocks(xdt, form):
     x = randn(g, T, H, dtype=xdt, scale=2.0)
     with products(form):
         _check_moe(x, idx, gate_w, weights, 1.702, 7.0, 0)
+
+
+@pytest.mark.parametrize("form", ALL_FORMS)
+@pytest.mark.parametrize("H", [1024, 288])
+def test_moe_int16_sums_at_their_largest(H, form):
+    """The int16 forms sum a group's int16 products in int32 lanes (the AVX-512 build's: 16 products of a group a
+    lane, over a pair of 128-value chunks; AVX2's its own): with every gate_up code at +6 or -6 (the largest word,
+    12 · 256) against inputs all at their group's largest (q = ±32767), the sums reach their bound and must not
+    wrap (a wrapped gate would go through the clamp and the SwiGLU as a large negative, ~0). Rows of 8 chunks (4
+    pairs) and of 3 (a pair and an odd last chunk), 1 and 2 tokens an expert, in every form, against the twin."""
+    g = gen(19)
+    E, I = 2, 64
+    gu_b = torch.full((E, 2 * I, H // 32, 16), 0x77, dtype=torch.uint8)   # both nibbles 7: +6
+    gu_b[1] = 0xFF                                                         # 15: -6
+    gu_s = torch.full((E, 2 * I, H // 32), 127, dtype=torch.uint8)        # 2^0
+    dn_b, dn_s = encode_mxfp4(randn(g, E, H, I, scale=0.1))
+    weights = (gu_b, gu_s, torch.zeros(E, 2 * I), dn_b, dn_s, torch.zeros(E, H))
+    x = torch.ones(3, H, dtype=BF16)
+    x[1] = -1.0
+    idx = torch.tensor([[0, 1], [1, 0], [1, 0]])   # expert 0: tokens 0 and 1 (+6 · 1, +6 · -1); expert 1: all three
+    with products(form):
+        out, ref = _check_moe(x, idx, torch.full((3, 2), 0.5), weights, 1.702, 7.0, 0)
+    assert ref.float().abs().amax() > 1.0   # the clamped gates (7) and ups reach the output
 
 
 def test_moe_product_forms_agree():
