@@ -213,6 +213,28 @@ def test_moe_int16_sums_at_their_largest(H, form):
     assert ref.float().abs().amax() > 1.0   # the clamped gates (7) and ups reach the output
 
 
+@pytest.mark.skipif(not (native.isa() == "avx512" and native.product_form() == "int16"),
+                    reason="the AVX-512 build's int16 form (CPUs with AVX512-VNNI)")
+@pytest.mark.parametrize("H,I", [(1024, 160), (288, 96)])
+def test_moe_int16_token_independent_of_its_experts_count(H, I):
+    """In the AVX-512 int16 form an expert with few tokens runs register tiles that decode its codes, one with 32
+    or more strips of rows decoded once into words (`decode_rows_words`) under the same tiles: the same words,
+    powers of two and sums, so a token's output is the same to the bit whether its experts have 1 token or 40."""
+    g = gen(23)
+    E = 3
+    weights = moe_weights(g, E, H, I, BF16)
+    T = 40
+    idx = torch.stack([torch.tensor([0, 1]) if t % 2 else torch.tensor([1, 0]) for t in range(T)])
+    idx[::3, 1] = 2                                       # expert 2: 14 tokens; 0 and 1: 26-40
+    gate_w = torch.softmax(torch.randn(T, 2, generator=g), -1)
+    x = randn(g, T, H, dtype=BF16, scale=2.0)
+    together = OPS.moe_mxfp4(x, idx, gate_w, *weights, 1.702, 7.0, 0)
+    # (with the fp32 strips these experts took before, 4 of the 40 tokens differed in the last bf16 bit)
+    differ = [t for t in range(T) if not torch.equal(
+        OPS.moe_mxfp4(x[t:t + 1], idx[t:t + 1], gate_w[t:t + 1], *weights, 1.702, 7.0, 0), together[t:t + 1])]
+    assert differ == []
+
+
 def test_moe_product_forms_agree():
     """The exact product forms multiply the same exact products (bf16 values, MXFP4 values times a power of two)
     and sum them in fp32 in different orders: their outputs agree to a bf16 rounding, with 1, 2, 5 and 12 tokens an

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 
 #include "bf16dot.h"
 #include "common.h"
@@ -142,14 +143,16 @@ inline void expert_rows_i16(const uint8_t* blk, const uint8_t* scl, int64_t G, i
 #endif
 #ifdef GD_VNNI_FORM
 // bf16 inputs on CPUs with AVX512-VNNI (`mxfp4_vnni.h`, `int16_products()`): int16-quantized (`QChunk128`) for
-// every expert, as AVX2's. Fewer than Q_STRIP_MIN_INPUTS: its register tiles, 4 rows x up to 4 inputs, 2 rows x 8
-// from 5 (each row's chunk decoded once for 8 inputs); more: the fp32 strips over the same quantized values. The
-// tiles ran at 93-104 GMAC/s (2 threads) from 5 to 31 inputs an expert on an Ice Lake Xeon, where the strips
-// reach 48-50 at 8 inputs, ~90 at 32 and 103 at 64 (the MoE op alone, every expert given n tokens, `small` and
-// 20b shapes: 2.0x at 8, 1.16-1.36x at 16-31, 1.0x at 32, 0.9x at 64); with 1-4 inputs 1.07-1.26x the fp32 tiles.
+// every expert, as AVX2's. Fewer than Q_WORD_STRIP_MIN_INPUTS: its register tiles, 4 rows x up to 4 inputs, 2 rows
+// x 8 from 5 (each row's chunks decoded once for 8 inputs); more: each strip of rows decoded once into words
+// (`decode_rows_words`) and multiplied by the same tiles over them (`WordTileVnni`), the same sums either way.
+// The register tiles ran at 93-104 GMAC/s (2 threads) from 5 to 31 inputs an expert on an Ice Lake Xeon, where
+// the fp32 strips (which these experts took from 32 inputs before the word strips) reach 48-50 at 8 inputs,
+// ~90 at 32 and 103 at 64.
 using QInput = QChunk128;
 constexpr int64_t Q_CHUNK = 128;
-constexpr int64_t Q_STRIP_MIN_INPUTS = 32;
+constexpr int64_t Q_STRIP_MIN_INPUTS = std::numeric_limits<int64_t>::max();   // (no expert takes the fp32 strips)
+constexpr int64_t Q_WORD_STRIP_MIN_INPUTS = 24;
 inline bool int16_inputs() { return int16_products(); }
 // x [K] -> chunks; `values` (or null): the values they stand for (x rounded so: the fp32 strips' inputs)
 inline void quantize_inputs(const float* x, int64_t K, QInput* out, float* values) {
@@ -158,12 +161,22 @@ inline void quantize_inputs(const float* x, int64_t K, QInput* out, float* value
 const auto TILES_VNNI = make_tiles<MxFn<QChunk128>, MxTileVnni, RT_MAX, TT_MAX>();
 constexpr int TT_VNNI_WIDE = 8;
 const auto TILES_VNNI_WIDE = make_tiles<MxFn<QChunk128>, MxTileVnni, 2, TT_VNNI_WIDE>();
+const auto TILES_VNNI_WORDS = make_tiles<MxFn<QChunk128>, WordTileVnni, RT_MAX, TT_MAX>();
 inline void expert_rows_i16(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t r0, int64_t r1,
                             const QInput* const* xs, int64_t n, float* out, int64_t ldo) {
-  if (n > TT_MAX)
+  if (n >= Q_WORD_STRIP_MIN_INPUTS) {
+    const int64_t rb = words_row_bytes(G);
+    uint8_t* wb = reinterpret_cast<uint8_t*>(scratch(0, (r1 - r0) * rb / 4));
+    decode_rows_words(blk + r0 * G * 16, scl + r0 * G, G, r1 - r0, wb);
+    const int64_t input_bytes = (G + 3) / 4 * int64_t(sizeof(QChunk128));
+    for_strip_tiles<RT_MAX, TT_MAX>(r1 - r0, n, input_bytes, [&](int64_t r, int rt, int64_t t, int tt) {
+      TILES_VNNI_WORDS[rt - 1][tt - 1](wb + r * rb, nullptr, G, xs + t, out + t * ldo + r0 + r, ldo);
+    });
+  } else if (n > TT_MAX) {
     expert_rows<2, TT_VNNI_WIDE>(TILES_VNNI_WIDE, blk, scl, G, r0, r1, xs, n, out, ldo);
-  else
+  } else {
     expert_rows(TILES_VNNI, blk, scl, G, r0, r1, xs, n, out, ldo);
+  }
 }
 #else
 // bf16 inputs as int16 where the build multiplies them so (AVX2's `QChunk`; never on the AVX512-BF16 build)

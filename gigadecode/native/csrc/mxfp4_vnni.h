@@ -141,17 +141,55 @@ inline __m512 e8m0_pair_lanes(const uint8_t* s, int ng) {
   return _mm512_scalef_ps(_mm512_set1_ps(1.f), _mm512_sub_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(127.f)));
 }
 
+// A row's words as `decode_rows_words` lays them out: per pair of chunks its 8 word vectors (the first chunk's
+// dwords 0-1, then 2-3, as the tiles decode them) and its powers of two (`e8m0_pair_lanes`), 9 vectors; an odd
+// last chunk's 4 and its powers of two (`e8m0_lanes`), 5
+inline int64_t words_row_bytes(int64_t G) {
+  const int64_t chunks = (G + 3) / 4;
+  return (chunks / 2 * 9 + chunks % 2 * 5) * 64;
+}
+
+// rows x (blk: their MXFP4 codes, scl: their scales, G groups a row) -> their words at out (64-byte aligned),
+// `words_row_bytes(G)` a row: the decode the tiles do, done once for a strip of rows
+inline void decode_rows_words(const uint8_t* blk, const uint8_t* scl, int64_t G, int64_t rows, uint8_t* out) {
+  const int64_t chunks = (G + 3) / 4, rb = words_row_bytes(G);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512i* o = reinterpret_cast<__m512i*>(out + r * rb);
+    const uint8_t* p = blk + r * G * 16;
+    for (int64_t c = 0; c + 1 < chunks; c += 2, o += 9) {
+      const int ng = int(std::min<int64_t>(8, G - 4 * c));
+      const __m512i ra = _mm512_loadu_si512(p + c * 64), rb2 = load_codes(p + c * 64 + 64, (ng - 4) * 16);
+      __m512i w[4];
+      decode_e2m1_words512(_mm512_unpacklo_epi64(ra, rb2), w);
+      for (int v = 0; v < 4; ++v) _mm512_store_si512(o + v, w[v]);
+      decode_e2m1_words512(_mm512_unpackhi_epi64(ra, rb2), w);
+      for (int v = 0; v < 4; ++v) _mm512_store_si512(o + 4 + v, w[v]);
+      _mm512_store_ps(o + 8, e8m0_pair_lanes(scl + r * G + 4 * c, ng));
+    }
+    if (chunks % 2) {
+      const int64_t c = chunks - 1;
+      __m512i w[4];
+      decode_e2m1_words512(load_codes(p + c * 64, int(G - 4 * c) * 16), w);
+      for (int v = 0; v < 4; ++v) _mm512_store_si512(o + v, w[v]);
+      _mm512_store_ps(o + 4, e8m0_lanes(scl + r * G + 4 * c, int(G - 4 * c)));
+    }
+  }
+}
+
 // out[t * ldo + r] = row r · input t for RT rows (row r at blk + r*G*16, scales at scl + r*G) and TT int16
 // inputs (`quantize_x128`), a pair of chunks at a time (an odd last chunk alone): each row's codes decoded once
 // for the TT inputs (one row's words live at a time: the accumulators, a row's TT sums and 4 words fit the
 // registers). Every (row, input, pair) takes the same arithmetic — per dword the int32 sum of its 16 products,
 // times the input's scales, times the row's powers of two (that order keeps the scaled sum normal where the
 // fp32 form's is), added to the lane sums — so a token's result does not depend on the tile its expert took.
-template <int RT, int TT>
-struct MxTileVnni {
+// WORDS: the rows' words as `decode_rows_words` left them (row r at blk + r * words_row_bytes(G); scl unused),
+// the same arithmetic on the same words and powers of two, so the same sums as from the codes.
+template <int RT, int TT, bool WORDS>
+struct VnniTile {
 __attribute__((target("avx512vnni")))
 static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const QChunk128* const* xs, float* out,
                 int64_t ldo) {
+  const int64_t rb = WORDS ? words_row_bytes(G) : G * 16;
   __m512 acc[RT][TT];
 #pragma GCC unroll 16
   for (int r = 0; r < RT; ++r)
@@ -162,15 +200,23 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const QChunk1
     const int ng = int(std::min<int64_t>(8, G - 4 * c));
 #pragma GCC unroll 16
     for (int r = 0; r < RT; ++r) {
-      const uint8_t* p = blk + r * G * 16 + c * 64;
-      prefetch_l2(p, MOE_PREFETCH_ROWS * G * 16);
-      prefetch_l2(p + 64, MOE_PREFETCH_ROWS * G * 16);
-      const __m512i ra = _mm512_loadu_si512(p), rb = load_codes(p + 64, (ng - 4) * 16);
+      const uint8_t* p = blk + r * rb + (WORDS ? c / 2 * 9 * 64 : c * 64);
+      const __m512i* wp = reinterpret_cast<const __m512i*>(p);
+      __m512i ra, rb2;
+      if constexpr (!WORDS) {
+        prefetch_l2(p, MOE_PREFETCH_ROWS * G * 16);
+        prefetch_l2(p + 64, MOE_PREFETCH_ROWS * G * 16);
+        ra = _mm512_loadu_si512(p), rb2 = load_codes(p + 64, (ng - 4) * 16);
+      }
       __m512i sum[TT];
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         __m512i w[4];
-        decode_e2m1_words512(h == 0 ? _mm512_unpacklo_epi64(ra, rb) : _mm512_unpackhi_epi64(ra, rb), w);
+        if constexpr (WORDS) {
+          for (int v = 0; v < 4; ++v) w[v] = _mm512_load_si512(wp + 4 * h + v);
+        } else {
+          decode_e2m1_words512(h == 0 ? _mm512_unpacklo_epi64(ra, rb2) : _mm512_unpackhi_epi64(ra, rb2), w);
+        }
 #pragma GCC unroll 16
         for (int t = 0; t < TT; ++t) {
           const __m512i* q = reinterpret_cast<const __m512i*>(xs[t][c + h].q);
@@ -180,7 +226,8 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const QChunk1
           sum[t] = s;
         }
       }
-      const __m512 sw = e8m0_pair_lanes(scl + r * G + 4 * c, ng);   // (after the codes: fewer live registers)
+      const __m512 sw = WORDS ? _mm512_load_ps(wp + 8)
+                              : e8m0_pair_lanes(scl + r * G + 4 * c, ng);   // (after the codes: fewer live registers)
 #pragma GCC unroll 16
       for (int t = 0; t < TT; ++t)
         acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_load_ps(xs[t][c].s)), sw, acc[r][t]);
@@ -192,8 +239,15 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const QChunk1
 #pragma GCC unroll 16
     for (int r = 0; r < RT; ++r) {
       __m512i w[4];
-      decode_e2m1_words512(load_codes(blk + r * G * 16 + c * 64, ng * 16), w);
-      const __m512 sw = e8m0_lanes(scl + r * G + 4 * c, ng);
+      __m512 sw;
+      if constexpr (WORDS) {
+        const __m512i* wp = reinterpret_cast<const __m512i*>(blk + r * rb) + c / 2 * 9;
+        for (int v = 0; v < 4; ++v) w[v] = _mm512_load_si512(wp + v);
+        sw = _mm512_load_ps(wp + 4);
+      } else {
+        decode_e2m1_words512(load_codes(blk + r * G * 16 + c * 64, ng * 16), w);
+        sw = e8m0_lanes(scl + r * G + 4 * c, ng);
+      }
 #pragma GCC unroll 16
       for (int t = 0; t < TT; ++t) {
         const __m512i* q = reinterpret_cast<const __m512i*>(xs[t][c].q);
@@ -210,6 +264,11 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const QChunk1
     for (int t = 0; t < TT; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 };
+
+template <int RT, int TT>
+struct MxTileVnni : VnniTile<RT, TT, false> {};
+template <int RT, int TT>
+struct WordTileVnni : VnniTile<RT, TT, true> {};
 
 }  // namespace gd
 #endif
