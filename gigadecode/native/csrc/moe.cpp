@@ -162,10 +162,10 @@ at::Tensor moe_mxfp4(const at::Tensor& x, const at::Tensor& idx, const at::Tenso
   const bool bf = false, bf_f32 = false;
 #endif
   // bf16 activations on AVX2 and where AVX512-VNNI's int16 form is on: the experts run on int16-quantized inputs
-  // (`expert_rows_i16`; strips on their values)
+  // (`expert_rows_i16`; AVX2's strips on the values they stand for, the VNNI form's on int16 words)
   const bool q16 = x.scalar_type() == at::kBFloat16 && int16_inputs();
   // whether an expert with n inputs multiplies fp32 inputs: every expert of fp32 activations; of bf16 ones,
-  // those the fp32 form takes (AVX512-BF16) or the strips (the int16 forms'); the rest bf16 or int16 inputs
+  // those the fp32 form takes (AVX512-BF16) or AVX2's int16 form's strips; the rest bf16 or int16 inputs
   const auto fp32_expert = [&](int64_t n) {
     return q16 ? n >= Q_STRIP_MIN_INPUTS : bf ? bf_f32 && n >= F32_FORM_MIN_INPUTS : true;
   };
