@@ -154,9 +154,11 @@ constexpr int64_t Q_CHUNK = 128;
 constexpr int64_t Q_STRIP_MIN_INPUTS = std::numeric_limits<int64_t>::max();   // (no expert takes the fp32 strips)
 constexpr int64_t Q_WORD_STRIP_MIN_INPUTS = 24;
 inline bool int16_inputs() { return int16_products(); }
-// x [K] -> chunks; `values` (or null): the values they stand for (x rounded so: the fp32 strips' inputs)
+// x [K] -> chunks; `values`: the values they stand for, which no expert of this form asks for (its strips are
+// int16 too), so always null
 inline void quantize_inputs(const float* x, int64_t K, QInput* out, float* values) {
-  quantize_x128(x, K, out, values);
+  TORCH_INTERNAL_ASSERT(values == nullptr, "quantize_inputs: the VNNI form has no fp32 strips");
+  quantize_x128(x, K, out);
 }
 const auto TILES_VNNI = make_tiles<MxFn<QChunk128>, MxTileVnni, RT_MAX, TT_MAX>();
 constexpr int TT_VNNI_WIDE = 8;

@@ -59,11 +59,10 @@ inline void pair_chunks(QChunk128& a, QChunk128& b) {
   _mm512_store_si512(b.s, s);
 }
 
-// x [K] -> (K + 127) / 128 chunks; `values` (or null): the values they stand for, x [K] rounded so (the inputs of
-// the fp32 strips). A group at a time: its 32 values (zero past K) scaled, rounded to int32 (to nearest, even on
+// x [K] -> (K + 127) / 128 chunks. A group at a time: its 32 values (zero past K) scaled, rounded to int32 (to nearest, even on
 // ties: the CPU's default rounding) and narrowed to words, whose element order becomes the chunk's by one
 // permute (word 8v + k = element 4k + VNNI_ELEM[v]) and four 16-byte stores.
-inline void quantize_x128(const float* x, int64_t K, QChunk128* out, float* values = nullptr) {
+inline void quantize_x128(const float* x, int64_t K, QChunk128* out) {
   const __m512i order = _mm512_set_epi16(31, 27, 23, 19, 15, 11, 7, 3, 29, 25, 21, 17, 13, 9, 5, 1,
                                          30, 26, 22, 18, 14, 10, 6, 2, 28, 24, 20, 16, 12, 8, 4, 0);
   const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
@@ -91,11 +90,6 @@ inline void quantize_x128(const float* x, int64_t K, QChunk128* out, float* valu
       _mm_store_si128(reinterpret_cast<__m128i*>(o.q[3] + 8 * L), _mm512_extracti32x4_epi32(q, 3));
       const float s = !finite ? std::numeric_limits<float>::quiet_NaN() : m > 0.f ? m / 32767.f / 512.f : 0.f;
       _mm_store_ps(o.s + 4 * L, _mm_set1_ps(s));
-      if (values) {                                   // q · m / 32767, in element order
-        const __m512 back = _mm512_set1_ps(512.f * s);
-        _mm512_mask_storeu_ps(values + g0, m0, _mm512_mul_ps(_mm512_cvtepi32_ps(qa), back));
-        _mm512_mask_storeu_ps(values + g0 + 16, m1, _mm512_mul_ps(_mm512_cvtepi32_ps(qb), back));
-      }
     }
   }
   for (int64_t c = 0; c + 1 < (K + 127) / 128; c += 2) pair_chunks(out[c], out[c + 1]);
