@@ -135,6 +135,20 @@ inline __m512 e8m0_pair_lanes(const uint8_t* s, int ng) {
   return _mm512_scalef_ps(_mm512_set1_ps(1.f), _mm512_sub_ps(_mm512_cvtepi32_ps(e), _mm512_set1_ps(127.f)));
 }
 
+// A pair of a row's chunks as stored (ng: the pair's groups, 5 to 8; code bytes past them zero), and the words of
+// its half h (0: the dwords 0-1 of each chunk's lanes, 1: dwords 2-3; the regrouping `pair_chunks` describes):
+// the one decode of a pair, for the tiles and for `decode_rows_words`
+struct PairCodes {
+  __m512i first, second;
+};
+inline PairCodes load_pair_codes(const uint8_t* p, int ng) {
+  return {_mm512_loadu_si512(p), load_codes(p + 64, (ng - 4) * 16)};
+}
+inline void decode_pair_half(const PairCodes& pc, int h, __m512i w[4]) {
+  decode_e2m1_words512(h == 0 ? _mm512_unpacklo_epi64(pc.first, pc.second)
+                              : _mm512_unpackhi_epi64(pc.first, pc.second), w);
+}
+
 // A row's words as `decode_rows_words` lays them out: per pair of chunks its 8 word vectors (the first chunk's
 // dwords 0-1, then 2-3, as the tiles decode them) and its powers of two (`e8m0_pair_lanes`), 9 vectors; an odd
 // last chunk's 4 and its powers of two (`e8m0_lanes`), 5
@@ -152,12 +166,12 @@ inline void decode_rows_words(const uint8_t* blk, const uint8_t* scl, int64_t G,
     const uint8_t* p = blk + r * G * 16;
     for (int64_t c = 0; c + 1 < chunks; c += 2, o += 9) {
       const int ng = int(std::min<int64_t>(8, G - 4 * c));
-      const __m512i ra = _mm512_loadu_si512(p + c * 64), rb2 = load_codes(p + c * 64 + 64, (ng - 4) * 16);
-      __m512i w[4];
-      decode_e2m1_words512(_mm512_unpacklo_epi64(ra, rb2), w);
-      for (int v = 0; v < 4; ++v) _mm512_store_si512(o + v, w[v]);
-      decode_e2m1_words512(_mm512_unpackhi_epi64(ra, rb2), w);
-      for (int v = 0; v < 4; ++v) _mm512_store_si512(o + 4 + v, w[v]);
+      const PairCodes pc = load_pair_codes(p + c * 64, ng);
+      for (int h = 0; h < 2; ++h) {
+        __m512i w[4];
+        decode_pair_half(pc, h, w);
+        for (int v = 0; v < 4; ++v) _mm512_store_si512(o + 4 * h + v, w[v]);
+      }
       _mm512_store_ps(o + 8, e8m0_pair_lanes(scl + r * G + 4 * c, ng));
     }
     if (chunks % 2) {
@@ -196,11 +210,11 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const QChunk1
     for (int r = 0; r < RT; ++r) {
       const uint8_t* p = blk + r * rb + (WORDS ? c / 2 * 9 * 64 : c * 64);
       const __m512i* wp = reinterpret_cast<const __m512i*>(p);
-      __m512i ra, rb2;
+      PairCodes pc;
       if constexpr (!WORDS) {
         prefetch_l2(p, MOE_PREFETCH_ROWS * G * 16);
         prefetch_l2(p + 64, MOE_PREFETCH_ROWS * G * 16);
-        ra = _mm512_loadu_si512(p), rb2 = load_codes(p + 64, (ng - 4) * 16);
+        pc = load_pair_codes(p, ng);
       }
       __m512i sum[TT];
 #pragma GCC unroll 2
@@ -209,7 +223,7 @@ static void run(const uint8_t* blk, const uint8_t* scl, int64_t G, const QChunk1
         if constexpr (WORDS) {
           for (int v = 0; v < 4; ++v) w[v] = _mm512_load_si512(wp + 4 * h + v);
         } else {
-          decode_e2m1_words512(h == 0 ? _mm512_unpacklo_epi64(ra, rb2) : _mm512_unpackhi_epi64(ra, rb2), w);
+          decode_pair_half(pc, h, w);
         }
 #pragma GCC unroll 16
         for (int t = 0; t < TT; ++t) {
