@@ -6,7 +6,10 @@ noise; medians. The KV cache is filled with random values and block tables of th
 a decode step does not depend on the values), so long contexts need no prefill. Reported per step: ms,
 tok/s, weight bytes read per token (from the config: attention + router + norms + lm_head + the expected
 number of distinct experts a batch hits, E·(1-(1-k/E)^B), at their stored size), and MBU = bytes read per
-second / the streaming-read bandwidth measured here (torch.sum over a 1 GiB fp32 tensor, median of 5); the
+second / the streaming-read bandwidth measured around that row (`GB/s`: torch.sum over a 1 GiB fp32 tensor,
+the median of 5 passes just before the row and 5 just after; a shared machine's bandwidth can move by a quarter
+from one minute to the next, and dip for a second, so each row is set against its own minutes' figure, and the
+header's is the run's first); the
 compute peak (a 2048^3 GEMM in the dtype the bf16 model's products run in here: bf16 where the CPU has bf16
 GEMMs and they are not slower than fp32 ones, else fp32, `gigadecode.gemm`) is measured beside it, since large
 batches and prefill meet it first.
@@ -53,12 +56,17 @@ from gigadecode.weights import load_weights  # noqa: E402
 CACHE = Path.home() / ".cache" / "gigadecode"
 
 
-def streaming_read_gbs(gib: float = 1.0, reps: int = 5) -> float:
+def streaming_read_samples(gib: float = 1.0, reps: int = 5) -> list[float]:
+    """GB/s of `reps` sums over a `gib` GiB fp32 tensor (each one whole pass over it)."""
     x = torch.ones(int(gib * 2**30) // 4)
     x.sum()
     t = [_timed(x.sum) for _ in range(reps)]
     del x
-    return int(gib * 2**30) / statistics.median(t) / 1e9
+    return [int(gib * 2**30) / s / 1e9 for s in t]
+
+
+def streaming_read_gbs(gib: float = 1.0, reps: int = 5) -> float:
+    return statistics.median(streaming_read_samples(gib, reps))
 
 
 def gemm_peak_gmacs(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
@@ -227,10 +235,11 @@ def main() -> int:
     results: dict = {"model": str(model_dir), "bandwidth_gbs": bw, "gemm_gmacs": gemm, "gemm_dtype": gemm_name, "dtype": args.dtype,
                      "decode": [], "prefill": []}
 
-    print(f"{'batch':>5} {'ctx':>5} {'decoder':<11} {'ms/step':>8} {'tok/s':>8} {'MB/tok':>7} {'MBU':>5} {'x base':>7} "
+    print(f"{'batch':>5} {'ctx':>5} {'decoder':<11} {'ms/step':>8} {'tok/s':>8} {'MB/tok':>7} {'GB/s':>5} {'MBU':>5} {'x base':>7} "
           f"{'ceiling':>8} {'of it':>5}")
     for context in args.context:
         for batch in args.batch:
+            bw_samples = streaming_read_samples()             # before the row's KV pool: no higher peak RSS
             b = DecodeBench(cfg, w, model, args.dtype, batch, context, args.block_size, args.decoders)
             for d in args.decoders:                           # warm-up
                 b.step(d)
@@ -238,20 +247,22 @@ def main() -> int:
             for _ in range(args.steps):
                 for d in args.decoders:
                     times[d].append(_timed(lambda: b.step(d)))
-            wbytes = weight_bytes_per_step(cfg, w, batch)
-            base = statistics.median(times[args.decoders[-1]])
-            ceiling = ceiling_tok_s(cfg, wbytes, batch, context, bw, gemm)
-            for d in args.decoders:
-                med = statistics.median(times[d])
-                mbu = wbytes / med / 1e9 / bw
-                row = dict(batch=batch, context=context, decoder=d, ms_per_step=med * 1e3, tok_s=batch / med,
-                           mb_per_token=wbytes / batch / 1e6, mbu=mbu, vs_base=base / med, ceiling_tok_s=ceiling)
-                results["decode"].append(row)
-                print(f"{batch:>5} {context:>5} {d:<11} {med * 1e3:>8.1f} {batch / med:>8.1f} "
-                      f"{wbytes / batch / 1e6:>7.1f} {100 * mbu:>4.0f}% {base / med:>7.2f} {ceiling:>8.0f} "
-                      f"{100 * batch / med / ceiling:>4.0f}%", flush=True)
             del b
             gc.collect()
+            row_bw = statistics.median(bw_samples + streaming_read_samples())   # and after it, once it is freed
+            wbytes = weight_bytes_per_step(cfg, w, batch)
+            base = statistics.median(times[args.decoders[-1]])
+            ceiling = ceiling_tok_s(cfg, wbytes, batch, context, row_bw, gemm)
+            for d in args.decoders:
+                med = statistics.median(times[d])
+                mbu = wbytes / med / 1e9 / row_bw
+                row = dict(batch=batch, context=context, decoder=d, ms_per_step=med * 1e3, tok_s=batch / med,
+                           mb_per_token=wbytes / batch / 1e6, bandwidth_gbs=row_bw, mbu=mbu, vs_base=base / med,
+                           ceiling_tok_s=ceiling)
+                results["decode"].append(row)
+                print(f"{batch:>5} {context:>5} {d:<11} {med * 1e3:>8.1f} {batch / med:>8.1f} "
+                      f"{wbytes / batch / 1e6:>7.1f} {row_bw:>5.1f} {100 * mbu:>4.0f}% {base / med:>7.2f} "
+                      f"{ceiling:>8.0f} {100 * batch / med / ceiling:>4.0f}%", flush=True)
 
     for n in args.prefill:
         ours = prefill_tok_s(cfg, w, model, args.dtype, n, reps=3, chunk=args.prefill_chunk)
