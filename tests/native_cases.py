@@ -79,6 +79,17 @@ def products(form: str):
             native.amx_tiles(amx_before)
 
 
+@contextlib.contextmanager
+def switched(setting, mode: str):
+    """A process-wide kernel setting (`native.amx_tiles`, `native.fp8_reads`, ...) set to `mode`, restored after."""
+    before = setting()
+    setting(mode)
+    try:
+        yield
+    finally:
+        setting(before)
+
+
 def moe_weights(g, E, H, I, bdt):
     """(gate_up blocks, scales, bias, down blocks, scales, bias) of E random MXFP4 experts (H hidden, I inner)."""
     gu_b, gu_s = encode_mxfp4(randn(g, E, 2 * I, H, scale=0.1))

@@ -19,7 +19,7 @@ from gigadecode.kv.cache import FP8, token_major_to_packed
 from gigadecode.native import twins
 
 from native_cases import (AMX, BF16, F32, KV_FORMS, OPS, assert_rounded, bits, gen, kv_views, make_kv, num_threads,
-                          randn)
+                          randn, switched)
 
 if OPS is None:
     pytest.skip(f"native kernels not available here: {native.status()}", allow_module_level=True)
@@ -419,13 +419,10 @@ def test_paged_decode_attention_fp8_on_amx_tiles(form, B, d, kv, rep, threads):
         for window in (0, 5, 100):
             args = (q, K, V, table, torch.tensor(pos), torch.tensor(active), sinks, window, 1 / math.sqrt(d), KS,
                     VS, F32)
-            outs, before = {}, native.amx_tiles()
+            outs = {}
             for mode in ("on", "off"):
-                native.amx_tiles(mode)
-                try:
+                with switched(native.amx_tiles, mode):
                     outs[mode] = OPS.paged_decode_attention(*args)
-                finally:
-                    native.amx_tiles(before)
             ref = twins.paged_decode_attention(*args)
             size = max(1.0, ref.abs().max().item())
             for out in outs.values():
@@ -438,13 +435,54 @@ def test_paged_decode_attention_fp8_on_amx_tiles(form, B, d, kv, rep, threads):
         first = torch.tensor([0, 0, long // 3, 2, 0, 0])
         lses = {}
         for mode in ("on", "off"):
-            native.amx_tiles(mode)
-            try:
+            with switched(native.amx_tiles, mode):
                 lses[mode] = OPS.paged_decode_attention_partial(q, K, V, table, torch.tensor(pos), first,
                                                                  torch.tensor(active), 1 / math.sqrt(d), KS, VS)[1]
-            finally:
-                native.amx_tiles(before)
         torch.testing.assert_close(lses["on"], lses["off"], rtol=1e-6, atol=1e-6)
+
+
+def _fp8_table_reads() -> bool:
+    """Whether this build and CPU read FP8 KV by byte table (AVX512-VBMI): 'table' can be set."""
+    try:
+        with switched(native.fp8_reads, "table"):
+            return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(not _fp8_table_reads(), reason="no AVX512-VBMI byte-table reads of FP8 in this build / CPU")
+@pytest.mark.parametrize("form", ["fp8-packed", "fp8"])
+@pytest.mark.parametrize("B,d,kv,rep", [(16, 64, 2, 8), (16, 64, 2, 4), (2, 18, 1, 6), (8, 128, 1, 3),
+                                        (4, 96, 2, 1), (32, 48, 1, 12), (6, 130, 2, 2), (16, 16, 1, 16)])
+def test_paged_decode_attention_fp8_read_forms(form, B, d, kv, rep):
+    """The fp32 form's two ways of reading FP8 KV (`native.fp8_reads`: by byte table, through fp16) give the
+    same outputs to the bit (the same exact values, summed in the same order), and the twin's, over KV holding
+    every e4m3 code but NaN (subnormals, both zeros, ±448) at random: head dims with and without 64-value runs
+    and scalar tails, V read in place and through its fp32 copy, the lanes and the dot-product forms of packed
+    K's scores, windows."""
+    if form == "fp8-packed" and B % 2:
+        B += 1
+    g = gen("fp8reads", form, B, d, kv, rep)
+    pos, active = [0, B - 1, 200 + B, 77], [True, True, True, True]
+    nb = sum(p // B + 2 for p in pos) + 4
+    buf, K, V = make_kv(g, form, nb, kv, B, d)
+    codes = torch.randint(0, 256, buf.shape, generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E                                       # no NaN codes: ±448 instead
+    buf.view(torch.uint8).copy_(codes)
+    table = make_tables(g, nb, B, pos, active)
+    q, sinks = randn(g, len(pos), kv * rep, d, scale=0.05), randn(g, kv * rep)
+    for window in (0, 13):
+        args = (q, K, V, table, torch.tensor(pos), torch.tensor(active), sinks, window, 1 / math.sqrt(d), KS, VS,
+                F32)
+        outs = {}
+        for mode in ("table", "fp16"):
+            with switched(native.fp8_reads, mode):
+                outs[mode] = OPS.paged_decode_attention(*args)
+        assert torch.equal(outs["table"], outs["fp16"])
+        ref = twins.paged_decode_attention(*args)
+        torch.testing.assert_close(outs["table"], ref, rtol=1e-5, atol=2e-5 * max(1.0, ref.abs().max().item()))
+    with pytest.raises(RuntimeError, match="fp8_reads"):
+        native.fp8_reads("bf16")
 
 
 @pytest.mark.parametrize("form", KV_FORMS)

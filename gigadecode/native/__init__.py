@@ -50,7 +50,7 @@ from .build import isa, load, status
 
 __all__ = ["moe_mxfp4", "mxfp4_dequant", "mxfp4_dequant_into", "swiglu", "linear", "paged_decode_attention", "paged_decode_attention_partial",
            "rope_kv_write", "kv_gather", "rms_norm", "prefill_attention", "prefill_attention_supported", "gk_decode_layers",
-           "GK_STACKS", "product_form", "amx_tiles",
+           "GK_STACKS", "product_form", "amx_tiles", "fp8_reads",
            "available", "isa", "status", "twins"]
 
 
@@ -98,6 +98,19 @@ def amx_tiles(mode: str = "") -> str:
             raise RuntimeError("amx_tiles: the native kernels are not built")
         return "unavailable"
     return str(ops.amx_tiles(mode))
+
+
+def fp8_reads(mode: str = "") -> str:
+    """How `paged_decode_attention`'s fp32 form reads FP8 KV into fp32 (the same exact values either way): 'table'
+    (a byte table of each code's bf16, AVX512-VBMI permutes; the default where the CPU has them,
+    GIGADECODE_FP8_READS=fp16 turns it off) or 'fp16' (through fp16 conversions, every CPU); 'none' where the twins
+    run. `mode` ('auto', 'table' or 'fp16') sets it first; '' only asks."""
+    ops = load()
+    if ops is None:
+        if mode == "table":
+            raise RuntimeError("fp8_reads: the native kernels are not built")
+        return "none"
+    return str(ops.fp8_reads(mode))
 
 
 def mxfp4_dequant(blocks, scales, dtype: torch.dtype = torch.float32) -> torch.Tensor:

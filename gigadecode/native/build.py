@@ -174,4 +174,5 @@ def status() -> str:
         return f"torch twins ({_state.get('reason')})"
     form = f", bf16 products in {ops.product_form('')}" if _state["isa"] in ("avx512-bf16", "avx512") else ""
     amx = {"on": ", AMX tiles", "off": ", AMX tiles off"}.get(str(ops.amx_tiles("")), "")
-    return f"native ({_state['isa']}{form}{amx})"
+    fp8 = ", FP8 KV read by byte table" if ops.fp8_reads("") == "table" else ""
+    return f"native ({_state['isa']}{form}{amx}{fp8})"

@@ -65,6 +65,14 @@ inline void softmax_update(float* sc, int64_t ld, int64_t n, int64_t rep, int64_
   }
 }
 
+// FP8 KV read by byte table (AVX512-VBMI) in the fp32 form (attention.cpp), in AVX-512 builds (not the ISA
+// check's emulated ones); `fp8_table_reads` says whether it runs (product_form.cpp: where the CPU has VBMI, unless
+// GIGADECODE_FP8_READS=fp16 or the `fp8_reads` op said otherwise)
+#if defined(__AVX512BW__) && !defined(SIMDE_VERSION)
+#define GD_FP8_TABLE_READS 1
+bool fp8_table_reads();
+#endif
+
 // The AMX tile form of one (slot, kv heads [h0, h1), block range) item over FP8 KV, with `attend_range`'s
 // arguments and results (attention.cpp); run only where `decode_tiles_take` says so.
 bool decode_tiles_take(const AttnShape& s);

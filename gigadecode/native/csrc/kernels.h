@@ -35,6 +35,9 @@ std::string product_form(const std::string&);
 // whether the MoE's experts with many bf16 inputs run on AMX tiles: '' asks ('on', 'off' or 'unavailable'),
 // 'auto' decides again, 'on' / 'off' set it
 std::string amx_tiles_mode(const std::string&);
+// how decode attention's fp32 form reads FP8 KV: '' asks ('table' or 'fp16'), 'auto' decides again, 'table' (by
+// AVX512-VBMI byte table) / 'fp16' (through fp16 conversions) set it
+std::string fp8_reads_mode(const std::string&);
 // the fp32-product form `prefill_attention` runs where the AVX512-BF16 pair kernel does not (its inputs checked)
 at::Tensor prefill_attention_f32(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                                  const at::Tensor&, double, int64_t);

@@ -36,6 +36,7 @@ TORCH_LIBRARY(gigadecode_native, m) {
   m.def("prefill_attention_supported(int head_dim) -> bool", &gd::prefill_attention_supported);
   m.def("product_form(str form) -> str", &gd::product_form);
   m.def("amx_tiles(str mode) -> str", &gd::amx_tiles_mode);
+  m.def("fp8_reads(str mode) -> str", &gd::fp8_reads_mode);
 }
 
 TORCH_LIBRARY_IMPL(gigadecode_native, CPU, m) {

@@ -8,6 +8,9 @@
 // chains, alternated, best of five (~1 ms), and fp32 chosen when its products come 1.25x faster.
 // GIGADECODE_BF16_PRODUCTS=bf16|fp32 (or the `product_form` op) sets it; moe.cpp says which experts take it,
 // linear.cpp from how many inputs the projections do.
+// Also here, the other forms chosen once a process: whether our own AMX tile code and oneDNN's AMX GEMMs run
+// (`amx_tiles`), and how decode attention reads FP8 KV (`fp8_reads`: by byte table where the CPU has
+// AVX512-VBMI, else through fp16).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -23,6 +26,7 @@
 #include "amx_tiles.h"
 #include "bf16dot.h"
 #include "common.h"
+#include "decode_span.h"
 #include "kernels.h"
 #include "mxfp4_vnni.h"
 
@@ -119,6 +123,36 @@ std::string amx_tiles_mode(const std::string& mode) {
 #else
   TORCH_CHECK(mode != "on", "amx_tiles: this build (", GD_ISA, ") has no AMX form");
   return "unavailable";
+#endif
+}
+
+#ifdef GD_FP8_TABLE_READS
+namespace {
+std::atomic<int> fp8_table_state{-1};             // -1: not decided yet; 0 / 1: through fp16 / by table
+bool fp8_table_present() { return __builtin_cpu_supports("avx512vbmi"); }
+}  // namespace
+
+bool fp8_table_reads() {
+  int s = fp8_table_state.load(std::memory_order_relaxed);
+  if (s < 0) {
+    const char* env = std::getenv("GIGADECODE_FP8_READS");
+    s = env != nullptr && std::strcmp(env, "fp16") == 0 ? 0 : int(fp8_table_present());
+    fp8_table_state.store(s, std::memory_order_relaxed);
+  }
+  return s == 1;
+}
+#endif
+
+std::string fp8_reads_mode(const std::string& mode) {
+  TORCH_CHECK(mode.empty() || mode == "auto" || mode == "table" || mode == "fp16",
+              "fp8_reads: expected '', 'auto', 'table' or 'fp16', got '", mode, "'");
+#ifdef GD_FP8_TABLE_READS
+  if (mode == "table") TORCH_CHECK(fp8_table_present(), "fp8_reads: this CPU has no AVX512-VBMI byte permutes");
+  if (!mode.empty()) fp8_table_state.store(mode == "auto" ? -1 : mode == "table" ? 1 : 0);
+  return fp8_table_reads() ? "table" : "fp16";
+#else
+  TORCH_CHECK(mode != "table", "fp8_reads: this build (", GD_ISA, ") has no byte-table form");
+  return "fp16";
 #endif
 }
 
