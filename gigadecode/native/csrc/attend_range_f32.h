@@ -1,6 +1,7 @@
 // The fp32 form of one decode-attention item (attention.cpp: a slot, its kv heads, a range of blocks) and the
-// kernels under it: K scored a block at a time (the dot-product form, or the lanes form for packed K), one
-// online-softmax update a span, V accumulated in registers.
+// kernels under it: K scored a block at a time (the dot-product form, or the lanes form for packed K; the byte-table
+// read scores packed K 16 tokens a vector where it can, scores_transposed.h), one online-softmax update a span, V
+// accumulated in registers.
 //
 // Included once for each way of reading FP8 KV, inside a namespace that first defines
 //   void load_fp8x4(const uint8_t* p, VF v[4])   // 4W FP8 bytes -> four vectors of fp32 (value / 256)
@@ -187,8 +188,14 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
                   int64_t stride) {
   const int64_t rep = s.rep, d = s.d, B = s.B, kv = s.kv;
   const int64_t span_blocks = std::max<int64_t>(1, SPAN_TOKENS / B), ld = span_blocks * B;
-  const int lanes = s.packed ? lanes_dims(rep, d) : 0;   // D of the lanes form, 0: the dot-product form
-  const int64_t q_floats = lanes ? lane_groups(rep, lanes) * (d / lanes) * W : rep * 2 * d;   // a kv head's qs
+#ifdef GD_TRANSPOSED_SCORES
+  const bool transposed = std::is_same_v<KT, uint8_t> && transposed_scores_take(s);   // scores_transposed.h
+#else
+  constexpr bool transposed = false;
+#endif
+  const int lanes = s.packed && !transposed ? lanes_dims(rep, d) : 0;   // D of the lanes form, 0: dot products
+  const int64_t dp = (d + 31) / 32 * 32;              // the transposed form's q rows: zero past d
+  const int64_t q_floats = transposed ? rep * dp : lanes ? lane_groups(rep, lanes) * (d / lanes) * W : rep * 2 * d;
   float* qs_all = scratch(0, (h1 - h0) * q_floats);  // q · scale · k multiplier (packed: each dim twice), a head
   float* sc = scratch(1, rep * ld + W);              // scores of one span [rep][ld]
   float* kf = scratch(3, 16 * d);                     // 8 rows of K (token pairs or tokens) in fp32
@@ -196,7 +203,11 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
   for (int64_t h = h0; h < h1; ++h) {
     float* qs = qs_all + (h - h0) * q_floats;
     const float* qh = q + (b * s.nh + h * rep) * d;    // the group's rep heads [rep][d]
-    if (lanes == 1) lanes_q<1>(qh, rep, d, qmul, qs);
+    if (transposed) {
+      std::fill(qs, qs + rep * dp, 0.f);
+      for (int64_t r = 0; r < rep; ++r)
+        for (int64_t j = 0; j < d; ++j) qs[r * dp + j] = qh[r * d + j] * qmul;
+    } else if (lanes == 1) lanes_q<1>(qh, rep, d, qmul, qs);
     else if (lanes == 2) lanes_q<2>(qh, rep, d, qmul, qs);
     else
       for (int64_t r = 0; r < rep; ++r)
@@ -213,13 +224,17 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
   }
   const int64_t nv = d % W ? 0 : d / W;
   const bool vector_rows = nv >= 1 && nv <= 8;       // accumulate_v's sizes; else the scalar loop
+#ifdef GD_TRANSPOSED_SCORES
+  thread_local std::vector<ScoreGroup> group_buf;     // a span's visible 16-token groups
+  if (transposed && int64_t(group_buf.size()) < ld / 16 + 1) group_buf.resize(ld / 16 + 1);
+#endif
   for (int64_t j0 = jb0; j0 <= jb1; j0 += span_blocks) {
     const int64_t j1 = std::min(jb1, j0 + span_blocks - 1);
     for (int64_t h = h0; h < h1; ++h) {
       const float* qs = qs_all + (h - h0) * q_floats;
       float* o = part + (h - h0) * stride;
       // scores sc[r][n ..): each K element converted once, then dotted with every q head of the group
-      int64_t n = 0;
+      int64_t n = 0, groups = 0;
       for (int64_t jb = j0; jb <= j1; ++jb) {
         int64_t t0, t1;
         const int64_t nt = visible_in_block(jb, B, lo, pos, t0, t1);
@@ -231,11 +246,25 @@ void attend_range(const AttnShape& s, const float* q, const KT* K, const VT* V, 
         }
         const int64_t bid = table[b * s.n_table + jb];
         const KT* Kb = K + (bid * kv + h) * B * d;
+#ifdef GD_TRANSPOSED_SCORES
+        if (transposed) {                               // the block's 16-token groups holding tokens [t0, t1]
+          if constexpr (std::is_same_v<KT, uint8_t>)
+            for (int64_t g = t0 / 16; g <= t1 / 16; ++g) {
+              const int a = int(std::max(t0, 16 * g) - 16 * g), e = int(std::min(t1, 16 * g + 15) - 16 * g);
+              group_buf[groups++] = ScoreGroup{Kb + g * 16 * d, a, e, n + 16 * g + a - t0};
+            }
+          n += nt;
+          continue;
+        }
+#endif
         if (lanes == 1) block_scores_lanes<1>(Kb, qs, t0, t1, d, rep, ld, kf, sc + n);
         else if (lanes == 2) block_scores_lanes<2>(Kb, qs, t0, t1, d, rep, ld, kf, sc + n);
         else block_scores(Kb, qs, t0, t1, d, rep, ld, s.packed, kf, sc + n);
         n += nt;
       }
+#ifdef GD_TRANSPOSED_SCORES
+      if (groups) score_groups_n(rep, group_buf.data(), groups, qs, d, dp, ld, sc);
+#endif
       if (n == 0) continue;
       softmax_update(sc, ld, n, rep, d, o);
       // o += p · V with the accumulators in registers: V read in place when every head fits one pass, else

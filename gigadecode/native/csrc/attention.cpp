@@ -60,8 +60,8 @@ const Fp8Bf16Table fp8_bf16 = make_fp8_bf16_table();
 #pragma GCC push_options
 #pragma GCC target("avx512vbmi")
 namespace fp8_by_table {
-inline void load_fp8x4(const uint8_t* p, VF v[4]) {
-  const __m512i x = _mm512_permutexvar_epi8(_mm512_load_si512(fp8_bf16.order), _mm512_loadu_si512(p));
+inline void fp8x4_reg(__m512i raw, VF v[4]) {
+  const __m512i x = _mm512_permutexvar_epi8(_mm512_load_si512(fp8_bf16.order), raw);
   const __m512i hi = _mm512_ternarylogic_epi32(   // the table's high byte | the code's sign
       _mm512_permutex2var_epi8(_mm512_load_si512(fp8_bf16.hi), x, _mm512_load_si512(fp8_bf16.hi + 64)), x,
       _mm512_set1_epi8(char(0x80)), 0xF8);
@@ -74,7 +74,11 @@ inline void load_fp8x4(const uint8_t* p, VF v[4]) {
   v[2].v = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
   v[3].v = _mm512_castsi512_ps(_mm512_and_si512(w1, top));
 }
+inline void load_fp8x4(const uint8_t* p, VF v[4]) { fp8x4_reg(_mm512_loadu_si512(p), v); }
+#include "scores_transposed.h"
+#define GD_TRANSPOSED_SCORES 1
 #include "attend_range_f32.h"
+#undef GD_TRANSPOSED_SCORES
 }  // namespace fp8_by_table
 #pragma GCC pop_options
 #endif
