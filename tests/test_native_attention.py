@@ -27,6 +27,19 @@ if OPS is None:
 
 # ---- KV: rope_kv_write, paged_decode_attention -------------------------------------------------------
 
+def _fp8_table_reads() -> bool:
+    """Whether this build and CPU read FP8 KV by byte table (AVX512-VBMI): 'table' can be set."""
+    try:
+        with switched(native.fp8_reads, "table"):
+            return True
+    except RuntimeError:
+        return False
+
+
+# the ways decode attention's fp32 form reads FP8 KV here (`native.fp8_reads`)
+FP8_READS = ["fp16"] + (["table"] if _fp8_table_reads() else [])
+
+
 # FP8 carries per-tensor scales != 1; plain bf16 / fp32 KV ignores them (kernel and twin), so the same odd values
 # are passed for every layout
 KS, VS = 0.37, 1.75
@@ -441,15 +454,6 @@ def test_paged_decode_attention_fp8_on_amx_tiles(form, B, d, kv, rep, threads):
         torch.testing.assert_close(lses["on"], lses["off"], rtol=1e-6, atol=1e-6)
 
 
-def _fp8_table_reads() -> bool:
-    """Whether this build and CPU read FP8 KV by byte table (AVX512-VBMI): 'table' can be set."""
-    try:
-        with switched(native.fp8_reads, "table"):
-            return True
-    except RuntimeError:
-        return False
-
-
 @pytest.mark.skipif(not _fp8_table_reads(), reason="no AVX512-VBMI byte-table reads of FP8 in this build / CPU")
 @pytest.mark.parametrize("form", ["fp8-packed", "fp8"])
 @pytest.mark.parametrize("B,d,kv,rep", [(16, 64, 2, 8), (16, 64, 2, 4), (2, 18, 1, 6), (8, 128, 1, 3),
@@ -508,19 +512,22 @@ def test_paged_decode_attention_v_paths(form, rep, d):
         check_attention(g, form, K, V, table, pos, active, 2 * rep, window)
 
 
+@pytest.mark.parametrize("reads", FP8_READS)
 @pytest.mark.parametrize("rep,B,d", [(8, 16, 64), (8, 2, 64), (7, 32, 18), (6, 8, 64), (3, 16, 96), (12, 4, 32),
                                      (16, 64, 64), (2, 16, 64)])
-def test_paged_decode_attention_score_lanes(rep, B, d):
+def test_paged_decode_attention_score_lanes(rep, B, d, reads):
     """Packed K scored with the heads in the vector lanes (a token pair per lane pair; two dims a lane group
     where fewer heads fill a vector; partly filled last groups; blocks of fewer than 16 tokens, cut by a window
-    at an odd position, and of several 16-token rows) against the twin."""
+    at an odd position, and of several 16-token rows) against the twin, with FP8 read through fp16 and, where the
+    CPU has it, by byte table (which scores blocks of whole 16-token groups 16 tokens a vector instead)."""
     g = gen("lanes", rep, B, d)
     pos, active = [0, 3 * B + 1, 200, 77], [True, True, True, True]
     nb = 200 // B + 16
     buf, K, V = make_kv(g, "fp8-packed", nb, 2, B, d)
     table = make_tables(g, nb, B, pos, active)
-    for window in (0, 13, 64):
-        check_attention(g, "fp8-packed", K, V, table, pos, active, 2 * rep, window)
+    with switched(native.fp8_reads, reads):
+        for window in (0, 13, 64):
+            check_attention(g, "fp8-packed", K, V, table, pos, active, 2 * rep, window)
 
 
 def test_paged_decode_attention_sliding_window_null_blocks():
