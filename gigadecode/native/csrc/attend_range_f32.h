@@ -9,6 +9,8 @@
 // form's kernels are compiled whole around their own reads. No include guard, on purpose.
 
 // n cache elements -> fp32 (FP8 / 256): FP8 four vectors at a time through load_fp8x4, the rest as convert_row
+// (its own loop, not convert_row's with the read passed in: that template is compiled outside the table read's
+// VBMI functions, which could then not be inlined into it)
 template <typename T>
 inline void kv_row_f32(const T* src, int64_t n, float* dst) {
   int64_t c = 0;

@@ -32,6 +32,21 @@
 
 namespace gd {
 
+namespace {
+// A form on or off for the whole process, decided at first use: `state` -1 until then, 0 / 1 after (the ops set
+// it as well); the environment variable `env` set to `off` turns it off, else `present()` says
+template <typename Present>
+[[maybe_unused]] bool decided_once(std::atomic<int>& state, const char* env, const char* off, Present present) {
+  int s = state.load(std::memory_order_relaxed);
+  if (s < 0) {
+    const char* e = std::getenv(env);
+    s = e != nullptr && std::strcmp(e, off) == 0 ? 0 : int(present());
+    state.store(s, std::memory_order_relaxed);
+  }
+  return s == 1;
+}
+}  // namespace
+
 #ifdef GD_BF16DOT
 namespace {
 
@@ -101,15 +116,7 @@ bool amx_present() {
 std::atomic<int> amx_state{-1};                   // -1: not decided yet; 0 / 1: off / on
 }  // namespace
 
-bool amx_tiles_on() {
-  int s = amx_state.load(std::memory_order_relaxed);
-  if (s < 0) {
-    const char* env = std::getenv("GIGADECODE_AMX");
-    s = env != nullptr && std::strcmp(env, "0") == 0 ? 0 : int(amx_present());
-    amx_state.store(s, std::memory_order_relaxed);
-  }
-  return s == 1;
-}
+bool amx_tiles_on() { return decided_once(amx_state, "GIGADECODE_AMX", "0", amx_present); }
 #endif
 
 std::string amx_tiles_mode(const std::string& mode) {
@@ -132,15 +139,7 @@ std::atomic<int> fp8_table_state{-1};             // -1: not decided yet; 0 / 1:
 bool fp8_table_present() { return __builtin_cpu_supports("avx512vbmi"); }
 }  // namespace
 
-bool fp8_table_reads() {
-  int s = fp8_table_state.load(std::memory_order_relaxed);
-  if (s < 0) {
-    const char* env = std::getenv("GIGADECODE_FP8_READS");
-    s = env != nullptr && std::strcmp(env, "fp16") == 0 ? 0 : int(fp8_table_present());
-    fp8_table_state.store(s, std::memory_order_relaxed);
-  }
-  return s == 1;
-}
+bool fp8_table_reads() { return decided_once(fp8_table_state, "GIGADECODE_FP8_READS", "fp16", fp8_table_present); }
 #endif
 
 std::string fp8_reads_mode(const std::string& mode) {
@@ -163,13 +162,8 @@ std::atomic<int> int16_state{-1};                 // -1: not decided yet; 0 / 1:
 
 // 'int16' where the CPU has AVX512-VNNI (GIGADECODE_BF16_PRODUCTS=fp32 keeps the fp32 tiles)
 bool int16_products() {
-  int s = int16_state.load(std::memory_order_relaxed);
-  if (s < 0) {
-    const char* env = std::getenv("GIGADECODE_BF16_PRODUCTS");
-    s = env != nullptr && std::strcmp(env, "fp32") == 0 ? 0 : int(__builtin_cpu_supports("avx512vnni") != 0);
-    int16_state.store(s, std::memory_order_relaxed);
-  }
-  return s == 1;
+  return decided_once(int16_state, "GIGADECODE_BF16_PRODUCTS", "fp32",
+                      [] { return __builtin_cpu_supports("avx512vnni") != 0; });
 }
 #endif
 
