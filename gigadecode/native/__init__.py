@@ -103,8 +103,9 @@ def amx_tiles(mode: str = "") -> str:
 def fp8_reads(mode: str = "") -> str:
     """How `paged_decode_attention`'s fp32 form reads FP8 KV into fp32 (the same exact values either way): 'table'
     (a byte table of each code's bf16, AVX512-VBMI permutes; the default where the CPU has them,
-    GIGADECODE_FP8_READS=fp16 turns it off) or 'fp16' (through fp16 conversions, every CPU); 'none' where the twins
-    run. `mode` ('auto', 'table' or 'fp16') sets it first; '' only asks."""
+    GIGADECODE_FP8_READS=fp16 turns it off; packed K in blocks of whole 16-token groups is then scored 16 tokens a
+    vector, the same scores to fp32 rounding) or 'fp16' (through fp16 conversions, every CPU); 'none' where the
+    twins run. `mode` ('auto', 'table' or 'fp16') sets it first; '' only asks."""
     ops = load()
     if ops is None:
         if mode == "table":
