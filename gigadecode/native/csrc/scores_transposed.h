@@ -3,8 +3,9 @@
 // `transposed_scores_take` says).
 //
 // The lanes form (attend_range_f32.h) broadcasts each converted token pair from memory into a vector for a
-// single FMA; AVX-512 CPUs load one 512-bit vector a cycle (an Ice Lake Xeon here: 3.7 a ns, against 6.4 of
-// 256 bits), a broadcast counting as one, so it waits on its loads at ~1.1 a multiply-add. Here a 16-token group
+// single FMA; the Ice Lake Xeon it was measured on loads one 512-bit vector a cycle (3.7 a ns, against 6.4 of
+// 256 bits) while it issues two FMAs, a broadcast counting as a load, so it waits on its loads at ~1.1 a
+// multiply-add. Here a 16-token group
 // of a block (8 pair rows [32 dims][2 tokens] at a time) is transposed by three levels of in-lane unpacks (words,
 // dwords, qwords) into vectors whose 128-bit lane L holds one dim's 16 tokens in order, read through the byte
 // table into four fp32 vectors (a dim each), and multiplied by q broadcast, each broadcast serving G groups:
