@@ -303,11 +303,13 @@ def test_native_all_layers_equals_the_per_op_loop(tmp_path, monkeypatch, dtype, 
     assert (got[act] - want[act]).abs().max() <= 1e-4 * want[act].abs().max()
 
 
-@pytest.mark.skipif(native.amx_tiles() != "on", reason="needs AMX tiles (bf16 projections up to 64 rows)")
-def test_native_all_layers_runs_batches_past_32_on_amx_tiles(tmp_path, monkeypatch):
-    """On AMX tiles the bf16 projections stay on the kernel up to 64 rows (`native.LINEAR_MAX_ROWS_AMX`), so a
-    decode batch of 33-64 runs every layer in one native call too, bit-equal to the per-op loop (which
-    handed those rows to oneDNN's GEMM before, and so did the step)."""
+@pytest.mark.skipif(not native.available(), reason="native kernels not built")
+def test_native_all_layers_runs_batches_past_32(tmp_path, monkeypatch):
+    """The bf16 projections stay on the kernel past 32 rows on every build (`native.LINEAR_MAX_ROWS`: 56; on AMX
+    tiles `LINEAR_MAX_ROWS_AMX`, 64; where bf16 GEMMs run in fp32, 96 or 256), so a decode batch of 48 runs every
+    layer in one native call, bit-equal to the per-op loop (which handed those rows to oneDNN's GEMM before, and
+    so did the step)."""
+    assert native.linear_max_rows(torch.zeros(4, 4, dtype=torch.bfloat16)) >= 48
     from gigadecode.gk import model as gk_model
     from gigadecode.gk.native_blocks import NATIVE_BLOCKS_PER_OP
     from gigadecode.kv.manager import KVCacheManager

@@ -78,7 +78,7 @@ def test_linear_multithreaded_and_empty():
 
 @pytest.mark.parametrize("bf16_gemm", [True, False])
 def test_linear_row_limit_follows_the_bf16_gemm(monkeypatch, bf16_gemm):
-    """`native.linear` hands rows past its limit to `gemm.linear`: past 32 where the CPU has bf16 GEMMs (or
+    """`native.linear` hands rows past its limit to `gemm.linear`: past 56 where the CPU has bf16 GEMMs (or
     the weight is fp32), past 64 there for bf16 weights and inputs on AMX tiles (our own tile code), past 96
     for a bf16 weight where it has none (its GEMM converts the weight first), past 256 there on the AVX2 build
     and the AVX-512 build without BF16 (which convert the weight's rows once per strip themselves)."""
@@ -88,14 +88,14 @@ def test_linear_row_limit_follows_the_bf16_gemm(monkeypatch, bf16_gemm):
     monkeypatch.setattr(gemm, "linear", lambda x, w, b=None: to_gemm.append(x.shape[0]) or twins.linear(x, w, b))
     g = gen("limit")
     w16, w32 = randn(g, 24, 40, dtype=BF16), randn(g, 24, 40)
-    rows = (32, 33, 64, 65, 96, 97, 256, 257)
+    rows = (32, 33, 56, 57, 64, 65, 96, 97, 256, 257)
     for M in rows:
         x = randn(g, M, 40, dtype=BF16)
         for w in (w16, w32):
             assert_rounded(native.linear(x, w), twins.linear(x.float(), w), 1e-5 * math.sqrt(40))
-    past = ((64 if native.amx_tiles() == "on" else 32) if bf16_gemm
+    past = ((64 if native.amx_tiles() == "on" else 56) if bf16_gemm
             else 256 if native.isa() in ("avx2", "avx512") else 96)
-    assert to_gemm == [M for M in rows for w_is_16 in (True, False) if M > (past if w_is_16 else 32)]
+    assert to_gemm == [M for M in rows for w_is_16 in (True, False) if M > (past if w_is_16 else 56)]
 
 
 def test_linear_shape_errors():

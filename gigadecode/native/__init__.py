@@ -128,10 +128,17 @@ def swiglu(gate_up, alpha: float, limit: float) -> torch.Tensor:
 
 
 # Up to this many rows the kernel streams each weight row once for all of them; past it a GEMM is
-# compute-bound and oneDNN's blocking wins (2 threads, min of 40, bf16: the `small` lm_head [32000, 1024] at
-# 8 / 16 / 32 rows 2.5 / 4.4 / 7.2 ms against oneDNN's 5.8 / 6.9 / 9.4, a [1536, 1024] qkv 0.09 / 0.19 / 0.32
-# against 0.21 / 0.26 / 0.39; at 64 rows even; fp32 2-4x faster than oneDNN throughout).
-LINEAR_MAX_ROWS = 32
+# compute-bound and oneDNN's blocking wins. First measured at 32 (2 threads, min of 40, bf16: the `small`
+# lm_head [32000, 1024] at 8 / 16 / 32 rows 2.5 / 4.4 / 7.2 ms against oneDNN's 5.8 / 6.9 / 9.4, a [1536, 1024]
+# qkv 0.09 / 0.19 / 0.32 against 0.21 / 0.26 / 0.39; at 64 rows even; fp32 2-4x faster than oneDNN
+# throughout). On a Zen 5 (AVX512-BF16, no AMX; 2 threads, alternated, medians) the kernel stays ahead further:
+# bf16 at 40 / 48 / 56 / 64 rows 1.42-2.49 / 1.19-2.14 / 1.09-1.86 / 0.98-1.52x oneDNN's GEMM over `small`'s
+# projections and lm_head and 20b-shape's qkv, o and lm_head [201088, 2880] (that lm_head the 0.98x), fp32
+# 1.59-2.68x at 32-64. Past this count a decode batch also leaves the one-call layer loop (`native_all_layers`)
+# for the per-op one. Decode steps with this count at 56 against 32, the same host: `small` batch 40 / 48 / 56
+# 1.13 / 1.14 / 1.07x, batch 48 in fp32 1.38x; `20b-shape` batch 48 / 56 1.08 / 1.04x (with it at 64, batch 64:
+# `small` 1.07x, `20b-shape` 0.98x).
+LINEAR_MAX_ROWS = 56
 # Where bf16 GEMMs run in fp32 (`gemm.BF16_GEMM_IN_BF16` False: AVX2, say), a bf16 weight's GEMM first
 # converts it to fp32 block by block, and the kernel stays ahead further (2-core Zen 3, bf16: 2.2x at 48 rows,
 # 1.2-1.8x at 64, 0.93-1.17x at 128, 0.73-0.79x at 512 on the `small` lm_head, qkv and a 20b-shape qkv; the
